@@ -1,0 +1,1 @@
+"""nemo_rl_spec: NeMo-RL-style RL post-training with speculative rollouts."""

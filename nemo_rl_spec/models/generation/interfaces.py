@@ -1,0 +1,53 @@
+"""Generation backend interface (NeMo-RL's GenerationInterface, trimmed to what this project uses)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TypedDict
+
+import torch
+
+
+class GenerationDatumSpec(TypedDict):
+    """Input of :meth:`GenerationInterface.generate`.
+
+    prompt_token_ids: list of B prompts, each a list of token ids (already chat-formatted).
+    """
+
+    prompt_token_ids: list[list[int]]
+
+
+class GenerationOutputSpec(TypedDict):
+    """Output of :meth:`GenerationInterface.generate` for B prompts x n samples = N rows (prompt-major).
+
+    output_ids: [N, S] int64, prompt + response, right-padded with pad_token_id.
+    input_lengths: [N] int64, prompt length of each row.
+    unpadded_sequence_lengths: [N] int64, prompt + response length.
+    generation_logprobs: [N, S] float32, log-prob of each response token under the sampling distribution
+        (after temperature), 0 on prompt and padding.
+    prompt_index: [N] int64, which prompt each row came from.
+    policy_version: int, draft_version: int | None.
+    """
+
+    output_ids: torch.Tensor
+    input_lengths: torch.Tensor
+    unpadded_sequence_lengths: torch.Tensor
+    generation_logprobs: torch.Tensor
+    prompt_index: torch.Tensor
+    policy_version: int
+    draft_version: int | None
+
+
+class GenerationInterface(ABC):
+    """A generation backend that samples responses and accepts versioned weight refits."""
+
+    @abstractmethod
+    def generate(self, data: GenerationDatumSpec, n: int, seed: int) -> GenerationOutputSpec:
+        """Sample ``n`` responses per prompt (temperature / max_new_tokens from config)."""
+
+    @abstractmethod
+    def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Load HF-named policy weights and record ``version``."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the engine."""

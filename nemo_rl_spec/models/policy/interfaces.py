@@ -1,0 +1,36 @@
+"""Policy (trainer) backend interface (NeMo-RL's PolicyInterface, trimmed)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
+
+
+class PolicyInterface(ABC):
+    """A trainable policy: log-probs, a training step, HF-named weight export, checkpoints."""
+
+    @abstractmethod
+    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probs of ``data['input_ids']`` with logits divided by ``temperature``.
+
+        Shape: [B, S] -> [B, S] float32, aligned with input_ids (position 0 and padding are 0).
+        """
+
+    @abstractmethod
+    def train(self, data: TrainDatumSpec) -> dict[str, float]:
+        """One optimizer step (over micro-batches) with the configured loss; returns metrics
+        (``loss``, ``grad_norm``, ``lr``, loss-specific keys)."""
+
+    @abstractmethod
+    def export_hf_weights(self) -> dict[str, torch.Tensor]:
+        """Current weights under Hugging Face names (incl. ``lm_head.weight`` when embeddings are tied)."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: str) -> None:
+        """Write model + optimizer state under ``path`` (a directory that exists)."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
