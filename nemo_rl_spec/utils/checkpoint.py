@@ -1,0 +1,85 @@
+"""Checkpoints in NeMo-RL's layout, written so that a failure never damages an earlier checkpoint.
+
+Layout::
+
+    checkpoint_dir/
+      step_5/                 complete checkpoint (only ever created by an atomic rename)
+        training_info.json    {"step": 5, ...}
+        config.yaml           the resolved recipe
+        policy/               model + optimizer (written by the policy worker)
+        train_state.pt        dataloader / RNG / algorithm state (written by the driver)
+      tmp_step_10/            a checkpoint being written; renamed to step_10 only when complete
+
+A run killed while writing leaves ``tmp_step_N`` behind; it is ignored by :meth:`latest` and removed by the next
+:meth:`begin`. ``os.rename`` of a directory is atomic on POSIX file systems.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointManager:
+    """Creates, finalizes, lists and prunes checkpoints under ``checkpoint_dir``.
+
+    Args:
+        checkpoint_dir: root folder (created if missing).
+        keep_top_k: number of most recent complete checkpoints kept; older ones are deleted after a new one
+            is finalized (never before).
+    """
+
+    def __init__(self, checkpoint_dir: str | Path, keep_top_k: int) -> None:
+        self.root = Path(checkpoint_dir)
+        self.keep_top_k = keep_top_k
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def steps(self) -> list[int]:
+        """Steps of complete checkpoints, ascending."""
+        found = (_STEP_RE.match(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def latest(self) -> Path | None:
+        """Path of the newest complete checkpoint, or None."""
+        steps = self.steps()
+        return self.root / f"step_{steps[-1]}" if steps else None
+
+    def begin(self, step: int) -> Path:
+        """Create an empty ``tmp_step_<step>`` (removing leftovers of killed runs) and return it."""
+        for stale in self.root.glob("tmp_step_*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = self.root / f"tmp_step_{step}"
+        tmp.mkdir()
+        return tmp
+
+    def finalize(self, tmp: Path, step: int, info: dict, config_yaml: str) -> Path:
+        """Write ``training_info.json`` and ``config.yaml`` into ``tmp``, fsync, rename to ``step_<step>``,
+        then prune old checkpoints.
+
+        Raises:
+            FileExistsError: ``step_<step>`` already exists (a checkpoint is never overwritten).
+        """
+        (tmp / "config.yaml").write_text(config_yaml)
+        with open(tmp / "training_info.json", "w") as fh:
+            json.dump({"step": step, **info}, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        final = self.root / f"step_{step}"
+        if final.exists():
+            raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
+        os.rename(tmp, final)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        for step in self.steps()[: -self.keep_top_k]:
+            shutil.rmtree(self.root / f"step_{step}", ignore_errors=True)
+
+    @staticmethod
+    def read_info(path: Path) -> dict:
+        """The ``training_info.json`` of a complete checkpoint."""
+        return json.loads((path / "training_info.json").read_text())

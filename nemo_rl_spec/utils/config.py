@@ -1,0 +1,136 @@
+"""Recipe loading: YAML with ``defaults:`` inheritance, ``key=value`` / ``+key=value`` overrides, pydantic validation.
+
+Everything here runs before any Ray actor starts, and every failure is a :class:`ConfigError` whose message names
+the file or the dotted key and what was expected.
+
+Inheritance: a recipe may start with ``defaults: other.yaml`` (or a list); paths are relative to the recipe's
+folder, parents are merged first (OmegaConf merge), the recipe's own keys win.
+
+Overrides (Hydra's convention): ``a.b=3`` replaces an existing key and is an error if the key does not exist (so
+typos are caught); ``+a.b=3`` adds a new key. Values are parsed as YAML scalars/lists (``null``, ``1e-3``,
+``[1,2]``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from pydantic import ValidationError
+
+from nemo_rl_spec.utils.config_schema import MasterConfig
+
+
+class ConfigError(ValueError):
+    """A recipe, override or value is invalid. The message names the file or key."""
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"YAML syntax error in {path}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_yaml_with_defaults(path: str | Path, _seen: tuple[Path, ...] = ()) -> DictConfig:
+    """Load ``path`` and recursively merge the files named by its ``defaults:`` key underneath it.
+
+    Raises:
+        ConfigError: missing file, YAML syntax error, or a cycle in ``defaults:``.
+    """
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"cycle in defaults: {' -> '.join(map(str, _seen + (path,)))}")
+    data = _read_yaml(path)
+    parents = data.pop("defaults", None) or []
+    if isinstance(parents, str):
+        parents = [parents]
+    merged = OmegaConf.create()
+    for parent in parents:
+        merged = OmegaConf.merge(merged, load_yaml_with_defaults(path.parent / parent, _seen + (path,)))
+    return OmegaConf.merge(merged, OmegaConf.create(data))
+
+
+def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """Apply ``key=value`` (existing keys only) and ``+key=value`` (new keys) overrides in order.
+
+    Raises:
+        ConfigError: malformed override, unknown key without ``+``, or ``+`` on a key that exists.
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value or +key=value")
+        key, raw = item.split("=", 1)
+        add = key.startswith("+")
+        key = key.lstrip("+")
+        exists = OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
+        if not add and not exists:
+            raise ConfigError(f"override {item!r}: unknown key '{key}' (use +{key}=... to add a new key)")
+        if add and exists:
+            raise ConfigError(f"override {item!r}: key '{key}' already exists (drop the '+')")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from exc
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+    return cfg
+
+
+def _format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (misspelled? see configs/grpo_math_base.yaml for valid keys)"
+        got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r})"
+        lines.append(f"  {key}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def validate_config(raw: dict[str, Any], source: str = "<dict>") -> MasterConfig:
+    """Validate a plain dict against :class:`MasterConfig` and check that the model exists.
+
+    Raises:
+        ConfigError: with one line per invalid key (dotted path, expected, got).
+    """
+    try:
+        cfg = MasterConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+    _check_model_name(cfg.policy.model_name)
+    return cfg
+
+
+def _check_model_name(name: str) -> None:
+    from nemo_rl_spec.models.hf_assets import BUILTIN_MODELS
+
+    if name in BUILTIN_MODELS or (Path(name) / "config.json").is_file():
+        return
+    raise ConfigError(
+        f"policy.model_name: '{name}' is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
+        f"nor a directory containing config.json"
+    )
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> MasterConfig:
+    """Load a recipe with its ``defaults:`` chain, apply CLI overrides, validate.
+
+    Raises:
+        ConfigError: see :func:`load_yaml_with_defaults`, :func:`apply_overrides`, :func:`validate_config`.
+    """
+    cfg = apply_overrides(load_yaml_with_defaults(path), overrides)
+    return validate_config(OmegaConf.to_container(cfg, resolve=True), source=str(path))
+
+
+def to_yaml(cfg: MasterConfig) -> str:
+    """The resolved recipe as YAML (written next to checkpoints and logs)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

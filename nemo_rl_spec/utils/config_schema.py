@@ -1,0 +1,179 @@
+"""Pydantic schema of a GRPO recipe, with NeMo-RL's key names.
+
+Where defaults live: every key the core loop reads is set in ``configs/grpo_math_base.yaml`` (which all recipes
+inherit), so the core models below declare no defaults. Optional feature sections (``grpo.pilot_commit``,
+``grpo.async_grpo``, ``policy.draft`` ...) are absent from the base YAML; their defaults live in their own
+pydantic model, and the section itself defaults to ``None`` (feature off).
+
+Every model forbids unknown keys, so a misspelled key fails validation with its dotted path.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+NonNegFloat = Field(ge=0.0)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GRPOConfig(_Strict):
+    num_prompts_per_step: PositiveInt
+    num_generations_per_prompt: PositiveInt
+    max_num_steps: PositiveInt
+    val_period: int = Field(ge=0)
+    val_at_start: bool
+    normalize_rewards: bool
+    use_leave_one_out_baseline: bool
+    seed: int
+
+    @model_validator(mode="after")
+    def _std_needs_groups(self) -> "GRPOConfig":
+        if self.normalize_rewards and self.num_generations_per_prompt == 1:
+            raise ValueError(
+                "grpo.num_generations_per_prompt=1 with grpo.normalize_rewards=true: the group std of one "
+                "sample is undefined; use >= 2 generations per prompt or set grpo.normalize_rewards=false"
+            )
+        return self
+
+
+class LossConfig(_Strict):
+    ratio_clip_min: float = Field(ge=0.0, le=1.0)
+    ratio_clip_max: float = Field(ge=0.0)
+    token_level_loss: bool
+    reference_policy_kl_penalty: float = Field(ge=0.0)
+    reference_policy_kl_type: Literal["k3"]
+    use_importance_sampling_correction: bool
+    truncated_importance_sampling_ratio: Optional[PositiveFloat]
+
+
+class OptimizerConfig(_Strict):
+    lr: PositiveFloat
+    weight_decay: float = Field(ge=0.0)
+    adam_beta1: float = Field(gt=0.0, lt=1.0)
+    adam_beta2: float = Field(gt=0.0, lt=1.0)
+    adam_eps: PositiveFloat
+    clip_grad: PositiveFloat
+
+
+class MegatronConfig(_Strict):
+    tensor_model_parallel_size: PositiveInt
+    pipeline_model_parallel_size: PositiveInt
+    num_threads: PositiveInt
+    optimizer: OptimizerConfig
+
+
+class VllmConfig(_Strict):
+    gpu_memory_utilization: float = Field(gt=0.0, le=1.0)
+    max_model_len: PositiveInt
+    kv_cache_space_gb: PositiveFloat
+    num_threads: PositiveInt
+    enforce_eager: bool
+
+
+class GenerationConfig(_Strict):
+    backend: Literal["vllm"]
+    temperature: float = Field(ge=0.0)
+    top_p: float = Field(gt=0.0, le=1.0)
+    max_new_tokens: PositiveInt
+    vllm_cfg: VllmConfig
+    vllm_kwargs: dict[str, Any]
+
+
+class RefitConfig(_Strict):
+    logprob_mismatch_threshold: Optional[PositiveFloat]
+    probe_batch_size: PositiveInt
+
+
+class PolicyConfig(_Strict):
+    model_name: str = Field(min_length=1)
+    train_global_batch_size: PositiveInt
+    train_micro_batch_size: PositiveInt
+    logprob_batch_size: PositiveInt
+    max_total_sequence_length: PositiveInt
+    precision: Literal["float32", "bfloat16"]
+    megatron_cfg: MegatronConfig
+    generation: GenerationConfig
+    refit: RefitConfig
+
+    @model_validator(mode="after")
+    def _batch_divisible(self) -> "PolicyConfig":
+        if self.train_global_batch_size % self.train_micro_batch_size:
+            raise ValueError(
+                f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of "
+                f"policy.train_micro_batch_size={self.train_micro_batch_size}"
+            )
+        return self
+
+
+class TrainDataConfig(_Strict):
+    generators: list[str] = Field(min_length=1)
+    size: PositiveInt
+    seed: int
+
+
+class ValidationDataConfig(_Strict):
+    source: Literal["gsm8k_original"]
+    max_samples: PositiveInt = Field(le=100)
+
+
+class DataConfig(_Strict):
+    train: TrainDataConfig
+    validation: ValidationDataConfig
+    system_prompt: str
+
+
+class MathEnvConfig(_Strict):
+    num_workers: PositiveInt
+
+
+class EnvConfig(_Strict):
+    math: MathEnvConfig
+
+
+class LoggerConfig(_Strict):
+    log_dir: str = Field(min_length=1)
+    tensorboard_enabled: bool
+    wandb_enabled: bool
+    mlflow_enabled: bool
+    progress_bar: bool
+
+
+class CheckpointingConfig(_Strict):
+    enabled: bool
+    checkpoint_dir: str = Field(min_length=1)
+    save_period: PositiveInt
+    keep_top_k: PositiveInt
+    resume: bool
+
+
+class ClusterConfig(_Strict):
+    num_cpus: PositiveFloat
+    policy_num_cpus: PositiveFloat
+    generation_num_cpus: PositiveFloat
+    ray_address: Optional[str]
+
+    @model_validator(mode="after")
+    def _fits(self) -> "ClusterConfig":
+        if self.policy_num_cpus + self.generation_num_cpus > self.num_cpus:
+            raise ValueError(
+                f"cluster.policy_num_cpus + cluster.generation_num_cpus = "
+                f"{self.policy_num_cpus + self.generation_num_cpus} exceeds cluster.num_cpus={self.num_cpus}"
+            )
+        return self
+
+
+class MasterConfig(_Strict):
+    """A whole GRPO recipe. ``defaults`` (the inheritance list) is consumed by the loader, never stored."""
+
+    grpo: GRPOConfig
+    loss_fn: LossConfig
+    policy: PolicyConfig
+    data: DataConfig
+    env: EnvConfig
+    logger: LoggerConfig
+    checkpointing: CheckpointingConfig
+    cluster: ClusterConfig

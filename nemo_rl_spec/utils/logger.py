@@ -1,0 +1,82 @@
+"""Metric logging: ``metrics.jsonl`` (always) and TensorBoard (optional), plus the end-of-run plot.
+
+Metric names follow NeMo-RL (``train/reward``, ``validation/accuracy``, ``timing/train/generation`` ...). Each JSONL
+line is ``{"step": int, "<name>": float, ...}``; lines are flushed as written, so a killed run keeps every step
+it finished.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Mapping
+
+
+class Logger:
+    """Writes scalar metrics to ``<log_dir>/metrics.jsonl`` and, if enabled, TensorBoard event files.
+
+    Args:
+        log_dir: output folder (created).
+        tensorboard_enabled: also write TensorBoard scalars under ``<log_dir>/tensorboard``.
+    """
+
+    def __init__(self, log_dir: str | Path, tensorboard_enabled: bool) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.log_dir / "metrics.jsonl"
+        self._tb = None
+        if tensorboard_enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        """Append one JSONL record for ``step`` and mirror finite scalars to TensorBoard."""
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with open(self.jsonl_path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for name, value in record.items():
+                if name != "step" and math.isfinite(value):
+                    self._tb.add_scalar(name, value, step)
+            self._tb.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records with ``step > step`` (used on resume, so replayed steps are not logged twice)."""
+        if not self.jsonl_path.exists():
+            return
+        kept = [line for line in self.jsonl_path.read_text().splitlines() if json.loads(line)["step"] <= step]
+        self.jsonl_path.write_text("".join(line + "\n" for line in kept))
+
+    def close(self) -> None:
+        """Flush and close TensorBoard."""
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(jsonl_path: str | Path) -> list[dict]:
+    """All records of a ``metrics.jsonl`` file, in order."""
+    return [json.loads(line) for line in Path(jsonl_path).read_text().splitlines() if line.strip()]
+
+
+def plot_training_curves(jsonl_path: str | Path, out_png: str | Path) -> Path:
+    """Plot ``train/reward`` and ``validation/accuracy`` against step into ``out_png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(jsonl_path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, style in (("train/reward", "-o"), ("validation/accuracy", "--s")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), style, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return Path(out_png)
