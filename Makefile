@@ -1,0 +1,19 @@
+# One-command entry points. Both install the CPU stack into .venv first (idempotent, ~3 min the first time).
+PY := .venv/bin/python
+RECIPE ?= configs/grpo_math_smollm2_135m.yaml
+
+.PHONY: install run test test-unit test-functional
+install:
+	bash scripts/install_cpu.sh
+
+run: install
+	$(PY) examples/run_grpo.py --config $(RECIPE) $(ARGS)
+
+test: install
+	$(PY) -m pytest tests -x -q
+
+test-unit: install
+	$(PY) -m pytest tests/unit -q
+
+test-functional: install
+	$(PY) -m pytest tests/functional -x -q
