@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
-from nemo_rl_spec.algorithms.rollouts import build_train_data, generate_rollouts
+from nemo_rl_spec.algorithms.rollouts import build_train_data, generate_rollouts, logprob_agreement_metrics
 from nemo_rl_spec.algorithms.validation import validate
 from nemo_rl_spec.utils.timer import Timer
 
@@ -38,9 +38,10 @@ def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> dict[str, float]:
         train_metrics = ray.get(s.policy.train.remote(data))
     with timer.time("weight_sync"):
         refit_metrics = s.refitter.refit(version=step + 1)
-    lengths = (data["token_mask"].sum(1)).float()
-    return {"train/reward": float(batch.rewards.mean()), "train/mean_response_length": float(lengths.mean()),
-            **{f"train/{k}": v for k, v in train_metrics.items()}, **refit_metrics}
+    agreement = logprob_agreement_metrics(data["prev_logprobs"], data["generation_logprobs"], data["token_mask"])
+    return {"train/reward": float(batch.rewards.mean()),
+            "train/mean_response_length": float(data["token_mask"].sum(1).mean()),
+            **{f"train/{k}": v for k, v in train_metrics.items()}, **agreement, **refit_metrics}
 
 
 def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:

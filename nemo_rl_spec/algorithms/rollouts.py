@@ -76,3 +76,18 @@ def masked_mean_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -
     """Mean of |a - b| over positions where ``mask`` is 1. Shapes: [N, S] each. Returns 0.0 for an empty mask."""
     count = mask.sum()
     return float(((a - b).abs() * mask).sum() / count) if count > 0 else 0.0
+
+
+def logprob_agreement_metrics(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor,
+                              mask: torch.Tensor) -> dict[str, float]:
+    """How far the trainer's log-probs are from the sampler's on the sampled tokens.
+
+    Shapes: [N, S] each (mask 1 on response tokens). Returns
+    ``train/token_mult_prob_error`` = masked mean of exp(|prev - gen|) (NeMo-RL's metric; 1.0 is perfect) and
+    ``train/importance_ratio_max_abs_dev`` = max |exp(prev - gen) - 1| (0.0 is perfect).
+    """
+    diff = (prev_logprobs - generation_logprobs) * mask
+    count = mask.sum().clamp(min=1)
+    mult_err = float((torch.exp(diff.abs()) * mask).sum() / count)
+    max_dev = float(((torch.exp(diff) - 1).abs() * mask).max()) if mask.any() else 0.0
+    return {"train/token_mult_prob_error": mult_err, "train/importance_ratio_max_abs_dev": max_dev}
