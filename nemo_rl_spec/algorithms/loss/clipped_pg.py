@@ -1,0 +1,152 @@
+"""Clipped policy-gradient loss for GRPO (NeMo-RL ``ClippedPGLossFn`` semantics).
+
+Per valid token t of sequence b (valid: ``token_mask[b, t] * sample_mask[b] == 1``)::
+
+    ratio    = exp(curr_logprobs - prev_logprobs)                           pi_theta / pi_old
+    pg       = -min(ratio * A_b, clip(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max) * A_b)
+    w        = min(exp(prev_logprobs - generation_logprobs), truncated_importance_sampling_ratio)   (detached;
+               only with use_importance_sampling_correction, else 1)
+    kl       = exp(ref - curr) - (ref - curr) - 1                           k3 estimator of KL(pi_theta || pi_ref)
+    per_tok  = w * pg + reference_policy_kl_penalty * kl
+
+    token_level_loss=True :  loss = sum_{b,t valid} per_tok / global_valid_toks
+    token_level_loss=False:  loss = sum_{b: sample_mask=1} mean_{t valid in b} per_tok / global_valid_seqs
+
+References: clipped surrogate, PPO (Schulman et al. 2017, eq. 7), with GRPO's per-sequence advantage
+(Shao et al. 2024); asymmetric clip range ("clip-higher", DAPO, Yu et al. 2025); k3 KL estimator
+(Schulman 2020, "Approximating KL Divergence"; GRPO eq. 4); truncated importance sampling for the
+generator/trainer mismatch (Espeholt et al. 2018 IMPALA; Yao et al. 2025 "TIS").
+"""
+from __future__ import annotations
+
+import torch
+
+from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
+
+_CFG_KEYS = (
+    "ratio_clip_min",
+    "ratio_clip_max",
+    "token_level_loss",
+    "reference_policy_kl_penalty",
+    "reference_policy_kl_type",
+    "use_importance_sampling_correction",
+    "truncated_importance_sampling_ratio",
+)
+
+
+def _divide(numerator: torch.Tensor, normalizer: torch.Tensor | float) -> torch.Tensor:
+    """numerator / normalizer, and 0 (keeping the graph) when the normaliser is 0 (everything masked)."""
+    normalizer = torch.as_tensor(normalizer, dtype=numerator.dtype, device=numerator.device)
+    if bool(normalizer < 0):
+        raise ValueError(f"global normaliser must be >= 0, got {float(normalizer)}")
+    return torch.where(normalizer > 0, numerator / normalizer.clamp(min=1e-30), numerator * 0.0)
+
+
+def _masked_exp(log_value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """exp(log_value) on valid positions and 1 on masked ones, so padding garbage cannot overflow into NaN."""
+    return torch.exp(torch.where(mask > 0, log_value, torch.zeros_like(log_value)))
+
+
+class ClippedPGLossFn:
+    """GRPO clipped policy-gradient loss; implements :class:`~nemo_rl_spec.algorithms.loss.interfaces.LossFunction`.
+
+    Args:
+        cfg: the ``loss_fn`` config section with exactly the keys ratio_clip_min, ratio_clip_max,
+            token_level_loss, reference_policy_kl_penalty, reference_policy_kl_type ("k3"),
+            use_importance_sampling_correction, truncated_importance_sampling_ratio (None or > 0).
+
+    Raises:
+        KeyError: a config key is missing.
+        ValueError: unsupported KL type, negative clip/penalty, or a non-positive truncation ratio.
+    """
+
+    def __init__(self, cfg: dict):
+        missing = [k for k in _CFG_KEYS if k not in cfg]
+        if missing:
+            raise KeyError(f"loss_fn config is missing keys {missing}")
+        self.ratio_clip_min = float(cfg["ratio_clip_min"])
+        self.ratio_clip_max = float(cfg["ratio_clip_max"])
+        self.token_level_loss = bool(cfg["token_level_loss"])
+        self.kl_penalty = float(cfg["reference_policy_kl_penalty"])
+        self.kl_type = cfg["reference_policy_kl_type"]
+        self.use_is_correction = bool(cfg["use_importance_sampling_correction"])
+        trunc = cfg["truncated_importance_sampling_ratio"]
+        self.truncated_is_ratio = None if trunc is None else float(trunc)
+        if self.kl_type != "k3":
+            raise ValueError(f"reference_policy_kl_type must be 'k3', got {self.kl_type!r}")
+        if self.ratio_clip_min < 0 or self.ratio_clip_max < 0 or self.kl_penalty < 0:
+            raise ValueError("ratio_clip_min, ratio_clip_max and reference_policy_kl_penalty must be >= 0")
+        if self.truncated_is_ratio is not None and self.truncated_is_ratio <= 0:
+            raise ValueError(f"truncated_importance_sampling_ratio must be > 0 or None, got {trunc}")
+
+    def __call__(
+        self,
+        curr_logprobs: torch.Tensor,
+        mb_data: TrainDatumSpec,
+        global_valid_toks: torch.Tensor,
+        global_valid_seqs: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Micro-batch loss divided by the global normaliser (formula in the module docstring).
+
+        Shape: curr_logprobs [mb, S] float32; mb_data: prev_logprobs [mb, S], token_mask [mb, S],
+        sample_mask [mb], advantages [mb]; reference_policy_logprobs [mb, S] when the KL penalty is > 0;
+        generation_logprobs [mb, S] with importance-sampling correction. global_valid_toks/seqs: scalars.
+
+        Returns:
+            (loss scalar, metrics). Metrics (python floats; sum across micro-batches, ``*_max`` by max):
+            ``loss``; ``probs_ratio`` (token mean of ratio / global_valid_toks); ``probs_ratio_clamped``
+            (fraction of valid tokens whose ratio lies outside [1 - clip_min, 1 + clip_max]);
+            ``kl_penalty`` (penalty-weighted KL term, reduced like the loss); ``is_weight`` (token mean of w),
+            ``is_weight_max``; ``num_valid_tokens``, ``num_valid_seqs`` (micro-batch counts).
+
+        Raises:
+            KeyError: a tensor required by the enabled branches is missing from mb_data.
+            ValueError: shapes disagree, or a global normaliser is negative.
+        """
+        prev = mb_data["prev_logprobs"]
+        if curr_logprobs.shape != prev.shape or curr_logprobs.dim() != 2:
+            raise ValueError(f"curr_logprobs {tuple(curr_logprobs.shape)} vs prev_logprobs {tuple(prev.shape)}")
+        token_mask = mb_data["token_mask"].to(curr_logprobs.dtype)
+        sample_mask = mb_data["sample_mask"].to(curr_logprobs.dtype)
+        mask = token_mask * sample_mask.unsqueeze(-1)
+        advantages = mb_data["advantages"].to(curr_logprobs.dtype).unsqueeze(-1)
+
+        ratio = _masked_exp(curr_logprobs - prev, mask)
+        clipped_ratio = ratio.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
+        pg = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)
+
+        is_weight = torch.ones_like(pg)
+        if self.use_is_correction:
+            log_w = (prev - mb_data["generation_logprobs"]).detach()
+            is_weight = _masked_exp(log_w, mask).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+            if self.truncated_is_ratio is not None:
+                is_weight = is_weight.clamp(max=self.truncated_is_ratio)
+        kl = torch.zeros_like(pg)
+        if self.kl_penalty != 0.0:
+            ref_minus_curr = torch.where(mask > 0, mb_data["reference_policy_logprobs"] - curr_logprobs, 0.0)
+            kl = self.kl_penalty * (torch.exp(ref_minus_curr) - ref_minus_curr - 1.0)
+
+        loss = self._reduce(is_weight * pg + kl, mask, token_mask, sample_mask, global_valid_toks, global_valid_seqs)
+        with torch.no_grad():
+            outside = ((ratio < 1.0 - self.ratio_clip_min) | (ratio > 1.0 + self.ratio_clip_max)).to(mask.dtype)
+            metrics = {
+                "loss": float(loss),
+                "probs_ratio": float(_divide((ratio * mask).sum(), global_valid_toks)),
+                "probs_ratio_clamped": float(_divide((outside * mask).sum(), global_valid_toks)),
+                "kl_penalty": float(
+                    self._reduce(kl, mask, token_mask, sample_mask, global_valid_toks, global_valid_seqs)
+                ),
+                "is_weight": float(_divide((is_weight * mask).sum(), global_valid_toks)),
+                "is_weight_max": float(is_weight[mask > 0].max()) if bool((mask > 0).any()) else 0.0,
+                "num_valid_tokens": float(mask.sum()),
+                "num_valid_seqs": float(sample_mask.sum()),
+            }
+        return loss, metrics
+
+    def _reduce(self, per_token, mask, token_mask, sample_mask, global_valid_toks, global_valid_seqs):
+        """Token-level sum / global_valid_toks, or per-sequence token mean summed / global_valid_seqs."""
+        if self.token_level_loss:
+            return _divide((per_token * mask).sum(), global_valid_toks)
+        seq_tokens = token_mask.sum(-1).clamp(min=1.0)
+        seq_mean = (per_token * token_mask).sum(-1) / seq_tokens
+        return _divide((seq_mean * sample_mask).sum(), global_valid_seqs)

@@ -1,0 +1,203 @@
+"""ClippedPGLossFn: hand-computed losses, gradients and metrics for every branch; micro-batch additivity."""
+import math
+
+import pytest
+import torch
+
+from nemo_rl_spec.algorithms.loss import ClippedPGLossFn, LossFunction, aggregate_microbatch_metrics
+
+BASE_CFG = dict(
+    ratio_clip_min=0.2,
+    ratio_clip_max=0.28,
+    token_level_loss=True,
+    reference_policy_kl_penalty=0.0,
+    reference_policy_kl_type="k3",
+    use_importance_sampling_correction=False,
+    truncated_importance_sampling_ratio=None,
+)
+
+
+def _cfg(**kw):
+    return {**BASE_CFG, **kw}
+
+
+def _clip_batch():
+    """B=2, S=4, clip range [0.8, 1.28].
+
+    row 0, A=+1, valid tokens 1..3, ratios 1.5 (clipped -> -1.28), 0.5 (pessimistic unclipped -> -0.5), 1.1 (-1.1)
+    row 1, A=-2, valid tokens 2..3, ratios 0.5 (clipped: -min(-1.0, -1.6) = 1.6), 1.5 (unclipped: 3.0)
+    """
+    ratios = torch.tensor([[1.0, 1.5, 0.5, 1.1], [1.0, 1.0, 0.5, 1.5]], dtype=torch.float64)
+    prev = torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, -0.7, -1.2, -3.0]])
+    curr = (prev.double() + ratios.log()).float().requires_grad_(True)
+    data = dict(
+        prev_logprobs=prev,
+        token_mask=torch.tensor([[0.0, 1, 1, 1], [0, 0, 1, 1]]),
+        sample_mask=torch.ones(2),
+        advantages=torch.tensor([1.0, -2.0]),
+    )
+    return curr, data
+
+
+def test_protocol_is_satisfied():
+    assert isinstance(ClippedPGLossFn(BASE_CFG), LossFunction)
+
+
+def test_token_level_clipping_both_sides_loss_grad_metrics():
+    curr, data = _clip_batch()
+    loss, metrics = ClippedPGLossFn(_cfg())(curr, data, torch.tensor(5.0), torch.tensor(2.0))
+    # (-1.28 - 0.5 - 1.1 + 1.6 + 3.0) / 5
+    assert float(loss) == pytest.approx(1.72 / 5, abs=1e-6)
+    loss.backward()
+    # d/dcurr = -A * ratio / 5 where the unclipped term is active, 0 where the clipped one is (and off-mask)
+    expected_grad = torch.tensor([[0.0, 0.0, -0.5 / 5, -1.1 / 5], [0.0, 0.0, 0.0, 2 * 1.5 / 5]])
+    torch.testing.assert_close(curr.grad, expected_grad, rtol=0, atol=1e-6)
+    assert metrics["probs_ratio"] == pytest.approx((1.5 + 0.5 + 1.1 + 0.5 + 1.5) / 5, abs=1e-6)
+    assert metrics["probs_ratio_clamped"] == pytest.approx(4 / 5, abs=1e-7)
+    assert metrics["num_valid_tokens"] == 5.0 and metrics["num_valid_seqs"] == 2.0
+    assert metrics["kl_penalty"] == 0.0
+    assert metrics["is_weight"] == pytest.approx(1.0) and metrics["is_weight_max"] == 1.0
+    assert metrics["loss"] == pytest.approx(float(loss))
+
+
+def test_sequence_level_normalisation():
+    curr, data = _clip_batch()
+    loss, _ = ClippedPGLossFn(_cfg(token_level_loss=False))(curr, data, torch.tensor(5.0), torch.tensor(2.0))
+    # row means: (-1.28 - 0.5 - 1.1) / 3 = -0.96, (1.6 + 3.0) / 2 = 2.3; (-0.96 + 2.3) / 2 seqs
+    assert float(loss) == pytest.approx(0.67, abs=1e-6)
+    loss.backward()
+    expected_grad = torch.tensor([[0.0, 0.0, -0.5 / 3 / 2, -1.1 / 3 / 2], [0.0, 0.0, 0.0, 3.0 / 2 / 2]])
+    torch.testing.assert_close(curr.grad, expected_grad, rtol=0, atol=1e-6)
+
+
+def test_sample_mask_drops_a_sequence():
+    curr, data = _clip_batch()
+    data["sample_mask"] = torch.tensor([1.0, 0.0])
+    loss, metrics = ClippedPGLossFn(_cfg())(curr, data, torch.tensor(3.0), torch.tensor(1.0))
+    assert float(loss) == pytest.approx(-2.88 / 3, abs=1e-6)
+    assert metrics["num_valid_tokens"] == 3.0
+    loss_seq, _ = ClippedPGLossFn(_cfg(token_level_loss=False))(curr, data, torch.tensor(3.0), torch.tensor(1.0))
+    assert float(loss_seq) == pytest.approx(-0.96, abs=1e-6)
+
+
+def test_k3_kl_penalty_value_and_gradient():
+    # ref - curr = [ln 2, -ln 2, 0]: k3 = (2 - ln2 - 1) + (0.5 + ln2 - 1) + 0 = 0.5 exactly; A = 0 isolates KL.
+    curr = torch.tensor([[0.0, -1.0, -2.0, -0.5]], requires_grad=True)
+    ref = curr.detach() + torch.tensor([[0.0, math.log(2), -math.log(2), 0.0]])
+    data = dict(
+        prev_logprobs=curr.detach().clone(),
+        reference_policy_logprobs=ref,
+        token_mask=torch.tensor([[0.0, 1, 1, 1]]),
+        sample_mask=torch.ones(1),
+        advantages=torch.zeros(1),
+    )
+    loss, metrics = ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.1))(curr, data, torch.tensor(3.0), torch.tensor(1.0))
+    assert float(loss) == pytest.approx(0.1 * 0.5 / 3, abs=1e-7)
+    assert metrics["kl_penalty"] == pytest.approx(0.1 * 0.5 / 3, abs=1e-7)
+    loss.backward()
+    # d/dcurr beta * (e^(ref-curr) - (ref-curr) - 1) = beta * (1 - e^(ref-curr)) / 3
+    expected_grad = torch.tensor([[0.0, 0.1 * (1 - 2) / 3, 0.1 * (1 - 0.5) / 3, 0.0]])
+    torch.testing.assert_close(curr.grad, expected_grad, rtol=0, atol=1e-7)
+
+
+def test_kl_adds_to_policy_gradient_term():
+    curr, data = _clip_batch()
+    # ref = curr + ln 2 on every valid token: k3 = 2 - ln 2 - 1 per token
+    data["reference_policy_logprobs"] = curr.detach() + math.log(2)
+    loss, metrics = ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.5))(curr, data, torch.tensor(5.0), torch.tensor(2.0))
+    k3 = 1 - math.log(2)
+    assert float(loss) == pytest.approx(1.72 / 5 + 0.5 * k3, abs=1e-6)
+    assert metrics["kl_penalty"] == pytest.approx(0.5 * k3, abs=1e-6)
+
+
+@pytest.mark.parametrize("trunc,w0,expected_loss", [(2.0, 2.0, -3.5 / 3), (None, 3.0, -4.5 / 3)])
+def test_importance_sampling_weight_truncation(trunc, w0, expected_loss):
+    # prev - gen = [ln 3, ln 0.5, 0] -> w = [3 (or 2 truncated), 0.5, 1]; ratio 1, A = 1 -> pg = -1 per token
+    prev = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
+    gen = prev - torch.tensor([[0.0, math.log(3), math.log(0.5), 0.0]])
+    gen.requires_grad_(True)
+    curr = prev.clone().requires_grad_(True)
+    data = dict(
+        prev_logprobs=prev, generation_logprobs=gen, token_mask=torch.tensor([[0.0, 1, 1, 1]]),
+        sample_mask=torch.ones(1), advantages=torch.ones(1),
+    )
+    fn = ClippedPGLossFn(_cfg(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=trunc))
+    loss, metrics = fn(curr, data, torch.tensor(3.0), torch.tensor(1.0))
+    assert float(loss) == pytest.approx(expected_loss, abs=1e-6)
+    assert metrics["is_weight"] == pytest.approx((w0 + 0.5 + 1.0) / 3, abs=1e-6)
+    assert metrics["is_weight_max"] == pytest.approx(w0, abs=1e-6)
+    loss.backward()
+    torch.testing.assert_close(curr.grad, torch.tensor([[0.0, -w0 / 3, -0.5 / 3, -1 / 3]]), rtol=0, atol=1e-6)
+    assert gen.grad is None  # the weight is detached
+
+
+def test_importance_sampling_off_ignores_generation_logprobs():
+    curr, data = _clip_batch()
+    data["generation_logprobs"] = torch.full_like(data["prev_logprobs"], -50.0)
+    loss, metrics = ClippedPGLossFn(_cfg())(curr, data, torch.tensor(5.0), torch.tensor(2.0))
+    assert float(loss) == pytest.approx(1.72 / 5, abs=1e-6)
+    assert metrics["is_weight_max"] == 1.0
+
+
+def test_padding_garbage_cannot_produce_nan():
+    curr, data = _clip_batch()
+    with torch.no_grad():
+        data["prev_logprobs"][1, 0] = -1e4  # masked position: exp(curr - prev) would overflow
+    data["reference_policy_logprobs"] = curr.detach().clone()
+    data["reference_policy_logprobs"][0, 0] = 1e4
+    loss, _ = ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.1))(curr, data, torch.tensor(5.0), torch.tensor(2.0))
+    assert float(loss) == pytest.approx(1.72 / 5, abs=1e-6)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_microbatches_with_global_normalisers_sum_to_full_batch(token_level):
+    g = torch.Generator().manual_seed(123)
+    B, S = 6, 7
+    prev = -torch.rand(B, S, generator=g) * 3
+    curr_full = (prev + 0.4 * torch.randn(B, S, generator=g)).requires_grad_(True)
+    token_mask = (torch.rand(B, S, generator=g) > 0.3).float()
+    token_mask[:, 0] = 0
+    data = dict(
+        prev_logprobs=prev,
+        generation_logprobs=prev + 0.3 * torch.randn(B, S, generator=g),
+        reference_policy_logprobs=prev + 0.2 * torch.randn(B, S, generator=g),
+        token_mask=token_mask,
+        sample_mask=torch.tensor([1.0, 1, 0, 1, 1, 1]),
+        advantages=torch.randn(B, generator=g),
+    )
+    fn = ClippedPGLossFn(_cfg(token_level_loss=token_level, reference_policy_kl_penalty=0.05,
+                              use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5))
+    toks = (token_mask * data["sample_mask"][:, None]).sum()
+    seqs = data["sample_mask"].sum()
+    full_loss, full_metrics = fn(curr_full, data, toks, seqs)
+    full_loss.backward()
+
+    curr_mb = curr_full.detach().clone().requires_grad_(True)
+    parts, metrics = [], []
+    for rows in (slice(0, 2), slice(2, 6)):
+        loss, m = fn(curr_mb[rows], {k: v[rows] for k, v in data.items()}, toks, seqs)
+        loss.backward()
+        parts.append(loss.detach())
+        metrics.append(m)
+    torch.testing.assert_close(parts[0] + parts[1], full_loss.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(curr_mb.grad, curr_full.grad, rtol=1e-6, atol=1e-8)
+    agg = aggregate_microbatch_metrics(metrics)
+    for key, value in full_metrics.items():
+        assert agg[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_config_errors():
+    with pytest.raises(KeyError, match="ratio_clip_max"):
+        ClippedPGLossFn({k: v for k, v in BASE_CFG.items() if k != "ratio_clip_max"})
+    with pytest.raises(ValueError, match="k3"):
+        ClippedPGLossFn(_cfg(reference_policy_kl_type="k1"))
+    with pytest.raises(ValueError, match="truncated"):
+        ClippedPGLossFn(_cfg(truncated_importance_sampling_ratio=0.0))
+
+
+def test_missing_tensor_for_enabled_branch_raises():
+    curr, data = _clip_batch()
+    with pytest.raises(KeyError, match="reference_policy_logprobs"):
+        ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.1))(curr, data, torch.tensor(5.0), torch.tensor(2.0))
+    with pytest.raises(KeyError, match="generation_logprobs"):
+        ClippedPGLossFn(_cfg(use_importance_sampling_correction=True))(curr, data, torch.tensor(5.0), torch.tensor(2.0))
