@@ -1,0 +1,143 @@
+"""Math environment: binary correctness reward checked with math-verify (HF Math-Verify, parse + verify).
+
+Reward of a response r against the ground truth g::
+
+    reward = 1.0  if verify(parse(\\boxed{g}), parse(\\boxed{extract_final_answer(r)}))  else 0.0
+
+``extract_final_answer`` takes the content of the *last* ``\\boxed{...}`` (or ``\\fbox{...}``, nested braces
+matched); without one it falls back to the last number in the text (``-12``, ``3.5``, ``1,000``). No answer,
+an answer longer than :data:`MAX_ANSWER_CHARS`, or any parser/verifier error gives 0.0. Equivalent forms are
+math-verify's business: ``\\frac{1}{2}`` == ``0.5``, ``1,000`` == ``1000``, ``50\\%`` == ``0.5``.
+
+Timeouts and threads: math-verify bounds parsing and comparison with ``signal.alarm``, which only works in the
+main thread (elsewhere it raises ``ValueError: signal only works in main thread``). :class:`MathEnvironment`
+therefore passes ``parsing_timeout`` / ``timeout_seconds`` of :data:`TIMEOUT_S` only when called on the main
+thread and ``None`` otherwise (e.g. a threaded Ray actor). Without the alarm, runaway time is bounded instead
+by scoring only the short extracted answer (<= MAX_ANSWER_CHARS characters), never the whole response; with
+``num_workers > 1`` scoring runs in spawned worker processes, whose main thread does get the alarm.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import re
+import threading
+from typing import TYPE_CHECKING
+
+from nemo_rl_spec.environments.interfaces import EnvironmentInterface
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+TIMEOUT_S = 5
+"""Seconds math-verify may spend parsing one string / comparing one pair (main thread only)."""
+MAX_ANSWER_CHARS = 256
+"""Extracted answers longer than this are scored 0 without parsing."""
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\d.])-?\.\d+")
+
+
+def extract_final_answer(response: str) -> str | None:
+    """The final answer of a response: content of the last ``\\boxed{...}``, else the last number, else None.
+
+    An unbalanced last ``\\boxed{`` (truncated generation) is skipped in favour of an earlier complete one.
+    Trailing periods/spaces inside the box are stripped (``\\boxed{7.}`` -> ``7``).
+    """
+    for match in reversed(list(_BOXED.finditer(response))):
+        depth, start = 1, match.end()
+        for pos in range(start, len(response)):
+            depth += {"{": 1, "}": -1}.get(response[pos], 0)
+            if depth == 0:
+                content = response[start:pos].strip().rstrip(".").strip()
+                if content:
+                    return content
+                break
+    numbers = _NUMBER.findall(response)
+    return numbers[-1] if numbers else None
+
+
+def score_response(response: str, ground_truth: str, timeout_s: int | None) -> float:
+    """1.0 if the response's final answer is mathematically equal to ``ground_truth`` (math-verify), else 0.0.
+
+    Args:
+        timeout_s: math-verify's signal-based timeout in seconds; must be None off the main thread.
+    """
+    from math_verify import parse, verify
+
+    answer = extract_final_answer(response)
+    if answer is None or len(answer) > MAX_ANSWER_CHARS:
+        return 0.0
+    try:
+        gold = parse("\\boxed{" + str(ground_truth).strip() + "}", parsing_timeout=timeout_s)
+        pred = parse("\\boxed{" + answer + "}", parsing_timeout=timeout_s)
+        if not gold or not pred:
+            return 0.0
+        return 1.0 if verify(gold, pred, timeout_seconds=timeout_s) else 0.0
+    except Exception:  # a malformed answer must cost reward, never the run
+        logger.debug("math-verify failed on answer %r vs %r", answer, ground_truth, exc_info=True)
+        return 0.0
+
+
+def _score_chunk(pairs: list[tuple[str, str]]) -> list[float]:
+    """Worker-process entry point: score (response, ground_truth) pairs in this process's main thread."""
+    timeout_s = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    return [score_response(r, g, timeout_s) for r, g in pairs]
+
+
+class MathEnvironment(EnvironmentInterface):
+    """Binary math-answer reward (see the module docstring for extraction, equivalence and timeouts).
+
+    Args:
+        cfg: the ``env.math`` config section: ``num_workers`` (int >= 1). 1 scores in the calling process;
+            > 1 scores in that many spawned worker processes (started lazily, stopped by :meth:`close`).
+
+    Metadata: each dict needs ``answer`` (ground truth, str or number), e.g. the problem dicts of
+    :mod:`nemo_rl_spec.data.datasets`.
+    """
+
+    def __init__(self, cfg: dict):
+        self.num_workers = int(cfg["num_workers"])
+        if self.num_workers < 1:
+            raise ValueError(f"env.math.num_workers must be >= 1, got {self.num_workers}")
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+
+    def step(self, responses: list[str], metadata: list[dict]) -> torch.Tensor:
+        """Rewards in {0.0, 1.0}. Shape: N responses -> [N] float32.
+
+        Raises:
+            ValueError: len(responses) != len(metadata).
+            KeyError: a metadata dict has no ``answer``.
+        """
+        import torch  # imported here: spawned scoring workers import this module and never need torch
+
+        if len(responses) != len(metadata):
+            raise ValueError(f"{len(responses)} responses but {len(metadata)} metadata dicts")
+        pairs = []
+        for i, (response, meta) in enumerate(zip(responses, metadata)):
+            if "answer" not in meta:
+                raise KeyError(f"metadata[{i}] has no 'answer' (keys: {sorted(meta)})")
+            pairs.append((response, str(meta["answer"])))
+        if self.num_workers == 1 or len(pairs) <= 1:
+            rewards = _score_chunk(pairs)
+        else:
+            rewards = self._score_in_workers(pairs)
+        return torch.tensor(rewards, dtype=torch.float32)
+
+    def _score_in_workers(self, pairs: list[tuple[str, str]]) -> list[float]:
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                max_workers=self.num_workers, mp_context=multiprocessing.get_context("spawn")
+            )
+        size = -(-len(pairs) // self.num_workers)
+        chunks = [pairs[i : i + size] for i in range(0, len(pairs), size)]
+        return [reward for chunk in self._pool.map(_score_chunk, chunks) for reward in chunk]
+
+    def close(self) -> None:
+        """Stop the worker processes, if any were started."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
