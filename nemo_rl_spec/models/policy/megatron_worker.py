@@ -1,0 +1,214 @@
+"""Megatron-core policy worker: log-probs, one optimizer step per ``train`` call, HF export, checkpoints.
+
+A plain class; the driver wraps it with ``ray.remote``. ``__init__`` applies the CPU patches and
+initialises gloo + megatron ``parallel_state`` (world size 1) inside the actor process.
+
+Training uses Megatron's ``DistributedDataParallel`` (contiguous fp32 grad buffer, ``main_grad``) and
+``get_megatron_optimizer`` (Adam; torch's AdamW underneath when neither TE nor Apex is installed, with
+Megatron's grad-norm clipping). Config keys read (``policy`` section of the recipe)::
+
+    policy.precision, policy.train_micro_batch_size, policy.logprob_batch_size,
+    policy.generation.temperature (logits are divided by it in ``train``, as in ``get_logprobs``),
+    policy.megatron_cfg.{tensor,pipeline}_model_parallel_size, policy.megatron_cfg.num_threads,
+    policy.megatron_cfg.optimizer.{lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad}
+"""
+from __future__ import annotations
+
+import os
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+
+from nemo_rl_spec.algorithms.loss.interfaces import aggregate_microbatch_metrics
+from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
+from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
+from nemo_rl_spec.models.policy.interfaces import PolicyInterface
+from nemo_rl_spec.models.policy import megatron_model as mm
+
+from megatron.core import tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+CHECKPOINT_FILE = "megatron_policy.pt"
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, input_lengths: torch.Tensor,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """Log-prob of each token given its prefix, aligned with ``input_ids``.
+
+    ``out[b, s] = log_softmax(logits[b, s-1] / temperature)[input_ids[b, s]]`` for 1 <= s < input_lengths[b],
+    0 at s = 0 and on padding. Computed as ``gathered logit - logsumexp`` (no second [B, S, V] tensor).
+
+    Shape: logits [B, S, V], input_ids [B, S], input_lengths [B] -> [B, S] float32.
+    """
+    scaled = logits.float() / temperature
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    next_token = scaled[:, :-1].gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled[:, :-1], dim=-1)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    valid = positions[1:].unsqueeze(0) < input_lengths.unsqueeze(1)
+    return torch.nn.functional.pad(torch.where(valid, next_token, 0.0), (1, 0))
+
+
+def _slice_batch(data: TrainDatumSpec, start: int, stop: int, seq_len: int) -> TrainDatumSpec:
+    """Rows [start, stop) of every tensor, trimmed to ``seq_len`` columns along dim 1 when it has one."""
+    out = {}
+    for key, value in data.items():
+        if not isinstance(value, torch.Tensor):
+            out[key] = value
+            continue
+        rows = value[start:stop]
+        out[key] = rows[:, :seq_len] if rows.dim() > 1 else rows
+    return out
+
+
+class MegatronPolicyWorker(PolicyInterface):
+    """megatron-core GPTModel policy (Llama / Qwen3 HF checkpoints), see module docstring."""
+
+    def __init__(self, policy_cfg: dict, loss_fn: LossFn, model_path: str, seed: int):
+        mcfg = policy_cfg["megatron_cfg"]
+        torch.set_num_threads(int(mcfg["num_threads"]))
+        apply_cpu_compat()
+        self.cfg, self.loss_fn, self.model_path = policy_cfg, loss_fn, model_path
+        self.dtype = mm._DTYPES[policy_cfg["precision"]]
+        self.train_temperature = float(policy_cfg["generation"]["temperature"])
+        self._seed_everything(seed)
+        self.spec = mm.model_spec_from_hf_config(mm.load_hf_config(model_path))
+        mm.initialize_distributed(mcfg["tensor_model_parallel_size"], mcfg["pipeline_model_parallel_size"])
+        module = mm.build_gpt_model(self.spec, self.dtype, seed)
+        mm.import_hf_weights(module, model_path, self.spec)
+        self.model = self._wrap_ddp(module)
+        self.optimizer = get_megatron_optimizer(self._optimizer_config(mcfg["optimizer"]), [self.model])
+        apply_cpu_compat()  # patch megatron modules imported lazily by DDP / optimizer construction
+        self.step = 0
+
+    # ---- construction helpers -------------------------------------------------------------------
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def _wrap_ddp(self, module: torch.nn.Module) -> DistributedDataParallel:
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
+
+    def _optimizer_config(self, opt: dict) -> OptimizerConfig:
+        return OptimizerConfig(
+            optimizer="adam",
+            lr=float(opt["lr"]),
+            weight_decay=float(opt["weight_decay"]),
+            adam_beta1=float(opt["adam_beta1"]),
+            adam_beta2=float(opt["adam_beta2"]),
+            adam_eps=float(opt["adam_eps"]),
+            clip_grad=float(opt["clip_grad"]),
+            bf16=self.dtype == torch.bfloat16,
+            fp16=self.dtype == torch.float16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=False,
+        )
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The unwrapped GPTModel."""
+        return self.model.module
+
+    def get_model_config(self) -> dict:
+        """Architecture facts the driver may need (vocab_size, num_layers, ...), as a plain dict."""
+        return dict(vars(self.spec))
+
+    # ---- log-probs -------------------------------------------------------------------------------
+    def _forward_logprobs(self, mb: TrainDatumSpec, temperature: float) -> torch.Tensor:
+        logits = mm.gpt_logits(self.model, mb["input_ids"])
+        return token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature)
+
+    def _micro_batches(self, data: TrainDatumSpec, size: int):
+        """Yield (start, stop, rows trimmed to their longest sequence) for consecutive row chunks."""
+        batch = data["input_ids"].shape[0]
+        for start in range(0, batch, size):
+            stop = min(start + size, batch)
+            seq_len = max(int(data["input_lengths"][start:stop].max()), 1)
+            yield start, stop, _slice_batch(data, start, stop, seq_len)
+
+    @torch.no_grad()
+    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
+        """See :meth:`PolicyInterface.get_logprobs`; batched by ``policy.logprob_batch_size``.
+
+        Shape: input_ids [B, S] -> [B, S] float32 (0 at position 0 and on padding).
+        """
+        self.model.eval()
+        out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
+        for start, stop, mb in self._micro_batches(data, int(self.cfg["logprob_batch_size"])):
+            lp = self._forward_logprobs(mb, temperature)
+            out[start:stop, : lp.shape[1]] = lp
+        return out
+
+    # ---- training --------------------------------------------------------------------------------
+    @staticmethod
+    def _global_counts(data: TrainDatumSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid response tokens, valid sequences) over the whole batch: sum(token_mask * sample_mask)."""
+        sample_mask = data["sample_mask"].float()
+        valid_toks = (data["token_mask"].float() * sample_mask.unsqueeze(1)).sum()
+        return valid_toks, sample_mask.sum()
+
+    def train(self, data: TrainDatumSpec) -> dict[str, float]:
+        """One optimizer step over all rows of ``data`` (micro-batches of ``train_micro_batch_size``).
+
+        Each micro-batch loss is already normalised by the global counts, so ``loss`` is the SUM of the
+        micro-batch losses; loss metrics are combined by ``aggregate_microbatch_metrics`` (sum, ``*_max`` by
+        max). Also returns ``grad_norm`` (before clipping), ``lr`` and ``num_micro_batches``.
+        """
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        global_toks, global_seqs = self._global_counts(data)
+        losses, per_mb_metrics = [], []
+        for _, _, mb in self._micro_batches(data, int(self.cfg["train_micro_batch_size"])):
+            curr_logprobs = self._forward_logprobs(mb, self.train_temperature)
+            loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            per_mb_metrics.append(metrics)
+        self.model.finish_grad_sync()
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.step += 1
+        return {**aggregate_microbatch_metrics(per_mb_metrics), "loss": sum(losses),
+                "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+                "lr": float(self.optimizer.param_groups[0]["lr"]), "update_successful": float(update_ok),
+                "num_micro_batches": float(len(losses))}
+
+    # ---- weights and checkpoints ------------------------------------------------------------------
+    def export_hf_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named CPU fp32 copies of the current weights, always with ``lm_head.weight``."""
+        return mm.export_hf_state(self.module, self.spec)
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write model, optimizer, step counter and every RNG state to ``path/megatron_policy.pt``."""
+        state = {
+            "model": {k: v.detach().clone() for k, v in mm.megatron_param_state(self.module).items()},
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+                "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+            },
+        }
+        torch.save(state, os.path.join(path, CHECKPOINT_FILE))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (parameters are copied in place)."""
+        state = torch.load(os.path.join(path, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+        mm.load_megatron_state(self.module, state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["megatron_tracker"])
