@@ -61,6 +61,10 @@ class PromptDataloader:
         self.batch_in_epoch += 1
         return [self.problems[i] for i in self._order[start : start + self.batch_size]]
 
+    def next_batch(self) -> list[MathProblem]:
+        """Same as ``next(loader)``: the next ``batch_size`` problems."""
+        return next(self)
+
     def state_dict(self) -> DataloaderState:
         """Position in the stream as plain ints (see :class:`~nemo_rl_spec.data.interfaces.DataloaderState`)."""
         return DataloaderState(
