@@ -22,7 +22,9 @@ import concurrent.futures
 import logging
 import multiprocessing
 import re
+import signal
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from nemo_rl_spec.environments.interfaces import EnvironmentInterface
@@ -83,9 +85,21 @@ def score_response(response: str, ground_truth: str, timeout_s: int | None) -> f
 
 
 def _score_chunk(pairs: list[tuple[str, str]]) -> list[float]:
-    """Worker-process entry point: score (response, ground_truth) pairs in this process's main thread."""
-    timeout_s = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    return [score_response(r, g, timeout_s) for r, g in pairs]
+    """Score (response, ground_truth) pairs; also the worker-process entry point.
+
+    On the main thread math-verify's ``signal.alarm`` would cancel any timer the caller had armed (e.g.
+    pytest-timeout's); the caller's ITIMER_REAL is saved and re-armed with its remaining time afterwards.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return [score_response(r, g, None) for r, g in pairs]
+    remaining_s, interval_s = signal.getitimer(signal.ITIMER_REAL)
+    start = time.monotonic()
+    try:
+        return [score_response(r, g, TIMEOUT_S) for r, g in pairs]
+    finally:
+        if remaining_s > 0:
+            elapsed = time.monotonic() - start
+            signal.setitimer(signal.ITIMER_REAL, max(remaining_s - elapsed, 1e-3), interval_s)
 
 
 class MathEnvironment(EnvironmentInterface):

@@ -1,4 +1,5 @@
 """Math environment: answer extraction and math-verify rewards on real strings, off-main-thread use, workers."""
+import signal
 import threading
 
 import pytest
@@ -77,6 +78,19 @@ def test_off_main_thread_does_not_crash_and_still_verifies(env):
     thread.join(timeout=120)
     assert not thread.is_alive()
     assert result["rewards"].tolist() == [c[2] for c in CASES]
+
+
+def test_callers_alarm_timer_survives_scoring(env):
+    # math-verify's signal.alarm(0) would silently cancel a timer armed by the caller (e.g. pytest-timeout)
+    previous = signal.signal(signal.SIGALRM, lambda *_: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 300.0)
+        env.step(["\\boxed{1}"], [{"answer": "1"}])
+        remaining, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 200.0 < remaining <= 300.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_worker_processes_match_inline():
