@@ -12,9 +12,10 @@ math-verify's business: ``\\frac{1}{2}`` == ``0.5``, ``1,000`` == ``1000``, ``50
 Timeouts and threads: math-verify bounds parsing and comparison with ``signal.alarm``, which only works in the
 main thread (elsewhere it raises ``ValueError: signal only works in main thread``). :class:`MathEnvironment`
 therefore passes ``parsing_timeout`` / ``timeout_seconds`` of :data:`TIMEOUT_S` only when called on the main
-thread and ``None`` otherwise (e.g. a threaded Ray actor). Without the alarm, runaway time is bounded instead
-by scoring only the short extracted answer (<= MAX_ANSWER_CHARS characters), never the whole response; with
-``num_workers > 1`` scoring runs in spawned worker processes, whose main thread does get the alarm.
+thread and ``None`` otherwise (e.g. a threaded Ray actor). Without the alarm nothing interrupts a runaway
+sympy call; the risk is reduced (not removed) by scoring only the short extracted answer (<= MAX_ANSWER_CHARS
+characters), never the whole response. For a hard bound use ``num_workers > 1``: scoring then runs in spawned
+worker processes, whose main thread does get the alarm.
 """
 from __future__ import annotations
 
