@@ -1,0 +1,216 @@
+"""slurm/ray.sub on a real Slurm: Debian's slurm-wlm + munge on this machine (scripts/start_local_slurm.sh).
+
+The local cluster has two slurmd daemons on localhost (nodes <host>n1, <host>n2), so a 2-node job really starts
+the Ray head on one node and a worker on the other through srun. The jobs run with this venv on PATH (no
+container: there is no container runtime here). Skips, with the reason, when Slurm is not installed and cannot
+be (not root, no apt-get, no network); set REQUIRE_SLURM=1 to make that a failure instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY_SUB = ROOT / "slurm" / "ray.sub"
+START = ROOT / "scripts" / "start_local_slurm.sh"
+RUN_GRPO = ROOT / "examples" / "run_grpo.py"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+            "DEADLINE"}
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("REQUIRE_SLURM") == "1":
+        pytest.fail(f"Slurm required (REQUIRE_SLURM=1) but unavailable: {reason}")
+    pytest.skip(reason)
+
+
+def _idle_nodes() -> list[str]:
+    try:
+        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.split()[0] for line in out.stdout.splitlines()
+            if len(line.split()) == 2 and line.split()[1] in ("idle", "mixed")]
+
+
+@pytest.fixture(scope="module")
+def slurm_nodes() -> list[str]:
+    """Start (or reuse) the local Slurm; the list of usable node names."""
+    if os.geteuid() == 0:
+        t0 = time.monotonic()
+        proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=900)
+        print(f"start_local_slurm.sh: {time.monotonic() - t0:.1f}s\n{proc.stdout}{proc.stderr}")
+        if proc.returncode != 0:
+            _unavailable(f"scripts/start_local_slurm.sh failed (exit {proc.returncode}): "
+                         f"{(proc.stderr or proc.stdout).strip()[-600:]}")
+    nodes = _idle_nodes()
+    if not nodes:
+        if os.geteuid() != 0:
+            _unavailable("no running Slurm with an idle node, and not root (cannot apt-get install slurm-wlm "
+                         "or start its daemons): run `sudo scripts/start_local_slurm.sh` first")
+        _unavailable("scripts/start_local_slurm.sh succeeded but sinfo shows no idle node")
+    return nodes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job_env(tmp: Path, command: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '/usr/bin:/bin')}",
+        PYTHON=sys.executable,
+        BASE_LOG_DIR=str(tmp / "slurm"),
+        RAY_PORT=str(_free_port()),
+        RAY_CLIENT_PORT=str(_free_port()),
+        RAY_DASHBOARD="false",
+        RAY_START_TIMEOUT_S="300",
+    )
+    if command is not None:
+        env["COMMAND"] = command
+    return env
+
+
+def _submit(tmp: Path, command: str | None, nodes: int = 1, *extra: str) -> str:
+    """sbatch slurm/ray.sub with COMMAND (None: interactive mode); the job id."""
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--nodes={nodes}", f"--chdir={ROOT}", f"--output={tmp}/slurm-%j.out",
+         "--time=00:30:00", *extra, str(RAY_SUB)],
+        env=_job_env(tmp, command), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def _job_fields(job: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def _wait(job: str, tmp: Path, timeout_s: float) -> dict[str, str]:
+    """Poll until the job is in a terminal state; on timeout cancel it and fail with its output."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        fields = _job_fields(job)
+        if fields.get("JobState") in TERMINAL:
+            return fields
+        time.sleep(1)
+    subprocess.run(["scancel", job], timeout=30)
+    pytest.fail(f"job {job} still running after {timeout_s}s:\n{_output(job, tmp)}")
+
+
+def _output(job: str, tmp: Path) -> str:
+    path = tmp / f"slurm-{job}.out"
+    return path.read_text()[-6000:] if path.exists() else "<no output file>"
+
+
+def _log_dir(job: str, tmp: Path) -> Path:
+    return tmp / "slurm" / f"{job}-logs"
+
+
+def _ray_processes(job: str) -> list[str]:
+    """Processes still using this job's Ray temp dir (/tmp/ray_<jobid>)."""
+    out = subprocess.run(["pgrep", "-af", f"/tmp/ray_{job}[/ ]|/tmp/ray_{job}$"], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+def test_two_node_ray_cluster_runs_command_and_tears_down(slurm_nodes, tmp_path):
+    nodes = min(2, len(slurm_nodes))
+    result = tmp_path / "result.json"
+    command = (f"{sys.executable} -c \"import json, os, ray; ray.init(); "
+               f"alive = [n['NodeManagerHostname'] for n in ray.nodes() if n['Alive']]; "
+               f"json.dump({{'alive': len(alive), 'address': os.environ['RAY_ADDRESS']}}, open('{result}', 'w'))\"")
+    t0 = time.monotonic()
+    job = _submit(tmp_path, command, nodes)
+    fields = _wait(job, tmp_path, 600)
+    elapsed = time.monotonic() - t0
+    out = _output(job, tmp_path)
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", out
+    got = json.loads(result.read_text())
+    assert got["alive"] == nodes, out
+    logs = _log_dir(job, tmp_path)
+    assert (logs / "command.exitcode").read_text().strip() == "0"
+    assert (logs / "ray-head.log").is_file() and (logs / "driver.log").is_file()
+    if nodes == 2:
+        assert "Ray runtime started" in (logs / "ray-worker-1.log").read_text()
+        assert f"{nodes} node(s)" in out
+    assert "teardown done" in out
+    assert _ray_processes(job) == []
+    print(f"{nodes}-node job {job}: {elapsed:.1f}s from sbatch to COMPLETED")
+
+
+def test_command_exit_code_is_the_job_exit_code(slurm_nodes, tmp_path):
+    job = _submit(tmp_path, "echo failing on purpose; exit 3")
+    fields = _wait(job, tmp_path, 600)
+    out = _output(job, tmp_path)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "3:0", (fields, out)
+    assert "failing on purpose" in (_log_dir(job, tmp_path) / "driver.log").read_text()
+    assert _ray_processes(job) == []
+
+
+def test_interactive_mode_attach_and_scancel_teardown(slurm_nodes, tmp_path):
+    job = _submit(tmp_path, None)
+    logs = _log_dir(job, tmp_path)
+    end = time.monotonic() + 300
+    while not (logs / "ray-cluster-ready").exists():
+        state = _job_fields(job).get("JobState")
+        assert state not in TERMINAL, (state, _output(job, tmp_path))
+        assert time.monotonic() < end, _output(job, tmp_path)
+        time.sleep(1)
+    # the cluster stays up without COMMAND: attach runs a command on the head node against it
+    time.sleep(3)
+    assert _job_fields(job)["JobState"] == "RUNNING"
+    attach = subprocess.run(
+        ["bash", str(logs / "attach.sh"), sys.executable, "-c",
+         "import ray; ray.init(); print('ATTACHED', int(ray.cluster_resources()['CPU']))"],
+        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+    )
+    assert attach.returncode == 0 and "ATTACHED" in attach.stdout, attach.stdout + attach.stderr
+    assert _ray_processes(job), "Ray should be running before scancel"
+    t0 = time.monotonic()
+    subprocess.run(["scancel", job], check=True, timeout=30)
+    fields = _wait(job, tmp_path, 120)
+    out = _output(job, tmp_path)
+    assert fields["JobState"] == "CANCELLED", out
+    assert time.monotonic() - t0 < 60, out
+    assert "received SIGTERM" in out and "teardown done" in out, out
+    deadline = time.monotonic() + 30   # Slurm reaps the steps' processes asynchronously
+    while _ray_processes(job) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _ray_processes(job) == []
+
+
+def test_one_grpo_step_of_the_tiny_recipe_under_slurm(slurm_nodes, tmp_path):
+    if not RUN_GRPO.is_file():
+        pytest.skip("examples/run_grpo.py does not exist yet")
+    log_dir, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    # RAY_ADDRESS is exported by ray.sub inside the job; the driver joins that cluster
+    command = (f"{sys.executable} examples/run_grpo.py --config configs/grpo_math_tiny.yaml grpo.max_num_steps=1 "
+               f"logger.log_dir={log_dir} checkpointing.checkpoint_dir={ckpt} "
+               "logger.progress_bar=false cluster.ray_address=$RAY_ADDRESS")
+    t0 = time.monotonic()
+    job = _submit(tmp_path, command, 1, "--time=00:40:00")
+    fields = _wait(job, tmp_path, 1500)
+    elapsed = time.monotonic() - t0
+    out = _output(job, tmp_path)
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", out
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"] for r in records}
+    assert 1 in steps, records
+    step1 = next(r for r in records if r["step"] == 1)
+    assert "train/loss" in step1 and "timing/train/total_step_time" in step1, step1
+    assert "Connecting to existing Ray cluster" in (_log_dir(job, tmp_path) / "driver.log").read_text()
+    assert _ray_processes(job) == []
+    print(f"GRPO step under Slurm, job {job}: {elapsed:.1f}s from sbatch to COMPLETED")
