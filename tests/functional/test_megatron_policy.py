@@ -232,3 +232,33 @@ def test_worker_runs_inside_a_ray_actor(tiny_model):
     assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["num_micro_batches"] == 3
     assert abs(metrics["probs_ratio"] - 1.0) < 1e-5  # first step: the policy equals pi_old
     assert "lm_head.weight" in exported
+
+
+def test_half_precision_on_cpu_is_rejected_clearly(tiny_model):
+    cfg = _policy_cfg()
+    cfg["precision"] = "bfloat16"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        MegatronPolicyWorker(cfg, pg_loss, tiny_model[0], seed=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are inactive on CUDA")
+def test_cpu_compat_is_idempotent_local_and_forks_cpu_rng():
+    import megatron.core.transformer.utils as mcore_utils
+    from megatron.core import tensor_parallel
+    from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
+
+    assert apply_cpu_compat() and apply_cpu_compat()
+    assert mcore_utils.torch.cuda.current_device() == "cpu"
+    assert torch.equal(mcore_utils.get_default_causal_mask(3), torch.ones(3, 3).triu(1).bool())
+    with pytest.raises((AssertionError, RuntimeError)):  # the global torch is left alone
+        torch.cuda.current_device()
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    outer = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outer)  # fork restores the outer stream
+    with tracker.fork():
+        second = torch.rand(3)
+    expected = torch.rand(6, generator=torch.Generator().manual_seed(5 + 2718))  # megatron's TP seed offset
+    assert torch.equal(torch.cat([first, second]), expected)  # the named stream advances across forks

@@ -20,7 +20,9 @@ The patches, each with its reason:
    ``torch`` global is replaced by a proxy that forwards everything to ``torch`` except: factory
    functions map a CUDA ``device`` argument to ``"cpu"``, and ``torch.cuda`` is a namespace whose
    ``current_device`` returns ``"cpu"``, whose streams/events/synchronize are no-ops and whose RNG
-   functions act on the CPU generator.
+   functions act on the CPU generator (so ``model_parallel_cuda_manual_seed(seed)`` reseeds the CPU
+   generator with ``seed``, as it reseeds the default CUDA generator on a GPU). ``tensor.cuda()`` calls
+   are not patched: the dense path with world size 1 never reaches them.
 3. **CPU RNG tracker** (:class:`CpuRNGStatesTracker`). Megatron's ``CudaRNGStatesTracker`` (used by
    ``model_parallel_cuda_manual_seed`` and forked around dropout / weight init) stores CUDA generator
    states. The replacement keeps named CPU generator states with the same ``add``/``fork`` semantics,

@@ -11,6 +11,11 @@ Megatron's grad-norm clipping). Config keys read (``policy`` section of the reci
     policy.generation.temperature (logits are divided by it in ``train``, as in ``get_logprobs``),
     policy.megatron_cfg.{tensor,pipeline}_model_parallel_size, policy.megatron_cfg.num_threads,
     policy.megatron_cfg.optimizer.{lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad}
+
+``policy.train_global_batch_size`` is not read: ``train`` makes exactly one optimizer step over all rows it
+is given (the driver sizes the batch). The learning rate is constant (no scheduler). ``precision`` must be
+float32 on CPU. Data parallelism across several workers would need one shared process group; each worker
+here initialises its own world of size 1.
 """
 from __future__ import annotations
 
@@ -40,13 +45,13 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, input_lengths:
     """Log-prob of each token given its prefix, aligned with ``input_ids``.
 
     ``out[b, s] = log_softmax(logits[b, s-1] / temperature)[input_ids[b, s]]`` for 1 <= s < input_lengths[b],
-    0 at s = 0 and on padding. Computed as ``gathered logit - logsumexp`` (no second [B, S, V] tensor).
+    0 at s = 0 and on padding. (``log_softmax`` then gather, the very ops of the usual reference; the
+    cheaper ``gather - logsumexp`` differs from it by ~2e-5 at SmolLM2's logit scale.)
 
     Shape: logits [B, S, V], input_ids [B, S], input_lengths [B] -> [B, S] float32.
     """
-    scaled = logits.float() / temperature
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    next_token = scaled[:, :-1].gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled[:, :-1], dim=-1)
+    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    next_token = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     valid = positions[1:].unsqueeze(0) < input_lengths.unsqueeze(1)
     return torch.nn.functional.pad(torch.where(valid, next_token, 0.0), (1, 0))
@@ -72,7 +77,7 @@ class MegatronPolicyWorker(PolicyInterface):
         torch.set_num_threads(int(mcfg["num_threads"]))
         apply_cpu_compat()
         self.cfg, self.loss_fn, self.model_path = policy_cfg, loss_fn, model_path
-        self.dtype = mm._DTYPES[policy_cfg["precision"]]
+        self.dtype = self._param_dtype(policy_cfg["precision"])
         self.train_temperature = float(policy_cfg["generation"]["temperature"])
         self._seed_everything(seed)
         self.spec = mm.model_spec_from_hf_config(mm.load_hf_config(model_path))
@@ -90,6 +95,20 @@ class MegatronPolicyWorker(PolicyInterface):
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
+
+    @staticmethod
+    def _param_dtype(precision: str) -> torch.dtype:
+        """float32 everywhere; bfloat16/float16 only on CUDA (Megatron's mixed-precision optimizer
+        type-checks for ``torch.cuda.*Tensor`` parameters).
+
+        Raises:
+            ValueError: unknown precision, or half precision without CUDA.
+        """
+        if precision not in mm.PRECISIONS:
+            raise ValueError(f"policy.precision={precision!r}; expected one of {sorted(mm.PRECISIONS)}")
+        if precision != "float32" and not torch.cuda.is_available():
+            raise ValueError(f"policy.precision={precision!r} needs CUDA; use float32 on CPU")
+        return mm.PRECISIONS[precision]
 
     def _wrap_ddp(self, module: torch.nn.Module) -> DistributedDataParallel:
         ddp_config = DistributedDataParallelConfig(
