@@ -127,7 +127,8 @@ def test_hand_computed_selections_deferrals_evictions_and_counts():
         assert m(sel, "rollout_alloc/zero_adv_group_frac") == 0.0
     assert sels[0].metrics["rollout_alloc/gen_rounds"] == 2 and sels[1].metrics["rollout_alloc/gen_rounds"] == 1
     assert [m(s, "pilot_commit/evicted_total") for s in sels] == [0, 1, 2, 2, 2, 2]
-    assert m(sels[4], "pilot_commit/deferred_in_epoch") == 2       # 2 and 7 deferred in epoch 2
+    # deferred this epoch: {2, 7} in the epoch's 2nd half, {2} right after a new epoch began
+    assert [m(s, "pilot_commit/deferred_in_epoch") for s in sels] == [2, 1, 2, 1, 2, 1]
     assert m(sels[5], "pilot_commit/from_buffer") == 1
     # versions: step 5 trains prompt 5 (pilot v4, commit v5) and buffered prompt 4 (pilot v3, commit v5)
     assert sels[5].groups[0].policy_versions.tolist() == [4, 4, 5, 5, 5, 5]
@@ -182,6 +183,35 @@ def test_rising_success_rate_leads_to_eviction():
     assert [m(s, "pilot_commit/pool_size") for s in sels] == [2, 2, 2, 1, 1, 1]
     assert [m(s, "rollout_alloc/step_rollouts") for s in sels] == [4 + 2 + 4, 2 + 4, 4 + 4, 2 + 4, 2 + 2, 2 + 2]
     assert [m(s, "rollout_alloc/epoch") for s in sels] == [1, 2, 3, 4, 5, 6]
+
+
+def fixed_rewards_generate(table: dict[int, list[float]]):
+    """Pilot rewards from ``table[prompt_id]``; commits all 0.5 (irrelevant here)."""
+    def generate(requests):
+        return [r.result(table[r.prompt_id] if r.stage == Stage.PILOT else [0.5] * r.n, 0) for r in requests]
+    return generate
+
+
+def test_threshold_boundaries_follow_the_paper():
+    # p_hat < p_lower too hard, p_hat > p_upper too easy, p_lower <= p_hat <= p_upper selected
+    table = {0: [0, 0, 0, 0], 1: [1, 0, 0, 0], 2: [1, 1, 0, 0], 3: [1, 1, 1, 0], 4: [1, 1, 1, 1]}
+    config = cfg(n_pilot=4, pilot_batch_size=5, rollout_budget_per_step=20 + 3 * 4, p_lower=0.25, p_upper=0.75,
+                 bind_pilot_to_commit=False)
+    alloc = PilotCommitAllocator(range(5), config, shuffle=False)
+    sel = alloc.step(fixed_rewards_generate(table))
+    assert group_ids(sel) == [1, 2, 3]
+    assert (m(sel, "pilot_commit/deferred"), m(sel, "pilot_commit/too_easy")) == (1, 1)
+
+
+def test_commit_top_fallback_prefers_highest_pilot_success_rate():
+    # p_lower=0.6 makes p_hat 0, 1/4, 2/4 too hard; K=2 -> the fallback commits 2/4 (prompt 2) then 1/4 (prompt 0)
+    table = {0: [1, 0, 0, 0], 1: [0, 0, 0, 0], 2: [1, 1, 0, 0], 3: [0, 0, 0, 0]}
+    config = cfg(n_pilot=4, pilot_batch_size=4, rollout_budget_per_step=16 + 2 * 4, p_lower=0.6, p_upper=0.9,
+                 bind_pilot_to_commit=False)
+    alloc = PilotCommitAllocator(range(4), config, shuffle=False)
+    sel = alloc.step(fixed_rewards_generate(table))
+    assert group_ids(sel) == [2, 0]
+    assert m(sel, "pilot_commit/fallback_used") == 1 and m(sel, "pilot_commit/deferred") == 4
 
 
 # ----------------------------------------------------------------------------------------------- edge cases
