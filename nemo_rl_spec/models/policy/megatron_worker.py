@@ -189,7 +189,7 @@ class MegatronPolicyWorker(PolicyInterface):
         for _, _, mb in self._micro_batches(data, int(self.cfg["train_micro_batch_size"])):
             curr_logprobs = self._forward_logprobs(mb, self.train_temperature)
             loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
-            loss.backward()
+            self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
             losses.append(float(loss.detach()))
             per_mb_metrics.append(metrics)
         self.model.finish_grad_sync()
