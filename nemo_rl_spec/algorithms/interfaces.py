@@ -177,6 +177,36 @@ class TrainSelection:
         """Rollouts in the train batch."""
         return sum(g.size for g in self.groups)
 
+    @property
+    def results(self) -> list[RolloutResult]:
+        """Every result in row order (group by group, each group's results in order); concatenating their payloads
+        row-wise gives rows aligned with :attr:`rewards`."""
+        return [r for g in self.groups for r in g.results]
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        """Shape: [num_rollouts] float32, group-major (the layout GRPO advantage code expects)."""
+        return torch.cat([g.rewards for g in self.groups]) if self.groups else torch.zeros(0)
+
+    @property
+    def policy_versions(self) -> torch.Tensor:
+        """Shape: [num_rollouts] int64, aligned with :attr:`rewards`."""
+        if not self.groups:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.cat([g.policy_versions for g in self.groups])
+
+    @property
+    def group_size(self) -> int:
+        """Rollouts per group (uniform/DAPO: n; Pilot-Commit: n_pilot + n_commit); 0 for an empty batch.
+
+        Raises:
+            ValueError: groups of different sizes.
+        """
+        sizes = {g.size for g in self.groups}
+        if len(sizes) > 1:
+            raise ValueError(f"train groups have different sizes {sorted(sizes)}")
+        return sizes.pop() if sizes else 0
+
     def max_policy_lag(self, current_version: int) -> int:
         """Largest ``current_version - policy_version`` over the batch's rollouts (0 for an empty batch)."""
         versions = [r.policy_version for g in self.groups for r in g.results]

@@ -229,7 +229,8 @@ class AllocatorBase(RolloutAllocator):
             self._validate(res)
             ordered.append(res)
         if by_key:
-            raise ValueError(f"results for prompts that were not requested: {sorted((k[0], k[1].value) for k in by_key)}")
+            extra = sorted((k[0], k[1].value) for k in by_key)
+            raise ValueError(f"results for prompts that were not requested: {extra}")
         self._issued = None
         for res in ordered:
             self._step_rollouts += res.rewards.numel()

@@ -121,6 +121,7 @@ def test_hand_computed_selections_deferrals_evictions_and_counts():
         assert m(sel, "pilot_commit/buffer_size") == buf
         assert m(sel, "rollout_alloc/epoch") == epoch
         assert m(sel, "pilot_commit/committed") == 2
+        assert sel.group_size == 2 + 4 and sel.num_rollouts == m(sel, "rollout_alloc/train_rollouts") == 12
         for g in sel.groups:  # M prompts: pilot [1,0] + commit [1,0,1,0]; var 0.25, never zero-advantage
             assert g.rewards.tolist() == [1, 0, 1, 0, 1, 0]
         assert m(sel, "rollout_alloc/mean_group_reward_var") == 0.25

@@ -99,6 +99,23 @@ def test_group_reward_stats_hand_values():
     assert group_reward_stats([]) == (0.0, 0.0, 0)
 
 
+def test_train_selection_flat_views():
+    from nemo_rl_spec.algorithms.interfaces import TrainSelection
+
+    pilot = RolloutResult(3, Stage.PILOT, [1.0, 0.0], 4, payload="p3")
+    commit = RolloutResult(3, Stage.COMMIT, [1.0, 1.0, 0.0], 5, payload="c3")
+    other = RolloutResult(8, Stage.COMMIT, [0.0, 0.0, 1.0, 1.0, 0.0], 5, payload="c8")
+    sel = TrainSelection(0, [TrainGroup(3, [pilot, commit]), TrainGroup(8, [other])])
+    assert sel.rewards.tolist() == [1, 0, 1, 1, 0, 0, 0, 1, 1, 0]
+    assert sel.policy_versions.tolist() == [4, 4, 5, 5, 5, 5, 5, 5, 5, 5]
+    assert [r.payload for r in sel.results] == ["p3", "c3", "c8"]
+    assert sel.group_size == 5 and sel.num_rollouts == 10 and sel.max_policy_lag(6) == 2
+    with pytest.raises(ValueError, match="different sizes"):
+        TrainSelection(0, [TrainGroup(3, [pilot]), TrainGroup(8, [other])]).group_size
+    empty = TrainSelection(1, [])
+    assert (empty.rewards.numel(), empty.policy_versions.numel(), empty.group_size) == (0, 0, 0)
+
+
 def test_result_validation():
     with pytest.raises(ValueError, match="NaN"):
         RolloutResult(0, Stage.GROUP, [float("nan")], 0)
