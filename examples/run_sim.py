@@ -1,0 +1,161 @@
+"""Performance simulator of RL steps with speculative rollouts (nemo_rl_spec.sim).
+
+Sweep (every scenario in configs/sim, the paper comparison, k/acceptance/batch/hardware/scale sweeps, the 235B
+projection; a table on stdout, JSON at --out, PNG plots next to it):
+
+    python examples/run_sim.py --out results/sim/sim.json
+
+Calibrate the CPU profile from a measured run (writes a scenario YAML with fitted efficiencies and prints the
+per-phase errors; --spec-metrics adds the fidelity check: AR-fitted profile -> speculative run):
+
+    python examples/run_sim.py calibrate --metrics logs/<run>/metrics.jsonl [--spec-metrics logs/<spec>/metrics.jsonl]
+        [--scenario configs/sim/cpu_smollm2_default.yaml] --out results/sim/cpu_fitted.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from nemo_rl_spec.sim import paper, report, sweeps  # noqa: E402
+from nemo_rl_spec.sim.calibrate import calibrate, read_jsonl  # noqa: E402
+from nemo_rl_spec.sim.config import CONFIG_DIR, load_scenario, scenario_files  # noqa: E402
+from nemo_rl_spec.sim.cpu_profile import DESIGN_DECODE_STEPS, design_fit_errors  # noqa: E402
+from nemo_rl_spec.sim.formulas import expected_tokens_per_pass, speculative_speedup  # noqa: E402
+from nemo_rl_spec.sim.simulate import generation_traces, pass_cost_ratios, simulate  # noqa: E402
+from nemo_rl_spec.sim.step import resolve  # noqa: E402
+
+PUBLISHED_FORMULA_CASES = ((0.8, 3, 0.05), (0.6, 2, 0.1), (0.0, 3, 0.05))
+
+
+def formula_checks() -> list[dict[str, float]]:
+    """Expected tokens per pass and speedup for the published (alpha, k, c) cases."""
+    return [{"alpha": a, "k": k, "draft_cost": c, "tokens_per_pass": expected_tokens_per_pass(a, k),
+             "speedup": speculative_speedup(a, k, c)} for a, k, c in PUBLISHED_FORMULA_CASES]
+
+
+def result_entry(scn, res) -> dict[str, Any]:
+    """JSON entry of one scenario: speedups, phases, drivers and the paper comparison when published values exist."""
+    entry = {"generation_speedup": res.generation_speedup, "e2e_speedup": res.e2e_speedup,
+             "ar_step_s": res.ar_step_s, "spec_step_s": res.spec_step_s, "ar": res.ar.model_dump(),
+             "spec": res.spec.model_dump(), "details": res.details, "description": scn.description}
+    if scn.paper:
+        entry["paper_comparison"] = paper.compare_to_paper(scn, res)
+    return entry
+
+
+def run_sweeps(scns: dict[str, Any]) -> dict[str, Any]:
+    """k, acceptance, batch, hardware and scale sweeps around the shipped scenarios."""
+    zero, think = scns["paper_8b_rl_zero"], scns["paper_8b_rl_think"]
+    big, cpu = scns["qwen3_235b_2048gb200_async"], scns["cpu_smollm2_default"]
+    batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    batch = {f"{hw} 8B, {ctx} ctx": sweeps.pass_speedup_vs_batch(zero, batches, float(ctx), hw)
+             for hw in ("h100", "gb200") for ctx in (512, 4096)}
+    batch["cpu smollm2 (random head), 128 ctx"] = sweeps.pass_speedup_vs_batch(cpu, [1, 2, 4, 8, 16, 32, 64], 128.0)
+    return {"k": {name: sweeps.k_sweep(s) for name, s in (("paper_8b_rl_zero", zero), ("paper_8b_rl_think", think))},
+            "k_shape": {name: paper.k_sweep_shape(s) for name, s in (("paper_8b_rl_zero", zero),
+                                                                    ("paper_8b_rl_think", think))},
+            "acceptance": sweeps.acceptance_sweep(zero), "batch": batch,
+            "concurrency": sweeps.concurrency_sweep(zero),
+            "hardware": sweeps.hardware_sweep(zero), "scale": sweeps.scale_sweep(big)}
+
+
+def write_plots(out: Path, scns: dict[str, Any], sw: dict[str, Any]) -> list[str]:
+    """All plots, named <out stem>_<kind>.png next to the JSON."""
+    stem = out.with_suffix("")
+    pub = {n: scns[n].paper for n in ("paper_8b_rl_zero", "paper_8b_rl_think")}
+    c1 = pass_cost_ratios(resolve(scns["paper_8b_rl_zero"]), 1.0, 2200.0)["draft_cost"]  # draft cost at batch 1
+    closed = [speculative_speedup(r["alpha"], 3, c1) for r in sw["acceptance"]]
+    measured = [(b, plain / eagle) for b, (plain, eagle) in DESIGN_DECODE_STEPS.items()]
+    ar, sp = generation_traces(scns["paper_8b_rl_zero"])
+    paths = [report.plot_k_sweep(sw["k"], pub, Path(f"{stem}_k_sweep.png")),
+             report.plot_acceptance(sw["acceptance"], closed, Path(f"{stem}_acceptance.png")),
+             report.plot_batch(sw["batch"], sw["concurrency"], measured, Path(f"{stem}_batch.png")),
+             report.plot_scale(sw["scale"], Path(f"{stem}_scale.png")),
+             report.plot_traces(ar, sp, "RL-Zero generation, slowest engine", Path(f"{stem}_trace.png"))]
+    return [str(p) for p in paths]
+
+
+def sweep_main(args: argparse.Namespace) -> int:
+    """Run everything, print the table and the paper comparison, write JSON (+ plots)."""
+    scns = {load_scenario(f).name: load_scenario(f) for f in scenario_files(args.config_dir)}
+    results = {name: simulate(s) for name, s in scns.items()}
+    big = scns["qwen3_235b_2048gb200_async"]
+    proj = paper.projection(big)
+    sw = run_sweeps(scns)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"formulas": formula_checks(),
+           "scenarios": {n: result_entry(scns[n], r) for n, r in results.items()},
+           "projection_235b": proj, "sweeps": sw,
+           "cpu_profile": {"design_fit_errors": design_fit_errors().tolist(),
+                           "fidelity_vs_measured_run": "pending: run `examples/run_sim.py calibrate` on metrics.jsonl"}}
+    for row in proj["rows"]:
+        doc["scenarios"][f"{big.name}_k{row['k']}"] = {"generation_speedup": row["generation_speedup"],
+                                                       "e2e_speedup": row["e2e_speedup"], **row}
+    doc["hardware_8b_rl_zero"] = {r["hardware"]: r for r in sw["hardware"]}
+    if not args.no_plots:
+        doc["plots"] = write_plots(out, scns, sw)
+    out.write_text(json.dumps(report.to_jsonable(doc), indent=1))
+    print_summary(list(results.values()), doc)
+    print(f"wrote {out}")
+    return 0
+
+
+def print_summary(results: list, doc: dict[str, Any]) -> None:
+    """Table of scenarios, paper errors, k-sweep shape and projection."""
+    print(report.table(results))
+    for name, entry in doc["scenarios"].items():
+        for key, cmp in entry.get("paper_comparison", {}).items():
+            print(f"  {name:<22} {key:<20} predicted {cmp['predicted']:8.3f}  paper {cmp['paper']:8.3f}"
+                  f"  error {100 * cmp['error']:+6.1f}%")
+    for name, shape in doc["sweeps"]["k_shape"].items():
+        steps = ", ".join(f"k={k}: {t:.1f}s" for k, t in shape["spec_step_s"].items())
+        print(f"  k sweep {name}: {steps}; best k={shape['best_k']}; k7 slower than k3: {shape['k7_slower_than_k3']}")
+    for row in doc["projection_235b"]["rows"]:
+        print(f"  235B async k={row['k']}: generation {row['generation_speedup']:.2f}x, e2e {row['e2e_speedup']:.2f}x"
+              f" (vs sync AR: e2e {row['e2e_speedup_vs_sync_ar']:.2f}x; sync only: generation "
+              f"{row['sync_generation_speedup']:.2f}x, e2e {row['sync_e2e_speedup']:.2f}x)")
+
+
+def calibrate_main(argv: list[str]) -> int:
+    """Fit a scenario to measured metrics.jsonl files; print the report; write the fitted scenario YAML."""
+    p = argparse.ArgumentParser(prog="run_sim.py calibrate", description=calibrate.__doc__)
+    p.add_argument("--metrics", required=True, help="metrics.jsonl of the autoregressive run")
+    p.add_argument("--spec-metrics", help="metrics.jsonl of the speculative run (fidelity check)")
+    p.add_argument("--scenario", default=str(CONFIG_DIR / "cpu_smollm2_default.yaml"))
+    p.add_argument("--skip", type=int, default=1, help="warm-up steps to ignore")
+    p.add_argument("--out", required=True, help="fitted scenario YAML")
+    args = p.parse_args(argv)
+    spec = read_jsonl(args.spec_metrics) if args.spec_metrics else None
+    fitted, rep = calibrate(load_scenario(args.scenario), read_jsonl(args.metrics), spec, args.skip)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = fitted.model_dump(exclude_none=True)
+    data["name"] = f"{fitted.name}_fitted"
+    out.write_text(yaml.safe_dump(report.to_jsonable(data), sort_keys=False))
+    print(json.dumps(report.to_jsonable(rep), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "calibrate":
+        return calibrate_main(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON output; plots are written next to it")
+    p.add_argument("--config-dir", default=str(CONFIG_DIR))
+    p.add_argument("--no-plots", action="store_true")
+    return sweep_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
