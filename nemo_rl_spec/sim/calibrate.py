@@ -132,7 +132,7 @@ def calibrate(scenario: ScenarioSpec, ar_records: list[dict], spec_records: list
     if spec_records:
         sp_summary = summarize(spec_records, skip)
         sp_meas = measured_phases(sp_summary)
-        sp_scn = with_measured_inputs(fitted, sp_summary)
+        sp_scn = with_measured_inputs(scenario.model_copy(update=dict(efficiency=fitted.efficiency)), sp_summary)
         report["measured_spec"] = sp_meas.model_dump()
         # "other" (prepare, scoring, bookkeeping) is not modelled: the AR run's measured value is the prediction.
         report["spec_errors"] = phase_errors(predict(sp_scn, True).model_copy(update=dict(other=ar_meas.other)), sp_meas)

@@ -1,0 +1,68 @@
+"""RL-step composition: Pilot-Commit counts, sync/async formulas, refit/log-prob/training by hand, baseline fit."""
+import numpy as np
+import pytest
+
+from nemo_rl_spec.sim import model_math as mm
+from nemo_rl_spec.sim.config import CONFIG_DIR, load_scenario
+from nemo_rl_spec.sim.formulas import phase_amdahl_speedup
+from nemo_rl_spec.sim.interfaces import LayoutSpec, PilotCommitSpec, ScenarioSpec
+from nemo_rl_spec.sim.phases import logprob_seconds, refit_seconds, training_seconds
+from nemo_rl_spec.sim.presets import MODELS, resolve_profile
+from nemo_rl_spec.sim.simulate import async_step, simulate
+from nemo_rl_spec.sim.step import resolve, rollout_counts, scenario_lengths
+
+
+def zero() -> ScenarioSpec:
+    return load_scenario(CONFIG_DIR / "paper_8b_rl_zero.yaml")
+
+
+def test_pilot_commit_rollout_counts():
+    data = zero().model_dump()
+    data["workload"]["pilot_commit"] = PilotCommitSpec(sampling_prompts=64, n_pilot=4, n_commit=12,
+                                                       selected_fraction=0.25).model_dump()
+    # 64 x 4 pilot + 16 selected x 12 commit generated; 16 x (4 + 12) trained
+    assert rollout_counts(ScenarioSpec.model_validate(data)) == (448, 256)
+    assert rollout_counts(zero()) == (8192, 8192)
+
+
+def test_refit_by_hand():
+    prof = resolve_profile("gb200", {"refit_overhead_s": 1.0, "refit_bw_eff": 0.5})
+    lay = LayoutSpec(total_devices=8, gen_devices_per_engine=2)
+    # 1e9 params * 2 B / 2 devices = 1e9 B per device over 900 GB/s * 0.5
+    assert refit_seconds(10 ** 9, 2.0, prof, lay) == pytest.approx(1.0 + 1e9 / 450e9)
+
+
+def test_logprob_and_training_from_flops():
+    m, prof = MODELS["qwen3-8b"], resolve_profile("gb200", {"logprob_mfu": 0.4, "train_mfu": 0.4})
+    seqs = np.array([1000.0, 3000.0])
+    flops = mm.forward_flops_sequences(m, seqs)
+    assert logprob_seconds(m, prof, 32, seqs) == pytest.approx(flops / (32 * 2.5e15 * 0.4))
+    assert logprob_seconds(m, prof, 32, seqs, with_reference=True) == pytest.approx(2 * flops / (32 * 2.5e15 * 0.4))
+    assert training_seconds(m, prof, 32, seqs) == pytest.approx(3 * logprob_seconds(m, prof, 32, seqs))
+
+
+def test_baseline_fit_and_sync_composition():
+    scn = zero()
+    r = simulate(scn)
+    assert r.ar.generation == pytest.approx(100.0, rel=1e-3)  # lengths fitted to the measured AR generation
+    assert r.ar_step_s == pytest.approx(r.ar.total) and r.spec_step_s == pytest.approx(r.spec.total)
+    assert r.spec.other == 51.2
+    assert r.e2e_speedup == pytest.approx(r.ar.total / r.spec.total, rel=1e-12)
+    # Amdahl over the phase fractions; the only other change is the draft's refit (~1 ms)
+    amdahl = phase_amdahl_speedup({"gen": r.ar.generation, "rest": 51.2}, {"gen": r.generation_speedup})
+    assert r.e2e_speedup == pytest.approx(amdahl, rel=1e-4)
+    assert 0 < r.spec.refit < 0.01
+
+
+def test_async_step_formula():
+    scn = load_scenario(CONFIG_DIR / "qwen3_235b_2048gb200_async.yaml")
+    res = resolve(scn)
+    step, ph = async_step(res, scenario_lengths(res), False, 1536)
+    assert step == pytest.approx(max(ph.generation, ph.logprob + ph.training) + ph.refit)
+
+
+def test_async_needs_separate_pools():
+    data = load_scenario(CONFIG_DIR / "qwen3_235b_2048gb200_async.yaml").model_dump()
+    data["layout"]["colocated"] = True
+    with pytest.raises(ValueError, match="non-colocated"):
+        simulate(ScenarioSpec.model_validate(data))
