@@ -214,3 +214,67 @@ def test_one_grpo_step_of_the_tiny_recipe_under_slurm(slurm_nodes, tmp_path):
     assert "Connecting to existing Ray cluster" in (_log_dir(job, tmp_path) / "driver.log").read_text()
     assert _ray_processes(job) == []
     print(f"GRPO step under Slurm, job {job}: {elapsed:.1f}s from sbatch to COMPLETED")
+
+
+# ---- container plumbing, without Slurm: stub srun/scontrol/squeue/scancel on PATH --------------------------------
+STUB_SRUN = r"""#!/bin/bash
+# records its arguments (one JSON list per call), then emulates the step by its --job-name
+python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >> "$STUB_LOG"
+name=""; args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[$i]}" in --job-name=*) name=${args[$i]#--job-name=} ;; bash) cmd=("${args[@]:$i}"); break ;; esac
+done
+case "$name" in
+  ray-head|ray-worker-*) exec sleep 300 ;;
+  ray-wait) echo "ray nodes: 2, resources: {'CPU': 4.0}"; exit 0 ;;
+  driver) exec "${cmd[@]}" ;;
+  *) exit 0 ;;
+esac
+"""
+STUB_SCONTROL = r"""#!/bin/bash
+case "$1 $2" in
+  "show hostnames") echo "$3" | tr ',' '\n' ;;
+  "show node") echo "NodeName=$3 Arch=x86_64 NodeAddr=127.0.0.1 NodeHostName=$3" ;;
+esac
+"""
+
+
+def test_container_flags_reach_every_step_without_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"srun": STUB_SRUN, "scontrol": STUB_SCONTROL, "squeue": "#!/bin/bash\n",
+                       "scancel": "#!/bin/bash\n"}.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    log, seen_env = tmp_path / "srun.jsonl", tmp_path / "driver_env.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", STUB_LOG=str(log), SLURM_JOB_ID="4242",
+               SLURM_JOB_NODELIST="nodeA,nodeB", SLURM_SUBMIT_DIR=str(tmp_path), BASE_LOG_DIR=str(tmp_path / "logs"),
+               CONTAINER="/images/nemo_rl_spec.sqsh", MOUNTS="/lustre:/lustre,/home/u:/home/u", RAY_PORT="16379",
+               COMMAND=f"env | grep -E '^RAY_(ADDRESS|AUTH_MODE)=' | sort > {seen_env}; exit 7")
+    proc = subprocess.run(["bash", str(RAY_SUB)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    names = [next(a.split("=", 1)[1] for a in c if a.startswith("--job-name=")) for c in calls]
+    assert sorted(names) == ["driver", "ray-head", "ray-wait", "ray-worker-1"], names  # 3 start concurrently
+    assert names[-1] == "driver"
+    for call in calls:
+        assert "--overlap" in call
+        assert "--container-image=/images/nemo_rl_spec.sqsh" in call
+        assert "--container-mounts=/lustre:/lustre,/home/u:/home/u" in call
+        assert f"--container-workdir={tmp_path}" in call
+    by_name = dict(zip(names, calls))
+    assert by_name["ray-head"][by_name["ray-head"].index("-w") + 1] == "nodeA"
+    assert by_name["ray-worker-1"][by_name["ray-worker-1"].index("-w") + 1] == "nodeB"
+    assert by_name["driver"][by_name["driver"].index("-w") + 1] == "nodeA"
+    head_cmd, worker_cmd = by_name["ray-head"][-1], by_name["ray-worker-1"][-1]
+    assert "ray start --head --block --node-ip-address=127.0.0.1 --port=16379" in head_cmd
+    assert "--temp-dir=/tmp/ray_4242" in head_cmd
+    assert "ray start --block --address=127.0.0.1:16379" in worker_cmd
+    assert seen_env.read_text().splitlines() == ["RAY_ADDRESS=127.0.0.1:16379", "RAY_AUTH_MODE=token"]
+    logs = tmp_path / "logs" / "4242-logs"
+    assert (logs / "command.exitcode").read_text().strip() == "7"
+    attach = (logs / "attach.sh").read_text()
+    assert "--container-image=/images/nemo_rl_spec.sqsh" in attach and "RAY_AUTH_TOKEN=" in attach
+    assert oct((logs / "attach.sh").stat().st_mode & 0o777) == "0o700"
+    assert "COMMAND exited with 7" in proc.stdout and "teardown done" in proc.stdout
