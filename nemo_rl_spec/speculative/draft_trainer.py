@@ -1,0 +1,126 @@
+"""Online / offline trainer of the EAGLE-3 draft head on the policy's detached hidden states.
+
+The policy worker captures aux hidden states (:func:`~nemo_rl_spec.speculative.capture.capture_hidden_states`)
+and optionally its next-token log-probs during its own forward; both are detached there, and
+:meth:`DraftTrainer.step` refuses tensors that still require grad, so the draft loss can never reach policy
+parameters. The draft has its own optimizer (AdamW) and gradient clipping.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
+from nemo_rl_spec.speculative.interfaces import DraftTrainerInterface
+
+
+class DraftTrainer(DraftTrainerInterface):
+    """Trains an :class:`Eagle3DraftHead` with the training-time-test loss.
+
+    Args:
+        head: the draft head (its ``embed_tokens`` is frozen and not optimised).
+        lr, weight_decay, betas, eps: AdamW settings (``policy.draft.optimizer.*``).
+        max_grad_norm: clip the draft's gradient norm (None: no clipping; the norm is still reported).
+        ttt_steps: unrolled draft steps (usually ``num_speculative_tokens``).
+        step_weights: per-step loss weights (default ``0.8^j``).
+        loss_weight: multiplies the loss (``policy.draft.loss_weight``); reported loss is unweighted.
+        micro_batch_size: rows per forward/backward (gradients accumulate; None: whole batch).
+
+    Attributes:
+        draft_version: number of optimizer steps taken (exported with the weights for versioned refits).
+    """
+
+    def __init__(self, head: Eagle3DraftHead, lr: float = 3e-4, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+                 ttt_steps: int = 3, step_weights: Sequence[float] | None = None, loss_weight: float = 1.0,
+                 micro_batch_size: int | None = None) -> None:
+        self.head = head
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+        self.ttt_steps = int(ttt_steps)
+        self.step_weights = list(step_weights) if step_weights is not None else None
+        self.loss_weight = float(loss_weight)
+        self.micro_batch_size = micro_batch_size
+        self.draft_version = 0
+
+    def sync_embeddings(self, policy_embedding_weight: torch.Tensor) -> None:
+        """Copy the policy's current input embedding into the head (vLLM's drafter shares the target's)."""
+        self.head.set_target_embeddings(policy_embedding_weight)
+
+    def step(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
+             target_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step of the draft on a batch captured from the policy.
+
+        Args:
+            hidden_states: [B, S, n_aux * H] aux hidden states (``HiddenStateCapture.aux_hidden()``), detached.
+            input_ids: [B, S] the sequences the policy processed (prompt + response).
+            mask: [B, S] tokens the draft should learn to predict (e.g. response tokens), bool or 0/1.
+            target_logprobs: optional [B, S, V] policy log-probs of the next token at each position (soft
+                targets); hard targets (the tokens) otherwise.
+
+        Returns:
+            ``train/draft_loss``, ``train/draft_grad_norm`` (before clipping), ``train/draft_lr``,
+            ``train/draft_acc_step{j}`` (teacher-forced top-1 accuracy of step j), ``train/draft_version``.
+
+        Raises:
+            ValueError: an input still requires grad (it would leak the draft loss into the policy).
+        """
+        for name, t in (("hidden_states", hidden_states), ("target_logprobs", target_logprobs)):
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name} requires grad: pass policy tensors through .detach() first")
+        self.head.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        B = input_ids.shape[0]
+        mbs = self.micro_batch_size or B
+        n_valid_total = max(int(mask[:, 2:].bool().sum()), 1)
+        loss_sum, step_metrics = 0.0, {}
+        for start in range(0, B, mbs):
+            sl = slice(start, start + mbs)
+            mb_valid = int(mask[sl, 2:].bool().sum())
+            if mb_valid == 0:
+                continue
+            loss, metrics = self.head.ttt_loss(
+                hidden_states[sl].float(), input_ids[sl], mask[sl], self.ttt_steps,
+                None if target_logprobs is None else target_logprobs[sl], self.step_weights)
+            share = mb_valid / n_valid_total  # token-weighted average over micro-batches
+            (loss * share * self.loss_weight).backward()
+            loss_sum += float(loss.detach()) * share
+            for k, v in metrics.items():
+                step_metrics[k] = step_metrics.get(k, 0.0) + v * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.params, self.max_grad_norm if self.max_grad_norm is not None else math.inf)
+        self.optimizer.step()
+        self.draft_version += 1
+        out = {"train/draft_loss": loss_sum, "train/draft_grad_norm": float(grad_norm),
+               "train/draft_lr": float(self.optimizer.param_groups[0]["lr"]),
+               "train/draft_version": float(self.draft_version)}
+        out.update({f"train/{k}": v for k, v in step_metrics.items()})
+        return out
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Checkpoint-named draft weights for :func:`~nemo_rl_spec.speculative.draft_refit.refit_drafter`."""
+        return self.head.export_state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "draft_version": self.draft_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.head.load_state_dict(state["head"])
+        if "d2t" in state["head"]:
+            self.head.set_draft_vocab(state["head"]["d2t"] + torch.arange(self.head.cfg.draft_vocab_size))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.draft_version = int(state["draft_version"])
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Head in vLLM format (``path/``) plus trainer state (``path/draft_trainer.pt``)."""
+        path = Path(path)
+        self.head.save_pretrained(path)
+        torch.save(self.state_dict(), path / "draft_trainer.pt")
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        self.load_state_dict(torch.load(Path(path) / "draft_trainer.pt", weights_only=True))

@@ -1,0 +1,280 @@
+"""Helpers for lossless-speculation checks: prompt sets, tiny draft / MTP checkpoints, a recorder of vLLM's draft
+proposals, a temperature-0 acceptance simulator, and the distribution test used at temperature 1.
+
+Nothing here needs a GPU or the hub: tiny checkpoints are built from a local target directory (e.g.
+``resolve_model("tiny-qwen3")``) with fixed ``torch.Generator`` seeds.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+SERVING_PROMPT = " ".join(["serving"] * 48)
+
+
+# ----------------------------------------------------------------------------------------------- prompts
+def lossless_prompts(tokenizer, num_prompts: int = 64, seed: int = 0) -> list[list[int]]:
+    """``num_prompts`` token-id prompts: the word "serving" repeated 48 times (a highly repetitive prompt,
+    where drafts accept long runs) plus varied short texts. Deterministic."""
+    subjects = ["the river", "a prime number", "my neighbour's cat", "the GRPO loss", "a red bicycle",
+                "the speed of light", "an old lighthouse", "sorting algorithms", "the moon", "fresh bread",
+                "a chess opening", "the tax code", "quantum tunnelling", "a jazz trio", "the desert at night",
+                "matrix multiplication"]
+    verbs = ["Describe", "Explain", "Write a poem about", "List three facts about"]
+    gen = torch.Generator().manual_seed(seed)
+    texts = [SERVING_PROMPT]
+    i = 0
+    while len(texts) < num_prompts:
+        s = subjects[i % len(subjects)]
+        v = verbs[(i // len(subjects)) % len(verbs)]
+        extra = int(torch.randint(0, 1000, (1,), generator=gen))
+        texts.append(f"{v} {s}. Then compute {extra} + {i}.")
+        i += 1
+    return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+
+
+def first_mismatch(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> tuple[int, int] | None:
+    """(row, token index) of the first difference between two lists of token sequences (a length difference
+    counts at the shorter length), or None when identical."""
+    if len(a) != len(b):
+        return (min(len(a), len(b)), 0)
+    for r, (x, y) in enumerate(zip(a, b)):
+        x, y = list(x), list(y)
+        for i, (u, v) in enumerate(zip(x, y)):
+            if u != v:
+                return (r, i)
+        if len(x) != len(y):
+            return (r, min(len(x), len(y)))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt",
+                                                        "chat_template.jinja", "generation_config.json"):
+            shutil.copy2(f, dst / f.name)
+
+
+def build_truncated_draft(target_dir: str | Path, out_dir: str | Path, num_layers: int = 1,
+                          noise_std: float = 0.0, seed: int = 0) -> Path:
+    """A ``draft_model`` checkpoint: the target's first ``num_layers`` decoder layers + embeddings + final norm
+    (same architecture, tokenizer and vocabulary), optionally perturbed by Gaussian noise (fixed seed).
+
+    Returns the output directory (config.json, model.safetensors, tokenizer files).
+    """
+    from transformers import AutoModelForCausalLM
+
+    target_dir, out = Path(target_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    cfg = model.config
+    keep = num_layers
+    model.model.layers = model.model.layers[:keep]
+    cfg.num_hidden_layers = keep
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:keep]
+    if noise_std > 0:
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, p in sorted(model.named_parameters()):
+                p.add_(torch.randn(p.shape, generator=gen) * noise_std)
+    model.save_pretrained(str(out), safe_serialization=True)
+    _copy_tokenizer(target_dir, out)
+    return out
+
+
+def build_tiny_mimo(tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
+                    num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 1,
+                    intermediate_size: int = 128, embed_std: float = 0.25, linear_std: float = 0.02) -> Path:
+    """A tiny random MiMo checkpoint (``MiMoForCausalLM``: Qwen2 trunk + one MTP layer, the architecture
+    vLLM serves with ``speculative_config={"method": "mtp"}``), with the tokenizer of ``tokenizer_dir``.
+
+    MTP weights (``model.mtp_layers.0.*``): ``token_layernorm``, ``hidden_layernorm``, ``input_proj`` ([H, 2H],
+    input ``[hidden ; embedding]``), a Qwen2 decoder layer (``self_attn.*`` with q/k/v bias, ``mlp.*``,
+    ``input_layernorm``, ``post_attention_layernorm``) and ``final_layernorm``. Tied embeddings.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer_dir, out = Path(tokenizer_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                      intermediate_size=intermediate_size, tie_word_embeddings=True, max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+
+    def init(name: str, shape) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.randn(shape, generator=gen) * linear_std
+        if name.endswith("embed_tokens.weight"):
+            return torch.randn(shape, generator=gen) * embed_std
+        return torch.randn(shape, generator=gen) * linear_std
+
+    state = {}
+    for name, p in sorted(model.named_parameters()):
+        state[name] = init(name, p.shape)
+    H, I = hidden_size, intermediate_size
+    hd = H // num_heads
+    mtp = "model.mtp_layers.0."
+    shapes = {
+        "token_layernorm.weight": (H,), "hidden_layernorm.weight": (H,), "final_layernorm.weight": (H,),
+        "input_proj.weight": (H, 2 * H),
+        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+        "self_attn.q_proj.weight": (num_heads * hd, H), "self_attn.q_proj.bias": (num_heads * hd,),
+        "self_attn.k_proj.weight": (num_kv_heads * hd, H), "self_attn.k_proj.bias": (num_kv_heads * hd,),
+        "self_attn.v_proj.weight": (num_kv_heads * hd, H), "self_attn.v_proj.bias": (num_kv_heads * hd,),
+        "self_attn.o_proj.weight": (H, num_heads * hd),
+        "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+    }
+    for name, shape in shapes.items():
+        state[mtp + name] = init(mtp + name, shape)
+    state.pop("lm_head.weight", None)  # tied
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+    cfg_dict = cfg.to_dict()
+    cfg_dict.update({"architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "num_nextn_predict_layers": 1,
+                     "torch_dtype": "float32", "head_dim": hd})
+    cfg_dict.pop("dtype", None)
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
+    tok.save_pretrained(str(out))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- vLLM probes
+def install_proposal_recorder(llm) -> None:
+    """Wrap the engine's ``drafter.propose`` so every call's proposals ([batch, k] target ids) are kept
+    (in-process engine). Read them with :func:`recorded_proposals`; idempotent."""
+    def install(worker):
+        drafter = worker.model_runner.drafter
+        if getattr(drafter, "_nrs_recorder", None) is not None:
+            drafter._nrs_recorder.clear()
+            return
+        drafter._nrs_recorder = []
+        original = drafter.propose
+
+        def propose(*args, **kwargs):
+            out = original(*args, **kwargs)
+            drafter._nrs_recorder.append(out.detach().to("cpu").clone())
+            return out
+        drafter.propose = propose
+    llm.collective_rpc(install)
+
+
+def recorded_proposals(llm, clear: bool = True) -> list[torch.Tensor]:
+    """Proposals recorded since the last clear, one [batch, k] tensor per engine step."""
+    def read(worker):
+        rec = worker.model_runner.drafter._nrs_recorder
+        out = list(rec)
+        if clear:
+            rec.clear()
+        return out
+    return llm.collective_rpc(read)[0]
+
+
+@dataclass
+class GreedyRound:
+    """One drafting round of a temperature-0 speculative decode: the chain start index (position of the
+    target hidden state), the k proposals, and how many were accepted."""
+
+    chain_index: int
+    proposals: list[int]
+    accepted: int
+
+
+def simulate_greedy_rounds(proposals: torch.Tensor, sequence: Sequence[int], prompt_len: int,
+                           num_generated: int | None = None) -> list[GreedyRound]:
+    """The drafting rounds vLLM runs for one request at temperature 0, given every chain's proposals.
+
+    The first round drafts from chain ``prompt_len - 1`` (hidden state of the last prompt token, token = first
+    generated); a round with ``a`` accepted proposals emits ``a + 1`` tokens and the next chain starts ``a + 1``
+    later. Rounds are listed while at least one more token remains to generate after the round's input token.
+
+    Shape: proposals [S, k] (``Eagle3DraftHead.propose_greedy(...)[b]``), sequence = prompt + generated ids.
+    """
+    seq = list(sequence)
+    end = len(seq) if num_generated is None else prompt_len + num_generated
+    k = proposals.shape[1]
+    rounds, t = [], prompt_len - 1
+    while t + 2 < end:
+        props = [int(x) for x in proposals[t].tolist()]
+        a = 0
+        while a < k and t + 2 + a < end and props[a] == seq[t + 2 + a]:
+            a += 1
+        rounds.append(GreedyRound(t, props, a))
+        t += a + 1
+    return rounds
+
+
+# ----------------------------------------------------------------------------------------------- distribution test
+def chi_square_homogeneity(counts_a: torch.Tensor, counts_b: torch.Tensor,
+                           min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Two-sample chi-square test of homogeneity of two categorical count vectors.
+
+    Categories whose pooled expected count is below ``min_expected`` in either sample are merged into one
+    "rare" bin (the usual validity rule). Returns (statistic, degrees of freedom, p-value).
+    """
+    a, b = counts_a.double(), counts_b.double()
+    na, nb = a.sum(), b.sum()
+    pooled = (a + b) / (na + nb)
+    small = (pooled * torch.minimum(na, nb)) < min_expected
+    if small.any():
+        a = torch.cat([a[~small], a[small].sum().reshape(1)])
+        b = torch.cat([b[~small], b[small].sum().reshape(1)])
+        pooled = (a + b) / (na + nb)
+        keep = pooled > 0
+        a, b, pooled = a[keep], b[keep], pooled[keep]
+    ea, eb = pooled * na, pooled * nb
+    stat = float((((a - ea) ** 2) / ea).sum() + (((b - eb) ** 2) / eb).sum())
+    dof = int(a.numel()) - 1
+    return stat, dof, chi2_sf(stat, dof)
+
+
+def chi_square_goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor,
+                               min_expected: float = 5.0) -> tuple[float, int, float]:
+    """One-sample chi-square test of ``counts`` against exact category probabilities ``probs`` (rare
+    categories, expected count < ``min_expected``, merged into one bin). Returns (statistic, dof, p-value)."""
+    c, p = counts.double(), probs.double() / probs.double().sum()
+    n = c.sum()
+    small = p * n < min_expected
+    if small.any():
+        c = torch.cat([c[~small], c[small].sum().reshape(1)])
+        p = torch.cat([p[~small], p[small].sum().reshape(1)])
+    keep = p > 0
+    if bool((c[~keep] > 0).any()):
+        return float("inf"), int(keep.sum()) - 1, 0.0  # a category with probability 0 was observed
+    c, p = c[keep], p[keep]
+    e = p * n
+    stat = float(((c - e) ** 2 / e).sum())
+    dof = int(c.numel()) - 1
+    return stat, dof, chi2_sf(stat, dof)
+
+
+def chi2_sf(x: float, dof: int) -> float:
+    """Survival function of the chi-square distribution (regularised upper incomplete gamma Q(dof/2, x/2))."""
+    if dof <= 0:
+        return 1.0
+    if x <= 0:
+        return 1.0
+    if not math.isfinite(x):
+        return 0.0
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(x / 2.0, dtype=torch.float64)))
+
+
+def total_variation(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
+    """TV distance between the empirical distributions of two count vectors."""
+    pa = counts_a.double() / counts_a.sum()
+    pb = counts_b.double() / counts_b.sum()
+    return float(0.5 * (pa - pb).abs().sum())

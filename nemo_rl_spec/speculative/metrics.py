@@ -1,0 +1,155 @@
+"""Speculative-decoding acceptance metrics read from vLLM, and the low-acceptance alarm.
+
+vLLM (V1) keeps cumulative Prometheus counters, visible through ``LLM.get_metrics()`` when the engine was
+built with ``disable_log_stats=False``:
+
+- ``vllm:spec_decode_num_drafts``            drafting rounds (one per running request per engine step)
+- ``vllm:spec_decode_num_draft_tokens``      proposed tokens (= drafts * k)
+- ``vllm:spec_decode_num_accepted_tokens``   accepted proposals
+- ``vllm:spec_decode_num_accepted_tokens_per_pos``  accepted proposals at draft position 0..k-1
+
+Metrics of one generation call come from the difference of two snapshots (:class:`SpecDecodeCounters`):
+
+- ``vllm/spec_acceptance_length`` = 1 + accepted / drafts: tokens emitted per target forward (the bonus /
+  correction token plus accepted proposals); 1.0 means nothing is ever accepted.
+- ``vllm/spec_acceptance_rate`` = accepted / draft_tokens.
+- ``vllm/spec_acceptance_rate_pos{i}`` = accepted_at_position_i / drafts (probability that the i-th proposal
+  is accepted; non-increasing in i, since acceptance stops at the first rejection).
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+_DRAFTS = "vllm:spec_decode_num_drafts"
+_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass(frozen=True)
+class SpecDecodeCounters:
+    """Cumulative (or, after subtraction, per-interval) speculative-decoding counts."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_vllm_metrics(cls, metrics) -> "SpecDecodeCounters":
+        """Sum the spec-decode counters over engines/labels in ``LLM.get_metrics()`` output (all zero if the
+        engine has no speculative decoding or runs with ``disable_log_stats=True``)."""
+        drafts = draft_tokens = accepted = 0
+        per_pos: list[int] = []
+        for m in metrics:
+            name = getattr(m, "name", "")
+            if name == _DRAFTS:
+                drafts += int(m.value)
+            elif name == _DRAFT_TOKENS:
+                draft_tokens += int(m.value)
+            elif name == _ACCEPTED:
+                accepted += int(m.value)
+            elif name == _PER_POS:
+                values = [int(v) for v in m.values]
+                per_pos = [a + b for a, b in zip(per_pos + [0] * (len(values) - len(per_pos)), values)]
+        return cls(drafts, draft_tokens, accepted, tuple(per_pos))
+
+    def __sub__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        a = list(self.accepted_per_pos) + [0] * (n - len(self.accepted_per_pos))
+        b = list(other.accepted_per_pos) + [0] * (n - len(other.accepted_per_pos))
+        return SpecDecodeCounters(self.num_drafts - other.num_drafts,
+                                  self.num_draft_tokens - other.num_draft_tokens,
+                                  self.num_accepted_tokens - other.num_accepted_tokens,
+                                  tuple(x - y for x, y in zip(a, b)))
+
+    @property
+    def acceptance_length(self) -> float:
+        """1 + accepted / drafts (tokens per target forward); NaN without drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / proposed; NaN without drafts."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
+
+    def as_metrics(self, prefix: str = "vllm/") -> dict[str, float]:
+        out = {
+            f"{prefix}spec_acceptance_length": self.acceptance_length,
+            f"{prefix}spec_acceptance_rate": self.acceptance_rate,
+            f"{prefix}spec_num_drafts": float(self.num_drafts),
+            f"{prefix}spec_num_draft_tokens": float(self.num_draft_tokens),
+            f"{prefix}spec_num_accepted_tokens": float(self.num_accepted_tokens),
+        }
+        for i, acc in enumerate(self.accepted_per_pos):
+            out[f"{prefix}spec_acceptance_rate_pos{i}"] = acc / self.num_drafts if self.num_drafts else float("nan")
+        return out
+
+
+def read_spec_decode_counters(llm) -> SpecDecodeCounters:
+    """Current cumulative counters of a ``vllm.LLM`` (needs ``disable_log_stats=False``)."""
+    return SpecDecodeCounters.from_vllm_metrics(llm.get_metrics())
+
+
+class SpecDecodeMeter:
+    """Per-call acceptance metrics: ``meter.start(); llm.generate(...); metrics = meter.stop()``."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self._start: SpecDecodeCounters | None = None
+
+    def start(self) -> None:
+        self._start = read_spec_decode_counters(self.llm)
+
+    def stop(self, prefix: str = "vllm/") -> dict[str, float]:
+        if self._start is None:
+            raise RuntimeError("SpecDecodeMeter.stop() without start()")
+        delta = read_spec_decode_counters(self.llm) - self._start
+        self._start = None
+        self.last = delta
+        return delta.as_metrics(prefix)
+
+
+class LowAcceptanceAlarm:
+    """Warns (and reports a metric) when the acceptance length right after a refit falls under ``floor``.
+
+    The failure it catches: the draft silently stops being refit (or is refit with wrong weights) and
+    acceptance collapses to ~1.0 while outputs stay correct (speculation is lossless, so nothing else notices).
+
+    Args:
+        floor: minimum acceptable ``vllm/spec_acceptance_length`` (``policy.draft.acceptance_alarm_floor``,
+            default 1.2).
+        only_after_refit: only judge the first generation after each refit (acceptance may legitimately dip
+            mid-rollout on hard prompts).
+        min_drafts: ignore intervals with fewer drafting rounds (too noisy).
+    """
+
+    METRIC = "vllm/spec_low_acceptance_alarm"
+
+    def __init__(self, floor: float = 1.2, only_after_refit: bool = True, min_drafts: int = 16) -> None:
+        self.floor, self.only_after_refit, self.min_drafts = float(floor), only_after_refit, int(min_drafts)
+        self._pending_refit = False
+        self.num_fired = 0
+
+    def notify_refit(self) -> None:
+        """Call after every (policy + draft) refit."""
+        self._pending_refit = True
+
+    def check(self, metrics: dict[str, float], prefix: str = "vllm/") -> dict[str, float]:
+        """Judge one generation's metrics; returns ``{METRIC: 1.0 | 0.0}`` and warns when it fires."""
+        judged = self._pending_refit or not self.only_after_refit
+        self._pending_refit = False
+        length = metrics.get(f"{prefix}spec_acceptance_length", float("nan"))
+        drafts = metrics.get(f"{prefix}spec_num_drafts", 0.0)
+        fired = judged and drafts >= self.min_drafts and not length >= self.floor  # NaN length fires too
+        if fired:
+            self.num_fired += 1
+            msg = (f"speculative acceptance length {length:.3f} < floor {self.floor:.3f} after a refit: is the draft "
+                   f"still being refit? (drafts={int(drafts)})")
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return {self.METRIC: 1.0 if fired else 0.0}

@@ -1,0 +1,115 @@
+"""Acceptance metrics from vLLM counters, the low-acceptance alarm, draft version rules, greedy-round simulation
+and the chi-square helpers (no engine)."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard, DraftVersionMismatchError
+from nemo_rl_spec.speculative.lossless import (
+    chi2_sf,
+    chi_square_goodness_of_fit,
+    chi_square_homogeneity,
+    first_mismatch,
+    simulate_greedy_rounds,
+    total_variation,
+)
+from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
+
+
+def fake_metrics(drafts, draft_tokens, accepted, per_pos, engines=1):
+    out = [NS(name="vllm:num_requests_running", value=3)]
+    for _ in range(engines):
+        out += [NS(name="vllm:spec_decode_num_drafts", value=drafts),
+                NS(name="vllm:spec_decode_num_draft_tokens", value=draft_tokens),
+                NS(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+                NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=list(per_pos))]
+    return out
+
+
+def test_counters_and_metrics_by_hand():
+    before = SpecDecodeCounters.from_vllm_metrics(fake_metrics(10, 30, 12, [6, 4, 2]))
+    after = SpecDecodeCounters.from_vllm_metrics(fake_metrics(50, 150, 72, [36, 24, 12]))
+    delta = after - before
+    assert delta == SpecDecodeCounters(40, 120, 60, (30, 20, 10))
+    m = delta.as_metrics()
+    assert m["vllm/spec_acceptance_length"] == pytest.approx(1 + 60 / 40)
+    assert m["vllm/spec_acceptance_rate"] == pytest.approx(60 / 120)
+    assert [m[f"vllm/spec_acceptance_rate_pos{i}"] for i in range(3)] == pytest.approx([0.75, 0.5, 0.25])
+    two = SpecDecodeCounters.from_vllm_metrics(fake_metrics(1, 3, 2, [1, 1, 0], engines=2))
+    assert two == SpecDecodeCounters(2, 6, 4, (2, 2, 0))
+    empty = SpecDecodeCounters.from_vllm_metrics([])
+    assert math.isnan(empty.acceptance_length) and math.isnan(empty.acceptance_rate)
+
+
+def test_alarm_fires_only_after_refit_and_under_floor():
+    alarm = LowAcceptanceAlarm(floor=1.2, min_drafts=4)
+    low = SpecDecodeCounters(100, 300, 5, (5, 0, 0)).as_metrics()    # length 1.05
+    high = SpecDecodeCounters(100, 300, 150, (80, 50, 20)).as_metrics()
+    assert alarm.check(low)[LowAcceptanceAlarm.METRIC] == 0.0          # no refit pending: not judged
+    alarm.notify_refit()
+    with pytest.warns(RuntimeWarning, match="acceptance length 1.050"):
+        assert alarm.check(low)[LowAcceptanceAlarm.METRIC] == 1.0
+    alarm.notify_refit()
+    assert alarm.check(high)[LowAcceptanceAlarm.METRIC] == 0.0
+    alarm.notify_refit()
+    tiny = SpecDecodeCounters(2, 6, 0, (0, 0, 0)).as_metrics()         # too few drafts to judge
+    assert alarm.check(tiny)[LowAcceptanceAlarm.METRIC] == 0.0
+    always = LowAcceptanceAlarm(floor=1.2, only_after_refit=False, min_drafts=1)
+    with pytest.warns(RuntimeWarning):
+        assert always.check(low)[LowAcceptanceAlarm.METRIC] == 1.0
+    assert alarm.num_fired == 1
+
+
+def test_version_guard():
+    guard = DraftVersionGuard(policy_version=3)
+    guard.check(3)
+    with pytest.raises(DraftVersionMismatchError, match="policy version 2"):
+        guard.check(2)
+    guard.record(draft_version=7, draft_policy_version=3)
+    assert guard.as_dict() == {"policy_version": 3, "draft_version": 7, "draft_policy_version": 3}
+    guard.policy_version = 4  # policy refit happened, draft not yet
+    assert guard.is_stale
+    stale_ok = DraftVersionGuard(policy_version=4, allow_stale_draft=True)
+    stale_ok.check(3)
+
+
+def test_simulate_greedy_rounds_by_hand():
+    # prompt [10, 11], generated [20, 21, 22, 23, 24, 25]; k = 2
+    seq = [10, 11, 20, 21, 22, 23, 24, 25]
+    props = torch.full((8, 2), -1, dtype=torch.long)
+    props[1] = torch.tensor([21, 22])   # chain 1 (token 20) guesses 21, 22: both right -> next chain 4
+    props[4] = torch.tensor([24, 99])   # chain 4 (token 23): 24 right, 99 wrong -> next chain 6
+    props[6] = torch.tensor([0, 0])     # chain 6 (token 25) is the last token: no round
+    rounds = simulate_greedy_rounds(props, seq, prompt_len=2)
+    assert [(r.chain_index, r.accepted) for r in rounds] == [(1, 2), (4, 1)]
+
+
+def test_first_mismatch():
+    assert first_mismatch([[1, 2], [3]], [[1, 2], [3]]) is None
+    assert first_mismatch([[1, 2], [3, 4]], [[1, 2], [3, 5]]) == (1, 1)
+    assert first_mismatch([[1, 2]], [[1]]) == (0, 1)
+
+
+def test_chi2_sf_reference_values():
+    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, abs=1e-9)    # scipy.stats.chi2.ppf(0.95, 1)
+    assert chi2_sf(18.307038053275146, 10) == pytest.approx(0.05, abs=1e-9)
+    assert chi2_sf(0.0, 4) == 1.0
+
+
+def test_chi_square_tests_accept_same_and_reject_different():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    a = torch.bincount(torch.multinomial(probs, 20000, True, generator=gen), minlength=4)
+    b = torch.bincount(torch.multinomial(probs, 20000, True, generator=gen), minlength=4)
+    c = torch.bincount(torch.multinomial(torch.tensor([0.45, 0.35, 0.15, 0.05]), 20000, True, generator=gen),
+                       minlength=4)
+    assert chi_square_homogeneity(a, b)[2] > 0.01
+    assert chi_square_homogeneity(a, c)[2] < 1e-6
+    assert chi_square_goodness_of_fit(a, probs)[2] > 0.01
+    assert chi_square_goodness_of_fit(c, probs)[2] < 1e-6
+    assert chi_square_goodness_of_fit(torch.tensor([5, 5, 1]), torch.tensor([0.5, 0.5, 0.0]))[2] == 0.0
+    assert total_variation(torch.tensor([1, 1]), torch.tensor([1, 0])) == pytest.approx(0.5)
