@@ -42,6 +42,7 @@ def projection(scenario: ScenarioSpec, ks: Sequence[int] = PAPER_KS) -> dict[str
         rows.append({"k": k, "generation_speedup": r.generation_speedup, "e2e_speedup": r.e2e_speedup,
                      **{name: r.details[name] for name in ("sync_generation_speedup", "sync_e2e_speedup",
                                                            "e2e_speedup_vs_sync_ar", "async_ar_vs_sync_ar",
+                                                           "generation_speedup_vs_sync_ar",
                                                            "tokens_per_pass", "ar_generation_fraction",
                                                            "ar_tail_time_fraction", "tail_pass_cost",
                                                            "bulk_pass_cost", "bulk_draft_cost", "tail_verify_cost",

@@ -110,7 +110,6 @@ def simulate(scenario: ScenarioSpec) -> StepResult:
         return _simulate_async(res)
     if scenario.baseline is not None:
         ar, sp, gen_ar, gen_sp = baseline_phases(res)
-        lengths = None
     else:
         lengths = scenario_lengths(res)
         (ar, gen_ar), (sp, gen_sp) = sync_phases(res, lengths, False), sync_phases(res, lengths, True)
@@ -145,6 +144,7 @@ def _simulate_async(res: Resolved) -> StepResult:
         "sync_e2e_speedup": sync_ar.total / sync_sp.total,
         "async_ar_vs_sync_ar": sync_ar.total / step_ar,
         "e2e_speedup_vs_sync_ar": sync_ar.total / step_sp,
+        "generation_speedup_vs_sync_ar": sync_ar.generation / sp.generation,
         "ar_generation_fraction": sync_ar.generation / sync_ar.total})
     return StepResult(name=res.scenario.name, ar=ar, spec=sp, ar_step_s=step_ar, spec_step_s=step_sp,
                       generation_speedup=ar.generation / gen_sp_same.seconds, e2e_speedup=step_ar / step_sp,

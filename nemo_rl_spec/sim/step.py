@@ -16,8 +16,7 @@ from nemo_rl_spec.sim import model_math as mm
 from nemo_rl_spec.sim.formulas import alpha_for_acceptance_length, expected_tokens_per_pass, tokens_per_pass_per_position
 from nemo_rl_spec.sim.generation import (ar_pass_cost, max_concurrency, prefill_seconds, simulate_generation,
                                          spec_pass_cost)
-from nemo_rl_spec.sim.interfaces import (GenerationResult, ModelSpec, PhaseTimes, ScenarioSpec, SpeculativeSpec,
-                                         StepResult, SystemProfile)
+from nemo_rl_spec.sim.interfaces import GenerationResult, ModelSpec, ScenarioSpec, SpeculativeSpec, SystemProfile
 from nemo_rl_spec.sim.lengths import sample_lengths
 from nemo_rl_spec.sim.phases import draft_training_seconds, logprob_seconds, refit_seconds, training_seconds
 from nemo_rl_spec.sim.presets import resolve_draft, resolve_model, resolve_profile
@@ -123,12 +122,21 @@ def scenario_lengths(res: Resolved, median_scale: float = 1.0) -> np.ndarray:
 
 def fit_length_scale(res: Resolved, target_seconds: float, devices: int, iters: int = 40) -> float:
     """Median-length multiplier whose simulated autoregressive generation takes ``target_seconds`` (bisection on
-    log scale; generation time rises monotonically with the median)."""
-    lo, hi = np.log(1e-3), np.log(1e2)
+    log scale; generation time rises monotonically with the median).
+
+    Raises ValueError when no length distribution within [min_tokens, max_tokens] reaches the target (the
+    workload is too small or too large for the measured time on this hardware)."""
+    ar_time = lambda log_scale: generation(res, scenario_lengths(res, float(np.exp(log_scale))), devices,  # noqa: E731
+                                           False).seconds
+    lo, hi = np.log(1e-3), np.log(1e3)
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        t = generation(res, scenario_lengths(res, float(np.exp(mid))), devices, False).seconds
-        lo, hi = (mid, hi) if t < target_seconds else (lo, mid)
+        lo, hi = (mid, hi) if ar_time(mid) < target_seconds else (lo, mid)
         if hi - lo < 1e-4:
             break
-    return float(np.exp(0.5 * (lo + hi)))
+    scale = 0.5 * (lo + hi)
+    reached = ar_time(scale)
+    if abs(reached - target_seconds) > 0.01 * target_seconds:
+        raise ValueError(f"{res.scenario.name}: no response-length scale makes autoregressive generation take "
+                         f"{target_seconds:.1f} s (closest {reached:.1f} s); resize the workload")
+    return float(np.exp(scale))

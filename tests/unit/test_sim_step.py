@@ -66,3 +66,11 @@ def test_async_needs_separate_pools():
     data["layout"]["colocated"] = True
     with pytest.raises(ValueError, match="non-colocated"):
         simulate(ScenarioSpec.model_validate(data))
+
+
+def test_unreachable_baseline_is_an_error():
+    # 1024 rollouts of at most 8192 tokens cannot keep 32 GB200 busy for 100 s
+    scn = load_scenario(CONFIG_DIR / "paper_8b_rl_zero.yaml", workload={"num_prompts": 64,
+                                                                        "response": {"max_tokens": 8192}})
+    with pytest.raises(ValueError, match="resize the workload"):
+        simulate(scn)
