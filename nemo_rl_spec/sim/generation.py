@@ -18,20 +18,22 @@ from nemo_rl_spec.sim.lengths import length_biased_mean_progress
 from nemo_rl_spec.sim.roofline import kv_capacity_tokens, tabulated_forward
 
 
-def ar_pass_cost(model: ModelSpec, profile: SystemProfile, devices: int, max_batch: int) -> PassCostFn:
+def ar_pass_cost(model: ModelSpec, profile: SystemProfile, devices: int, max_batch: int,
+                 pipeline: int = 1) -> PassCostFn:
     """Cost of an autoregressive pass: one decode forward (query 1) plus the per-forward overhead."""
-    return tabulated_forward(model, profile, devices, max_batch, 1, profile.efficiency.forward_overhead_s)
+    return tabulated_forward(model, profile, devices, max_batch, 1, profile.efficiency.forward_overhead_s, pipeline)
 
 
 def spec_pass_cost(model: ModelSpec, draft: ModelSpec, profile: SystemProfile, devices: int, k: int,
-                   max_batch: int) -> PassCostFn:
+                   max_batch: int, pipeline: int = 1) -> PassCostFn:
     """Cost of a speculative pass: k draft forwards + one (k+1)-token verification forward.
 
-    Formula: t = t_target(b, C, query=k+1) + k * t_draft(b, C, query=1), each with its own fixed overhead.
+    Formula: t = t_target(b, C, query=k+1) + k * t_draft(b, C, query=1), each with its own fixed overhead; the
+    one-layer draft runs on the last pipeline stage's tp devices.
     """
     eff = profile.efficiency
-    verify = tabulated_forward(model, profile, devices, max_batch, k + 1, eff.forward_overhead_s)
-    draft_fwd = tabulated_forward(draft, profile, devices, max_batch, 1, eff.draft_forward_overhead_s)
+    verify = tabulated_forward(model, profile, devices, max_batch, k + 1, eff.forward_overhead_s, pipeline)
+    draft_fwd = tabulated_forward(draft, profile, devices // pipeline, max_batch, 1, eff.draft_forward_overhead_s)
 
     def cost(batch: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
         return verify(batch, context_tokens) + k * draft_fwd(batch, context_tokens)

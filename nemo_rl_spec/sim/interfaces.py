@@ -152,19 +152,28 @@ class SpeculativeSpec(BaseModel):
 
 
 class LayoutSpec(BaseModel):
-    """Where phases run. Generation engines of ``gen_devices_per_engine`` devices (TP x EP inside an engine),
-    data-parallel over the generation devices. Colocated: generation and training share all devices in turn;
-    otherwise ``gen_devices`` generate and the rest train."""
+    """Where phases run. Generation engines of ``gen_devices_per_engine`` = tp x pp devices (EP shares the TP
+    devices), data-parallel over the generation devices. Colocated: generation and training share all devices in
+    turn; otherwise ``gen_devices`` generate and the rest train. Training layouts (TP/PP/CP/EP of Megatron)
+    enter through ``train_mfu``."""
 
     model_config = _STRICT
     total_devices: int = Field(ge=1)
-    gen_devices_per_engine: int = Field(1, ge=1)
+    gen_devices_per_engine: int = Field(1, ge=1, description="tp * pp devices of one engine (EP inside TP)")
+    gen_pipeline_parallel: int = Field(1, ge=1, description="pipeline stages of an engine (divides the above)")
     colocated: bool = True
     gen_devices: Optional[int] = Field(None, ge=1, description="non-colocated only; None: search the split")
     max_num_seqs: int = Field(256, ge=1, description="engine's concurrency cap (vLLM max_num_seqs)")
     kv_cache_fraction: float = Field(0.9, gt=0, le=1, description="vLLM gpu_memory_utilization")
     refit_over_network: bool = Field(False, description="refit crosses the scale-out network")
     prefix_caching: bool = Field(True, description="a prompt's group shares one prefill (vLLM prefix caching)")
+
+    @model_validator(mode="after")
+    def _pipeline_divides(self) -> "LayoutSpec":
+        if self.gen_devices_per_engine % self.gen_pipeline_parallel:
+            raise ValueError(f"gen_pipeline_parallel {self.gen_pipeline_parallel} does not divide "
+                             f"gen_devices_per_engine {self.gen_devices_per_engine}")
+        return self
 
 
 class PhaseTimes(BaseModel):

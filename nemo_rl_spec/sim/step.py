@@ -73,8 +73,9 @@ def generation(res: Resolved, lengths: np.ndarray, gen_devices: int, speculative
     conc = max_concurrency(res.model, res.profile, d, lay.max_num_seqs, lay.kv_cache_fraction, lengths,
                            w.prompt_tokens, draft)
     k = res.scenario.speculative.k
-    cost = (spec_pass_cost(res.model, res.draft, res.profile, d, k, conc) if speculative
-            else ar_pass_cost(res.model, res.profile, d, conc))
+    pp = lay.gen_pipeline_parallel
+    cost = (spec_pass_cost(res.model, res.draft, res.profile, d, k, conc, pp) if speculative
+            else ar_pass_cost(res.model, res.profile, d, conc, pp))
     n_engines = max(1, gen_devices // d)
     seqs = len(lengths) / w.generations_per_prompt if lay.prefix_caching else len(lengths)
     prompts_per_engine = np.ceil(seqs / n_engines) * w.prompt_tokens

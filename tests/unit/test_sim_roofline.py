@@ -56,3 +56,15 @@ def test_kv_capacity():
     assert kv_capacity_tokens(TOY, profile(True), 2, 0.5) == pytest.approx((1000 - 88) / 8)
     with pytest.raises(ValueError):
         kv_capacity_tokens(TOY, profile(True), 1, 0.05)
+
+
+def test_pipeline_stages_add_compute_not_weight_bandwidth():
+    # tp 1 x pp 2, batch 2 -> micro-batches of 1: weights 72 B read twice (once per micro-batch) = 144 B,
+    # KV 96 B + logits 64 B; per device / 2: compute 224 / 100, memory (144 + 96 + 64) / 100;
+    # collectives: pp latency 2 * 0.01 + stage sends 2 tokens * 2 h * 2 B / 100 B/s = 0.08
+    t = forward_seconds(TOY, profile(True), 2, np.array([2.0]), np.array([10.0]), 1, 1.0, pipeline=2)
+    assert t[0] == pytest.approx(1.0 + max(2.24, 3.04) + 0.02 + 0.08, abs=1e-12)
+    fast = tabulated_forward(TOY, profile(True), 2, 4, 1, 1.0, pipeline=2)(np.array([2.0]), np.array([10.0]))
+    assert fast[0] == pytest.approx(t[0], rel=1e-12)
+    with pytest.raises(ValueError):
+        forward_seconds(TOY, profile(True), 3, np.array([2.0]), np.array([10.0]), 1, 1.0, pipeline=2)
