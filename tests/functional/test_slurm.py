@@ -192,6 +192,7 @@ def test_interactive_mode_attach_and_scancel_teardown(slurm_nodes, tmp_path):
     assert _ray_processes(job) == []
 
 
+@pytest.mark.timeout(1500)
 def test_one_grpo_step_of_the_tiny_recipe_under_slurm(slurm_nodes, tmp_path):
     if not RUN_GRPO.is_file():
         pytest.skip("examples/run_grpo.py does not exist yet")
@@ -202,7 +203,7 @@ def test_one_grpo_step_of_the_tiny_recipe_under_slurm(slurm_nodes, tmp_path):
                "logger.progress_bar=false cluster.ray_address=$RAY_ADDRESS")
     t0 = time.monotonic()
     job = _submit(tmp_path, command, 1, "--time=00:40:00")
-    fields = _wait(job, tmp_path, 1500)
+    fields = _wait(job, tmp_path, 1200)
     elapsed = time.monotonic() - t0
     out = _output(job, tmp_path)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", out
