@@ -147,6 +147,7 @@ def calibrate_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``calibrate ...`` fits a scenario to measured runs; anything else runs the sweep. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "calibrate":
         return calibrate_main(argv[1:])
