@@ -141,6 +141,8 @@ def test_run_steps_are_valid_shell(dockerfile):
     for ins in runs:
         proc = subprocess.run(["bash", "-n", "-c", ins.args], capture_output=True, text=True)
         assert proc.returncode == 0, f"{dockerfile.name}:{ins.line}: {proc.stderr}"
+        for snippet in re.findall(r'python3? -c "([^"]*)"', ins.args):   # inline Python must compile too
+            compile(snippet, f"{dockerfile.name}:{ins.line}", "exec")
         if "apt-get install" in ins.args:
             assert "apt-get update" in ins.args and "rm -rf /var/lib/apt/lists" in ins.args, ins.line
 
