@@ -41,8 +41,9 @@ class GenerationInterface(ABC):
     """A generation backend that samples responses and accepts versioned weight refits."""
 
     @abstractmethod
-    def generate(self, data: GenerationDatumSpec, n: int, seed: int) -> GenerationOutputSpec:
-        """Sample ``n`` responses per prompt (temperature / max_new_tokens from config)."""
+    def generate(self, data: GenerationDatumSpec, n: int, seed: int, temperature: float | None = None,
+                 max_new_tokens: int | None = None) -> GenerationOutputSpec:
+        """Sample ``n`` responses per prompt (temperature / max_new_tokens from config unless overridden)."""
 
     @abstractmethod
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:

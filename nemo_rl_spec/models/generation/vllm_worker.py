@@ -146,7 +146,7 @@ class VllmGenerationWorker(GenerationInterface):
         self.llm.generate([TokensPrompt(prompt_token_ids=[0, 1])], params, use_tqdm=False)
         self.llm.reset_prefix_cache()
 
-    def _sampling_params(self, row_seed: int, prompt_len: int):
+    def _sampling_params(self, row_seed: int, prompt_len: int, temperature: float, max_new_tokens: int):
         from vllm import SamplingParams
 
         if prompt_len < 1 or prompt_len >= self.max_model_len:
@@ -155,20 +155,23 @@ class VllmGenerationWorker(GenerationInterface):
             )
         return SamplingParams(
             n=1,
-            temperature=float(self.cfg["temperature"]),
-            top_p=float(self.cfg["top_p"]),
-            max_tokens=min(int(self.cfg["max_new_tokens"]), self.max_model_len - prompt_len),
+            temperature=float(temperature),
+            top_p=float(self.cfg["top_p"]) if temperature > 0 else 1.0,
+            max_tokens=min(int(max_new_tokens), self.max_model_len - prompt_len),
             logprobs=0,  # the sampled token's log-prob only
             seed=row_seed,
         )
 
-    def generate(self, data: GenerationDatumSpec, n: int, seed: int) -> GenerationOutputSpec:
+    def generate(self, data: GenerationDatumSpec, n: int, seed: int, temperature: float | None = None,
+                 max_new_tokens: int | None = None) -> GenerationOutputSpec:
         """Sample ``n`` responses per prompt; rows are prompt-major (row = prompt * n + sample).
 
         Args:
             data: ``prompt_token_ids``, B lists of token ids.
             n: samples per prompt (any n >= 1, also at temperature 0).
             seed: seed of this call; row r is sampled with ``derive_row_seeds(seed, B * n)[r]``.
+            temperature, max_new_tokens: per-call overrides of ``policy.generation`` (validation decodes
+                greedily; the refit probe is short). None: the configured values.
 
         Returns:
             GenerationOutputSpec with N = B * n rows, right-padded with the tokenizer's pad id;
@@ -178,13 +181,15 @@ class VllmGenerationWorker(GenerationInterface):
 
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        temperature = self.cfg["temperature"] if temperature is None else temperature
+        max_new_tokens = self.cfg["max_new_tokens"] if max_new_tokens is None else max_new_tokens
         prompts = [list(map(int, p)) for p in data["prompt_token_ids"]]
         row_seeds = derive_row_seeds(seed, len(prompts) * n)
         requests, params, prompt_index = [], [], []
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 requests.append(TokensPrompt(prompt_token_ids=prompt))
-                params.append(self._sampling_params(row_seeds[i * n + j], len(prompt)))
+                params.append(self._sampling_params(row_seeds[i * n + j], len(prompt), temperature, max_new_tokens))
                 prompt_index.append(i)
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         return self._pack(prompts, prompt_index, outputs)
