@@ -251,7 +251,7 @@ def test_container_flags_reach_every_step_without_slurm(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", STUB_LOG=str(log), SLURM_JOB_ID="4242",
                SLURM_JOB_NODELIST="nodeA,nodeB", SLURM_SUBMIT_DIR=str(tmp_path), BASE_LOG_DIR=str(tmp_path / "logs"),
-               CONTAINER="/images/nemo_rl_spec.sqsh", MOUNTS="/lustre:/lustre,/home/u:/home/u", RAY_PORT="16379",
+               CONTAINER="/images/nemo_rl_spec.sqsh", GPUS_PER_NODE="4", MOUNTS="/lustre:/lustre,/home/u:/home/u", RAY_PORT="16379",
                COMMAND=f"env | grep -E '^RAY_(ADDRESS|AUTH_MODE)=' | sort > {seen_env}; exit 7")
     proc = subprocess.run(["bash", str(RAY_SUB)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 7, proc.stdout + proc.stderr
@@ -264,13 +264,14 @@ def test_container_flags_reach_every_step_without_slurm(tmp_path):
         assert "--container-image=/images/nemo_rl_spec.sqsh" in call
         assert "--container-mounts=/lustre:/lustre,/home/u:/home/u" in call
         assert f"--container-workdir={tmp_path}" in call
+        assert "--gres=gpu:4" in call
     by_name = dict(zip(names, calls))
     assert by_name["ray-head"][by_name["ray-head"].index("-w") + 1] == "nodeA"
     assert by_name["ray-worker-1"][by_name["ray-worker-1"].index("-w") + 1] == "nodeB"
     assert by_name["driver"][by_name["driver"].index("-w") + 1] == "nodeA"
     head_cmd, worker_cmd = by_name["ray-head"][-1], by_name["ray-worker-1"][-1]
     assert "ray start --head --block --node-ip-address=127.0.0.1 --port=16379" in head_cmd
-    assert "--temp-dir=/tmp/ray_4242" in head_cmd
+    assert "--temp-dir=/tmp/ray_4242" in head_cmd and "--num-gpus=4" in head_cmd and "--num-gpus=4" in worker_cmd
     assert "ray start --block --address=127.0.0.1:16379" in worker_cmd
     assert seen_env.read_text().splitlines() == ["RAY_ADDRESS=127.0.0.1:16379", "RAY_AUTH_MODE=token"]
     logs = tmp_path / "logs" / "4242-logs"
