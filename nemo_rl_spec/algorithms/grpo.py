@@ -7,41 +7,43 @@ receive version ``step + 1``.
 from __future__ import annotations
 
 import ray
-import torch
 from tqdm import tqdm
 
 from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
-from nemo_rl_spec.algorithms.rollouts import build_train_data, generate_rollouts, logprob_agreement_metrics
+from nemo_rl_spec.algorithms.rollouts import build_train_data, logprob_agreement_metrics, make_generate_fn
 from nemo_rl_spec.algorithms.validation import validate
 from nemo_rl_spec.utils.timer import Timer
 
 
-def rollout_seed(base_seed: int, step: int) -> int:
-    """Per-step generation seed: a function of (seed, step) only, so a resumed run samples what the original did."""
-    return base_seed * 1_000_003 + step
-
-
-def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> dict[str, float]:
-    """One synchronous GRPO step; returns its metrics (without timings)."""
-    cfg = s.cfg
-    problems = s.train_loader.next_batch()
+def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> tuple[dict[str, float], bool]:
+    """One synchronous GRPO step; returns its metrics (without timings) and whether the prompt pool is exhausted
+    (every prompt evicted by Pilot-Commit)."""
     with timer.time("generation"):
-        batch = generate_rollouts(s.generation, s.tokenizer, s.env, problems, s.prompt_ids(problems),
-                                  cfg.grpo.num_generations_per_prompt, rollout_seed(cfg.grpo.seed, step))
-    advantages = compute_grpo_advantages(batch.rewards, cfg.grpo.num_generations_per_prompt,
+        selection = s.allocator.step(make_generate_fn(s.generation, s.tokenizer, s.env, s.train_problems,
+                                                      s.prompt_ids, version=step))
+    metrics = {"train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
+               **selection.metrics}
+    if selection.groups:
+        metrics.update(train_on_selection(s, selection, timer))
+    with timer.time("weight_sync"):
+        metrics.update(s.refitter.refit(version=step + 1))
+    return metrics, selection.exhausted
+
+
+def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float]:
+    """Advantages -> trainer log-probs (pi_old) -> one policy update, for the rollouts of ``selection``."""
+    cfg = s.cfg
+    advantages = compute_grpo_advantages(selection.rewards, selection.group_size,
                                          cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
-    data = build_train_data(batch, advantages)
+    data = build_train_data(selection, advantages, s.pad_token_id)
     with timer.time("policy_and_reference_logprobs"):
         data["prev_logprobs"] = ray.get(s.policy.get_logprobs.remote(data, cfg.policy.generation.temperature))
     with timer.time("policy_training"):
         train_metrics = ray.get(s.policy.train.remote(data))
-    with timer.time("weight_sync"):
-        refit_metrics = s.refitter.refit(version=step + 1)
     agreement = logprob_agreement_metrics(data["prev_logprobs"], data["generation_logprobs"], data["token_mask"])
-    return {"train/reward": float(batch.rewards.mean()),
-            "train/mean_response_length": float(data["token_mask"].sum(1).mean()),
-            **{f"train/{k}": v for k, v in train_metrics.items()}, **agreement, **refit_metrics}
+    return {"train/mean_response_length": float(data["token_mask"].sum(1).mean()),
+            **{f"train/{k}": v for k, v in train_metrics.items()}, **agreement}
 
 
 def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
@@ -56,18 +58,17 @@ def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
                      total=cfg.grpo.max_num_steps):
         timer.reset()
         with timer.time("total_step_time"):
-            metrics = grpo_step(s, step, timer)
+            metrics, exhausted = grpo_step(s, step, timer)
         metrics.update(timer.metrics("timing/train/"))
-        last = step + 1 == cfg.grpo.max_num_steps
+        last = exhausted or step + 1 == cfg.grpo.max_num_steps
         if last or (cfg.grpo.val_period and (step + 1) % cfg.grpo.val_period == 0):
             metrics.update(val())
         s.logger.log_metrics(metrics, step=step + 1)
         history.append(metrics)
         if last or (step + 1) % cfg.checkpointing.save_period == 0:
             save_checkpoint(s, step + 1, metrics)
+        if exhausted:
+            print(f"every training prompt was evicted (solved); stopping after step {step + 1}")
+            break
     return history
 
-
-def finite_metrics(metrics: dict[str, float]) -> bool:
-    """True if every metric is a finite number."""
-    return all(torch.isfinite(torch.tensor(float(v))) for v in metrics.values())

@@ -13,8 +13,9 @@ import ray
 import torch
 
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
+from nemo_rl_spec.algorithms.interfaces import RolloutAllocator
 from nemo_rl_spec.algorithms.refit import WeightRefitter
-from nemo_rl_spec.data.dataloader import PromptDataloader
+from nemo_rl_spec.algorithms.rollout_allocation import build_rollout_allocator
 from nemo_rl_spec.data.datasets import load_gsm8k_original, load_train_problems
 from nemo_rl_spec.data.prompts import format_prompt
 from nemo_rl_spec.environments.math_env import MathEnvironment
@@ -37,13 +38,20 @@ class GRPOSetup:
     refitter: WeightRefitter
     tokenizer: Any
     env: MathEnvironment
-    train_loader: PromptDataloader
+    train_problems: list[dict]
+    allocator: RolloutAllocator
     val_problems: list[dict]
     val_prompt_ids: list[list[int]]
     logger: Logger
     checkpoints: CheckpointManager | None
     start_step: int = 0
     extra_state: dict = field(default_factory=dict)
+
+    @property
+    def pad_token_id(self) -> int:
+        """Padding id of training batches (the tokenizer's pad token, else EOS, as the generation worker uses)."""
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.eos_token_id)
 
     def prompt_ids(self, problems: list[dict]) -> list[list[int]]:
         """Chat-formatted token ids of ``problems``."""
@@ -80,6 +88,14 @@ def start_workers(cfg: MasterConfig, model_path: str) -> tuple[Any, Any]:
     return policy, generation
 
 
+def build_allocator(cfg: MasterConfig, pool_size: int) -> RolloutAllocator:
+    """Uniform GRPO, DAPO dynamic sampling or Pilot-Commit over prompt ids ``0..pool_size-1``, per config."""
+    g = cfg.grpo
+    return build_rollout_allocator(range(pool_size), num_prompts_per_step=g.num_prompts_per_step,
+                                   num_generations_per_prompt=g.num_generations_per_prompt, seed=g.seed,
+                                   pilot_commit=g.pilot_commit, dynamic_sampling=g.dynamic_sampling)
+
+
 def setup(cfg: MasterConfig) -> GRPOSetup:
     """Resolve the model, load data, start Ray and the workers, and resume from the latest checkpoint if any."""
     from transformers import AutoTokenizer
@@ -94,7 +110,7 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
     s = GRPOSetup(
         cfg=cfg, policy=policy, generation=generation, refitter=None, tokenizer=tokenizer,
         env=MathEnvironment(cfg.env.math.model_dump()),
-        train_loader=PromptDataloader(train, cfg.grpo.num_prompts_per_step, cfg.grpo.seed),
+        train_problems=train, allocator=build_allocator(cfg, len(train)),
         val_problems=val, val_prompt_ids=[], logger=Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled),
         checkpoints=CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_top_k)
         if cfg.checkpointing.enabled else None,
@@ -108,13 +124,14 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
 
 
 def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path | None:
-    """Write ``step_<step>`` atomically: policy (model + optimizer), dataloader and algorithm state, info."""
+    """Write ``step_<step>`` atomically: policy (model + optimizer), rollout-allocator state (prompt stream,
+    Pilot-Commit pool and replay buffer), info."""
     if s.checkpoints is None:
         return None
     tmp = s.checkpoints.begin(step)
     (tmp / "policy").mkdir()
     ray.get(s.policy.save_checkpoint.remote(str(tmp / "policy")))
-    torch.save({"train_loader": s.train_loader.state_dict(), **s.extra_state}, tmp / "train_state.pt")
+    torch.save({"allocator": s.allocator.state_dict(), **s.extra_state}, tmp / "train_state.pt")
     info = {k: v for k, v in metrics.items() if k.startswith(("train/reward", "validation/"))}
     return s.checkpoints.finalize(tmp, step, info, to_yaml(s.cfg))
 
@@ -126,7 +143,7 @@ def resume(s: GRPOSetup) -> None:
         return
     ray.get(s.policy.load_checkpoint.remote(str(latest / "policy")))
     state = torch.load(latest / "train_state.pt", weights_only=False)
-    s.train_loader.load_state_dict(state.pop("train_loader"))
+    s.allocator.load_state_dict(state.pop("allocator"))
     s.extra_state = state
     s.start_step = CheckpointManager.read_info(latest)["step"]
     s.logger.truncate_after(s.start_step)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from nemo_rl_spec.algorithms.interfaces import GenerateFn, RolloutRequest, RolloutResult, TrainSelection
+from nemo_rl_spec.algorithms.rollout_allocation import mix_seed, requests_by_n
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.models.generation.interfaces import GenerationOutputSpec
 
@@ -58,17 +60,57 @@ def generate_rollouts(generation, tokenizer, env, problems: list[dict], prompt_i
     return RolloutBatch(gen, rewards.float(), responses, index)
 
 
-def build_train_data(batch: RolloutBatch, advantages: torch.Tensor) -> TrainDatumSpec:
-    """Turn a rollout batch and its per-sample advantages ([N]) into a :class:`TrainDatumSpec`."""
-    gen = batch.generation
-    ids = gen["output_ids"]
+def make_generate_fn(generation, tokenizer, env, problems: list[dict], prompt_ids_of, version: int) -> GenerateFn:
+    """The :class:`GenerateFn` a rollout allocator calls: one vLLM call per distinct ``n``, scored by ``env``.
+
+    Each result's payload holds its rows: ``output_ids`` [n, L], ``input_lengths`` [n], ``sequence_lengths`` [n],
+    ``generation_logprobs`` [n, L] (L = longest of the n rows), so a replayed pilot keeps its behaviour log-probs.
+
+    Args:
+        problems: the training pool; ``RolloutRequest.prompt_id`` indexes it.
+        prompt_ids_of: callable mapping a list of problems to their chat-formatted token ids.
+        version: policy version of the weights the generation workers hold now.
+    """
+
+    def generate_fn(requests: list[RolloutRequest]) -> list[RolloutResult]:
+        results = []
+        for n, idx in requests_by_n(requests).items():
+            reqs = [requests[i] for i in idx]
+            chosen = [problems[r.prompt_id] for r in reqs]
+            batch = generate_rollouts(generation, tokenizer, env, chosen, prompt_ids_of(chosen), n,
+                                      seed=mix_seed(*(r.seed for r in reqs)))
+            for j, req in enumerate(reqs):
+                rows = slice(j * n, (j + 1) * n)
+                results.append(req.result(batch.rewards[rows], version, payload=_row_payload(batch.generation, rows)))
+        return results
+
+    return generate_fn
+
+
+def _row_payload(gen: GenerationOutputSpec, rows: slice) -> dict[str, torch.Tensor]:
+    lengths = gen["unpadded_sequence_lengths"][rows]
+    width = int(lengths.max())
+    return {"output_ids": gen["output_ids"][rows, :width].clone(), "input_lengths": gen["input_lengths"][rows].clone(),
+            "sequence_lengths": lengths.clone(),
+            "generation_logprobs": gen["generation_logprobs"][rows, :width].float().clone()}
+
+
+def _pad_cat(tensors: list[torch.Tensor], pad_value: float) -> torch.Tensor:
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad_value) for t in tensors])
+
+
+def build_train_data(selection: TrainSelection, advantages: torch.Tensor, pad_token_id: int) -> TrainDatumSpec:
+    """Stack the payloads of a train selection (group-major, as ``selection.rewards``) into a
+    :class:`TrainDatumSpec`. Shapes: advantages [N] -> batch of N rows, right-padded with ``pad_token_id``."""
+    payloads = [r.payload for r in selection.results]
+    ids = _pad_cat([p["output_ids"] for p in payloads], pad_token_id)
+    prompt_lens = torch.cat([p["input_lengths"] for p in payloads])
+    seq_lens = torch.cat([p["sequence_lengths"] for p in payloads])
     return TrainDatumSpec(
-        input_ids=ids,
-        input_lengths=gen["unpadded_sequence_lengths"],
-        token_mask=response_mask(gen["input_lengths"], gen["unpadded_sequence_lengths"], ids.shape[1]),
-        sample_mask=torch.ones(ids.shape[0]),
-        advantages=advantages.float(),
-        generation_logprobs=gen["generation_logprobs"].float(),
+        input_ids=ids, input_lengths=seq_lens, token_mask=response_mask(prompt_lens, seq_lens, ids.shape[1]),
+        sample_mask=torch.ones(ids.shape[0]), advantages=advantages.float(),
+        generation_logprobs=_pad_cat([p["generation_logprobs"] for p in payloads], 0.0),
     )
 
 

@@ -1,4 +1,4 @@
-"""Data specs: one math problem, and the resumable state of the prompt dataloader."""
+"""Data specs: one math problem. (Prompt order and resume state live in the rollout allocator's PromptStream.)"""
 from __future__ import annotations
 
 from typing import TypedDict
@@ -19,17 +19,3 @@ class MathProblem(TypedDict):
     question: str
     answer: str
     source: str
-
-
-class DataloaderState(TypedDict):
-    """:meth:`PromptDataloader.state_dict` output (plain ints, safe for ``torch.save``/JSON).
-
-    seed, num_problems, batch_size: identity checks on load.   epoch: current epoch (0-based).
-    batch_in_epoch: index of the next batch to yield within that epoch's permutation.
-    """
-
-    seed: int
-    num_problems: int
-    batch_size: int
-    epoch: int
-    batch_in_epoch: int

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
+from nemo_rl_spec.algorithms.pilot_commit import PilotCommitConfig
+from nemo_rl_spec.algorithms.rollout_allocation import DynamicSamplingConfig
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 NonNegFloat = Field(ge=0.0)
@@ -29,6 +31,8 @@ class GRPOConfig(_Strict):
     normalize_rewards: bool
     use_leave_one_out_baseline: bool
     seed: int
+    pilot_commit: Optional[PilotCommitConfig] = None
+    dynamic_sampling: Optional[DynamicSamplingConfig] = None
 
     @model_validator(mode="after")
     def _std_needs_groups(self) -> "GRPOConfig":
@@ -177,3 +181,14 @@ class MasterConfig(_Strict):
     logger: LoggerConfig
     checkpointing: CheckpointingConfig
     cluster: ClusterConfig
+
+    @model_validator(mode="after")
+    def _off_policy_needs_correction(self) -> "MasterConfig":
+        pc = self.grpo.pilot_commit
+        if pc is not None and pc.enabled and pc.bind_pilot_to_commit and \
+                not self.loss_fn.use_importance_sampling_correction:
+            raise ValueError(
+                "grpo.pilot_commit.bind_pilot_to_commit=true trains on pilot rollouts one policy version old; "
+                "set loss_fn.use_importance_sampling_correction=true (or bind_pilot_to_commit=false)"
+            )
+        return self

@@ -1,13 +1,9 @@
-"""Data: reasoning-gym problems, the shipped GSM8K problems, chat-template prompts, resumable dataloader."""
-import io
-import json
+"""Data: reasoning-gym problems, the shipped GSM8K problems, chat-template prompts."""
 import re
 from pathlib import Path
 
 import pytest
-import torch
 
-from nemo_rl_spec.data.dataloader import PromptDataloader
 from nemo_rl_spec.data.datasets import _gsm8k_final_answer, load_gsm8k_original, load_train_problems
 from nemo_rl_spec.data.prompts import format_prompt
 
@@ -107,67 +103,3 @@ def test_format_prompt_requires_chat_template():
 
     with pytest.raises(ValueError, match="chat_template"):
         format_prompt(NoTemplate(), "s", "q")
-
-
-# ---------------------------------------------------------------- dataloader
-def _problems(n):
-    return [{"question": f"q{i}", "answer": str(i), "source": "t"} for i in range(n)]
-
-
-def _ids(batch):
-    return [int(p["answer"]) for p in batch]
-
-
-def _take(loader, k):
-    return [_ids(loader.next_batch() if i % 2 else next(loader)) for i in range(k)]
-
-
-def test_dataloader_epochs_are_permutations_reshuffled():
-    loader = PromptDataloader(_problems(10), batch_size=3, seed=7)
-    assert len(loader) == 3  # 10 // 3, one problem skipped per epoch
-    epochs = [sum(_take(loader, 3), []) for _ in range(4)]
-    for order in epochs:
-        assert len(order) == 9 and len(set(order)) == 9 and set(order) <= set(range(10))
-    assert len({tuple(o) for o in epochs}) == 4  # reshuffled each epoch
-    assert loader.epoch == 3
-    # epoch 0 is the first permutation of a generator seeded with 7
-    first = torch.randperm(10, generator=torch.Generator().manual_seed(7)).tolist()[:9]
-    assert epochs[0] == first
-
-
-def test_dataloader_deterministic_and_ignores_global_rng():
-    torch.manual_seed(0)
-    a = _take(PromptDataloader(_problems(10), 3, seed=1), 8)
-    loader = PromptDataloader(_problems(10), 3, seed=1)
-    b = []
-    for k in range(8):
-        torch.manual_seed(1000 + k)  # global reseeding must not matter
-        torch.rand(5)
-        b.append(_ids(next(loader)))
-    assert a == b
-    assert _take(PromptDataloader(_problems(10), 3, seed=2), 8) != a
-
-
-@pytest.mark.parametrize("consumed", [0, 2, 3, 7])
-def test_dataloader_resume_yields_the_same_next_batches(consumed):
-    original = PromptDataloader(_problems(10), 3, seed=5)
-    _take(original, consumed)
-    buffer = io.BytesIO()
-    torch.save(original.state_dict(), buffer)
-    json.dumps(original.state_dict())  # plain ints
-    expected = _take(original, 6)
-
-    resumed = PromptDataloader(_problems(10), 3, seed=5)
-    buffer.seek(0)
-    resumed.load_state_dict(torch.load(buffer))
-    assert _take(resumed, 6) == expected
-
-
-def test_dataloader_errors():
-    with pytest.raises(ValueError):
-        PromptDataloader(_problems(2), 3, seed=0)
-    loader = PromptDataloader(_problems(10), 3, seed=0)
-    with pytest.raises(ValueError, match="seed"):
-        loader.load_state_dict(PromptDataloader(_problems(10), 3, seed=1).state_dict())
-    with pytest.raises(ValueError, match="num_problems"):
-        loader.load_state_dict(PromptDataloader(_problems(11), 3, seed=0).state_dict())
