@@ -233,6 +233,20 @@ def test_refit_matches_transformers_with_new_weights(engines, hf_model, prompts,
     assert ray.get(worker.get_versions.remote())["policy_version"] == 3
 
 
+def test_runtime_env_vars(monkeypatch):
+    cfg = generation_cfg(1.0)
+    # vLLM writes torch's libgomp into LD_PRELOAD of any process that imported it: must not be inherited
+    monkeypatch.setenv("LD_PRELOAD", "/t/torch/lib/libgomp.so.1:/u/libother.so")
+    env = vllm_runtime_env(cfg)["env_vars"]
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["OMP_NUM_THREADS"] == str(cfg["vllm_cfg"]["num_threads"])
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(cfg["vllm_cfg"]["kv_cache_space_gb"])
+    if iomp_library() is not None:
+        assert env["LD_PRELOAD"] == f"/u/libother.so:{iomp_library()}"
+    cfg["vllm_cfg"]["kv_cache_space_gb"] = 0.5  # vLLM's variable takes whole GiB: passed as bytes instead
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_runtime_env(cfg)["env_vars"]
+
+
 def test_runtime_env_preloads_iomp(engines):
     info = ray.get(engines.get(1.0).runtime_info.remote())
     assert info["torch_threads"] == generation_cfg(1.0)["vllm_cfg"]["num_threads"]

