@@ -248,11 +248,11 @@ class VllmGenerationWorker(GenerationInterface):
                 f"update_weights: missing {sorted(missing)[:8]} ({len(missing)}), "
                 f"unknown {sorted(unknown)[:8]} ({len(unknown)})"
             )
-        named = [(k, v.detach().to(device="cpu", dtype=torch.float32).contiguous()) for k, v in weights.items()]
-        if self.tie_word_embeddings and "lm_head.weight" not in names:
-            named.append(("lm_head.weight", named[[k for k, _ in named].index("model.embed_tokens.weight")][1]))
+        named = {k: v.detach().to(device="cpu", dtype=torch.float32).contiguous() for k, v in weights.items()}
+        if self.tie_word_embeddings and "lm_head.weight" not in named:
+            named["lm_head.weight"] = named["model.embed_tokens.weight"]
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
         self.llm.reset_prefix_cache()
         self.last_refit_s = time.perf_counter() - start
         self.policy_version = int(version)
