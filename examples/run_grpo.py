@@ -19,11 +19,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_rl_spec.utils.config import ConfigError, load_config
+    from nemo_rl_spec.utils.config import ConfigError, check_runtime_support, load_config
 
     args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)
+        check_runtime_support(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

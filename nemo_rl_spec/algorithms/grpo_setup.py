@@ -16,6 +16,7 @@ from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
 from nemo_rl_spec.algorithms.interfaces import RolloutAllocator
 from nemo_rl_spec.algorithms.refit import WeightRefitter
 from nemo_rl_spec.algorithms.rollout_allocation import build_rollout_allocator
+from nemo_rl_spec.data import hub_datasets
 from nemo_rl_spec.data.datasets import load_gsm8k_original, load_train_problems
 from nemo_rl_spec.data.prompts import format_prompt
 from nemo_rl_spec.environments.math_env import MathEnvironment
@@ -55,7 +56,22 @@ class GRPOSetup:
 
     def prompt_ids(self, problems: list[dict]) -> list[list[int]]:
         """Chat-formatted token ids of ``problems``."""
-        return [format_prompt(self.tokenizer, self.cfg.data.system_prompt, p["question"]) for p in problems]
+        kwargs = self.cfg.policy.tokenizer.chat_template_kwargs
+        return [format_prompt(self.tokenizer, self.cfg.data.system_prompt, p["question"], **kwargs) for p in problems]
+
+
+def load_datasets(cfg: MasterConfig) -> tuple[list[dict], list[dict]]:
+    """Training and validation problems per ``data.train.source`` / ``data.validation.source``."""
+    t, v = cfg.data.train, cfg.data.validation
+    if t.source == "reasoning_gym":
+        train = load_train_problems(t.generators, t.size, t.seed)
+    else:
+        train = hub_datasets.LOADERS[t.source](t.path, max_samples=t.size)
+    if v.source == "gsm8k_original":
+        val = load_gsm8k_original(v.max_samples)
+    else:
+        val = hub_datasets.LOADERS[v.source](v.path, max_samples=v.max_samples)
+    return train, val
 
 
 def init_ray(cfg: MasterConfig) -> None:
@@ -103,8 +119,7 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_path = resolve_model(cfg.policy.model_name)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train = load_train_problems(cfg.data.train.generators, cfg.data.train.size, cfg.data.train.seed)
-    val = load_gsm8k_original(cfg.data.validation.max_samples)
+    train, val = load_datasets(cfg)
     init_ray(cfg)
     policy, generation = start_workers(cfg, model_path)
     s = GRPOSetup(

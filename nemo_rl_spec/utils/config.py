@@ -12,6 +12,7 @@ typos are caught); ``+a.b=3`` adds a new key. Values are parsed as YAML scalars/
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -110,14 +111,21 @@ def validate_config(raw: dict[str, Any], source: str = "<dict>") -> MasterConfig
     return cfg
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
 def _check_model_name(name: str) -> None:
+    """A built-in name, a local checkpoint directory, or (for clusters) a hub id ``org/name`` that does not name a
+    local path."""
     from nemo_rl_spec.models.hf_assets import BUILTIN_MODELS
 
     if name in BUILTIN_MODELS or (Path(name) / "config.json").is_file():
         return
+    if _HUB_ID.match(name) and not Path(name).exists():
+        return
     raise ConfigError(
-        f"policy.model_name: '{name}' is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
-        f"nor a directory containing config.json"
+        f"policy.model_name: '{name}' is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}), "
+        f"a directory containing config.json, nor a hub id org/name"
     )
 
 
@@ -134,3 +142,32 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> MasterConfig
 def to_yaml(cfg: MasterConfig) -> str:
     """The resolved recipe as YAML (written next to checkpoints and logs)."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def check_runtime_support(cfg: MasterConfig) -> None:
+    """Reject, before any worker starts, recipe features that validate but this build cannot run yet.
+
+    Recipes for clusters (configs/grpo-*.yaml) name features that are specified but not implemented here; running
+    one must fail loudly rather than silently ignore a key.
+
+    Raises:
+        ConfigError: listing every unsupported key that is set.
+    """
+    mc, gen = cfg.policy.megatron_cfg, cfg.policy.generation
+    checks = {
+        "grpo.async_grpo.enabled": cfg.grpo.async_grpo is not None and cfg.grpo.async_grpo.enabled,
+        "policy.draft (online EAGLE-3 draft training in the loop)": cfg.policy.draft is not None
+        and cfg.policy.draft.enabled and cfg.policy.draft.train,
+        "policy.megatron_cfg.mtp_num_layers > 0 (MTP co-training)": mc.mtp_num_layers > 0,
+        "policy.megatron_cfg.tensor_model_parallel_size > 1": mc.tensor_model_parallel_size > 1,
+        "policy.megatron_cfg.pipeline_model_parallel_size > 1": mc.pipeline_model_parallel_size > 1,
+        "policy.megatron_cfg.activation_checkpointing": mc.activation_checkpointing,
+        "policy.megatron_cfg.optimizer.use_distributed_optimizer": mc.optimizer.use_distributed_optimizer,
+        "policy.generation.vllm_cfg.tensor_parallel_size > 1": gen.vllm_cfg.tensor_parallel_size > 1,
+        "policy.generation.colocated.enabled=false": not gen.colocated.enabled,
+        "cluster.num_nodes > 1 (one policy worker and one generation worker per run)": cfg.cluster.num_nodes > 1,
+    }
+    unsupported = [key for key, used in checks.items() if used]
+    if unsupported:
+        raise ConfigError("not supported by this build yet (the recipe validates, but would not run as written): "
+                          + "; ".join(unsupported))

@@ -22,6 +22,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class AsyncGRPOConfig(_Strict):
+    """``grpo.async_grpo`` (NeMo-RL names). Not implemented yet: enabling it is rejected at startup."""
+
+    enabled: bool = False
+    max_trajectory_age_steps: PositiveInt = 1
+    in_flight_weight_updates: bool = False
+
+
 class GRPOConfig(_Strict):
     num_prompts_per_step: PositiveInt
     num_generations_per_prompt: PositiveInt
@@ -32,6 +40,7 @@ class GRPOConfig(_Strict):
     use_leave_one_out_baseline: bool
     seed: int
     pilot_commit: Optional[PilotCommitConfig] = None
+    async_grpo: Optional[AsyncGRPOConfig] = None
     dynamic_sampling: Optional[DynamicSamplingConfig] = None
 
     @model_validator(mode="after")
@@ -61,16 +70,24 @@ class OptimizerConfig(_Strict):
     adam_beta2: float = Field(gt=0.0, lt=1.0)
     adam_eps: PositiveFloat
     clip_grad: PositiveFloat
+    use_distributed_optimizer: bool
 
 
 class MegatronConfig(_Strict):
     tensor_model_parallel_size: PositiveInt
     pipeline_model_parallel_size: PositiveInt
+    activation_checkpointing: bool
     num_threads: PositiveInt
     optimizer: OptimizerConfig
+    # MTP co-training (OCC issue); feature keys, off by default
+    mtp_num_layers: int = Field(default=0, ge=0)
+    mtp_loss_mode: Literal["detach", "ce", "policy", "occ"] = "detach"
+    mtp_loss_scaling_factor: float = Field(default=0.1, ge=0.0)
+    mtp_occ_eps: PositiveFloat = 1e-8
 
 
 class VllmConfig(_Strict):
+    tensor_parallel_size: PositiveInt
     gpu_memory_utilization: float = Field(gt=0.0, le=1.0)
     max_model_len: PositiveInt
     kv_cache_space_gb: PositiveFloat
@@ -78,13 +95,45 @@ class VllmConfig(_Strict):
     enforce_eager: bool
 
 
+class ResourcesConfig(_Strict):
+    num_nodes: Optional[PositiveInt]
+    gpus_per_node: Optional[PositiveInt]
+
+
+class ColocatedConfig(_Strict):
+    enabled: bool
+    resources: ResourcesConfig
+
+
 class GenerationConfig(_Strict):
     backend: Literal["vllm"]
     temperature: float = Field(ge=0.0)
     top_p: float = Field(gt=0.0, le=1.0)
     max_new_tokens: PositiveInt
+    colocated: ColocatedConfig
     vllm_cfg: VllmConfig
     vllm_kwargs: dict[str, Any]
+
+
+class TokenizerConfig(_Strict):
+    chat_template_kwargs: dict[str, Any]
+
+
+class DraftOptimizerConfig(_Strict):
+    lr: PositiveFloat = 3e-4
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    max_grad_norm: Optional[PositiveFloat] = 1.0
+
+
+class DraftConfig(_Strict):
+    """``policy.draft``: the EAGLE-3 draft head (speculative rollouts issue)."""
+
+    enabled: bool = True
+    model_name: Optional[str] = None
+    aux_layer_ids: Optional[list[int]] = None
+    train: bool = False
+    loss_weight: float = Field(default=1.0, ge=0.0)
+    optimizer: DraftOptimizerConfig = DraftOptimizerConfig()
 
 
 class RefitConfig(_Strict):
@@ -99,9 +148,11 @@ class PolicyConfig(_Strict):
     logprob_batch_size: PositiveInt
     max_total_sequence_length: PositiveInt
     precision: Literal["float32", "bfloat16"]
+    tokenizer: TokenizerConfig
     megatron_cfg: MegatronConfig
     generation: GenerationConfig
     refit: RefitConfig
+    draft: Optional[DraftConfig] = None
 
     @model_validator(mode="after")
     def _batch_divisible(self) -> "PolicyConfig":
@@ -114,13 +165,16 @@ class PolicyConfig(_Strict):
 
 
 class TrainDataConfig(_Strict):
+    source: Literal["reasoning_gym", "dapo_math_17k"]
+    path: Optional[str]
     generators: list[str] = Field(min_length=1)
     size: PositiveInt
     seed: int
 
 
 class ValidationDataConfig(_Strict):
-    source: Literal["gsm8k_original"]
+    source: Literal["gsm8k_original", "aime_2024"]
+    path: Optional[str]
     max_samples: PositiveInt = Field(le=100)
 
 
@@ -155,6 +209,8 @@ class CheckpointingConfig(_Strict):
 
 
 class ClusterConfig(_Strict):
+    num_nodes: PositiveInt
+    gpus_per_node: int = Field(ge=0)
     num_cpus: PositiveFloat
     policy_num_cpus: PositiveFloat
     generation_num_cpus: PositiveFloat

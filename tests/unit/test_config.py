@@ -84,3 +84,24 @@ def test_misspelled_key_in_yaml_names_it(tmp_path):
     (tmp_path / "r.yaml").write_text(f"defaults: {TINY}\nloss_fn:\n  ratio_clip_mn: 0.1\n")
     with pytest.raises(ConfigError, match="loss_fn.ratio_clip_mn: unknown key"):
         load_config(tmp_path / "r.yaml")
+
+
+def test_cluster_recipes_validate_but_unbuilt_features_are_refused_before_start():
+    from nemo_rl_spec.utils.config import check_runtime_support
+
+    cfg = load_config(CONFIGS / "grpo-qwen3-8b-8n4g-eagle3-async.yaml")
+    with pytest.raises(ConfigError) as info:
+        check_runtime_support(cfg)
+    for key in ("grpo.async_grpo.enabled", "policy.megatron_cfg.activation_checkpointing", "cluster.num_nodes"):
+        assert key in str(info.value)
+    check_runtime_support(load_config(TINY))  # the CPU recipes run as written
+
+
+def test_bad_config_exits_2_before_any_worker(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_grpo", CONFIGS.parent / "examples" / "run_grpo.py")
+    run_grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_grpo)
+    assert run_grpo.main(["--config", str(TINY), "grpo.num_prompts_per_step=-1"]) == 2
+    assert "grpo.num_prompts_per_step" in capsys.readouterr().err
