@@ -35,7 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     s = None
     try:
         s = setup(cfg)
-        history = grpo_train(s)
+        if cfg.grpo.async_grpo is not None and cfg.grpo.async_grpo.enabled:
+            from nemo_rl_spec.algorithms.async_grpo import async_grpo_train
+
+            history = async_grpo_train(s)
+        else:
+            history = grpo_train(s)
         png = plot_training_curves(s.logger.jsonl_path, Path(cfg.logger.log_dir) / "training_curves.png")
         print(json.dumps({"steps_run": len(history), "metrics": str(s.logger.jsonl_path), "plot": str(png),
                           "latest_checkpoint": str(s.checkpoints.latest()) if s.checkpoints else None}))

