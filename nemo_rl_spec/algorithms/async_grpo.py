@@ -42,8 +42,8 @@ import copy
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import ray
 from tqdm import tqdm

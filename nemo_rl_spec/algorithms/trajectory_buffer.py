@@ -74,7 +74,7 @@ class TrajectoryBatch:
                                          for g in sel.groups]}}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> "TrajectoryBatch":
+    def from_state(cls, state: dict[str, Any]) -> TrajectoryBatch:
         """Rebuild a batch written by :meth:`to_state`."""
         s = state["selection"]
         groups = [TrainGroup(g["prompt_id"], [RolloutResult.from_state(r) for r in g["results"]]) for g in s["groups"]]

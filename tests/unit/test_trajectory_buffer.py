@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,6 @@ from nemo_rl_spec.algorithms.interfaces import RolloutResult, Stage, TrainGroup,
 from nemo_rl_spec.algorithms.rollout_allocation import UniformAllocator
 from nemo_rl_spec.algorithms.trajectory_buffer import BufferClosed, TrajectoryBatch, TrajectoryBuffer, group_age
 from nemo_rl_spec.utils.config import ConfigError, check_runtime_support, load_config
-from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -167,9 +167,8 @@ def test_gate_trainer_waits_for_call_in_flight_then_has_priority():
     now = time.perf_counter()
     assert gate.generation_overlap(now - 30, now) == pytest.approx(0.2, abs=0.15)  # gen1 ~0.2 s + gen2 ~0 s
     gate.close()
-    with pytest.raises(RuntimeError, match="closed"):
-        with gate.generation():
-            pass
+    with pytest.raises(RuntimeError, match="closed"), gate.generation():
+        pass
 
 
 class _FakeSetup:

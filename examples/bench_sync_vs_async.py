@@ -1,0 +1,253 @@
+"""Benchmark sync against async GRPO, autoregressive against speculative rollouts, on one recipe and seed.
+
+``python examples/bench_sync_vs_async.py --out bench.json [--config configs/grpo_math_tiny.yaml] [--steps 8]``
+
+Runs {sync, async age 1, async age 2} x {autoregressive, speculative} one after another in this process (each mode
+gets fresh Ray actors from the same initial weights, seeds and prompt stream), then writes:
+
+- ``--out`` JSON: ``{"modes": {name: {step_time_s, exposed_generation_s, tokens_per_s, acceptance_length,
+  final_reward, ...}}, "settings": {...}}``;
+- a Markdown table next to it (``.md``) and printed; a plot of the step-time split (``.png``).
+
+Definitions (seconds are wall clock, means over steps 2..N, the first step being pipeline fill and warm-up):
+
+- ``step_time_s``: ``timing/train/total_step_time`` (sync: generate + train + refit; async: the trainer's wait for
+  a batch + train + refit).
+- ``exposed_generation_s``: generation on the trainer's critical path: sync ``timing/train/generation`` (all of
+  it), async ``timing/train/exposed_generation`` (the part of the buffer wait during which vLLM was generating).
+- ``tokens_per_s``: response tokens sampled / seconds inside generate calls (generator throughput).
+- ``acceptance_length``: 1 + accepted / drafting rounds over the whole run, from vLLM's spec-decode counters
+  (autoregressive: 1.0 by definition).
+- ``final_reward`` / ``final_accuracy``: ``train/reward`` of the last step / greedy validation accuracy after the
+  last step.
+
+Speculative mode uses vLLM ``speculative_config`` (``--spec-config`` JSON; default: ``draft_model`` with a
+1-layer truncation of the target, k = 3; the draft is not refit, so acceptance may fall as the policy moves --
+lossless either way). If the speculative engine cannot start, those modes are reported with their error and the
+autoregressive half still runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+MODES = [("sync", 0), ("async_age1", 1), ("async_age2", 2)]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="output JSON path (the .md table and .png plot go next to it)")
+    p.add_argument("--config", default="configs/grpo_math_tiny.yaml")
+    p.add_argument("--steps", type=int, default=8, help="GRPO steps per mode")
+    p.add_argument("--spec-config", default=None, help="JSON speculative_config (default: 1-layer draft_model, k=3)")
+    p.add_argument("--decoding", nargs="+", default=["autoregressive", "speculative"],
+                   choices=["autoregressive", "speculative"])
+    p.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
+    p.add_argument("overrides", nargs="*", help="extra key=value overrides applied to every mode")
+    return p.parse_args(argv)
+
+
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def default_spec_config(workdir: Path, model_name: str) -> dict:
+    """``draft_model`` speculation with the target's first decoder layer as the draft (k = 3)."""
+    from nemo_rl_spec.models.hf_assets import resolve_model
+    from nemo_rl_spec.speculative.lossless import build_truncated_draft
+
+    draft = build_truncated_draft(resolve_model(model_name), workdir / "draft_1layer", num_layers=1)
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+
+
+def _read_counters(worker):
+    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+
+    return read_spec_decode_counters(worker.llm)
+
+
+def summarize(history: list[dict], is_async: bool) -> dict:
+    """Per-mode numbers from the step metrics (see the module docstring)."""
+    steady = history[1:] or history
+    if is_async:
+        exposed = [m.get("timing/train/exposed_generation", 0.0) for m in steady]
+        tokens = sum(m.get("async/batch_generated_tokens", 0.0) for m in history)
+        gen_s = sum(m.get("async/batch_generation_s", 0.0) for m in history)
+    else:
+        exposed = [m.get("timing/train/generation", 0.0) for m in steady]
+        tokens = sum(m.get("train/mean_response_length", 0.0) * m.get("rollout_alloc/train_rollouts", 0.0)
+                     for m in history)
+        gen_s = sum(m.get("timing/train/generation", 0.0) for m in history)
+    last = history[-1] if history else {}
+    key = lambda k: _mean([m.get(k, 0.0) for m in steady])
+    return {
+        "step_time_s": key("timing/train/total_step_time"),
+        "exposed_generation_s": _mean(exposed),
+        "tokens_per_s": tokens / gen_s if gen_s > 0 else float("nan"),
+        "final_reward": last.get("train/reward", float("nan")),
+        "final_accuracy": last.get("validation/accuracy", float("nan")),
+        "mean_reward": _mean([m.get("train/reward") for m in history]),
+        "logprobs_s": key("timing/train/policy_and_reference_logprobs"),
+        "training_s": key("timing/train/policy_training"),
+        "weight_sync_s": key("timing/train/weight_sync"),
+        "buffer_starvation_s": key("timing/train/idle/buffer_starvation") if is_async else None,
+        "refit_bubble_s": key("timing/train/idle/refit_bubble") if is_async else None,
+        "max_trajectory_age": max((m.get("async/trajectory_age_max", 0.0) for m in history), default=0.0),
+        "evicted_groups": last.get("async/evicted_groups_total", 0.0),
+        "is_weight_max": max((m.get("train/is_weight_max", float("nan")) for m in history), default=float("nan")),
+        "steps": len(history),
+    }
+
+
+def run_mode(config: str, overrides: list[str], is_async: bool, speculative: bool) -> dict:
+    """One mode end to end (setup, train, teardown); returns :func:`summarize` plus wall times and acceptance."""
+    import ray
+
+    from nemo_rl_spec.algorithms.grpo import grpo_train
+    from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
+    from nemo_rl_spec.utils.config import check_runtime_support, load_config
+
+    cfg = load_config(config, overrides)
+    check_runtime_support(cfg)
+    s, t0 = None, time.perf_counter()
+    try:
+        s = setup(cfg)
+        setup_s = time.perf_counter() - t0
+        before = ray.get(s.generation.__ray_call__.remote(_read_counters)) if speculative else None
+        t1 = time.perf_counter()
+        if is_async:
+            from nemo_rl_spec.algorithms.async_grpo import async_grpo_train
+
+            history = async_grpo_train(s)
+        else:
+            history = grpo_train(s)
+        loop_s = time.perf_counter() - t1
+        out = summarize(history, is_async)
+        out.update(setup_s=setup_s, loop_wall_s=loop_s, loop_wall_per_step_s=loop_s / max(len(history), 1))
+        if speculative:
+            delta = ray.get(s.generation.__ray_call__.remote(_read_counters)) - before
+            out["acceptance_length"] = delta.acceptance_length
+            out["spec_num_drafts"] = delta.num_drafts
+        else:
+            out["acceptance_length"] = 1.0
+        return out
+    finally:
+        teardown(s)
+
+
+def mode_overrides(name: str, age: int, decoding: str, spec: dict | None, steps: int, workdir: Path) -> list[str]:
+    vllm_kwargs = {"disable_log_stats": False}
+    if decoding == "speculative":
+        vllm_kwargs["speculative_config"] = spec
+    out = [f"grpo.max_num_steps={steps}", "grpo.val_at_start=false", "grpo.val_period=0",
+           "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_ratio=2.0",
+           f"policy.generation.vllm_kwargs={json.dumps(vllm_kwargs)}", "checkpointing.enabled=false",
+           f"logger.log_dir={workdir}/{name}_{decoding}/logs", "logger.progress_bar=false"]
+    if age:
+        out.append("+grpo.async_grpo=" + json.dumps({"enabled": True, "max_trajectory_age_steps": age}))
+    return out
+
+
+def table(results: dict) -> str:
+    cols = ["step_time_s", "exposed_generation_s", "logprobs_s", "training_s", "weight_sync_s",
+            "buffer_starvation_s", "refit_bubble_s", "tokens_per_s", "acceptance_length", "final_reward",
+            "final_accuracy", "max_trajectory_age", "speedup_vs_sync"]
+    lines = ["| mode | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error'].splitlines()[-1][:120]} |")
+            continue
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, r in results.items() if "error" not in r]
+    parts = [("exposed_generation_s", "exposed generation"), ("logprobs_s", "log-probs"),
+             ("training_s", "training"), ("weight_sync_s", "refit")]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names)), 4))
+    bottom = [0.0] * len(names)
+    for key, label in parts:
+        vals = [results[n].get(key) or 0.0 for n in names]
+        ax.bar(names, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    other = [max(0.0, results[n]["step_time_s"] - b) for n, b in zip(names, bottom)]
+    ax.bar(names, other, bottom=bottom, label="other (idle, scoring, overhead)")
+    ax.set_ylabel("seconds per step (mean, steps 2..N)")
+    ax.set_title("GRPO step time: sync vs async, autoregressive vs speculative")
+    ax.legend(fontsize=7)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="bench_sync_async_"))
+    from nemo_rl_spec.utils.config import load_config
+
+    base = load_config(args.config, args.overrides)
+    spec, spec_error = None, None
+    if "speculative" in args.decoding:
+        try:
+            spec = json.loads(args.spec_config) if args.spec_config else \
+                default_spec_config(workdir, base.policy.model_name)
+        except Exception:  # noqa: BLE001 - reported per mode
+            spec_error = traceback.format_exc()
+    results: dict[str, dict] = {}
+    for decoding in args.decoding:
+        for name, age in MODES:
+            if name not in args.modes:
+                continue
+            key = f"{name}/{decoding}"
+            if decoding == "speculative" and spec_error:
+                results[key] = {"error": spec_error}
+                continue
+            print(f"=== {key}", flush=True)
+            try:
+                results[key] = run_mode(args.config, [*args.overrides, *mode_overrides(
+                    name, age, decoding, spec, args.steps, workdir)], is_async=age > 0,
+                    speculative=decoding == "speculative")
+            except KeyboardInterrupt:
+                raise
+            except Exception:  # noqa: BLE001 - one failed mode must not lose the others
+                results[key] = {"error": traceback.format_exc()}
+            print(json.dumps({key: results[key]}, default=str), flush=True)
+            out.write_text(json.dumps({"modes": results}, indent=2, default=str))
+    for decoding in args.decoding:
+        ref = results.get(f"sync/{decoding}", {}).get("step_time_s")
+        for name, _ in MODES:
+            r = results.get(f"{name}/{decoding}")
+            if r and "error" not in r and ref:
+                r["speedup_vs_sync"] = ref / r["step_time_s"]
+    settings = {"config": args.config, "steps": args.steps, "overrides": args.overrides,
+                "speculative_config": spec, "note": "means over steps 2..N; see examples/bench_sync_vs_async.py"}
+    out.write_text(json.dumps({"modes": results, "settings": settings}, indent=2, default=str))
+    md = table(results)
+    out.with_suffix(".md").write_text(md + "\n")
+    plot(results, out.with_suffix(".png"))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
