@@ -200,6 +200,8 @@ def simulate_greedy_rounds(proposals: torch.Tensor, sequence: Sequence[int], pro
     The first round drafts from chain ``prompt_len - 1`` (hidden state of the last prompt token, token = first
     generated); a round with ``a`` accepted proposals emits ``a + 1`` tokens and the next chain starts ``a + 1``
     later. Rounds are listed while at least one more token remains to generate after the round's input token.
+    vLLM verifies (and counts as accepted) proposals past ``max_tokens`` too and truncates afterwards, so pass a
+    ``sequence`` that continues the greedy decode ``k`` tokens beyond ``num_generated`` for exact counts.
 
     Shape: proposals [S, k] (``Eagle3DraftHead.propose_greedy(...)[b]``), sequence = prompt + generated ids.
     """
@@ -210,7 +212,7 @@ def simulate_greedy_rounds(proposals: torch.Tensor, sequence: Sequence[int], pro
     while t + 2 < end:
         props = [int(x) for x in proposals[t].tolist()]
         a = 0
-        while a < k and t + 2 + a < end and props[a] == seq[t + 2 + a]:
+        while a < k and t + 2 + a < len(seq) and props[a] == seq[t + 2 + a]:
             a += 1
         rounds.append(GreedyRound(t, props, a))
         t += a + 1

