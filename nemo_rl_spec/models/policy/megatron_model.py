@@ -26,7 +26,10 @@ apply_cpu_compat()  # before any megatron import (triton stub, torch proxies)
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
@@ -64,9 +67,18 @@ def load_hf_config(model_path: str):
     return AutoConfig.from_pretrained(model_path, local_files_only=True)
 
 
-def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` for ``spec``; dropout 0, all fusions off, CPU initialisation."""
+MTP_PREFIX = "mtp."  # megatron-core names of the MTP block's parameters (``mtp.layers.<k>.*``)
+
+
+def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_num_layers: int = 0) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for ``spec``; dropout 0, all fusions off, CPU initialisation.
+
+    ``mtp_num_layers`` > 0 adds megatron-core's multi-token-prediction block (``mtp_num_layers`` in the config,
+    its loss scale left at megatron's default: the worker computes the MTP loss itself, see
+    :func:`gpt_trunk_forward`).
+    """
     return TransformerConfig(
+        mtp_num_layers=mtp_num_layers or None,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -95,13 +107,23 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32) -> T
     )
 
 
-def build_gpt_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, seed: int = 0) -> GPTModel:
-    """A randomly initialised ``GPTModel`` with ``spec``'s architecture (distributed must be initialised)."""
+def build_gpt_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, seed: int = 0,
+                    mtp_num_layers: int = 0) -> GPTModel:
+    """A randomly initialised ``GPTModel`` with ``spec``'s architecture (distributed must be initialised).
+
+    With ``mtp_num_layers`` > 0 the model carries megatron-core's ``MultiTokenPredictionBlock``
+    (``model.mtp``), built by ``get_gpt_mtp_block_spec`` from the local layer spec: per MTP layer k an
+    ``enorm``/``hnorm`` RMSNorm pair, ``eh_proj`` [H, 2H], one transformer layer like the decoder's last, and a
+    final RMSNorm; logits come from the shared output layer.
+    """
     model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(spec, dtype)
+    config = transformer_config(spec, dtype, mtp_num_layers)
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if mtp_num_layers else None
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm"),
+        transformer_layer_spec=layer_spec,
+        mtp_block_spec=mtp_spec,
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         position_embedding_type="rope",
@@ -135,27 +157,114 @@ def load_megatron_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) 
 
 
 def import_hf_weights(model: torch.nn.Module, model_dir: str, spec: ModelSpec) -> None:
-    """Load an HF safetensors checkpoint directory into an unwrapped GPTModel."""
-    load_megatron_state(model, hf_to_megatron(load_hf_safetensors(model_dir), spec))
+    """Load an HF safetensors checkpoint directory into an unwrapped GPTModel.
+
+    The HF checkpoint has no MTP weights: each MTP layer's transformer layer starts as a copy of the last
+    decoder layer and its norms as the final norm (DeepSeek-V3 / MiMo-style warm start), ``eh_proj`` keeps its
+    random megatron initialisation.
+    """
+    state = hf_to_megatron(load_hf_safetensors(model_dir), spec)
+    state.update(mtp_init_from_trunk(megatron_param_state(model), state, spec.num_layers))
+    load_megatron_state(model, state)
+
+
+def mtp_init_from_trunk(model_state: dict[str, torch.Tensor], trunk_state: dict[str, torch.Tensor],
+                        num_layers: int) -> dict[str, torch.Tensor]:
+    """Initial MTP tensors (megatron names) from trunk tensors; those without a trunk counterpart
+    (``eh_proj``) keep the model's current values. Empty when the model has no MTP block."""
+    last = f"decoder.layers.{num_layers - 1}."
+    out = {}
+    for name, tensor in model_state.items():
+        if not name.startswith(MTP_PREFIX):
+            continue
+        _, _, k, rest = name.split(".", 3)  # mtp.layers.<k>.<rest>
+        if rest.startswith("mtp_model_layer."):
+            source = last + rest[len("mtp_model_layer."):]
+        elif rest.split(".")[0] in ("enorm", "hnorm", "final_layernorm"):
+            source = "decoder.final_layernorm." + rest.split(".", 1)[1]
+        else:
+            source = None
+        out[name] = trunk_state[source].clone() if source in trunk_state else tensor.detach().clone()
+    return out
 
 
 @torch.no_grad()
 def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """HF-named CPU fp32 copies of the weights, always including ``lm_head.weight``."""
-    hf_state = megatron_to_hf({k: v.detach() for k, v in megatron_param_state(model).items()}, spec)
+    """HF-named CPU fp32 copies of the trunk weights, always including ``lm_head.weight`` (MTP weights are not
+    part of the HF Llama/Qwen3 layout and are left out)."""
+    trunk = {k: v.detach() for k, v in megatron_param_state(model).items() if not k.startswith(MTP_PREFIX)}
+    hf_state = megatron_to_hf(trunk, spec)
     return {name: t.to("cpu", torch.float32).clone(memory_format=torch.contiguous_format) for name, t in hf_state.items()}
 
 
-def build_from_hf(model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[GPTModel, ModelSpec]:
+def build_from_hf(model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0,
+                  mtp_num_layers: int = 0) -> tuple[GPTModel, ModelSpec]:
     """Initialise distributed if needed, build the GPTModel for ``model_path`` and load its HF weights."""
     spec = model_spec_from_hf_config(load_hf_config(model_path))
     initialize_distributed()
-    model = build_gpt_model(spec, dtype, seed)
+    model = build_gpt_model(spec, dtype, seed, mtp_num_layers)
     import_hf_weights(model, model_path, spec)
     return model, spec
 
 
+def _position_ids(input_ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+
+
 def gpt_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Causal-LM logits. Shape: input_ids [B, S] int64 -> [B, S, V] (right padding needs no mask)."""
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
-    return model(input_ids, position_ids, attention_mask=None)
+    """Causal-LM logits of the main head. Shape: input_ids [B, S] int64 -> [B, S, V] (right padding needs no
+    mask). A model with an MTP block skips it (``GPTModel.forward`` would run it and its built-in loss)."""
+    unwrapped = getattr(model, "module", model)
+    if not unwrapped.config.mtp_num_layers:
+        return model(input_ids, _position_ids(input_ids), attention_mask=None)
+    trunk = gpt_trunk_forward(unwrapped, input_ids)
+    return output_logits(unwrapped, trunk.hidden)
+
+
+class TrunkOutput:
+    """What the main and MTP heads consume: ``hidden`` [S, B, H] (decoder output after its final norm),
+    ``position_ids`` [B, S], ``rotary_pos_emb`` (megatron RoPE table)."""
+
+    def __init__(self, hidden, position_ids, rotary_pos_emb):
+        self.hidden, self.position_ids, self.rotary_pos_emb = hidden, position_ids, rotary_pos_emb
+
+
+def gpt_trunk_forward(model: GPTModel, input_ids: torch.Tensor) -> TrunkOutput:
+    """Embedding + decoder of an unwrapped GPTModel (``GPTModel.forward`` up to ``_postprocess``), so the
+    caller can attach the main head and the MTP block to the trunk output separately.
+
+    Shape: input_ids [B, S] int64 -> hidden [S, B, H].
+    """
+    position_ids = _position_ids(input_ids)
+    decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, seq_offset, _ = model._preprocess(
+        input_ids=input_ids, position_ids=position_ids)[:6]
+    hidden = model.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
+                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                           sequence_len_offset=seq_offset)
+    return TrunkOutput(hidden, position_ids, rotary_pos_emb)
+
+
+def output_weight(model: GPTModel) -> torch.Tensor:
+    """The [V, H] output-projection weight (the embedding table when tied)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def output_logits(model: GPTModel, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Shared output layer: hidden [S, B, H] -> logits [B, S, V]; ``weight`` overrides the [V, H] matrix."""
+    logits, _ = model.output_layer(hidden, weight=output_weight(model) if weight is None else weight)
+    return logits.transpose(0, 1).contiguous()
+
+
+def mtp_hidden_states(model: GPTModel, input_ids: torch.Tensor, trunk: TrunkOutput, hidden: torch.Tensor,
+                      embedding) -> list[torch.Tensor]:
+    """Run megatron-core's MTP block on trunk output ``hidden`` [S, B, H]; one [S, B, H] tensor per MTP layer.
+
+    Layer k (0-based) at position p sees tokens <= p + k + 1 and predicts token p + k + 2 (the main head at p
+    predicts p + 1). ``embedding(input_ids=, position_ids=)`` is the callable the block embeds the shifted
+    tokens with (the model's embedding, or a wrapper that detaches / rescales its gradient).
+    """
+    out = model.mtp(input_ids=input_ids, position_ids=trunk.position_ids, hidden_states=hidden,
+                    attention_mask=None, rotary_pos_emb=trunk.rotary_pos_emb, embedding=embedding)
+    return list(torch.chunk(out, 1 + model.config.mtp_num_layers, dim=0))[1:]

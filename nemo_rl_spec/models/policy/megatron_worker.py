@@ -12,6 +12,12 @@ Megatron's grad-norm clipping). Config keys read (``policy`` section of the reci
     policy.megatron_cfg.{tensor,pipeline}_model_parallel_size, policy.megatron_cfg.num_threads,
     policy.megatron_cfg.optimizer.{lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad}
 
+MTP co-training (``policy.megatron_cfg.mtp_num_layers`` > 0; OCC issue, docs/occ.md) also reads
+``mtp_loss_mode`` (detach | ce | policy | occ), ``mtp_loss_scaling_factor`` (the fixed coefficient, or
+lambda_plus for occ), ``mtp_occ_eps`` and ``mtp_occ_lambda_max``. The MTP block's parameters are kept out of
+Megatron's DDP buffer and optimizer and get their own torch AdamW (same hyper-parameters, own grad clipping), so
+the trunk's grad-norm clipping never sees them (needed for detach to leave the trunk bitwise unchanged).
+
 ``policy.train_global_batch_size`` is not read: ``train`` makes exactly one optimizer step over all rows it
 is given (the driver sizes the batch). The learning rate is constant (no scheduler). ``precision`` must be
 float32 on CPU. Data parallelism across several workers would need one shared process group; each worker
@@ -26,11 +32,14 @@ from typing import Callable
 import numpy as np
 import torch
 
+from nemo_rl_spec.algorithms.loss import mtp_loss as ml
 from nemo_rl_spec.algorithms.loss.interfaces import aggregate_microbatch_metrics
+from nemo_rl_spec.algorithms.occ import MTPCoefficient, occ_proxies
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
 from nemo_rl_spec.models.policy.interfaces import PolicyInterface
 from nemo_rl_spec.models.policy import megatron_model as mm
+from nemo_rl_spec.utils.config_schema import MegatronConfig
 
 from megatron.core import tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
@@ -82,11 +91,19 @@ class MegatronPolicyWorker(PolicyInterface):
         self._seed_everything(seed)
         self.spec = mm.model_spec_from_hf_config(mm.load_hf_config(model_path))
         mm.initialize_distributed(mcfg["tensor_model_parallel_size"], mcfg["pipeline_model_parallel_size"])
-        module = mm.build_gpt_model(self.spec, self.dtype, seed)
+        mtp_cfg = MegatronConfig.model_validate(mcfg)  # fills the MTP keys' schema defaults
+        self.mtp_num_layers = mtp_cfg.mtp_num_layers
+        module = mm.build_gpt_model(self.spec, self.dtype, seed, self.mtp_num_layers)
         mm.import_hf_weights(module, model_path, self.spec)
+        self.mtp_params = [p for n, p in module.named_parameters() if n.startswith(mm.MTP_PREFIX)]
+        for p in self.mtp_params:  # keep them out of DDP's buffer and Megatron's optimizer (own AdamW below)
+            p.requires_grad_(False)
         self.model = self._wrap_ddp(module)
         self.optimizer = get_megatron_optimizer(self._optimizer_config(mcfg["optimizer"]), [self.model])
         apply_cpu_compat()  # patch megatron modules imported lazily by DDP / optimizer construction
+        self.mtp_optimizer = self._mtp_optimizer(mcfg) if self.mtp_params else None
+        self.mtp_coef = MTPCoefficient(mtp_cfg.mtp_loss_mode, mtp_cfg.mtp_loss_scaling_factor, mtp_cfg.mtp_occ_eps,
+                                       mtp_cfg.mtp_occ_lambda_max)
         self.step = 0
 
     # ---- construction helpers -------------------------------------------------------------------
@@ -130,6 +147,14 @@ class MegatronPolicyWorker(PolicyInterface):
             params_dtype=self.dtype,
             use_distributed_optimizer=False,
         )
+
+    def _mtp_optimizer(self, mcfg: dict) -> torch.optim.Optimizer:
+        for p in self.mtp_params:
+            p.requires_grad_(True)
+        opt = mcfg["optimizer"]
+        return torch.optim.AdamW(self.mtp_params, lr=float(opt["lr"]), betas=(float(opt["adam_beta1"]),
+                                 float(opt["adam_beta2"])), eps=float(opt["adam_eps"]),
+                                 weight_decay=float(opt["weight_decay"]))
 
     @property
     def module(self) -> torch.nn.Module:
@@ -180,25 +205,136 @@ class MegatronPolicyWorker(PolicyInterface):
         Each micro-batch loss is already normalised by the global counts, so ``loss`` is the SUM of the
         micro-batch losses; loss metrics are combined by ``aggregate_microbatch_metrics`` (sum, ``*_max`` by
         max). Also returns ``grad_norm`` (before clipping), ``lr`` and ``num_micro_batches``.
+        With MTP, also the ``mtp/*`` metrics of :meth:`_mtp_micro_batch` (``mtp/lambda``, ``mtp/c_hat``,
+        ``mtp/v2_hat``, ``mtp/loss_<k>``, ``mtp/ce_<k>``, ``mtp/acceptance_<k>``, ``mtp/acceptance``,
+        ``mtp/grad_norm``, ``mtp/delta_abs_mean``); the driver logs them as ``train/mtp/*``.
         """
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.mtp_optimizer is not None:
+            self.mtp_optimizer.zero_grad(set_to_none=True)
         global_toks, global_seqs = self._global_counts(data)
-        losses, per_mb_metrics = [], []
+        global_mtp = [ml.mtp_valid_mask(data, k).sum() for k in range(self.mtp_num_layers)]
+        losses, per_mb_metrics, mtp_stats = [], [], []
         for _, _, mb in self._micro_batches(data, int(self.cfg["train_micro_batch_size"])):
-            curr_logprobs = self._forward_logprobs(mb, self.train_temperature)
-            loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
-            self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
+            if self.mtp_num_layers:
+                loss, metrics, stats = self._mtp_micro_batch(mb, global_toks, global_seqs, global_mtp)
+                mtp_stats.append(stats)
+            else:
+                curr_logprobs = self._forward_logprobs(mb, self.train_temperature)
+                loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
+                self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
             losses.append(float(loss.detach()))
             per_mb_metrics.append(metrics)
         self.model.finish_grad_sync()
         update_ok, grad_norm, _ = self.optimizer.step()
+        mtp_metrics = self._mtp_step(mtp_stats) if self.mtp_num_layers else {}
         self.step += 1
-        return {**aggregate_microbatch_metrics(per_mb_metrics), "loss": sum(losses),
+        return {**aggregate_microbatch_metrics(per_mb_metrics), **mtp_metrics, "loss": sum(losses),
                 "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                 "lr": float(self.optimizer.param_groups[0]["lr"]), "update_successful": float(update_ok),
                 "num_micro_batches": float(len(losses))}
+
+    # ---- MTP co-training (docs/occ.md) -------------------------------------------------------------
+    def _mtp_micro_batch(self, mb: TrainDatumSpec, global_toks, global_seqs, global_mtp):
+        """Forward + backward of one micro-batch with the MTP block; returns (RL loss, its metrics, MTP stats).
+
+        The MTP branch reads *detached copies* of the trunk tensors it shares with the main head: the trunk
+        output h, the embeddings of the shifted tokens and the output weight W. Three autograd calls:
+          1. ``L_MTP.backward()``: MTP parameters get their full gradient; the copies hold dL_MTP/dh, dL_MTP/dE,
+             dL_MTP/dW.
+          2. ``L_RL.backward()``; a hook on h sees g_RL = dL_RL/dh, computes c_hat / v2_hat over the
+             micro-batch's non-padding positions, lambda from :class:`MTPCoefficient`, and passes
+             ``g_RL + lambda * dL_MTP/dh`` into the trunk (g_RL unchanged when lambda = 0).
+          3. if lambda != 0: lambda * dL_MTP/dE and lambda * dL_MTP/dW into the embedding table / output weight.
+        The trunk backward runs once; with lambda = 0 (detach) the trunk sees exactly the no-MTP gradients.
+        MTP loss per head: CE for detach / ce; the clipped PG loss (``loss_fn`` on the MTP log-probs, MTP mask,
+        same advantages and ``prev_logprobs``) for policy / occ; heads averaged.
+        """
+        mod, ids, temp = self.module, mb["input_ids"], self.train_temperature
+        trunk = mm.gpt_trunk_forward(mod, ids)
+        h = trunk.hidden
+        h_copy = h.detach().requires_grad_(True)
+        weight = mm.output_weight(mod)
+        w_copy = weight.detach().requires_grad_(True)
+        emb_pairs = []
+
+        def embed_copy(input_ids, position_ids):
+            out = mod.embedding(input_ids=input_ids, position_ids=position_ids)
+            emb_pairs.append((out, out.detach().requires_grad_(True)))
+            return emb_pairs[-1][1]
+
+        main_logits = mm.output_logits(mod, h)
+        curr = token_logprobs(main_logits, ids, mb["input_lengths"], temp)
+        rl_loss, metrics = self.loss_fn(curr, mb, global_toks, global_seqs)
+        mtp_loss, stats = self._mtp_losses(mb, trunk, h_copy, w_copy, embed_copy, main_logits, global_seqs, global_mtp)
+        stats.update(c_hat=0.0, v2_hat=0.0, lam=0.0)  # the hook on h overwrites them
+        self.optimizer.scale_loss(mtp_loss).backward()  # 1. MTP params + the detached copies
+
+        valid = (torch.arange(ids.shape[1]).unsqueeze(0) < mb["input_lengths"].unsqueeze(1)).float()
+        valid = (valid * mb["sample_mask"].float().unsqueeze(1)).t()  # [S, B] like h
+        mtp_grad_h = h_copy.grad
+
+        def combine(rl_grad_h):
+            c_hat, v2_hat = occ_proxies(rl_grad_h, mtp_grad_h, valid)
+            stats.update(c_hat=float(c_hat), v2_hat=float(v2_hat), lam=self.mtp_coef(float(c_hat), float(v2_hat)))
+            return None if stats["lam"] == 0.0 else rl_grad_h + stats["lam"] * mtp_grad_h
+
+        h.register_hook(combine)
+        self.optimizer.scale_loss(rl_loss).backward()  # 2. main head + trunk (hook adds lambda * MTP part)
+        if stats["lam"] != 0.0:  # 3. shared embedding table / output weight
+            shared = [(weight, w_copy.grad)] + [(o, c.grad) for o, c in emb_pairs if c.grad is not None]
+            torch.autograd.backward([t for t, _ in shared], [stats["lam"] * g for _, g in shared])
+        mask = mb["token_mask"].float() * mb["sample_mask"].float().unsqueeze(1)
+        stats["delta_abs_sum"] = float(((curr.detach() - mb["prev_logprobs"]).abs() * mask).sum())
+        stats["num_valid_tokens"] = float(mask.sum())
+        return rl_loss, metrics, stats
+
+    def _mtp_losses(self, mb, trunk, h_copy, w_copy, embed_copy, main_logits, global_seqs, global_mtp):
+        """MTP loss of the mode (heads averaged) and per-head stats (loss, CE, acceptance counts)."""
+        mod, ids, k_heads = self.module, mb["input_ids"], self.mtp_num_layers
+        hidden = mm.mtp_hidden_states(mod, ids, trunk, h_copy, embed_copy)
+        total, stats = 0.0, {"heads": []}
+        for k, hk in enumerate(hidden):
+            logits = mm.output_logits(mod, hk, weight=w_copy)
+            lp = ml.mtp_token_logprobs(logits, ids, k, self.train_temperature)
+            valid = ml.mtp_valid_mask(mb, k)
+            ce = ml.mtp_ce_loss(lp, valid, global_mtp[k])
+            if self.mtp_coef.mode in ("policy", "occ"):
+                head_loss, _ = self.loss_fn(lp, {**mb, "token_mask": valid}, global_mtp[k], global_seqs)
+            else:
+                head_loss = ce
+            total = total + head_loss / k_heads
+            agree, count = ml.mtp_acceptance_counts(logits.detach(), main_logits.detach(), valid, k)
+            stats["heads"].append({"loss": float(head_loss), "ce": float(ce), "agree": agree, "count": count})
+        return total, stats
+
+    def _mtp_step(self, mtp_stats: list[dict]) -> dict[str, float]:
+        """Clip and apply the MTP AdamW step; combine micro-batch stats into ``mtp/*`` metrics.
+
+        ``mtp/lambda`` is the valid-token-weighted mean of the micro-batch coefficients (one per micro-batch);
+        ``mtp/c_hat`` and ``mtp/v2_hat`` are sums over micro-batches; losses and CE are sums of globally
+        normalised micro-batch values; acceptance = agreeing / valid targets.
+        """
+        clip = float(self.cfg["megatron_cfg"]["optimizer"]["clip_grad"])
+        mtp_grad_norm = torch.nn.utils.clip_grad_norm_(self.mtp_params, clip)
+        self.mtp_optimizer.step()
+        toks = sum(s["num_valid_tokens"] for s in mtp_stats)
+        out = {"mtp/lambda": sum(s["lam"] * s["num_valid_tokens"] for s in mtp_stats) / max(toks, 1.0),
+               "mtp/c_hat": sum(s["c_hat"] for s in mtp_stats), "mtp/v2_hat": sum(s["v2_hat"] for s in mtp_stats),
+               "mtp/grad_norm": float(mtp_grad_norm),
+               "mtp/delta_abs_mean": sum(s["delta_abs_sum"] for s in mtp_stats) / max(toks, 1.0)}
+        agree_all = count_all = 0.0
+        for k in range(self.mtp_num_layers):
+            heads = [s["heads"][k] for s in mtp_stats]
+            agree, count = sum(h["agree"] for h in heads), sum(h["count"] for h in heads)
+            out[f"mtp/loss_{k}"] = sum(h["loss"] for h in heads)
+            out[f"mtp/ce_{k}"] = sum(h["ce"] for h in heads)
+            out[f"mtp/acceptance_{k}"] = agree / count if count else float("nan")
+            agree_all, count_all = agree_all + agree, count_all + count
+        out["mtp/acceptance"] = agree_all / count_all if count_all else float("nan")
+        return out
 
     # ---- weights and checkpoints ------------------------------------------------------------------
     def export_hf_weights(self) -> dict[str, torch.Tensor]:
@@ -210,6 +346,7 @@ class MegatronPolicyWorker(PolicyInterface):
         state = {
             "model": {k: v.detach().clone() for k, v in mm.megatron_param_state(self.module).items()},
             "optimizer": self.optimizer.state_dict(),
+            "mtp_optimizer": None if self.mtp_optimizer is None else self.mtp_optimizer.state_dict(),
             "step": self.step,
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -225,6 +362,8 @@ class MegatronPolicyWorker(PolicyInterface):
         state = torch.load(os.path.join(path, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
         mm.load_megatron_state(self.module, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.mtp_optimizer is not None and state.get("mtp_optimizer") is not None:
+            self.mtp_optimizer.load_state_dict(state["mtp_optimizer"])
         self.step = state["step"]
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
