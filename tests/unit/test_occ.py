@@ -1,0 +1,117 @@
+"""OCC coefficient: the rule, its clamps and zero cases, and a toy with known gradients in which the proxy
+lambda_t tracks the closed-form L-smooth optimum (docs/occ.md)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nemo_rl_spec.algorithms.loss import mtp_loss as ml
+from nemo_rl_spec.algorithms.occ import MTPCoefficient, closed_form_lambda, occ_lambda, occ_proxies
+
+
+def test_occ_lambda_hand_values_and_clamps():
+    assert occ_lambda(2.0, 4.0, 1.0, 1e-8) == pytest.approx(0.5, rel=1e-7)
+    assert occ_lambda(2.0, 4.0, 3.0, 1.0) == pytest.approx(1.2, rel=1e-12)  # 3 * 2 / 5
+    assert occ_lambda(-1.0, 4.0, 1.0, 1e-8) == 0.0  # opposed
+    assert occ_lambda(0.0, 0.0, 1.0, 1e-8) == 0.0  # no signal (e.g. all advantages 0): 0 / eps
+    assert occ_lambda(5.0, 1.0, 1.0, 1e-8, lambda_max=2.0) == 2.0
+    with pytest.raises(ValueError):
+        occ_lambda(1.0, -1.0, 1.0, 1e-8)
+    with pytest.raises(ValueError):
+        occ_lambda(1.0, 1.0, 1.0, 0.0)
+
+
+def test_coefficient_per_mode():
+    assert MTPCoefficient("detach", 0.3)(5.0, 1.0) == 0.0
+    assert MTPCoefficient("ce", 0.3)(-5.0, 1.0) == 0.3
+    assert MTPCoefficient("policy", 0.3)(5.0, 1.0) == 0.3
+    assert MTPCoefficient("occ", 0.3)(5.0, 1.0) == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        MTPCoefficient("mse", 0.3)
+
+
+def test_proxies_hand_values_ignore_padding():
+    rl = torch.tensor([[1.0, 2.0], [3.0, -1.0], [100.0, 100.0]])
+    mtp = torch.tensor([[0.5, 1.0], [1.0, 1.0], [100.0, 100.0]])
+    c, v2 = occ_proxies(rl, mtp, torch.tensor([1.0, 1.0, 0.0]))
+    assert float(c) == 0.5 + 2.0 + 3.0 - 1.0
+    assert float(v2) == 0.25 + 1.0 + 1.0 + 1.0
+    with pytest.raises(ValueError):
+        occ_proxies(rl, mtp[:2], torch.ones(3))
+
+
+def _linear_trunk_toy(theta: float, seed: int = 0, n: int = 32, dim_in: int = 1024, hidden: int = 16):
+    """Linear trunk h_p = W x_p (x_p random unit vectors, nearly orthogonal), RL loss through a softmax head
+    with advantages, MTP loss linear in h with gradient field m_p = cos(theta) g_p + sin(theta) o_p, where g_p =
+    dL_RL/dh_p and o_p is a field of the same size orthogonal to g_p at every position.
+
+    Returns (true c, true v2 in parameter space, c_hat, v2_hat from hidden-state gradients)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim_in, generator=gen, dtype=torch.float64)
+    x = x / x.norm(dim=1, keepdim=True)
+    weight = torch.randn(hidden, dim_in, generator=gen, dtype=torch.float64).requires_grad_(True)
+    head = torch.randn(50, hidden, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 50, (n,), generator=gen)
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    h = x @ weight.t()
+    logp = torch.log_softmax(h @ head.t(), -1).gather(1, targets[:, None]).squeeze(1)
+    rl_loss = -(adv * logp).sum() / n
+    g_h = torch.autograd.grad(rl_loss, h, retain_graph=True)[0]
+    rand = torch.randn(n, hidden, generator=gen, dtype=torch.float64)
+    orth = rand - (rand * g_h).sum(1, keepdim=True) / (g_h * g_h).sum(1, keepdim=True) * g_h
+    orth = orth / orth.norm(dim=1, keepdim=True) * g_h.norm(dim=1, keepdim=True)
+    field = math.cos(theta) * g_h + math.sin(theta) * orth
+    mtp_loss = (field.detach() * h).sum()
+    g_rl = torch.autograd.grad(rl_loss, weight, retain_graph=True)[0]
+    g_mtp_h, g_mtp = torch.autograd.grad(mtp_loss, [h, weight])
+    c_hat, v2_hat = occ_proxies(g_h, g_mtp_h, torch.ones(n))
+    return float((g_rl * g_mtp).sum()), float((g_mtp * g_mtp).sum()), float(c_hat), float(v2_hat)
+
+
+def test_toy_lambda_tracks_closed_form_optimum_and_vanishes_when_orthogonal_or_opposed():
+    smoothness, lr = 4.0, 0.05
+    lambda_plus = (1 - smoothness * lr) / (smoothness * lr)  # the constant of the optimum, docs/occ.md eq. (3)
+    thetas = torch.linspace(0.0, math.pi, 25).tolist()
+    optimum, proxy = [], []
+    for seed in range(3):
+        for theta in thetas:
+            c, v2, c_hat, v2_hat = _linear_trunk_toy(theta, seed)
+            optimum.append(closed_form_lambda(c, v2, smoothness, lr))
+            proxy.append(occ_lambda(c_hat, v2_hat, lambda_plus, 1e-12))
+    optimum, proxy = torch.tensor(optimum), torch.tensor(proxy)
+    corr = torch.corrcoef(torch.stack([optimum, proxy]))[0, 1]
+    assert corr > 0.9, float(corr)
+    assert (proxy - optimum).abs().max() < 0.25 * optimum.max()
+    aligned = proxy.view(3, -1)[:, 0]
+    assert aligned.min() > 3.0  # about lambda_plus = 4 when the MTP gradient equals the RL one
+    orthogonal = proxy.view(3, -1)[:, 12]  # theta = pi / 2
+    assert orthogonal.abs().max() < 0.05 * aligned.min()
+    opposed = proxy.view(3, -1)[:, 14:]  # theta > pi / 2 + 2 steps
+    assert torch.all(opposed == 0.0)
+
+
+def test_mtp_token_logprobs_and_acceptance_hand_example():
+    # vocab 3, one row of 5 tokens; MTP head 0 at position p predicts token p + 2
+    ids = torch.tensor([[0, 1, 2, 1, 0]])
+    mtp_logits = torch.full((1, 5, 3), -10.0)
+    main_logits = torch.full((1, 5, 3), -10.0)
+    for p, tok in enumerate([2, 1, 1, 0, 0]):  # MTP top-1 at p
+        mtp_logits[0, p, tok] = 10.0
+    for p, tok in enumerate([1, 2, 1, 2, 0]):  # main top-1 at p (predicts p + 1)
+        main_logits[0, p, tok] = 10.0
+    lp = ml.mtp_token_logprobs(mtp_logits, ids, head=0)
+    assert lp[0, :2].abs().max() == 0.0
+    assert lp[0, 2] == pytest.approx(0.0, abs=1e-6)  # target 2 predicted from p = 0: top-1 2
+    assert lp[0, 3] == pytest.approx(0.0, abs=1e-6)  # target 1 from p = 1: top-1 1
+    assert lp[0, 4] == pytest.approx(-20.0, abs=1e-6)  # target 0 from p = 2: top-1 1
+    data = dict(token_mask=torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0]]), sample_mask=torch.ones(1),
+                input_lengths=torch.tensor([5]))
+    valid = ml.mtp_valid_mask(data, 0)
+    assert valid.tolist() == [[0.0, 0.0, 1.0, 1.0, 1.0]]
+    # targets s = 2, 3, 4: MTP top-1 at s-2 = 2, 1, 1; main top-1 at s-1 = 2, 1, 2 -> 2 of 3 agree
+    assert ml.mtp_acceptance_counts(mtp_logits, main_logits, valid, 0) == (2.0, 3.0)
+    assert float(ml.mtp_ce_loss(lp, valid, 3.0)) == pytest.approx(20.0 / 3, rel=1e-5)
+    data["input_lengths"] = torch.tensor([4])  # padding at s = 4 never counts
+    assert ml.mtp_valid_mask(data, 0).tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
