@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decoding", nargs="+", default=["autoregressive", "speculative"],
                    choices=["autoregressive", "speculative"])
     p.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
+    p.add_argument("--attempts", type=int, default=2, help="tries per mode (Ray startup can time out under load)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides applied to every mode")
     return p.parse_args(argv)
 
@@ -222,15 +223,18 @@ def main(argv=None) -> int:
             if decoding == "speculative" and spec_error:
                 results[key] = {"error": spec_error}
                 continue
-            print(f"=== {key}", flush=True)
-            try:
-                results[key] = run_mode(args.config, [*args.overrides, *mode_overrides(
-                    name, age, decoding, spec, args.steps, workdir)], is_async=age > 0,
-                    speculative=decoding == "speculative")
-            except KeyboardInterrupt:
-                raise
-            except Exception:  # noqa: BLE001 - one failed mode must not lose the others
-                results[key] = {"error": traceback.format_exc()}
+            overrides = [*args.overrides, *mode_overrides(name, age, decoding, spec, args.steps, workdir)]
+            for attempt in range(1, args.attempts + 1):  # a loaded machine can time out Ray's startup
+                print(f"=== {key} (attempt {attempt})", flush=True)
+                try:
+                    results[key] = run_mode(args.config, overrides, is_async=age > 0,
+                                            speculative=decoding == "speculative")
+                    results[key]["attempts"] = attempt
+                    break
+                except KeyboardInterrupt:
+                    raise
+                except Exception:  # noqa: BLE001 - one failed mode must not lose the others
+                    results[key] = {"error": traceback.format_exc(), "attempts": attempt}
             print(json.dumps({key: results[key]}, default=str), flush=True)
             out.write_text(json.dumps({"modes": results}, indent=2, default=str))
     for decoding in args.decoding:
