@@ -307,7 +307,8 @@ class MegatronPolicyWorker(PolicyInterface):
                 head_loss = ce
             total = total + head_loss / k_heads
             agree, count = ml.mtp_acceptance_counts(logits.detach(), main_logits.detach(), valid, k)
-            stats["heads"].append({"loss": float(head_loss), "ce": float(ce), "agree": agree, "count": count})
+            stats["heads"].append({"loss": float(head_loss.detach()), "ce": float(ce.detach()), "agree": agree,
+                                   "count": count})
         return total, stats
 
     def _mtp_step(self, mtp_stats: list[dict]) -> dict[str, float]:

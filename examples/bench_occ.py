@@ -1,0 +1,166 @@
+"""Compare MTP co-training modes (detach, ce, policy, occ) on a GRPO recipe over several seeds.
+
+    python examples/bench_occ.py --out results/bench_occ.json [--config configs/grpo_math_tiny_mtp.yaml]
+        [--modes detach ce policy occ] [--seeds 0 1] [--steps 4] [--overhead-repeats N] [key=value ...]
+
+``--steps 0 --overhead-repeats N`` only times ``train()`` per mode in one process (the overhead check).
+
+Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh process: Ray + vLLM + Megatron), with
+``policy.megatron_cfg.mtp_loss_mode=<mode>`` and ``grpo.seed=<seed>``. Written JSON::
+
+    {"config": ..., "steps": N, "runs": {"<mode>": {"<seed>": {
+        "final_accuracy": validation/accuracy at the last step (fraction),
+        "mtp_acceptance": train/mtp/acceptance at the last step (top-1 agreement with the main head, fraction),
+        "step_time_s": mean timing/train/total_step_time over steps after the first (seconds),
+        "train_time_s": mean timing/train/policy_training over steps after the first (seconds),
+        "series": {metric: [per step]} for reward, lambda, c_hat, v2_hat, MTP CE, acceptance}}},
+     "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...}}
+
+Also prints a table and writes ``<out>.png`` (per-step curves per mode, mean over seeds). On 2 shared CPU cores the
+step times carry the noise of whatever else runs; compare the training-phase times, which the MTP mode changes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SERIES = {"reward": "train/reward", "lambda": "train/mtp/lambda", "c_hat": "train/mtp/c_hat",
+          "v2_hat": "train/mtp/v2_hat", "mtp_ce": "train/mtp/ce_0", "mtp_acceptance": "train/mtp/acceptance"}
+
+
+def run_one(config: str, mode: str, seed: int, steps: int, extra: list[str], log_dir: Path) -> list[dict]:
+    """One GRPO run in a subprocess; returns its JSONL records (one per step, plus step 0 validation if any)."""
+    cmd = [sys.executable, "examples/run_grpo.py", "--config", config, f"policy.megatron_cfg.mtp_loss_mode={mode}",
+           f"grpo.seed={seed}", f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}",
+           "checkpointing.enabled=false", "logger.progress_bar=false", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summarise(records: list[dict]) -> dict:
+    steps = [r for r in records if "timing/train/total_step_time" in r]
+    later = steps[1:] or steps
+    last_val = [r["validation/accuracy"] for r in records if "validation/accuracy" in r]
+    mean = lambda key: sum(r[key] for r in later) / len(later)  # noqa: E731
+    return {"final_accuracy": last_val[-1] if last_val else float("nan"),
+            "mtp_acceptance": steps[-1].get("train/mtp/acceptance", float("nan")),
+            "step_time_s": mean("timing/train/total_step_time"),
+            "train_time_s": mean("timing/train/policy_training"),
+            "series": {name: [r.get(key, float("nan")) for r in steps] for name, key in SERIES.items()}}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    for mode, seeds in result["runs"].items():
+        for ax, name in zip(axes, ("reward", "mtp_acceptance", "mtp_ce", "lambda")):
+            curves = [s["series"][name] for s in seeds.values()]
+            n = min(len(c) for c in curves)
+            ax.plot(range(1, n + 1), [sum(c[i] for c in curves) / len(curves) for i in range(n)], label=mode,
+                    marker="o")
+            ax.set_title(name), ax.set_xlabel("step")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def train_overhead(config: str, modes: list[str], repeats: int, extra: list[str], batch: int = 8,
+                   seq: int = 160) -> dict:
+    """Time ``MegatronPolicyWorker.train`` per mode in ONE process on one fixed random batch (prompt 32 tokens,
+    response to ``seq``), modes interleaved ``repeats`` times after one warm-up each; returns median seconds."""
+    import statistics
+    import time
+
+    import torch
+
+    from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
+    from nemo_rl_spec.models.hf_assets import resolve_model
+    from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker
+    from nemo_rl_spec.utils.config import load_config
+
+    cfg = load_config(config, extra)
+    path = resolve_model(cfg.policy.model_name)
+    workers = {}
+    for mode in modes:
+        pcfg = cfg.policy.model_dump()
+        pcfg["megatron_cfg"]["mtp_loss_mode"] = mode
+        workers[mode] = MegatronPolicyWorker(pcfg, ClippedPGLossFn(cfg.loss_fn.model_dump()), path, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    vocab = workers[modes[0]].spec.vocab_size
+    ids = torch.randint(1, vocab, (batch, seq), generator=gen)
+    mask = torch.zeros(batch, seq)
+    mask[:, 32:] = 1.0
+    data = dict(input_ids=ids, input_lengths=torch.full((batch,), seq), token_mask=mask,
+                sample_mask=torch.ones(batch), advantages=torch.randn(batch, generator=gen),
+                generation_logprobs=torch.zeros(batch, seq))
+    data["prev_logprobs"] = workers[modes[0]].get_logprobs(data)
+    times = {m: [] for m in modes}
+    for rep in range(repeats + 1):
+        for mode in modes:
+            start = time.perf_counter()
+            workers[mode].train(data)
+            if rep:  # first round is warm-up
+                times[mode].append(time.perf_counter() - start)
+    return {m: statistics.median(t) for m, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--overhead-repeats", type=int, default=0,
+                        help="also time worker.train per mode in one process (median of N rounds)")
+    parser.add_argument("--config", default="configs/grpo_math_tiny_mtp.yaml")
+    parser.add_argument("--modes", nargs="+", default=["detach", "ce", "policy", "occ"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--steps", type=int, default=4)
+    args, extra = parser.parse_known_args(argv)
+    result = {"config": args.config, "steps": args.steps, "overrides": extra, "runs": {}}
+    if args.overhead_repeats:
+        med = train_overhead(args.config, args.modes, args.overhead_repeats, extra)
+        result["train_step_median_s"] = med
+        print("train() median seconds, one process:", json.dumps(med), flush=True)
+        if "occ" in med and "detach" in med:
+            print(f"occ / detach train(): {med['occ'] / med['detach']:.4f}", flush=True)
+    if args.steps == 0:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes:
+            for seed in args.seeds:
+                records = run_one(args.config, mode, seed, args.steps, extra, Path(tmp) / f"{mode}_{seed}")
+                result["runs"].setdefault(mode, {})[str(seed)] = summarise(records)
+                r = result["runs"][mode][str(seed)]
+                print(f"{mode:7s} seed {seed}: acc {r['final_accuracy']:.3f}  mtp_acc {r['mtp_acceptance']:.3f}  "
+                      f"step {r['step_time_s']:.2f}s  train {r['train_time_s']:.2f}s", flush=True)
+    runs = result["runs"]
+    if "occ" in runs and "detach" in runs:
+        mean = lambda mode, key: sum(s[key] for s in runs[mode].values()) / len(runs[mode])  # noqa: E731
+        result["overhead"] = {f"occ_vs_detach_{k}": mean("occ", f"{k}_s") / mean("detach", f"{k}_s")
+                              for k in ("step_time", "train_time")}
+    print(f"\n{'mode':8s} {'seed':>4s} {'final_acc':>9s} {'mtp_accept':>10s} {'step_s':>7s} {'train_s':>7s}")
+    for mode, seeds in runs.items():
+        for seed, r in seeds.items():
+            print(f"{mode:8s} {seed:>4s} {r['final_accuracy']:9.3f} {r['mtp_acceptance']:10.3f} "
+                  f"{r['step_time_s']:7.2f} {r['train_time_s']:7.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({"out": str(out), "plot": str(out.with_suffix(".png")), **result.get("overhead", {})}))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
