@@ -173,9 +173,16 @@ def make_tagged_generate_fn(s: GRPOSetup, gate: GenerationGate, stats: dict) -> 
     return generate_fn
 
 
+def carried_lag(cfg) -> int:
+    """Steps by which a batch's oldest rollouts predate the batch itself: 1 with Pilot-Commit's
+    ``bind_pilot_to_commit`` (a group's pilot comes from the previous batch), else 0."""
+    pc = cfg.grpo.pilot_commit
+    return int(pc is not None and pc.enabled and pc.bind_pilot_to_commit)
+
+
 class TrajectoryProducer(threading.Thread):
     """Generation thread: one allocator step per batch, throttled so that batch ``b`` starts only when the
-    generation actor holds a version ``>= b - max_age``, and never past ``last_index``.
+    generation actor holds a version ``>= b - (max_age - carried_lag)``, and never past ``last_index``.
 
     Args:
         s: the run (its allocator is used by this thread only, from :meth:`start` until :meth:`stop`).
@@ -183,13 +190,15 @@ class TrajectoryProducer(threading.Thread):
         gate: shared with the trainer.
         version: policy version the generation actor holds at start.
         last_index: produce batches ``< last_index`` (``grpo.max_num_steps``).
+        carried_lag: see :func:`carried_lag`; the producer's lead shrinks by it so that carried pilot rollouts
+            still meet the bound (with ``max_age = 1`` and bound pilots, generation no longer runs ahead).
     """
 
     def __init__(self, s: GRPOSetup, buffer: TrajectoryBuffer, gate: GenerationGate, version: int,
-                 last_index: int) -> None:
+                 last_index: int, carried_lag: int = 0) -> None:
         super().__init__(name="trajectory-producer", daemon=True)
         self.s, self.buffer, self.gate = s, buffer, gate
-        self.max_age, self.last_index = buffer.max_age, last_index
+        self.max_age, self.last_index = max(0, buffer.max_age - carried_lag), last_index
         self._cond = threading.Condition()
         self._version = version
         self._stop_requested = False
@@ -328,7 +337,8 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
 
     if cfg.grpo.val_at_start and s.start_step == 0:
         s.logger.log_metrics(val(), step=0)
-    producer = TrajectoryProducer(s, buffer, gate, version=s.start_step, last_index=cfg.grpo.max_num_steps)
+    producer = TrajectoryProducer(s, buffer, gate, version=s.start_step, last_index=cfg.grpo.max_num_steps,
+                                  carried_lag=carried_lag(cfg))
     producer.start()
     try:
         for step in tqdm(range(s.start_step, cfg.grpo.max_num_steps), desc="async GRPO",

@@ -246,3 +246,43 @@ def test_async_recipe_runs_but_in_flight_updates_are_refused():
     with pytest.raises(ConfigError, match="in_flight_weight_updates"):
         check_runtime_support(load_config(CONFIGS / "grpo_math_tiny_async.yaml",
                                           ["grpo.async_grpo.in_flight_weight_updates=true"]))
+
+
+def test_pilot_binding_shrinks_the_producer_lead(monkeypatch):
+    # bound pilots are one batch older than their commits: with A = 2 the producer may lead by 1 only, so the
+    # oldest rollout of every trained group is exactly at the bound (age 2) and nothing is evicted
+    import nemo_rl_spec.algorithms.async_grpo as ag
+    from nemo_rl_spec.algorithms.pilot_commit import PilotCommitAllocator, PilotCommitConfig
+
+    holder = {}
+
+    def fake_make(s, gate, stats):
+        def generate(requests):
+            v = holder["producer"]._version
+            return [r.result([float(i % 2) for i in range(r.n)], v, payload=None) for r in requests]
+        return generate
+
+    monkeypatch.setattr(ag, "make_tagged_generate_fn", fake_make)
+    pc = PilotCommitConfig(enabled=True, n_pilot=2, n_commit=2, bind_pilot_to_commit=True)
+    alloc = PilotCommitAllocator(range(16), pc, seed=0, default_rollout_budget=16)
+
+    class Cfg:
+        class grpo:
+            pilot_commit = pc
+
+    assert ag.carried_lag(Cfg) == 1
+    buf = TrajectoryBuffer(2, capacity=3)
+    prod = TrajectoryProducer(_FakeSetup(alloc), buf, GenerationGate(), version=0, last_index=6,
+                              carried_lag=ag.carried_lag(Cfg))
+    holder["producer"] = prod
+    prod.start()
+    ages = []
+    for step in range(6):
+        time.sleep(0.03)
+        batch = buf.get(step, timeout=5)
+        assert batch is not None
+        ages.append(max((group_age(g, step) for g in batch.selection.groups), default=0))
+        prod.set_version(step + 1)
+    prod.stop()
+    assert buf.evicted_groups == 0
+    assert max(ages) == 2 and all(a <= 2 for a in ages)
