@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decoding", nargs="+", default=["autoregressive", "speculative"],
                    choices=["autoregressive", "speculative"])
     p.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
-    p.add_argument("--attempts", type=int, default=2, help="tries per mode (Ray startup can time out under load)")
+    p.add_argument("--attempts", type=int, default=3, help="tries per mode (Ray startup can time out under load)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides applied to every mode")
     return p.parse_args(argv)
 
@@ -107,15 +107,51 @@ def summarize(history: list[dict], is_async: bool) -> dict:
     }
 
 
+def start_ray(cfg, attempts: int = 5) -> None:
+    """Start the local Ray instance once for every mode. Ray gives the raylet a hard-coded 30 s to register, which
+    an oversubscribed 2-core host can miss; retry."""
+    import ray
+
+    from nemo_rl_spec.algorithms.grpo_setup import init_ray
+
+    for attempt in range(1, attempts + 1):
+        try:
+            init_ray(cfg)
+            return
+        except Exception:
+            if ray.is_initialized():
+                ray.shutdown()
+            if attempt == attempts:
+                raise
+            time.sleep(10)
+
+
+def release(s) -> None:
+    """``grpo_setup.teardown`` without stopping Ray (the next mode reuses it): stop and kill both actors."""
+    import ray
+
+    if s is None:
+        return
+    for actor in (s.generation, s.policy):
+        try:
+            ray.get(actor.shutdown.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - the kill below is what guarantees cleanup
+            pass
+        ray.kill(actor)
+    s.logger.close()
+
+
 def run_mode(config: str, overrides: list[str], is_async: bool, speculative: bool) -> dict:
-    """One mode end to end (setup, train, teardown); returns :func:`summarize` plus wall times and acceptance."""
+    """One mode end to end (setup, train, release the actors); returns :func:`summarize` plus wall times and
+    acceptance."""
     import ray
 
     from nemo_rl_spec.algorithms.grpo import grpo_train
-    from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
+    from nemo_rl_spec.algorithms.grpo_setup import setup
     from nemo_rl_spec.utils.config import check_runtime_support, load_config
 
     cfg = load_config(config, overrides)
+    start_ray(cfg)
     check_runtime_support(cfg)
     s, t0 = None, time.perf_counter()
     try:
@@ -140,7 +176,7 @@ def run_mode(config: str, overrides: list[str], is_async: bool, speculative: boo
             out["acceptance_length"] = 1.0
         return out
     finally:
-        teardown(s)
+        release(s)
 
 
 def mode_overrides(name: str, age: int, decoding: str, spec: dict | None, steps: int, workdir: Path) -> list[str]:
@@ -250,6 +286,9 @@ def main(argv=None) -> int:
     out.with_suffix(".md").write_text(md + "\n")
     plot(results, out.with_suffix(".png"))
     print(md)
+    from nemo_rl_spec.algorithms.grpo_setup import teardown
+
+    teardown(None)  # stop Ray
     return 0
 
 
