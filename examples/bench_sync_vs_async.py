@@ -135,7 +135,7 @@ def release(s) -> None:
     for actor in (s.generation, s.policy):
         try:
             ray.get(actor.shutdown.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - the kill below is what guarantees cleanup
+        except Exception:  # noqa: BLE001, S110 - the kill below is what guarantees cleanup
             pass
         ray.kill(actor)
     s.logger.close()
