@@ -281,3 +281,30 @@ def train_tiny_head(target: str, prompts: Sequence[Sequence[int]], out_dir: str,
         soft_targets=False, lr=3e-3, seed=seed)
     head.save_pretrained(out_dir)
     return {"path": out_dir, "history": history}
+
+
+def refit_lossless_scenario(model: str, speculative_config: dict, new_weights: dict[str, torch.Tensor],
+                            prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
+    """Greedy decode with the drafter as loaded, refit the drafter in place with ``new_weights`` (any
+    model-based method: eagle3, draft_model, mtp), greedy decode again. Returns outputs and counters of both
+    phases and the refit result."""
+    from vllm import SamplingParams
+
+    from nemo_rl_spec.speculative.draft_refit import refit_drafter
+    from nemo_rl_spec.speculative.metrics import SpecDecodeMeter
+
+    llm = make_llm(model, speculative_config)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    _generate(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    meter, out = SpecDecodeMeter(llm), {}
+    for phase in ("before", "after"):
+        if phase == "after":
+            out["refit"] = refit_drafter(llm, new_weights)
+        meter.start()
+        t0 = time.perf_counter()
+        outputs = _generate(llm, prompts, params)
+        gen_s = time.perf_counter() - t0
+        meter.stop()
+        out[phase] = {"outputs": outputs, "counters": meter.last, "generate_s": gen_s}
+    shutdown(llm)
+    return out
