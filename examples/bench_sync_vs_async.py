@@ -14,7 +14,8 @@ Definitions (seconds are wall clock, means over steps 2..N, the first step being
 - ``step_time_s``: ``timing/train/total_step_time`` (sync: generate + train + refit; async: the trainer's wait for
   a batch + train + refit).
 - ``exposed_generation_s``: generation on the trainer's critical path: sync ``timing/train/generation`` (all of
-  it), async ``timing/train/exposed_generation`` (the part of the buffer wait during which vLLM was generating).
+  it), async ``timing/train/exposed_generation`` (the part of the buffer wait during which vLLM was generating, plus
+  the refit bubble: the refit waiting for the generate call in flight).
 - ``tokens_per_s``: response tokens sampled / seconds inside generate calls (generator throughput).
 - ``acceptance_length``: 1 + accepted / drafting rounds over the whole run, from vLLM's spec-decode counters
   (autoregressive: 1.0 by definition).
@@ -49,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decoding", nargs="+", default=["autoregressive", "speculative"],
                    choices=["autoregressive", "speculative"])
     p.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
+    p.add_argument("--replot", action="store_true", help="only rewrite the table and plot from an existing --out")
     p.add_argument("--attempts", type=int, default=3, help="tries per mode (Ray startup can time out under load)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides applied to every mode")
     return p.parse_args(argv)
@@ -225,7 +227,7 @@ def plot(results: dict, path: Path) -> None:
         ax.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     other = [max(0.0, results[n]["step_time_s"] - b) for n, b in zip(names, bottom)]
-    ax.bar(names, other, bottom=bottom, label="other (idle, scoring, overhead)")
+    ax.bar(names, other, bottom=bottom, label="other (scoring, overhead)")
     ax.set_ylabel("seconds per step (mean, steps 2..N)")
     ax.set_title("GRPO step time: sync vs async, autoregressive vs speculative")
     ax.legend(fontsize=7)
@@ -235,9 +237,20 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_reports(out: Path, results: dict) -> str:
+    """Write ``out``'s .md table and .png plot; returns the table."""
+    md = table(results)
+    out.with_suffix(".md").write_text(md + "\n")
+    plot(results, out.with_suffix(".png"))
+    return md
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
+    if args.replot:
+        print(write_reports(out, json.loads(out.read_text())["modes"]))
+        return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench_sync_async_"))
     from nemo_rl_spec.utils.config import load_config
@@ -282,10 +295,7 @@ def main(argv=None) -> int:
     settings = {"config": args.config, "steps": args.steps, "overrides": args.overrides,
                 "speculative_config": spec, "note": "means over steps 2..N; see examples/bench_sync_vs_async.py"}
     out.write_text(json.dumps({"modes": results, "settings": settings}, indent=2, default=str))
-    md = table(results)
-    out.with_suffix(".md").write_text(md + "\n")
-    plot(results, out.with_suffix(".png"))
-    print(md)
+    print(write_reports(out, results))
     from nemo_rl_spec.algorithms.grpo_setup import teardown
 
     teardown(None)  # stop Ray

