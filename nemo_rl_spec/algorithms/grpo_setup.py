@@ -69,6 +69,12 @@ def load_datasets(cfg: MasterConfig) -> tuple[list[dict], list[dict]]:
         train = hub_datasets.LOADERS[t.source](t.path, max_samples=t.size)
     if v.source == "gsm8k_original":
         val = load_gsm8k_original(v.max_samples)
+    elif v.source == "reasoning_gym":   # held out: its own seed; training questions and repeats removed
+        seen, val = {p["question"] for p in train}, []
+        for p in load_train_problems(v.generators or t.generators, 2 * v.max_samples, v.seed):
+            if p["question"] not in seen and len(val) < v.max_samples:
+                seen.add(p["question"])
+                val.append(p)
     else:
         val = hub_datasets.LOADERS[v.source](v.path, max_samples=v.max_samples)
     return train, val

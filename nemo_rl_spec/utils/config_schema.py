@@ -48,6 +48,13 @@ class GRPOConfig(_Strict):
     dynamic_sampling: Optional[DynamicSamplingConfig] = None
 
     @model_validator(mode="after")
+    def _pilot_commit_budget(self) -> "GRPOConfig":
+        pc = self.pilot_commit
+        if pc is not None and pc.enabled:   # the default budget must leave a commit slot (fail before start)
+            pc.commit_slots(pc.rollout_budget_per_step or self.num_prompts_per_step * self.num_generations_per_prompt)
+        return self
+
+    @model_validator(mode="after")
     def _std_needs_groups(self) -> "GRPOConfig":
         if self.normalize_rewards and self.num_generations_per_prompt == 1:
             raise ValueError(
@@ -178,9 +185,13 @@ class TrainDataConfig(_Strict):
 
 
 class ValidationDataConfig(_Strict):
-    source: Literal["gsm8k_original", "aime_2024"]
+    source: Literal["gsm8k_original", "aime_2024", "reasoning_gym"]
     path: Optional[str]
     max_samples: PositiveInt = Field(le=100)
+    # reasoning_gym source only: a held-out set from these generators (None: data.train.generators), generated
+    # with this seed; questions that also occur in the training pool are dropped
+    generators: Optional[list[str]] = Field(default=None, min_length=1)
+    seed: int = 1000
 
 
 class DataConfig(_Strict):
