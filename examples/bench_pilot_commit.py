@@ -1,0 +1,223 @@
+"""Rollouts to a target validation accuracy: uniform GRPO vs DAPO dynamic sampling vs Pilot-Commit, real loop.
+
+``python examples/bench_pilot_commit.py --out results/bench_pilot_commit.json [--seeds 0 1] [--steps 6]
+[--target auto|0.3] [key=value ...]``
+
+Every (method, seed) is one subprocess of ``examples/run_grpo.py`` on the bench recipe (default
+``configs/grpo_math_smollm2_135m_pilot_commit.yaml``: SmolLM2-135M-Instruct, a mixed-difficulty reasoning-gym
+pool, a held-out reasoning-gym validation set validated every ``grpo.val_period`` steps) with its own log dir;
+extra ``key=value`` arguments are passed to every run. Methods differ only in the allocator section they enable
+(``grpo.pilot_commit.enabled`` / ``grpo.dynamic_sampling.enabled``); the per-step rollout budget of uniform GRPO
+and Pilot-Commit is the same, DAPO spends up to ``max_gen_batches`` times it. Runs are ordered seed-major, so an
+interrupted benchmark still has every method for the first seeds, and the JSON is rewritten after every run.
+
+Measured per run (from its ``metrics.jsonl``): the validation accuracy after each validated step against
+``rollout_alloc/cumulative_rollouts`` (all rollouts generated so far: pilots, commits, discarded DAPO batches).
+``rollouts_to_target[method][seed]`` = cumulative rollouts at the first validation whose accuracy reaches the
+target (null if never). Target: ``--target`` as a number, or ``auto`` (default) = the paper's protocol, the
+final accuracy of uniform GRPO (mean over seeds), but at least one validation problem above the start accuracy
+(the start is the same for every run: same weights, greedy decoding).
+
+Output: ``--out`` JSON, a PNG of accuracy vs cumulative rollouts next to it (same stem), and a table on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = {
+    "uniform": [],
+    "dapo": ["grpo.dynamic_sampling.enabled=true"],
+    "pilot_commit": ["grpo.pilot_commit.enabled=true"],
+}
+CUM = "rollout_alloc/cumulative_rollouts"
+ACC = "validation/accuracy"
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="result JSON (the plot is written next to it as <stem>.png)")
+    p.add_argument("--config", default="configs/grpo_math_smollm2_135m_pilot_commit.yaml", help="bench recipe")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--steps", type=int, default=None, help="grpo.max_num_steps (default: the recipe's)")
+    p.add_argument("--target", default="auto", help="target validation accuracy in [0, 1], or 'auto'")
+    p.add_argument("--work-dir", default=None, help="per-run log dirs (default: <out stem>_runs/ next to --out)")
+    p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one run may take")
+    p.add_argument("--reuse", action="store_true", help="skip runs whose metrics.jsonl is complete (re-analysis)")
+    return p.parse_known_args(argv)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def curve(records: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, cumulative rollouts, validation accuracy) of every validated step (step 0: no rollouts yet)."""
+    cum, out = 0.0, []
+    for r in sorted(records, key=lambda r: r["step"]):
+        cum = r.get(CUM, cum)
+        if ACC in r:
+            out.append((int(r["step"]), float(cum), float(r[ACC])))
+    return out
+
+
+def rollouts_to(points: list[tuple[int, float, float]], target: float) -> float | None:
+    """Cumulative rollouts at the first validation with accuracy >= target (1e-9 slack for float noise)."""
+    return next((c for _, c, a in points if a >= target - 1e-9), None)
+
+
+def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> dict:
+    """Run one (method, seed) subprocess unless ``--reuse`` finds it complete; returns its record."""
+    metrics = run_dir / "logs" / "metrics.jsonl"
+    info_path = run_dir / "run.json"
+    if args.reuse and info_path.is_file() and json.loads(info_path.read_text()).get("returncode") == 0:
+        info = json.loads(info_path.read_text())
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", args.config, *METHODS[method],
+               f"grpo.seed={seed}", f"logger.log_dir={run_dir}/logs", f"checkpointing.checkpoint_dir={run_dir}/ckpt",
+               "logger.progress_bar=false", *([f"grpo.max_num_steps={args.steps}"] if args.steps else []), *extra]
+        print(f"[bench] {method} seed {seed}: {' '.join(cmd[2:])}", flush=True)
+        t0 = time.time()
+        with open(run_dir / "stdout.log", "w") as log:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        info = {"command": cmd, "returncode": rc, "wall_s": round(time.time() - t0, 1)}
+        info_path.write_text(json.dumps(info, indent=1))
+        print(f"[bench] {method} seed {seed}: rc={rc} in {info['wall_s']:.0f} s", flush=True)
+    records = read_metrics(metrics)
+    steps = [r for r in records if r["step"] > 0]
+    mean = lambda key: statistics.fmean(r[key] for r in steps if key in r) if any(key in r for r in steps) else None  # noqa: E731
+    return {"returncode": info["returncode"], "wall_s": info["wall_s"], "steps_run": len(steps),
+            "curve": curve(records), "mean_step_time_s": mean("timing/train/total_step_time"),
+            "mean_group_reward_var": mean("rollout_alloc/mean_group_reward_var"),
+            "zero_adv_group_frac": mean("rollout_alloc/zero_adv_group_frac"),
+            "mean_train_reward": mean("train/reward"),
+            "cumulative_rollouts": [(int(r["step"]), r[CUM]) for r in steps if CUM in r],
+            "useful_rollout_frac": steps[-1].get("rollout_alloc/useful_rollout_frac") if steps else None,
+            "log_dir": str(run_dir / "logs")}
+
+
+def choose_target(spec: str, runs: dict, n_val: int) -> tuple[float | None, str]:
+    if spec != "auto":
+        return float(spec), "given"
+    starts = [pts[0][2] for m in runs.values() for r in m.values() if (pts := r["curve"]) and pts[0][0] == 0]
+    finals = [r["curve"][-1][2] for r in runs.get("uniform", {}).values() if r["curve"] and r["curve"][-1][0] > 0]
+    if not starts or not finals:
+        return None, "auto: missing start or uniform final accuracy"
+    floor = max(starts) + 1.0 / n_val
+    return max(statistics.fmean(finals), floor), (
+        f"auto: max(mean final accuracy of uniform GRPO = {statistics.fmean(finals):.4f}, "
+        f"start accuracy {max(starts):.4f} + 1/{n_val} validation problems)")
+
+
+def summarize(runs: dict, target_spec: str, n_val: int) -> dict:
+    target, how = choose_target(target_spec, runs, n_val)
+    rtt = {m: {str(s): (rollouts_to(r["curve"], target) if target is not None else None) for s, r in by.items()}
+           for m, by in runs.items()}
+    final = {m: {str(s): (r["curve"][-1][2] if r["curve"] and r["curve"][-1][0] > 0 else None) for s, r in by.items()}
+             for m, by in runs.items()}
+    ratios = {}
+    pc = rtt.get("pilot_commit", {})
+    for base in ("uniform", "dapo"):
+        per_seed = {s: rtt[base][s] / pc[s] for s in pc if s in rtt.get(base, {}) and rtt[base][s] and pc[s]}
+        ratios[f"{base}_over_pilot_commit"] = {
+            "per_seed": per_seed, "mean": statistics.fmean(per_seed.values()) if per_seed else None,
+            "note": "ratio of rollouts to target (>1: Pilot-Commit needed fewer); seeds where both reached it"}
+    cumulative = {m: {str(s): r["cumulative_rollouts"] for s, r in by.items()} for m, by in runs.items()}
+    accuracy = {m: {str(s): [[c, a] for _, c, a in r["curve"]] for s, r in by.items()} for m, by in runs.items()}
+    return {"target_accuracy": target, "target_rule": how, "rollouts_to_target": rtt, "final_accuracy": final,
+            "cumulative_rollouts": cumulative, "accuracy_vs_cumulative_rollouts": accuracy,
+            "ratios": ratios, "paper_goal": {"uniform_over_pilot_commit": 1.5, "dapo_over_pilot_commit": 2.3},
+            "runs": {m: {str(s): r for s, r in by.items()} for m, by in runs.items()}}
+
+
+def plot(result: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"uniform": "tab:blue", "dapo": "tab:orange", "pilot_commit": "tab:green"}
+    styles = ["-o", "--s", ":^", "-.d"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m, by in result["runs"].items():
+        for i, (s, r) in enumerate(by.items()):
+            if r["curve"]:
+                _, xs, ys = zip(*r["curve"])
+                ax.plot(xs, ys, styles[i % len(styles)], color=colors.get(m), label=f"{m} seed {s}", alpha=0.85)
+    if result["target_accuracy"] is not None:
+        ax.axhline(result["target_accuracy"], color="gray", lw=1, ls="--", label="target")
+    ax.set_xlabel("cumulative rollouts")
+    ax.set_ylabel("validation accuracy (greedy)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def table(result: dict) -> str:
+    fmt = lambda v, d=3: "-" if v is None else (f"{v:.{d}f}" if isinstance(v, float) and not v.is_integer() else f"{v:g}")  # noqa: E731
+    lines = [f"target accuracy {fmt(result['target_accuracy'])} ({result['target_rule']})",
+             f"{'method':<13}{'seed':>5}{'to_target':>11}{'final_acc':>10}{'peak_acc':>9}{'rollouts':>9}"
+             f"{'steps':>6}{'zero_adv':>9}{'grp_var':>8}{'s/step':>8}{'wall_s':>8}"]
+    for m, by in result["runs"].items():
+        for s, r in by.items():
+            peak = max((a for _, _, a in r["curve"]), default=None)
+            total = r["cumulative_rollouts"][-1][1] if r["cumulative_rollouts"] else None
+            lines.append(f"{m:<13}{s:>5}{fmt(result['rollouts_to_target'][m][s]):>11}"
+                         f"{fmt(result['final_accuracy'][m][s]):>10}{fmt(peak):>9}{fmt(total):>9}{r['steps_run']:>6}"
+                         f"{fmt(r['zero_adv_group_frac'], 2):>9}{fmt(r['mean_group_reward_var'], 3):>8}"
+                         f"{fmt(r['mean_step_time_s'], 0):>8}{fmt(r['wall_s'], 0):>8}")
+    for k, v in result["ratios"].items():
+        lines.append(f"{k}: mean {fmt(v['mean'], 2)} per seed {json.dumps({s: round(x, 2) for s, x in v['per_seed'].items()})}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args, extra = parse_args(argv)
+    out = Path(args.out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work_dir).resolve() if args.work_dir else out.with_name(out.stem + "_runs")
+    from nemo_rl_spec.utils.config import load_config   # fail fast on a bad recipe / override, before any run
+
+    for m in args.methods:
+        cfg = load_config(ROOT / args.config, [*METHODS[m], *extra])
+    from nemo_rl_spec.algorithms.grpo_setup import load_datasets
+
+    train, val = load_datasets(cfg)
+    t0, runs = time.time(), {m: {} for m in args.methods}
+    meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+            "config": args.config, "overrides": extra, "methods": {m: METHODS[m] for m in args.methods},
+            "seeds": args.seeds, "train_pool": {"size": len(train), "sources": sorted({p["source"] for p in train})},
+            "validation_size": len(val)}
+    result = {}
+    for seed in args.seeds:
+        for m in args.methods:
+            run_dir = work / f"{m}_seed{seed}"
+            runs[m][seed] = run_one(args, extra, m, seed, run_dir)
+            result = {**summarize(runs, args.target, len(val)), "meta": {**meta, "total_wall_s": round(time.time() - t0)}}
+            out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print(table(result))
+    print(json.dumps({"json": str(out), "plot": str(out.with_suffix(".png")), "total_wall_s": round(time.time() - t0)}))
+    return 0 if all(r["returncode"] == 0 for by in runs.values() for r in by.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
