@@ -330,6 +330,8 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
         buffer.load_state_dict(saved)
     else:
         buffer.next_index = s.start_step
+    # the allocator is between steps until the producer starts: its state goes with the (restored) buffer
+    buffer.last_allocator_state = copy.deepcopy(s.allocator.state_dict())
     gate = GenerationGate()
 
     def val() -> dict[str, float]:

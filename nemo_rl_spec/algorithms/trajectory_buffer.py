@@ -210,4 +210,4 @@ class TrajectoryBuffer:
             self._batches = batches
             self.evicted_groups, self.evicted_batches = int(state["evicted_groups"]), int(state["evicted_batches"])
             self.next_index = int(state["next_index"])
-            self.last_allocator_state = state["allocator_state"]
+            self.last_allocator_state = state.get("allocator_state")

@@ -130,6 +130,11 @@ def test_state_dict_round_trip_through_torch_save():
     assert torch.equal(g.results[0].payload["ids"], torch.tensor([1, 2, 3]))
     assert torch.equal(g.rewards, torch.tensor([1.0, 0.0]))
 
+    driver_form = {k: v for k, v in state.items() if k != "allocator_state"}  # as async_grpo checkpoints it
+    resumed = TrajectoryBuffer(2, capacity=3)
+    resumed.load_state_dict(driver_form)
+    assert resumed.last_allocator_state is None and resumed.next_index == 3
+
     tighter = TrajectoryBuffer(1, capacity=2)  # resumed with a smaller bound: the restored batch is now stale
     tighter.load_state_dict(state)
     assert tighter.get(current_version=3, timeout=0) is None and tighter.evicted_groups == 3
