@@ -10,7 +10,7 @@ run: install
 	$(PY) examples/run_grpo.py --config $(RECIPE) $(ARGS)
 
 test: install
-	$(PY) -m pytest tests -x -q
+	$(PY) -m pytest tests -x -q --durations=25
 
 test-unit: install
 	$(PY) -m pytest tests/unit -q

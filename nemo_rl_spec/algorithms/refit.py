@@ -44,7 +44,7 @@ class WeightRefitter:
         weights = self.policy.export_hf_weights.remote()
         ray.get(self.generation.update_weights.remote(weights, version))
         mismatch = self.probe()
-        if self.threshold is not None and mismatch > self.threshold:
+        if self.threshold is not None and not mismatch <= self.threshold:  # NaN fails too
             raise RefitMismatchError(
                 f"refit/logprob_mismatch={mismatch:.3g} exceeds policy.refit.logprob_mismatch_threshold="
                 f"{self.threshold:g} at weight version {version}"
