@@ -20,14 +20,17 @@ def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> tuple[dict[str, float], 
     """One synchronous GRPO step; returns its metrics (without timings) and whether the prompt pool is exhausted
     (every prompt evicted by Pilot-Commit)."""
     with timer.time("generation"):
+        spec_before = s.spec_counters()
         selection = s.allocator.step(make_generate_fn(s.generation, s.tokenizer, s.env, s.train_problems,
                                                       s.prompt_ids, version=step))
     metrics = {"train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
-               **selection.metrics}
+               **selection.metrics, **s.spec_metrics_since(spec_before)}
     if selection.groups:
         metrics.update(train_on_selection(s, selection, timer))
     with timer.time("weight_sync"):
         metrics.update(s.refitter.refit(version=step + 1))
+    if s.spec_alarm is not None:
+        s.spec_alarm.notify_refit()
     return metrics, selection.exhausted
 
 

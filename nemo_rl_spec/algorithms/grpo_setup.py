@@ -25,7 +25,8 @@ from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import to_yaml
-from nemo_rl_spec.utils.config_schema import MasterConfig
+from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
+from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
 from nemo_rl_spec.utils.logger import Logger
 
 
@@ -47,6 +48,19 @@ class GRPOSetup:
     checkpoints: CheckpointManager | None
     start_step: int = 0
     extra_state: dict = field(default_factory=dict)
+    spec_alarm: LowAcceptanceAlarm | None = None
+
+    def spec_counters(self) -> SpecDecodeCounters | None:
+        """Cumulative speculative-decoding counters of the generation worker (None without speculation)."""
+        return ray.get(self.generation.spec_counters.remote()) if self.spec_alarm is not None else None
+
+    def spec_metrics_since(self, before: SpecDecodeCounters | None) -> dict[str, float]:
+        """``vllm/spec_*`` acceptance metrics since ``before`` and the low-acceptance alarm (empty without
+        speculation)."""
+        if before is None:
+            return {}
+        metrics = (self.spec_counters() - before).as_metrics("vllm/")
+        return {**metrics, **self.spec_alarm.check(metrics)}
 
     @property
     def pad_token_id(self) -> int:
@@ -137,8 +151,10 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
         if cfg.checkpointing.enabled else None,
     )
     s.val_prompt_ids = s.prompt_ids(val)
+    if "speculative_config" in cfg.policy.generation.vllm_kwargs:
+        s.spec_alarm = LowAcceptanceAlarm((cfg.policy.draft or DraftConfig()).acceptance_alarm_floor)
     s.refitter = WeightRefitter(policy, generation, s.val_prompt_ids[: cfg.policy.refit.probe_batch_size],
-                                cfg.policy.generation.temperature, cfg.policy.refit.logprob_mismatch_threshold)
+                                cfg.policy.refit.logprob_mismatch_threshold, s.pad_token_id)
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         resume(s)
     return s

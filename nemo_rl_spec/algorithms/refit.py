@@ -1,13 +1,13 @@
 """Refit: push the trainer's HF-named weights into the generation workers, then probe for log-prob mismatch.
 
-After every refit, a fixed probe batch is sampled by vLLM with the new weights and scored by the trainer at the
-same temperature; ``refit/logprob_mismatch`` is the mean |logp_vllm - logp_trainer| over the probe's response
-tokens (nats). A stale or wrongly mapped weight shows up here immediately (DESIGN.md: an untied ``lm_head`` left
+After every refit, a fixed probe batch of token sequences is scored by vLLM (prompt log-probs) and by the trainer;
+``refit/logprob_mismatch`` is the mean |logp_vllm - logp_trainer| over all scored tokens (nats). A stale or wrongly mapped weight shows up here immediately (DESIGN.md: an untied ``lm_head`` left
 vLLM stale with a 0.19 difference).
 """
 from __future__ import annotations
 
 import ray
+import torch
 
 from nemo_rl_spec.algorithms.rollouts import masked_mean_abs_diff, response_mask
 
@@ -21,18 +21,18 @@ class WeightRefitter:
 
     Args:
         policy, generation: Ray actor handles (PolicyInterface, GenerationInterface).
-        probe_prompt_ids: token ids of the fixed probe prompts.
-        temperature: generation temperature (the probe samples and scores at it).
+        probe_sequences: token ids of the fixed probe sequences (e.g. chat-formatted validation prompts).
         threshold: raise :class:`RefitMismatchError` above this mismatch (None: only log).
-        probe_max_new_tokens: response length of the probe (tokens).
+        pad_token_id: padding id of the probe batch.
     """
 
-    def __init__(self, policy, generation, probe_prompt_ids: list[list[int]], temperature: float,
-                 threshold: float | None, probe_max_new_tokens: int = 16, seed: int = 1234) -> None:
-        self.policy, self.generation = policy, generation
-        self.probe_prompt_ids = probe_prompt_ids
-        self.temperature, self.threshold = temperature, threshold
-        self.probe_max_new_tokens, self.seed = probe_max_new_tokens, seed
+    def __init__(self, policy, generation, probe_sequences: list[list[int]], threshold: float | None,
+                 pad_token_id: int) -> None:
+        self.policy, self.generation, self.threshold = policy, generation, threshold
+        self.probe_lengths = torch.tensor([len(q) for q in probe_sequences])
+        self.probe_ids = torch.full((len(probe_sequences), int(self.probe_lengths.max())), pad_token_id)
+        for b, seq in enumerate(probe_sequences):
+            self.probe_ids[b, : len(seq)] = torch.tensor(seq)
 
     def refit(self, version: int) -> dict[str, float]:
         """Export policy weights, load them into vLLM as ``version``, run the probe.
@@ -52,11 +52,10 @@ class WeightRefitter:
         return {"refit/logprob_mismatch": mismatch, "refit/weight_version": float(version)}
 
     def probe(self) -> float:
-        """Mean |generation log-prob - trainer log-prob| over the probe's response tokens (nats)."""
-        gen = ray.get(self.generation.generate.remote(
-            {"prompt_token_ids": self.probe_prompt_ids}, 1, self.seed,
-            temperature=self.temperature, max_new_tokens=self.probe_max_new_tokens))
-        data = {"input_ids": gen["output_ids"], "input_lengths": gen["unpadded_sequence_lengths"]}
-        trainer_lp = ray.get(self.policy.get_logprobs.remote(data, self.temperature))
-        mask = response_mask(gen["input_lengths"], gen["unpadded_sequence_lengths"], gen["output_ids"].shape[1])
-        return masked_mean_abs_diff(gen["generation_logprobs"].float(), trainer_lp.float(), mask)
+        """Mean |vLLM log-prob - trainer log-prob| over every scored token of the probe sequences (nats), both at
+        temperature 1 (the probe checks weights; sampling plays no part, so it also holds under speculation)."""
+        data = {"input_ids": self.probe_ids, "input_lengths": self.probe_lengths}
+        vllm_lp = ray.get(self.generation.score.remote(self.probe_ids, self.probe_lengths))
+        trainer_lp = ray.get(self.policy.get_logprobs.remote(data, 1.0))
+        mask = response_mask(torch.ones_like(self.probe_lengths), self.probe_lengths, self.probe_ids.shape[1])
+        return masked_mean_abs_diff(vllm_lp.float(), trainer_lp.float(), mask)

@@ -146,6 +146,8 @@ class DraftConfig(_Strict):
     train: bool = False
     loss_weight: float = Field(default=1.0, ge=0.0)
     optimizer: DraftOptimizerConfig = DraftOptimizerConfig()
+    acceptance_alarm_floor: float = Field(default=1.2, ge=1.0, description="warn when vllm/spec_acceptance_length "
+                                          "right after a refit falls below it (draft no longer refit)")
 
 
 class RefitConfig(_Strict):

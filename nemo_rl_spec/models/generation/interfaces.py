@@ -46,6 +46,14 @@ class GenerationInterface(ABC):
         """Sample ``n`` responses per prompt (temperature / max_new_tokens from config unless overridden)."""
 
     @abstractmethod
+    def score(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs of given sequences under the current weights at temperature 1.
+
+        Shape: input_ids [B, S], input_lengths [B] -> [B, S] (position s = log-prob of token s; 0 at s=0 and on
+        padding). Used by the refit probe (``refit/logprob_mismatch``).
+        """
+
+    @abstractmethod
     def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Load HF-named policy weights and record ``version``."""
 

