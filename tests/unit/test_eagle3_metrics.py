@@ -113,3 +113,52 @@ def test_chi_square_tests_accept_same_and_reject_different():
     assert chi_square_goodness_of_fit(c, probs)[2] < 1e-6
     assert chi_square_goodness_of_fit(torch.tensor([5, 5, 1]), torch.tensor([0.5, 0.5, 0.0]))[2] == 0.0
     assert total_variation(torch.tensor([1, 1]), torch.tensor([1, 0])) == pytest.approx(0.5)
+
+
+def test_megatron_mtp_to_mimo_mapping_by_hand():
+    """eh_proj's [embedding ; hidden] columns become MiMo's [hidden ; embedding]; the MTP transformer layer maps
+    like decoder layer 0 (q/k/v split from megatron's grouped linear_qkv, gate/up from linear_fc1)."""
+    from nemo_rl_spec.models.policy.hf_weight_mapping import ModelSpec, fuse_qkv
+    from nemo_rl_spec.speculative.mtp_export import megatron_mtp_to_mimo, with_zero_qkv_bias
+
+    spec = ModelSpec("LlamaForCausalLM", num_layers=2, hidden_size=4, ffn_hidden_size=6, num_attention_heads=2,
+                     num_query_groups=1, head_dim=2, vocab_size=10, max_position_embeddings=16, rms_norm_eps=1e-6,
+                     rope_theta=1e4, qk_layernorm=False, tie_word_embeddings=True)
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = r(4, 4), r(2, 4), r(2, 4)
+    gate, up = r(6, 4), r(6, 4)
+    eh = r(4, 8)
+    pre, lay = "mtp.layers.0.", "mtp.layers.0.mtp_model_layer."
+    state = {"embedding.word_embeddings.weight": r(10, 4), "decoder.final_layernorm.weight": r(4),
+             "decoder.layers.0.input_layernorm.weight": r(4),  # trunk layers are ignored
+             pre + "enorm.weight": r(4), pre + "hnorm.weight": r(4), pre + "eh_proj.weight": eh,
+             pre + "final_layernorm.weight": r(4),
+             lay + "input_layernorm.weight": r(4), lay + "self_attention.linear_qkv.weight": fuse_qkv(q, k, v, spec),
+             lay + "self_attention.linear_proj.weight": r(4, 4), lay + "pre_mlp_layernorm.weight": r(4),
+             lay + "mlp.linear_fc1.weight": torch.cat([gate, up]), lay + "mlp.linear_fc2.weight": r(4, 6)}
+    out = megatron_mtp_to_mimo(state, spec)
+    m = "model.mtp_layers.0."
+    assert torch.equal(out[m + "input_proj.weight"], torch.cat([eh[:, 4:], eh[:, :4]], dim=1))
+    assert torch.equal(out[m + "token_layernorm.weight"], state[pre + "enorm.weight"])
+    assert torch.equal(out[m + "hidden_layernorm.weight"], state[pre + "hnorm.weight"])
+    assert torch.equal(out[m + "final_layernorm.weight"], state[pre + "final_layernorm.weight"])
+    assert torch.equal(out[m + "self_attn.q_proj.weight"], q) and torch.equal(out[m + "self_attn.v_proj.weight"], v)
+    assert torch.equal(out[m + "mlp.gate_proj.weight"], gate) and torch.equal(out[m + "mlp.up_proj.weight"], up)
+    assert torch.equal(out[m + "post_attention_layernorm.weight"], state[lay + "pre_mlp_layernorm.weight"])
+    assert all(n.startswith(m) for n in out)
+    biased = with_zero_qkv_bias(out)
+    assert biased[m + "self_attn.k_proj.bias"].shape == (2,) and not biased[m + "self_attn.k_proj.bias"].any()
+
+
+def test_expand_kernel_fix_by_hand():
+    from nemo_rl_spec.speculative.vllm_patches import expand_kernel_impl
+
+    temps = torch.tensor([0.7, -1.0, 1.3])          # -1 = vLLM's GREEDY_TEMPERATURE
+    out = torch.full((6,), float("nan"))
+    expand_kernel_impl(out, temps, torch.tensor([2, 2, 6]), -1, 1)   # request 1 has no draft tokens
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.3, 1.3, 1.3, 1.3])
+    ks = torch.tensor([5, 0], dtype=torch.int32)
+    out_k = torch.zeros(3, dtype=torch.int32)
+    expand_kernel_impl(out_k, ks, torch.tensor([1, 3]), 0, 0)
+    assert out_k.tolist() == [5, 0, 0]

