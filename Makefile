@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 RECIPE ?= configs/grpo_math_smollm2_135m.yaml
 
-.PHONY: install run test test-unit test-functional
+.PHONY: install run test test-slow test-unit test-functional
 install:
 	bash scripts/install_cpu.sh
 
@@ -10,7 +10,10 @@ run: install
 	$(PY) examples/run_grpo.py --config $(RECIPE) $(ARGS)
 
 test: install
-	$(PY) -m pytest tests -x -q --durations=25
+	$(PY) -m pytest tests -x -q --durations=25 -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest tests -q --durations=25 -m slow
 
 test-unit: install
 	$(PY) -m pytest tests/unit -q
