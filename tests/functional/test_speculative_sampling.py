@@ -28,7 +28,7 @@ from nemo_rl_spec.speculative.lossless import (  # noqa: E402
     total_variation,
 )
 
-pytestmark = pytest.mark.timeout(2400)
+pytestmark = [pytest.mark.timeout(2400), pytest.mark.slow]  # 20k samples x 4 engines: `make test-slow`
 
 NUM_SAMPLES, K, TOP = 20_000, 3, 64
 
