@@ -89,7 +89,7 @@ def main() -> int:
         }
     print(f"{'method':12s} {'identical':>9s} {'spec s':>8s} {'plain s':>8s} {'acc.len':>8s}")
     for m, r in report["methods"].items():
-        print(f"{m:12s} {str(r['identical']):>9s} {r['spec_generate_s']:8.1f} {r['plain_generate_s']:8.1f} "
+        print(f"{m:12s} {r['identical']!s:>9s} {r['spec_generate_s']:8.1f} {r['plain_generate_s']:8.1f} "
               f"{r['acceptance_length']:8.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

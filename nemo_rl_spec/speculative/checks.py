@@ -13,9 +13,10 @@ import multiprocessing as mp
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -134,7 +135,10 @@ def eagle3_refit_scenario(target: str, head_dir: str, new_weights: dict[str, tor
     from vllm import SamplingParams
 
     from nemo_rl_spec.speculative.draft_refit import drafter_state_dict, refit_drafter
-    from nemo_rl_spec.speculative.lossless import install_proposal_recorder, recorded_proposals
+    from nemo_rl_spec.speculative.lossless import (
+        install_proposal_recorder,
+        recorded_proposals,
+    )
     from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeMeter
 
     llm = make_llm(target, {"method": "eagle3", "model": head_dir, "num_speculative_tokens": k})

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -69,7 +70,9 @@ def unshare_lm_head(worker) -> bool:
     shared = getattr(model, "lm_head", None)
     if shared is None or shared is not getattr(target, "lm_head", None):
         return False
-    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        record_metadata_for_reloading,
+    )
 
     private = copy.deepcopy(shared)
     record_metadata_for_reloading(private)  # a fresh module: in-place reload needs its layout recorded

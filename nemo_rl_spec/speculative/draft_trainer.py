@@ -8,8 +8,9 @@ parameters. The draft has its own optimizer (AdamW) and gradient clipping.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

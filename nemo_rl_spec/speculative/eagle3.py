@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,7 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
     vllm_default = (2, L // 2, L - 3)
     if L >= 6 and 0 <= vllm_default[0] < vllm_default[1] < vllm_default[2] <= L:
         return vllm_default
-    return tuple(sorted({int(round(x)) for x in torch.linspace(0, L, 3).tolist()}))
+    return tuple(sorted({round(x) for x in torch.linspace(0, L, 3).tolist()}))
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Eagle3Config:
     @classmethod
     def from_target(cls, target_config, aux_layer_ids: Sequence[int] | None = None,
                     draft_vocab_size: int | None = None, intermediate_size: int | None = None,
-                    **overrides) -> "Eagle3Config":
+                    **overrides) -> Eagle3Config:
         """Derive a head config from the target's HF config (object or dict): same hidden size, heads, head_dim,
         rope theta and eps; aux ids default to :func:`default_aux_layer_ids`."""
         get = (lambda k, d=None: target_config.get(k, d)) if isinstance(target_config, dict) else (
@@ -167,7 +167,7 @@ class Eagle3Config:
         }
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "Eagle3Config":
+    def from_hf_dict(cls, d: dict) -> Eagle3Config:
         if TRAINER_META_KEY in d:
             return cls(**d[TRAINER_META_KEY])
         raise ValueError("config.json was not written by Eagle3DraftHead.save_pretrained (no "
@@ -316,7 +316,7 @@ class Eagle3DraftHead(nn.Module):
     @classmethod
     def from_target(cls, target_model: nn.Module | None = None, target_config=None, *,
                     aux_layer_ids: Sequence[int] | None = None, draft_vocab: torch.Tensor | None = None,
-                    init_lm_head_from_target: bool = True, seed: int = 0, **cfg_overrides) -> "Eagle3DraftHead":
+                    init_lm_head_from_target: bool = True, seed: int = 0, **cfg_overrides) -> Eagle3DraftHead:
         """Build a head for an HF target (``target_model`` or just its config).
 
         Args:
@@ -459,7 +459,7 @@ class Eagle3DraftHead(nn.Module):
             raise ValueError("aux_hidden requires grad: detach the policy's hidden states before the draft loss")
         if step_weights is None:
             step_weights = [0.8 ** j for j in range(num_steps)]
-        B, S = input_ids.shape
+        S = input_ids.shape[1]
         mask = loss_mask.bool()
         all_logits = self.unroll(aux_hidden, input_ids, num_steps, position_ids)
         total = aux_hidden.new_zeros((), dtype=torch.float32)
@@ -516,7 +516,7 @@ class Eagle3DraftHead(nn.Module):
         return out
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target_embeddings: torch.Tensor | None = None) -> "Eagle3DraftHead":
+    def from_pretrained(cls, path: str | Path, target_embeddings: torch.Tensor | None = None) -> Eagle3DraftHead:
         """Load a head written by :meth:`save_pretrained`. The embedding comes from the checkpoint if it has
         one, else from ``target_embeddings`` (required then for training/inference here)."""
         from safetensors.torch import load_file

@@ -40,7 +40,7 @@ class SpecDecodeCounters:
     accepted_per_pos: tuple[int, ...] = field(default_factory=tuple)
 
     @classmethod
-    def from_vllm_metrics(cls, metrics) -> "SpecDecodeCounters":
+    def from_vllm_metrics(cls, metrics) -> SpecDecodeCounters:
         """Sum the spec-decode counters over engines/labels in ``LLM.get_metrics()`` output (all zero if the
         engine has no speculative decoding or runs with ``disable_log_stats=True``)."""
         drafts = draft_tokens = accepted = 0
@@ -58,7 +58,7 @@ class SpecDecodeCounters:
                 per_pos = [a + b for a, b in zip(per_pos + [0] * (len(values) - len(per_pos)), values)]
         return cls(drafts, draft_tokens, accepted, tuple(per_pos))
 
-    def __sub__(self, other: "SpecDecodeCounters") -> "SpecDecodeCounters":
+    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         a = list(self.accepted_per_pos) + [0] * (n - len(self.accepted_per_pos))
         b = list(other.accepted_per_pos) + [0] * (n - len(other.accepted_per_pos))

@@ -8,7 +8,7 @@ with soft targets (the policy's next-token distribution) or hard targets (the sa
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -21,7 +21,7 @@ _applied = False
 
 
 def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
-                       replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:  # noqa: N803 (kernel arg name)
+                       replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
     """``output[cu[i-1]:cu[i]] = input_val[i]`` (``replace_to`` where ``input_val[i] == replace_from``), in the
     output's own dtype. Shape: input_val [batch], cu_num_tokens [batch] (cumulative) -> output [num_tokens]."""
     del MAX_NUM_TOKENS

@@ -17,11 +17,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
-from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
-from nemo_rl_spec.speculative import checks  # noqa: E402
-from nemo_rl_spec.speculative.capture import capture_hidden_states  # noqa: E402
-from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead  # noqa: E402
-from nemo_rl_spec.speculative.lossless import (  # noqa: E402
+from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.speculative import checks
+from nemo_rl_spec.speculative.capture import capture_hidden_states
+from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
+from nemo_rl_spec.speculative.lossless import (
     SERVING_PROMPT,
     build_tiny_mimo,
     build_truncated_draft,

@@ -14,8 +14,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("megatron.core")
 
-from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
-from nemo_rl_spec.speculative import checks  # noqa: E402
+from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.speculative import checks
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -17,9 +17,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 
-from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
-from nemo_rl_spec.speculative import checks  # noqa: E402
-from nemo_rl_spec.speculative.lossless import build_tiny_llama, first_mismatch, lossless_prompts  # noqa: E402
+from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.speculative import checks
+from nemo_rl_spec.speculative.lossless import (
+    build_tiny_llama,
+    first_mismatch,
+    lossless_prompts,
+)
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -30,6 +34,7 @@ def export_scenario(llama_dir: str, out_dir: str, sequences: list[list[int]]) ->
     """Megatron side (own process: needs a process group): build with an MTP block, export to MiMo, and
     megatron's MTP greedy prediction at every position of ``sequences`` (index t predicts token t + 2)."""
     import json
+    from pathlib import Path
 
     from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
     from nemo_rl_spec.models.policy.megatron_model import (
@@ -39,14 +44,17 @@ def export_scenario(llama_dir: str, out_dir: str, sequences: list[list[int]]) ->
         mtp_hidden_states,
         output_logits,
     )
-    from nemo_rl_spec.speculative.mtp_export import megatron_mtp_to_mimo, write_mimo_checkpoint
+    from nemo_rl_spec.speculative.mtp_export import (
+        megatron_mtp_to_mimo,
+        write_mimo_checkpoint,
+    )
 
     model, spec = build_from_hf(llama_dir, mtp_num_layers=1)
     model.eval()
     state = megatron_param_state(model)
     mtp = megatron_mtp_to_mimo(state, spec)
     trunk = megatron_to_hf({n: t for n, t in state.items() if not n.startswith("mtp.")}, spec)
-    cfg = json.loads(open(os.path.join(llama_dir, "config.json")).read())
+    cfg = json.loads((Path(llama_dir) / "config.json").read_text())
     write_mimo_checkpoint(trunk, cfg, mtp, out_dir, tokenizer_dir=llama_dir)
     def zero_first_position(**kwargs):  # what vLLM's MiMo layer does to the token embedding at position 0
         emb = model.embedding(**kwargs).clone()  # [S, B, H]
@@ -120,7 +128,10 @@ def test_megatron_mtp_exported_as_mimo(tmp_path):
 def mtp_proposals_scenario(model: str, prompts, max_tokens: int):
     from vllm import SamplingParams
 
-    from nemo_rl_spec.speculative.lossless import install_proposal_recorder, recorded_proposals
+    from nemo_rl_spec.speculative.lossless import (
+        install_proposal_recorder,
+        recorded_proposals,
+    )
 
     llm = checks.make_llm(model, {"method": "mtp", "num_speculative_tokens": 1})
     install_proposal_recorder(llm)

@@ -19,9 +19,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
-from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
-from nemo_rl_spec.speculative import checks  # noqa: E402
-from nemo_rl_spec.speculative.lossless import (  # noqa: E402
+from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.speculative import checks
+from nemo_rl_spec.speculative.lossless import (
     chi_square_goodness_of_fit,
     chi_square_homogeneity,
     lossless_prompts,

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fixtures_models  # noqa: E402
+import fixtures_models
 
-from nemo_rl_spec.speculative.capture import capture_hidden_states  # noqa: E402
-from nemo_rl_spec.speculative.draft_refit import eagle3_vllm_names  # noqa: E402
-from nemo_rl_spec.speculative.draft_trainer import DraftTrainer  # noqa: E402
-from nemo_rl_spec.speculative.eagle3 import (  # noqa: E402
+from nemo_rl_spec.speculative.capture import capture_hidden_states
+from nemo_rl_spec.speculative.draft_refit import eagle3_vllm_names
+from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
+from nemo_rl_spec.speculative.eagle3 import (
     Eagle3Config,
     Eagle3DraftHead,
     default_aux_layer_ids,
@@ -181,9 +181,8 @@ def test_capture_follows_vllm_aux_convention(target):
 
 def test_capture_removes_hooks_and_rejects_bad_ids(target):
     n_before = sum(len(m._forward_hooks) for m in target.modules())
-    with pytest.raises(ValueError):
-        with capture_hidden_states(target, (0, 3)):
-            pass
+    with pytest.raises(ValueError), capture_hidden_states(target, (0, 3)):
+        pass
     with capture_hidden_states(target, (1,)):
         pass
     assert sum(len(m._forward_hooks) for m in target.modules()) == n_before
@@ -234,7 +233,7 @@ def test_reduced_vocabulary_maps_and_losses(target, tmp_path):
     ids = torch.tensor([[1, 5, 7, 9, 100, 2]])
     mask = torch.ones_like(ids)
     aux = aux_of(target, ids, head.cfg.aux_layer_ids)
-    loss, m = head.ttt_loss(aux, ids, mask, num_steps=1)
+    loss, _ = head.ttt_loss(aux, ids, mask, num_steps=1)
     with torch.no_grad():
         logq = torch.log_softmax(head.unroll(aux, ids, 1)[0][0], -1)
     # chains t=0..3 predict ids[2..5] = 7, 9, 100, 2; 9 is out of vocabulary

@@ -8,7 +8,10 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard, DraftVersionMismatchError
+from nemo_rl_spec.speculative.draft_refit import (
+    DraftVersionGuard,
+    DraftVersionMismatchError,
+)
 from nemo_rl_spec.speculative.lossless import (
     chi2_sf,
     chi_square_goodness_of_fit,
@@ -119,13 +122,16 @@ def test_megatron_mtp_to_mimo_mapping_by_hand():
     """eh_proj's [embedding ; hidden] columns become MiMo's [hidden ; embedding]; the MTP transformer layer maps
     like decoder layer 0 (q/k/v split from megatron's grouped linear_qkv, gate/up from linear_fc1)."""
     from nemo_rl_spec.models.policy.hf_weight_mapping import ModelSpec, fuse_qkv
-    from nemo_rl_spec.speculative.mtp_export import megatron_mtp_to_mimo, with_zero_qkv_bias
+    from nemo_rl_spec.speculative.mtp_export import (
+        megatron_mtp_to_mimo,
+        with_zero_qkv_bias,
+    )
 
     spec = ModelSpec("LlamaForCausalLM", num_layers=2, hidden_size=4, ffn_hidden_size=6, num_attention_heads=2,
                      num_query_groups=1, head_dim=2, vocab_size=10, max_position_embeddings=16, rms_norm_eps=1e-6,
                      rope_theta=1e4, qk_layernorm=False, tie_word_embeddings=True)
     gen = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=gen)
     q, k, v = r(4, 4), r(2, 4), r(2, 4)
     gate, up = r(6, 4), r(6, 4)
     eh = r(4, 8)
