@@ -10,6 +10,19 @@ per-phase errors; --spec-metrics adds the fidelity check: AR-fitted profile -> s
 
     python examples/run_sim.py calibrate --metrics logs/<run>/metrics.jsonl [--spec-metrics logs/<spec>/metrics.jsonl]
         [--scenario configs/sim/cpu_smollm2_default.yaml] --out results/sim/cpu_fitted.yaml
+
+Fidelity with held-out steps (fit the CPU profile on the first half of the AR run after warm-up, predict the
+other half from each step's own response length; --spec-metrics adds a speculative run, predicted from the same
+fit with its measured acceptance and the k of --spec-recipe):
+
+    python examples/run_sim.py fidelity --metrics logs/<run>/metrics.jsonl [--recipe configs/<recipe>.yaml]
+        [--spec-metrics logs/<spec>/metrics.jsonl --spec-recipe configs/<recipe>.yaml --spec-override k=v ...]
+        --out results/sim/fidelity.json
+
+Speculative micro-benchmark (vLLM on this CPU, a fixed batch with and without EAGLE-3; the AR time fits the
+decode profile, the speculative time is predicted from the measured acceptance):
+
+    python examples/run_sim.py spec-bench --out results/sim/spec_bench.json
 """
 from __future__ import annotations
 
@@ -146,11 +159,70 @@ def calibrate_main(argv: list[str]) -> int:
     return 0
 
 
+def load_recipe(path: str, overrides: list[str]) -> dict[str, Any]:
+    """A GRPO recipe (``defaults:`` merged, ``key=value`` overrides applied, interpolations resolved) as a dict."""
+    from omegaconf import OmegaConf
+
+    from nemo_rl_spec.utils.config import apply_overrides, load_yaml_with_defaults
+
+    return OmegaConf.to_container(apply_overrides(load_yaml_with_defaults(path), overrides), resolve=True)
+
+
+def fidelity_main(argv: list[str]) -> int:
+    """Held-out fidelity of a scenario against measured runs; prints tables, writes the JSON report."""
+    from nemo_rl_spec.sim.fidelity import fidelity, format_table, scenario_from_recipe
+
+    p = argparse.ArgumentParser(prog="run_sim.py fidelity", description=fidelity.__doc__)
+    p.add_argument("--metrics", required=True, help="metrics.jsonl of the autoregressive run")
+    p.add_argument("--config", default=str(CONFIG_DIR / "cpu_smollm2_default.yaml"), help="scenario YAML")
+    p.add_argument("--recipe", default=str(REPO / "configs" / "grpo_math_smollm2_135m.yaml"),
+                   help="GRPO recipe of the AR run (batch sizes, response cap)")
+    p.add_argument("--override", action="append", default=[], help="recipe override of the AR run, key=value")
+    p.add_argument("--spec-metrics", help="metrics.jsonl of a speculative run (predicted, never fitted)")
+    p.add_argument("--spec-recipe", help="GRPO recipe of the speculative run (k, draft); default --recipe")
+    p.add_argument("--spec-override", action="append", default=[], help="override of the speculative recipe")
+    p.add_argument("--warmup", type=int, default=1, help="timed steps dropped at the start of each run")
+    p.add_argument("--n-fit", type=int, default=None, help="AR steps after warm-up to fit on (default: half)")
+    p.add_argument("--out", required=True, help="JSON report")
+    args = p.parse_args(argv)
+    scn = scenario_from_recipe(load_scenario(args.config), load_recipe(args.recipe, args.override))
+    spec_scn = spec = None
+    if args.spec_metrics:
+        spec = read_jsonl(args.spec_metrics)
+        spec_scn = scenario_from_recipe(load_scenario(args.config),
+                                        load_recipe(args.spec_recipe or args.recipe, args.spec_override))
+    rep = fidelity(scn, read_jsonl(args.metrics), spec, args.warmup, args.n_fit, spec_scn)
+    rep["inputs"] = {"metrics": args.metrics, "config": args.config, "recipe": args.recipe,
+                     "override": args.override, "spec_metrics": args.spec_metrics,
+                     "spec_recipe": args.spec_recipe, "spec_override": args.spec_override, "warmup": args.warmup}
+    fit = rep["fit"]
+    print(f"fit on AR steps {fit['steps']}: measured/predicted "
+          + ", ".join(f"{k} {v:.3f}" for k, v in fit["ratios"].items()) + f"; other {fit['other_s']:.2f} s")
+    for key, title in (("ar_holdout", "AR, held-out steps, fitted profile"),
+                       ("ar_prior", "AR, same steps, a-priori profile (DESIGN.md micro-benchmarks)"),
+                       ("spec", "speculative run, AR-fitted profile"), ("spec_prior", "speculative, a-priori")):
+        if key in rep:
+            print(f"\n{title} (steps {rep[key]['steps']}):\n{format_table(rep, key)}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.to_jsonable(rep), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``calibrate ...`` fits a scenario to measured runs; anything else runs the sweep. Returns the exit code."""
+    """``calibrate ...`` fits a scenario to measured runs, ``fidelity ...`` checks held-out predictions,
+    ``spec-bench ...`` measures vLLM with and without speculation; anything else runs the sweep. Returns the
+    exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "calibrate":
         return calibrate_main(argv[1:])
+    if argv and argv[0] == "fidelity":
+        return fidelity_main(argv[1:])
+    if argv and argv[0] == "spec-bench":
+        from nemo_rl_spec.sim.spec_bench import main as spec_bench_main
+
+        return spec_bench_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON output; plots are written next to it")
     p.add_argument("--config-dir", default=str(CONFIG_DIR))

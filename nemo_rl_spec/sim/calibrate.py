@@ -10,8 +10,11 @@ relative shape fitted from DESIGN.md's step costs is kept):
     logprob:  logprob_mfu *= predicted / measured             training: train_mfu likewise
     refit:    refit_bw_eff /= r, refit_overhead_s *= r;        other = total - sum of the four phases
 
-Fidelity: a profile fitted on the autoregressive run predicts the speculative run (its measured acceptance
-length and response length as inputs); the error per phase is (predicted - measured) / measured.
+Errors reported: ``prior_ar_errors`` (a-priori profile vs the AR run: independent), ``in_sample_ar_residuals``
+(the fit against the numbers it was fitted on: ~0 by construction, a consistency check, not fidelity) and
+``spec_errors`` (the AR-fitted profile predicts the speculative run from its measured acceptance and response
+length: a cross-run check). Held-out fidelity within one run (fit on some steps, predict the others) is
+:mod:`nemo_rl_spec.sim.fidelity` (``examples/run_sim.py fidelity``).
 """
 from __future__ import annotations
 
@@ -133,8 +136,10 @@ def calibrate(scenario: ScenarioSpec, ar_records: list[dict], spec_records: list
     report: dict[str, Any] = {"measured_ar": ar_meas.model_dump(), "prior_ar_errors": phase_errors(
         predict(base, False).model_copy(update=dict(other=ar_meas.other)), ar_meas)}
     fitted = base.model_copy(update=dict(efficiency=fitted_efficiency(base, ar_meas)))
-    report["fitted_ar_errors"] = phase_errors(predict(fitted, False).model_copy(update=dict(other=ar_meas.other)),
-                                              ar_meas)
+    # In-sample residuals (fitted on these very numbers, ~0 by construction): not a fidelity measure; use
+    # fidelity.fidelity (held-out steps) or spec_errors (another run) for that.
+    report["in_sample_ar_residuals"] = phase_errors(
+        predict(fitted, False).model_copy(update=dict(other=ar_meas.other)), ar_meas)
     if spec_records:
         sp_summary = summarize(spec_records, skip)
         sp_meas = measured_phases(sp_summary)

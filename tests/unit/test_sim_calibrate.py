@@ -67,7 +67,7 @@ def test_calibration_recovers_a_known_truth(tmp_path):
     ar_file = write_run(tmp_path / "ar.jsonl", ar_truth, extra_ar)
     sp_file = write_run(tmp_path / "sp.jsonl", sp_truth, extra_sp)
     fitted, rep = calibrate(prior, read_jsonl(ar_file), read_jsonl(sp_file))
-    assert all(abs(v) < 1e-9 for v in rep["fitted_ar_errors"].values()), rep["fitted_ar_errors"]
+    assert all(abs(v) < 1e-9 for v in rep["in_sample_ar_residuals"].values()), rep["in_sample_ar_residuals"]
     assert all(abs(v) < 1e-9 for v in rep["spec_errors"].values()), rep["spec_errors"]
     assert rep["prior_ar_errors"]["generation"] == pytest.approx(1 / 1.3 - 1, abs=1e-9)
     assert fitted.efficiency["train_mfu"] == pytest.approx(truth_eff["train_mfu"], rel=1e-9)
@@ -81,7 +81,7 @@ def test_cli_calibrate_writes_a_loadable_scenario(tmp_path, capsys):
     assert main(["calibrate", "--metrics", str(ar_file), "--out", str(out)]) == 0
     fitted = load_scenario(out)
     assert fitted.name == "cpu_smollm2_default_fitted"
-    assert "fitted_ar_errors" in capsys.readouterr().out
+    assert "in_sample_ar_residuals" in capsys.readouterr().out
 
 
 def test_cpu_profile_preset_is_the_design_fit():
