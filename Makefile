@@ -2,12 +2,17 @@
 PY := .venv/bin/python
 RECIPE ?= configs/grpo_math_smollm2_135m.yaml
 
-.PHONY: install run test test-slow test-unit test-functional
+.PHONY: install run draft test test-slow test-unit test-functional
 install:
 	bash scripts/install_cpu.sh
 
 run: install
 	$(PY) examples/run_grpo.py --config $(RECIPE) $(ARGS)
+
+# Offline EAGLE-3 draft for RECIPE (in-domain prompts, policy samples): make draft [RECIPE=...] [OUT=...] [ARGS=...]
+OUT ?= results/drafts/$(basename $(notdir $(RECIPE)))
+draft: install
+	$(PY) examples/init_draft.py --config $(RECIPE) --out $(OUT) $(ARGS)
 
 test: install
 	$(PY) -m pytest tests -x -q --durations=25 -m "not slow"
