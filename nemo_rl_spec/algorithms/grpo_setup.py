@@ -110,6 +110,24 @@ def _policy_env(cfg: MasterConfig) -> dict:
     return {"env_vars": {"OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}}
 
 
+def enabled_draft(cfg: MasterConfig) -> DraftConfig | None:
+    """``policy.draft`` when present and enabled, else None."""
+    draft = cfg.policy.draft
+    return draft if draft is not None and draft.enabled else None
+
+
+def _engine_draft_dir(cfg: MasterConfig, policy) -> str | None:
+    """The EAGLE-3 head directory the engine starts with: with online training, the policy worker's head written
+    to ``<logger.log_dir>/draft_init`` (so both start equal); else ``policy.draft.model_name`` (None: keep
+    ``speculative_config.model``)."""
+    draft = enabled_draft(cfg)
+    if draft is None:
+        return None
+    if draft.online:
+        return ray.get(policy.save_draft.remote(str((Path(cfg.logger.log_dir) / "draft_init").resolve())))
+    return draft.model_name
+
+
 def start_workers(cfg: MasterConfig, model_path: str) -> tuple[Any, Any]:
     """Create the Megatron policy actor and the vLLM generation actor, then wait until both are up."""
     policy_cfg = cfg.policy.model_dump()
@@ -117,9 +135,13 @@ def start_workers(cfg: MasterConfig, model_path: str) -> tuple[Any, Any]:
         num_cpus=cfg.cluster.policy_num_cpus, runtime_env=_policy_env(cfg)
     ).remote(policy_cfg, ClippedPGLossFn(cfg.loss_fn.model_dump()), model_path, cfg.grpo.seed)
     gen_cfg = cfg.policy.generation.model_dump()
+    draft_dir = _engine_draft_dir(cfg, policy)
+    if draft_dir is not None:
+        gen_cfg["vllm_kwargs"]["speculative_config"]["model"] = draft_dir
+    draft = enabled_draft(cfg)
     generation = ray.remote(VllmGenerationWorker).options(
         num_cpus=cfg.cluster.generation_num_cpus, runtime_env=vllm_runtime_env(gen_cfg)
-    ).remote(gen_cfg, model_path, cfg.grpo.seed)
+    ).remote(gen_cfg, model_path, cfg.grpo.seed, draft is not None and draft.allow_stale_draft)
     ray.get([policy.__ray_ready__.remote(), generation.__ray_ready__.remote()])
     return policy, generation
 
@@ -151,10 +173,12 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
         if cfg.checkpointing.enabled else None,
     )
     s.val_prompt_ids = s.prompt_ids(val)
-    if "speculative_config" in cfg.policy.generation.vllm_kwargs:
+    if cfg.policy.generation.vllm_kwargs.get("speculative_config") is not None:
         s.spec_alarm = LowAcceptanceAlarm((cfg.policy.draft or DraftConfig()).acceptance_alarm_floor)
+    draft = enabled_draft(cfg)
     s.refitter = WeightRefitter(policy, generation, s.val_prompt_ids[: cfg.policy.refit.probe_batch_size],
-                                cfg.policy.refit.logprob_mismatch_threshold, s.pad_token_id)
+                                cfg.policy.refit.logprob_mismatch_threshold, s.pad_token_id,
+                                sync_draft=draft is not None and draft.online)
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         resume(s)
     return s

@@ -24,11 +24,13 @@ class WeightRefitter:
         probe_sequences: token ids of the fixed probe sequences (e.g. chat-formatted validation prompts).
         threshold: raise :class:`RefitMismatchError` above this mismatch (None: only log).
         pad_token_id: padding id of the probe batch.
+        sync_draft: also refit the online draft (``policy.draft.online``) right after the policy, as the same pair.
     """
 
     def __init__(self, policy, generation, probe_sequences: list[list[int]], threshold: float | None,
-                 pad_token_id: int) -> None:
+                 pad_token_id: int, sync_draft: bool = False) -> None:
         self.policy, self.generation, self.threshold = policy, generation, threshold
+        self.sync_draft = sync_draft
         self.probe_lengths = torch.tensor([len(q) for q in probe_sequences])
         self.probe_ids = torch.full((len(probe_sequences), int(self.probe_lengths.max())), pad_token_id)
         for b, seq in enumerate(probe_sequences):
@@ -37,19 +39,27 @@ class WeightRefitter:
     def refit(self, version: int) -> dict[str, float]:
         """Export policy weights, load them into vLLM as ``version``, run the probe.
 
-        Returns metrics ``refit/logprob_mismatch`` (nats), ``refit/weight_version``.
+        Returns metrics ``refit/logprob_mismatch`` (nats), ``refit/weight_version`` and, with ``sync_draft``,
+        ``refit/draft_version``.
         Raises:
             RefitMismatchError: mismatch above the threshold.
+            DraftVersionMismatchError: the draft offered is not paired with ``version`` (from the generation worker).
         """
-        weights = self.policy.export_hf_weights.remote()
+        weights = self.policy.export_hf_weights.remote(version)
         ray.get(self.generation.update_weights.remote(weights, version))
+        draft = self.refit_draft() if self.sync_draft else {}
         mismatch = self.probe()
         if self.threshold is not None and not mismatch <= self.threshold:  # NaN fails too
             raise RefitMismatchError(
                 f"refit/logprob_mismatch={mismatch:.3g} exceeds policy.refit.logprob_mismatch_threshold="
                 f"{self.threshold:g} at weight version {version}"
             )
-        return {"refit/logprob_mismatch": mismatch, "refit/weight_version": float(version)}
+        return {"refit/logprob_mismatch": mismatch, "refit/weight_version": float(version), **draft}
+
+    def refit_draft(self) -> dict[str, float]:
+        """Push the policy worker's online draft into the engine's drafter (after the policy refit)."""
+        out = ray.get(self.generation.update_draft_weights.remote(self.policy.export_draft_weights.remote()))
+        return {"refit/draft_version": float(out["draft_version"])}
 
     def probe(self) -> float:
         """Mean |vLLM log-prob - trainer log-prob| over every scored token of the probe sequences (nats), both at

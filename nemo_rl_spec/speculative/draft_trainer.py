@@ -47,6 +47,7 @@ class DraftTrainer(DraftTrainerInterface):
         self.loss_weight = float(loss_weight)
         self.micro_batch_size = micro_batch_size
         self.draft_version = 0
+        self._loss_sum, self._metric_sums = 0.0, {}
 
     def sync_embeddings(self, policy_embedding_weight: torch.Tensor) -> None:
         """Copy the policy's current input embedding into the head (vLLM's drafter shares the target's)."""
@@ -54,7 +55,8 @@ class DraftTrainer(DraftTrainerInterface):
 
     def step(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
              target_logprobs: torch.Tensor | None = None) -> dict[str, float]:
-        """One optimizer step of the draft on a batch captured from the policy.
+        """One optimizer step of the draft on a batch captured from the policy (``micro_batch_size`` rows per
+        forward/backward): :meth:`zero_grad`, :meth:`accumulate` per micro-batch, :meth:`apply`.
 
         Args:
             hidden_states: [B, S, n_aux * H] aux hidden states (``HiddenStateCapture.aux_hidden()``), detached.
@@ -70,36 +72,60 @@ class DraftTrainer(DraftTrainerInterface):
         Raises:
             ValueError: an input still requires grad (it would leak the draft loss into the policy).
         """
+        self.zero_grad()
+        mbs = self.micro_batch_size or input_ids.shape[0]
+        total = self.num_loss_tokens(mask)
+        for start in range(0, input_ids.shape[0], mbs):
+            sl = slice(start, start + mbs)
+            self.accumulate(hidden_states[sl], input_ids[sl], mask[sl],
+                            None if target_logprobs is None else target_logprobs[sl], total)
+        return self.apply()
+
+    @staticmethod
+    def num_loss_tokens(mask: torch.Tensor) -> int:
+        """Tokens of ``mask`` [B, S] the TTT loss can score (positions >= 2), at least 1: the normaliser to pass
+        to :meth:`accumulate` for a batch split into micro-batches."""
+        return max(int(mask[:, 2:].bool().sum()), 1)
+
+    def zero_grad(self) -> None:
+        """Start a new accumulation (clears gradients and the running metrics)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._loss_sum, self._metric_sums = 0.0, {}
+
+    def accumulate(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
+                   target_logprobs: torch.Tensor | None, total_tokens: int) -> None:
+        """Forward + backward of one micro-batch, weighted by its share ``valid tokens / total_tokens`` of the
+        whole batch (so the accumulated gradient is that of the token-weighted mean loss).
+
+        Shapes as in :meth:`step`; ``total_tokens`` = :meth:`num_loss_tokens` of the whole batch's mask.
+        Raises:
+            ValueError: an input still requires grad.
+        """
         for name, t in (("hidden_states", hidden_states), ("target_logprobs", target_logprobs)):
             if t is not None and t.requires_grad:
                 raise ValueError(f"{name} requires grad: pass policy tensors through .detach() first")
+        valid = int(mask[:, 2:].bool().sum())
+        if valid == 0:
+            return
         self.head.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        B = input_ids.shape[0]
-        mbs = self.micro_batch_size or B
-        n_valid_total = max(int(mask[:, 2:].bool().sum()), 1)
-        loss_sum, step_metrics = 0.0, {}
-        for start in range(0, B, mbs):
-            sl = slice(start, start + mbs)
-            mb_valid = int(mask[sl, 2:].bool().sum())
-            if mb_valid == 0:
-                continue
-            loss, metrics = self.head.ttt_loss(
-                hidden_states[sl].float(), input_ids[sl], mask[sl], self.ttt_steps,
-                None if target_logprobs is None else target_logprobs[sl], self.step_weights)
-            share = mb_valid / n_valid_total  # token-weighted average over micro-batches
-            (loss * share * self.loss_weight).backward()
-            loss_sum += float(loss.detach()) * share
-            for k, v in metrics.items():
-                step_metrics[k] = step_metrics.get(k, 0.0) + v * share
+        loss, metrics = self.head.ttt_loss(hidden_states.float(), input_ids, mask, self.ttt_steps, target_logprobs,
+                                           self.step_weights)
+        share = valid / total_tokens
+        (loss * share * self.loss_weight).backward()
+        self._loss_sum += float(loss.detach()) * share
+        for k, v in metrics.items():
+            self._metric_sums[k] = self._metric_sums.get(k, 0.0) + v * share
+
+    def apply(self) -> dict[str, float]:
+        """Clip and take the optimizer step on the accumulated gradient; returns the metrics of :meth:`step`."""
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.params, self.max_grad_norm if self.max_grad_norm is not None else math.inf)
         self.optimizer.step()
         self.draft_version += 1
-        out = {"train/draft_loss": loss_sum, "train/draft_grad_norm": float(grad_norm),
+        out = {"train/draft_loss": self._loss_sum, "train/draft_grad_norm": float(grad_norm),
                "train/draft_lr": float(self.optimizer.param_groups[0]["lr"]),
                "train/draft_version": float(self.draft_version)}
-        out.update({f"train/{k}": v for k, v in step_metrics.items()})
+        out.update({f"train/{k}": v for k, v in self._metric_sums.items()})
         return out
 
     def export_weights(self) -> dict[str, torch.Tensor]:

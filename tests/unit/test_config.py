@@ -106,3 +106,25 @@ def test_bad_config_exits_2_before_any_worker(tmp_path, capsys):
     spec.loader.exec_module(run_grpo)
     assert run_grpo.main(["--config", str(TINY), "grpo.num_prompts_per_step=-1"]) == 2
     assert "grpo.num_prompts_per_step" in capsys.readouterr().err
+
+
+SPEC = CONFIGS / "grpo_math_tiny_spec.yaml"
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["policy.generation.vllm_kwargs.speculative_config=null"],
+     "policy.draft.online=true trains an EAGLE-3 head online; it needs policy.generation.vllm_kwargs"),
+    (["policy.generation.vllm_kwargs.speculative_config.method=draft_model"], "speculative_config.method=eagle3"),
+    (["+policy.megatron_cfg.mtp_num_layers=1"], "train either an EAGLE-3 head or MTP heads"),
+    (["policy.draft.enabled=false"], "needs speculative_config.model \\(a draft directory\\) or a policy.draft"),
+    (["+policy.draft.model_name=/a", "+policy.generation.vllm_kwargs.speculative_config.model=/b"],
+     "policy.draft.model_name='/a' differs from policy.generation.vllm_kwargs.speculative_config.model='/b'"),
+])
+def test_draft_and_speculation_mismatches_are_rejected(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(SPEC, overrides)
+
+
+def test_speculation_off_by_override_validates():
+    cfg = load_config(SPEC, ["policy.draft.enabled=false", "policy.generation.vllm_kwargs.speculative_config=null"])
+    assert cfg.policy.generation.vllm_kwargs["speculative_config"] is None

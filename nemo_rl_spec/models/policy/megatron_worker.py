@@ -25,6 +25,7 @@ here initialises its own world of size 1.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from typing import Callable
@@ -39,6 +40,7 @@ from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
 from nemo_rl_spec.models.policy.interfaces import PolicyInterface
 from nemo_rl_spec.models.policy import megatron_model as mm
+from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
 from nemo_rl_spec.utils.config_schema import MegatronConfig
 
 from megatron.core import tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
@@ -64,6 +66,11 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, input_lengths:
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     valid = positions[1:].unsqueeze(0) < input_lengths.unsqueeze(1)
     return torch.nn.functional.pad(torch.where(valid, next_token, 0.0), (1, 0))
+
+
+def _draft_loss_mask(data: TrainDatumSpec) -> torch.Tensor:
+    """Tokens the online draft learns to predict: response tokens of valid samples. Shape: [B, S] bool."""
+    return (data["token_mask"] * data["sample_mask"].unsqueeze(1)).bool()
 
 
 def _slice_batch(data: TrainDatumSpec, start: int, stop: int, seq_len: int) -> TrainDatumSpec:
@@ -104,7 +111,9 @@ class MegatronPolicyWorker(PolicyInterface):
         self.mtp_optimizer = self._mtp_optimizer(mcfg) if self.mtp_params else None
         self.mtp_coef = MTPCoefficient(mtp_cfg.mtp_loss_mode, mtp_cfg.mtp_loss_scaling_factor, mtp_cfg.mtp_occ_eps,
                                        mtp_cfg.mtp_occ_lambda_max)
+        self.draft = self._online_draft(policy_cfg, seed)
         self.step = 0
+        self.weight_version = 0
 
     # ---- construction helpers -------------------------------------------------------------------
     @staticmethod
@@ -155,6 +164,17 @@ class MegatronPolicyWorker(PolicyInterface):
         return torch.optim.AdamW(self.mtp_params, lr=float(opt["lr"]), betas=(float(opt["adam_beta1"]),
                                  float(opt["adam_beta2"])), eps=float(opt["adam_eps"]),
                                  weight_decay=float(opt["weight_decay"]))
+
+    def _online_draft(self, policy_cfg: dict, seed: int) -> OnlineDraft | None:
+        """The EAGLE-3 head trained online (``policy.draft.enabled`` and ``online``), else None."""
+        dcfg = policy_cfg.get("draft") or {}
+        if not (dcfg.get("enabled", True) and dcfg.get("online", False)):
+            return None
+        spec = (policy_cfg["generation"].get("vllm_kwargs") or {}).get("speculative_config") or {}
+        ttt = dcfg.get("ttt_steps") or spec.get("num_speculative_tokens") or 3
+        head = build_draft_head(dcfg, mm.load_hf_config(self.model_path), self.module.embedding.word_embeddings.weight,
+                                mm.output_weight(self.module), seed)
+        return OnlineDraft(head, dcfg, int(ttt), self.train_temperature)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -216,25 +236,39 @@ class MegatronPolicyWorker(PolicyInterface):
             self.mtp_optimizer.zero_grad(set_to_none=True)
         global_toks, global_seqs = self._global_counts(data)
         global_mtp = [ml.mtp_valid_mask(data, k).sum() for k in range(self.mtp_num_layers)]
+        if self.draft is not None:
+            self.draft.begin(self.module.embedding.word_embeddings.weight, _draft_loss_mask(data))
         losses, per_mb_metrics, mtp_stats = [], [], []
         for _, _, mb in self._micro_batches(data, int(self.cfg["train_micro_batch_size"])):
             if self.mtp_num_layers:
                 loss, metrics, stats = self._mtp_micro_batch(mb, global_toks, global_seqs, global_mtp)
                 mtp_stats.append(stats)
             else:
-                curr_logprobs = self._forward_logprobs(mb, self.train_temperature)
-                loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
-                self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
+                loss, metrics = self._rl_micro_batch(mb, global_toks, global_seqs)
             losses.append(float(loss.detach()))
             per_mb_metrics.append(metrics)
         self.model.finish_grad_sync()
         update_ok, grad_norm, _ = self.optimizer.step()
         mtp_metrics = self._mtp_step(mtp_stats) if self.mtp_num_layers else {}
+        draft_metrics = self.draft.finish() if self.draft is not None else {}
         self.step += 1
-        return {**aggregate_microbatch_metrics(per_mb_metrics), **mtp_metrics, "loss": sum(losses),
+        return {**aggregate_microbatch_metrics(per_mb_metrics), **mtp_metrics, **draft_metrics, "loss": sum(losses),
                 "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                 "lr": float(self.optimizer.param_groups[0]["lr"]), "update_successful": float(update_ok),
                 "num_micro_batches": float(len(losses))}
+
+    def _rl_micro_batch(self, mb: TrainDatumSpec, global_toks, global_seqs):
+        """Forward + backward of the RL loss on one micro-batch; with an online draft, the forward runs under the
+        draft's capture hooks and, after the policy's backward, the draft trains on the detached activations."""
+        capture = self.draft.capture(self.model) if self.draft is not None else contextlib.nullcontext()
+        with capture as cap:
+            logits = mm.gpt_logits(self.model, mb["input_ids"])
+        curr_logprobs = token_logprobs(logits, mb["input_ids"], mb["input_lengths"], self.train_temperature)
+        loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
+        self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
+        if self.draft is not None:
+            self.draft.accumulate(cap, mb["input_ids"], _draft_loss_mask(mb), logits)
+        return loss, metrics
 
     # ---- MTP co-training (docs/occ.md) -------------------------------------------------------------
     def _mtp_micro_batch(self, mb: TrainDatumSpec, global_toks, global_seqs, global_mtp):
@@ -338,9 +372,28 @@ class MegatronPolicyWorker(PolicyInterface):
         return out
 
     # ---- weights and checkpoints ------------------------------------------------------------------
-    def export_hf_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named CPU fp32 copies of the current weights, always with ``lm_head.weight``."""
+    def export_hf_weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """HF-named CPU fp32 copies of the current weights, always with ``lm_head.weight``. ``version``: the weight
+        version the caller will load them as (recorded; an online draft exported next is paired with it)."""
+        if version is not None:
+            self.weight_version = int(version)
+            if self.draft is not None:
+                self.draft.policy_version = int(version)
         return mm.export_hf_state(self.module, self.spec)
+
+    def export_draft_weights(self) -> dict:
+        """The online draft for the generation worker: ``{"weights", "draft_version", "policy_version"}``
+        (:meth:`OnlineDraft.export`). Raises RuntimeError without an online draft."""
+        if self.draft is None:
+            raise RuntimeError("export_draft_weights: no online draft (policy.draft.online is false)")
+        return self.draft.export()
+
+    def save_draft(self, path: str) -> str:
+        """Write the draft head in vLLM's eagle3 format to ``path`` (the engine's initial draft); returns path."""
+        if self.draft is None:
+            raise RuntimeError("save_draft: no online draft (policy.draft.online is false)")
+        self.draft.head.save_pretrained(path)
+        return path
 
     def save_checkpoint(self, path: str) -> None:
         """Write model, optimizer, step counter and every RNG state to ``path/megatron_policy.pt``."""
@@ -349,6 +402,7 @@ class MegatronPolicyWorker(PolicyInterface):
             "optimizer": self.optimizer.state_dict(),
             "mtp_optimizer": None if self.mtp_optimizer is None else self.mtp_optimizer.state_dict(),
             "step": self.step,
+            "draft": None if self.draft is None else self.draft.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),
@@ -366,6 +420,8 @@ class MegatronPolicyWorker(PolicyInterface):
         if self.mtp_optimizer is not None and state.get("mtp_optimizer") is not None:
             self.mtp_optimizer.load_state_dict(state["mtp_optimizer"])
         self.step = state["step"]
+        if self.draft is not None and state.get("draft") is not None:
+            self.draft.load_state_dict(state["draft"])
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])

@@ -1,0 +1,121 @@
+"""Online EAGLE-3 draft training inside the Megatron policy worker, across a ``.detach()`` boundary.
+
+During the policy's own training forward (one per micro-batch), forward hooks capture the aux layers' outputs
+(:func:`~nemo_rl_spec.speculative.capture.capture_hidden_states`, detached) and the policy's logits are detached
+into soft targets ``log_softmax(logits / T)``. After the policy's backward of that micro-batch, the draft head runs
+its own forward/backward on those tensors (:meth:`OnlineDraft.accumulate`); after the policy's optimizer step the
+draft takes its own optimizer step with its own clipping (:meth:`OnlineDraft.finish`). Nothing the draft computes
+is connected to the policy's graph, so the policy's gradients are bitwise those of a run without the draft
+(tests/functional/test_online_draft.py).
+
+Config (``policy.draft``, :class:`~nemo_rl_spec.utils.config_schema.DraftConfig`): ``model_name`` (a head directory
+to start from, e.g. from ``examples/init_draft.py``; None: a fresh head whose ``lm_head`` is the policy's output
+layer), ``aux_layer_ids``, ``loss_weight``, ``ttt_steps``, ``optimizer.{lr, weight_decay, max_grad_norm}``.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_rl_spec.speculative.capture import HiddenStateCapture, capture_hidden_states
+from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
+from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
+
+DRAFT_STATE_DIR = "draft"
+
+
+def build_draft_head(draft_cfg: dict, hf_config, embedding: torch.Tensor, output_weight: torch.Tensor,
+                     seed: int = 0) -> Eagle3DraftHead:
+    """The head to train: loaded from ``draft_cfg["model_name"]`` or new (``lm_head`` = the policy's output layer).
+
+    Args:
+        hf_config: the policy's HF config; embedding, output_weight: the policy's [V, H] input embedding and
+            output weight.
+    Raises:
+        FileNotFoundError: ``policy.draft.model_name`` is not a draft directory.
+        ValueError: the checkpoint's aux layer ids differ from ``policy.draft.aux_layer_ids``.
+    """
+    name, aux = draft_cfg.get("model_name"), draft_cfg.get("aux_layer_ids")
+    if name:
+        if not (Path(name) / "config.json").is_file():
+            raise FileNotFoundError(f"policy.draft.model_name={name!r}: no EAGLE-3 head there (config.json missing)")
+        head = Eagle3DraftHead.from_pretrained(name, target_embeddings=embedding)
+        if aux is not None and tuple(sorted(aux)) != tuple(head.cfg.aux_layer_ids):
+            raise ValueError(f"policy.draft.aux_layer_ids={aux} but {name} was trained with "
+                             f"{list(head.cfg.aux_layer_ids)}")
+        return head
+    head = Eagle3DraftHead(Eagle3Config.from_target(hf_config, aux))
+    head.reset_parameters(seed=seed)
+    head.set_target_embeddings(embedding)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(output_weight.detach())
+    return head
+
+
+class OnlineDraft:
+    """An EAGLE-3 head and its :class:`DraftTrainer`, fed by the policy worker's training forward.
+
+    Args:
+        head: the draft head.
+        draft_cfg: the ``policy.draft`` section (dict).
+        ttt_steps: unrolled draft steps of the training-time-test loss.
+        temperature: the policy's sampling temperature; soft targets are ``log_softmax(logits / temperature)``.
+
+    Attributes:
+        policy_version: weight version of the policy the draft was last trained with (set by the worker).
+    """
+
+    def __init__(self, head: Eagle3DraftHead, draft_cfg: dict, ttt_steps: int, temperature: float) -> None:
+        opt = draft_cfg.get("optimizer") or {}
+        self.trainer = DraftTrainer(head, lr=float(opt.get("lr", 3e-4)),
+                                    weight_decay=float(opt.get("weight_decay", 0.0)),
+                                    max_grad_norm=opt.get("max_grad_norm", 1.0), ttt_steps=int(ttt_steps),
+                                    loss_weight=float(draft_cfg.get("loss_weight", 1.0)))
+        self.temperature = float(temperature) if temperature > 0 else 1.0
+        self.policy_version = 0
+        self._total = 1
+
+    @property
+    def head(self) -> Eagle3DraftHead:
+        return self.trainer.head
+
+    def capture(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[HiddenStateCapture]:
+        """Hooks on ``model``'s aux layers for one forward (see :func:`capture_hidden_states`)."""
+        return capture_hidden_states(model, self.head.cfg.aux_layer_ids)
+
+    def begin(self, policy_embedding: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        """Start a draft step: copy the policy's current [V, H] embedding into the head (vLLM's drafter shares the
+        target's) and set the normaliser from the whole batch's [B, S] ``loss_mask``."""
+        self.trainer.sync_embeddings(policy_embedding)
+        self.trainer.zero_grad()
+        self._total = DraftTrainer.num_loss_tokens(loss_mask)
+
+    def accumulate(self, cap: HiddenStateCapture, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                   logits: torch.Tensor) -> None:
+        """Draft forward/backward on one captured micro-batch.
+
+        Shape: input_ids [b, s], loss_mask [b, s], logits [b, s, V] (the policy's, detached here).
+        """
+        target = torch.log_softmax(logits.detach().float() / self.temperature, dim=-1)
+        self.trainer.accumulate(cap.aux_hidden(), input_ids, loss_mask, target, self._total)
+
+    def finish(self) -> dict[str, float]:
+        """Draft optimizer step; metrics without the ``train/`` prefix (``draft_loss``, ``draft_grad_norm``,
+        ``draft_acc_step{j}``, ``draft_version``, ...), which the driver logs as ``train/draft_*``."""
+        return {k.removeprefix("train/"): v for k, v in self.trainer.apply().items()}
+
+    def export(self) -> dict[str, Any]:
+        """``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}`` for
+        :meth:`VllmGenerationWorker.update_draft_weights`."""
+        return {"weights": self.trainer.export_weights(), "draft_version": self.trainer.draft_version,
+                "policy_version": self.policy_version}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.trainer.state_dict(), "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)
+        self.policy_version = int(state.get("policy_version", 0))
