@@ -183,6 +183,8 @@ def fidelity_main(argv: list[str]) -> int:
     p.add_argument("--spec-override", action="append", default=[], help="override of the speculative recipe")
     p.add_argument("--warmup", type=int, default=1, help="timed steps dropped at the start of each run")
     p.add_argument("--n-fit", type=int, default=None, help="AR steps after warm-up to fit on (default: half)")
+    p.add_argument("--fit-metrics", help="fit on this other AR run instead (all steps after warm-up) and hold out "
+                   "every step of --metrics after warm-up (cross-run check)")
     p.add_argument("--out", required=True, help="JSON report")
     args = p.parse_args(argv)
     scn = scenario_from_recipe(load_scenario(args.config), load_recipe(args.recipe, args.override))
@@ -191,13 +193,16 @@ def fidelity_main(argv: list[str]) -> int:
         spec = read_jsonl(args.spec_metrics)
         spec_scn = scenario_from_recipe(load_scenario(args.config),
                                         load_recipe(args.spec_recipe or args.recipe, args.spec_override))
-    rep = fidelity(scn, read_jsonl(args.metrics), spec, args.warmup, args.n_fit, spec_scn)
+    fit_runs = read_jsonl(args.fit_metrics) if args.fit_metrics else None
+    rep = fidelity(scn, read_jsonl(args.metrics), spec, args.warmup, args.n_fit, spec_scn, fit_runs)
     rep["inputs"] = {"metrics": args.metrics, "config": args.config, "recipe": args.recipe,
                      "override": args.override, "spec_metrics": args.spec_metrics,
-                     "spec_recipe": args.spec_recipe, "spec_override": args.spec_override, "warmup": args.warmup}
+                     "spec_recipe": args.spec_recipe, "spec_override": args.spec_override, "warmup": args.warmup,
+                     "n_fit": args.n_fit, "fit_metrics": args.fit_metrics}
     fit = rep["fit"]
     print(f"fit on AR steps {fit['steps']}: measured/predicted "
-          + ", ".join(f"{k} {v:.3f}" for k, v in fit["ratios"].items()) + f"; other {fit['other_s']:.2f} s")
+          + ", ".join(f"{k} {v:.3f}" for k, v in fit["ratios"].items())
+          + f"; refit fixed cost {fit['refit_overhead_s']:.2f} s; other {fit['other_s']:.2f} s")
     for key, title in (("ar_holdout", "AR, held-out steps, fitted profile"),
                        ("ar_prior", "AR, same steps, a-priori profile (DESIGN.md micro-benchmarks)"),
                        ("spec", "speculative run, AR-fitted profile"), ("spec_prior", "speculative, a-priori")):

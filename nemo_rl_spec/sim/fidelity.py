@@ -9,10 +9,11 @@ Method (``examples/run_sim.py fidelity``):
 2. Split: the first ``warmup`` timed steps are dropped (engine warm-up, first optimizer step); of the rest the
    first ``n_fit`` steps are the *fit* set and the remaining ones the *held-out* set. No number of a held-out
    step is used for fitting.
-3. Fit (on the fit set only): one multiplicative correction per phase, the median over fit steps of
-   measured / predicted, applied to the efficiencies exactly as :func:`calibrate.fitted_efficiency` does
-   (generation: every decode efficiency and overhead, so pass costs scale by r and their shape, fitted to
-   DESIGN.md's micro-benchmarks, is kept; log-prob and training MFU; refit bandwidth and overhead).
+3. Fit (on the fit set only): for generation, log-probs and training one multiplicative correction each, the
+   median over fit steps of measured / predicted, applied to the efficiencies as
+   :func:`calibrate.fitted_efficiency` does (generation: every decode efficiency and overhead, so pass costs
+   scale by r and their shape, fitted to DESIGN.md's micro-benchmarks, is kept; log-prob and training MFU);
+   for refit an additive fixed cost per refit (:func:`refit_overhead`), the bandwidth kept from the prior.
    ``other`` (scoring, advantages, bookkeeping: not modelled) is predicted as the median of the fit steps'.
 4. Evaluate: every held-out AR step (and every speculative step after its warm-up, a run never used for
    fitting) is predicted from its own inputs with the fitted profile; per phase the mean predicted and mean
@@ -99,30 +100,58 @@ def predict_steps(scenario: ScenarioSpec, steps: Sequence[Mapping[str, Any]], sp
     return [predict(step_inputs(scenario, r), speculative).model_copy(update=dict(other=other_s)) for r in steps]
 
 
+RATIO_PHASES = ("generation", "logprob", "training")
+
+
 def phase_ratios(scenario: ScenarioSpec, fit_steps: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Per phase (generation, logprob, training, refit): median over ``fit_steps`` of measured / predicted
+    """Per phase (generation, logprob, training): median over ``fit_steps`` of measured / predicted
     autoregressive seconds (1 where a phase is not logged)."""
     preds = predict_steps(scenario, fit_steps, speculative=False)
     meas = [measured_phases(r) for r in fit_steps]
     return {ph: float(median(_ratio(getattr(m, ph), getattr(p, ph)) for m, p in zip(meas, preds)))
-            for ph in PHASE_KEYS}
+            for ph in RATIO_PHASES}
+
+
+def refit_overhead(scenario: ScenarioSpec, fit_steps: Sequence[Mapping[str, Any]]) -> float:
+    """Fixed seconds per refit: median over ``fit_steps`` of measured ``weight_sync`` minus the predicted
+    bytes term (weights / (link bandwidth x refit_bw_eff), the prior bandwidth kept), clipped at 0.
+
+    Additive, not a ratio: on this machine ``weight_sync`` is dominated by per-refit fixed work (RPC, the refit
+    log-prob probe that scores fixed sequences with trainer and vLLM), not by bytes, so a draft's extra weights
+    must add bytes / bandwidth rather than scale the fixed part."""
+    eff = resolve(scenario).profile.efficiency
+    preds = predict_steps(scenario, fit_steps, speculative=False)
+    return float(max(0.0, median(measured_phases(r).refit - (p.refit - eff.refit_overhead_s)
+                                 for r, p in zip(fit_steps, preds))))
 
 
 def apply_ratios(scenario: ScenarioSpec, ratios: Mapping[str, float]) -> ScenarioSpec:
     """``scenario`` with efficiencies corrected so each phase's predicted time is multiplied by its ratio
     (generation: decode FLOP/bandwidth efficiencies and prefill MFU / r, forward overheads x r; log-prob and
-    training MFU / r; refit bandwidth efficiency / r, overhead x r). Efficiencies are capped at 1.
+    training MFU / r; refit, if given: bandwidth efficiency / r, overhead x r). Efficiencies are capped at 1;
+    a missing phase keeps its prior.
 
     Raises pydantic.ValidationError if a ratio is not positive."""
     eff = resolve(scenario).profile.efficiency
-    g, lp, tr, rf = (ratios[k] for k in ("generation", "logprob", "training", "refit"))
+    g, lp, tr, rf = (ratios.get(k, 1.0) for k in ("generation", "logprob", "training", "refit"))
     new = {**eff.model_dump(),
            "decode_flops_eff": min(1.0, eff.decode_flops_eff / g), "mem_bw_eff": min(1.0, eff.mem_bw_eff / g),
            "prefill_mfu": min(1.0, eff.prefill_mfu / g), "forward_overhead_s": eff.forward_overhead_s * g,
            "draft_forward_overhead_s": eff.draft_forward_overhead_s * g,
            "logprob_mfu": min(1.0, eff.logprob_mfu / lp), "train_mfu": min(1.0, eff.train_mfu / tr),
            "refit_bw_eff": min(1.0, eff.refit_bw_eff / rf), "refit_overhead_s": eff.refit_overhead_s * rf}
-    return scenario.model_copy(update=dict(efficiency=new))
+    return scenario.model_copy(update={"efficiency": new})
+
+
+def fit_profile(scenario: ScenarioSpec, fit_steps: Sequence[Mapping[str, Any]]) -> tuple[ScenarioSpec, dict]:
+    """``scenario`` fitted to ``fit_steps`` (:func:`phase_ratios`, :func:`refit_overhead`) and the fit's numbers
+    (``ratios``, ``refit_overhead_s``, ``other_s`` = median unmodelled rest of the step)."""
+    ratios = phase_ratios(scenario, fit_steps)
+    overhead = refit_overhead(scenario, fit_steps)
+    fitted = apply_ratios(scenario, ratios)
+    fitted = fitted.model_copy(update={"efficiency": {**fitted.efficiency, "refit_overhead_s": overhead}})
+    other = float(median(measured_phases(r).other for r in fit_steps))
+    return fitted, {"ratios": ratios, "refit_overhead_s": overhead, "other_s": other}
 
 
 def compare(predicted: Sequence[PhaseTimes], measured: Sequence[PhaseTimes],
@@ -147,7 +176,8 @@ def compare(predicted: Sequence[PhaseTimes], measured: Sequence[PhaseTimes],
 
 def fidelity(scenario: ScenarioSpec, ar_records: Sequence[Mapping[str, Any]],
              spec_records: Sequence[Mapping[str, Any]] | None = None, warmup: int = 1,
-             n_fit: int | None = None, spec_scenario: ScenarioSpec | None = None) -> dict[str, Any]:
+             n_fit: int | None = None, spec_scenario: ScenarioSpec | None = None,
+             fit_records: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """Fit on part of an AR run, predict its held-out steps (and a speculative run); see the module docstring.
 
     Args:
@@ -156,21 +186,27 @@ def fidelity(scenario: ScenarioSpec, ar_records: Sequence[Mapping[str, Any]],
         warmup: timed steps dropped at the start of each run.
         n_fit: AR steps (after warm-up) used for fitting; default half.
         spec_scenario: the speculative recipe as a scenario (k, draft); default ``scenario``.
-    Returns a JSON-able report: ``fit`` (steps, ratios, other_s, efficiency), ``ar_holdout`` and ``ar_prior``
-    (:func:`compare` of the held-out AR steps with the fitted and the a-priori profile) and, with a speculative
-    run, ``spec`` and ``spec_prior``.
-    Raises ValueError when the AR run has too few steps for the split or the speculative run none after warm-up.
+        fit_records: another AR run to fit on (all its steps after warm-up); then every step of ``ar_records``
+            after warm-up is held out (cross-run check) and ``n_fit`` is ignored.
+    Returns a JSON-able report: ``fit`` (steps, ratios, refit_overhead_s, other_s, efficiency), ``ar_holdout``
+    and ``ar_prior`` (:func:`compare` of the held-out AR steps with the fitted and the a-priori profile) and,
+    with a speculative run, ``spec`` and ``spec_prior``.
+    Raises ValueError when a run has too few steps for the split.
     """
-    fit_steps, held = split_fit_holdout(timed_steps(ar_records), warmup, n_fit)
-    ratios = phase_ratios(scenario, fit_steps)
-    other_s = float(median(measured_phases(r).other for r in fit_steps))
-    fitted = apply_ratios(scenario, ratios)
+    if fit_records is not None:
+        fit_steps, held = timed_steps(fit_records)[warmup:], timed_steps(ar_records)[warmup:]
+        if not fit_steps or not held:
+            raise ValueError(f"need a timed step after a warm-up of {warmup} in both runs")
+    else:
+        fit_steps, held = split_fit_holdout(timed_steps(ar_records), warmup, n_fit)
+    fitted, fit = fit_profile(scenario, fit_steps)
+    other_s = fit["other_s"]
     steps = [int(r.get("step", i)) for i, r in enumerate(held)]
     meas = [measured_phases(r) for r in held]
     report: dict[str, Any] = {
         "method": "fit: median measured/predicted per phase over the fit steps; evaluate: held-out steps",
-        "fit": {"steps": [int(r.get("step", i)) for i, r in enumerate(fit_steps)], "ratios": ratios,
-                "other_s": other_s, "efficiency": fitted.efficiency},
+        "fit": {"steps": [int(r.get("step", i)) for i, r in enumerate(fit_steps)], **fit,
+                "efficiency": fitted.efficiency},
         "ar_holdout": compare(predict_steps(fitted, held, False, other_s), meas, steps),
         "ar_prior": compare(predict_steps(scenario, held, False, other_s), meas, steps)}
     if spec_records:
@@ -180,7 +216,8 @@ def fidelity(scenario: ScenarioSpec, ar_records: Sequence[Mapping[str, Any]],
         base = spec_scenario or scenario
         sp_steps = [int(r.get("step", i)) for i, r in enumerate(sp)]
         sp_meas = [measured_phases(r) for r in sp]
-        report["spec"] = compare(predict_steps(apply_ratios(base, ratios), sp, True, other_s), sp_meas, sp_steps)
+        base_fitted = base.model_copy(update={"efficiency": fitted.efficiency})
+        report["spec"] = compare(predict_steps(base_fitted, sp, True, other_s), sp_meas, sp_steps)
         report["spec_prior"] = compare(predict_steps(base, sp, True, other_s), sp_meas, sp_steps)
         report["spec"]["acceptance_length"] = [r.get(ACCEPTANCE_KEY) for r in sp]
     return report
@@ -238,9 +275,12 @@ def _draft_vocab(path: str | None) -> int | None:
 
 
 def format_table(report: Mapping[str, Any], key: str) -> str:
-    """Markdown table (phase, measured s, predicted s, error %) of ``report[key]`` (a :func:`compare` result)."""
+    """Markdown table (phase, measured s, predicted s, error %) of ``report[key]`` (a :func:`compare` result);
+    the error of a phase under 1% of the measured step is shown as "-"."""
     rows = ["| phase | measured (s) | predicted (s) | error |", "|---|---|---|---|"]
+    total = report[key]["phases"]["total"]["measured_s"]
     for ph, v in report[key]["phases"].items():
-        err = "-" if v["error"] is None else f"{100 * v['error']:+.1f}%"
+        tiny = v["measured_s"] < 0.01 * total  # e.g. ``other``: milliseconds, a relative error means nothing
+        err = "-" if v["error"] is None or tiny else f"{100 * v['error']:+.1f}%"
         rows.append(f"| {ph} | {v['measured_s']:.2f} | {v['predicted_s']:.2f} | {err} |")
     return "\n".join(rows)

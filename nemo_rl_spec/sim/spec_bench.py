@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,7 +78,8 @@ def compare_bench(row: dict[str, Any], k: int, draft_vocab: int = DRAFT_VOCAB) -
 
 
 def measure(batches: Sequence[int], max_tokens: int, k: int, threads: int = 1) -> list[dict[str, Any]]:
-    """Measured plain and EAGLE-3 generate seconds and acceptance per batch size (vLLM; minutes).
+    """Measured plain and EAGLE-3 generate seconds and acceptance per batch size (vLLM; minutes), with the 1-min
+    load average before, between and after (the machine is shared).
 
     Raises whatever vLLM raises (no fallback)."""
     from transformers import AutoTokenizer
@@ -94,14 +96,18 @@ def measure(batches: Sequence[int], max_tokens: int, k: int, threads: int = 1) -
     rows = []
     for b in batches:
         batch = prompts[:b]
+        load = [os.getloadavg()[0]]
         plain = checks.run_isolated(checks.greedy_generate, target, batch, max_tokens, threads=threads)
+        load.append(os.getloadavg()[0])
         spec = checks.run_isolated(checks.greedy_generate, target, batch, max_tokens, spec_cfg, threads=threads)
+        load.append(os.getloadavg()[0])
         c = spec["counters"]
         rows.append({"batch": b, "max_tokens": max_tokens, "prompt_tokens": sum(map(len, batch)) / b,
                      "plain_s": plain["generate_s"], "spec_s": spec["generate_s"],
                      "acceptance_length": c.acceptance_length,
                      "per_position": [a / c.num_drafts for a in c.accepted_per_pos] if c.num_drafts else [],
-                     "num_drafts": c.num_drafts, "identical_outputs": plain["outputs"] == spec["outputs"]})
+                     "num_drafts": c.num_drafts, "identical_outputs": plain["outputs"] == spec["outputs"],
+                     "loadavg_1min_before_plain_spec_after": load})
     return rows
 
 

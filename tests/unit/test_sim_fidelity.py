@@ -22,7 +22,14 @@ from nemo_rl_spec.sim.interfaces import PhaseTimes
 from nemo_rl_spec.sim.spec_bench import bench_scenario, compare_bench
 
 CPU = CONFIG_DIR / "cpu_smollm2_default.yaml"
-TRUTH_RATIOS = {"generation": 2.0, "logprob": 1.5, "training": 0.8, "refit": 10.0}
+TRUTH_RATIOS = {"generation": 2.0, "logprob": 1.5, "training": 0.8}
+TRUTH_REFIT_OVERHEAD = 4.0  # seconds per refit on top of the bytes term
+
+
+def truth_of(scn):
+    """The prior profile with TRUTH_RATIOS and a fixed refit cost of TRUTH_REFIT_OVERHEAD s."""
+    scaled = apply_ratios(scn, TRUTH_RATIOS)
+    return scaled.model_copy(update={"efficiency": {**scaled.efficiency, "refit_overhead_s": TRUTH_REFIT_OVERHEAD}})
 
 
 def record(step, phases, extra):
@@ -33,8 +40,8 @@ def record(step, phases, extra):
 
 
 def synthetic_run(scn, lengths, speculative=False, extra=None, other=0.5):
-    """Steps 1.. of a run whose truth is ``scn`` with TRUTH_RATIOS; step 1 is a warm-up at 3x the cost."""
-    truth = apply_ratios(scn, TRUTH_RATIOS)
+    """Steps 1.. of a run whose truth is :func:`truth_of` ``scn``; step 1 is a warm-up at 3x the cost."""
+    truth = truth_of(scn)
     rows = []
     for i, length in enumerate(lengths, start=1):
         inputs = {"train/mean_response_length": length, **(extra or {})}
@@ -95,9 +102,24 @@ def test_compare_by_hand():
 def test_apply_ratios_scales_each_phase_exactly():
     scn = load_scenario(CPU)
     base = predict(step_inputs(scn, {"train/mean_response_length": 100.0}), False)
-    scaled = predict(step_inputs(apply_ratios(scn, TRUTH_RATIOS), {"train/mean_response_length": 100.0}), False)
-    for ph, r in TRUTH_RATIOS.items():
+    scaled = predict(step_inputs(apply_ratios(scn, {**TRUTH_RATIOS, "refit": 3.0}),
+                                 {"train/mean_response_length": 100.0}), False)
+    for ph, r in {**TRUTH_RATIOS, "refit": 3.0}.items():
         assert getattr(scaled, ph) == pytest.approx(r * getattr(base, ph), rel=1e-9), ph
+
+
+def test_refit_fixed_cost_is_additive():
+    """The fitted refit cost is a fixed overhead: a speculative step adds only the draft's bytes / bandwidth
+    (538 MB of SmolLM2 in 0.4 s -> the 33.4M-parameter fp32 draft adds 133.6 MB / 1.345 GB/s = 0.0993 s)."""
+    scn = load_scenario(CPU)
+    rows = synthetic_run(scn, [100, 70, 90, 130])
+    rep = fidelity(scn, rows, warmup=1)
+    assert rep["fit"]["refit_overhead_s"] == pytest.approx(TRUTH_REFIT_OVERHEAD, rel=1e-9)
+    fitted = scn.model_copy(update={"efficiency": rep["fit"]["efficiency"]})
+    ar, sp = predict(fitted, False).refit, predict(fitted, True).refit
+    draft_bytes = 4.0 * 33.4e6
+    assert sp - ar == pytest.approx(draft_bytes / (10e9 * 0.1345), rel=2e-3)
+    assert ar == pytest.approx(TRUTH_REFIT_OVERHEAD + 0.40, rel=0.01)
 
 
 def test_step_inputs_use_each_steps_length():
@@ -119,15 +141,19 @@ def test_held_out_steps_are_predicted_exactly_when_the_truth_is_a_profile():
     assert rep["fit"]["other_s"] == pytest.approx(0.5)
     for ph, v in rep["ar_holdout"]["phases"].items():
         assert v["error"] == pytest.approx(0.0, abs=1e-9), ph
+    assert rep["fit"]["refit_overhead_s"] == pytest.approx(TRUTH_REFIT_OVERHEAD, rel=1e-9)
     prior = rep["ar_prior"]["phases"]
     assert prior["generation"]["error"] == pytest.approx(1 / 2.0 - 1, abs=1e-9)
-    assert prior["refit"]["error"] == pytest.approx(1 / 10.0 - 1, abs=1e-9)
+    assert prior["training"]["error"] == pytest.approx(1 / 0.8 - 1, abs=1e-9)
+    b = prior["refit"]["predicted_s"]  # the bytes term alone
+    assert prior["refit"]["error"] == pytest.approx(b / (b + TRUTH_REFIT_OVERHEAD) - 1, abs=1e-9)
 
 
 def test_fit_never_reads_held_out_timings():
     scn = load_scenario(CPU)
     rows = synthetic_run(scn, [100, 70, 90, 130, 60, 110])
     ratios = phase_ratios(scn, rows[1:3])
+    assert set(ratios) == set(TRUTH_RATIOS)
     corrupted = [dict(r) for r in rows]
     for r in corrupted[3:]:
         r["timing/train/generation"] *= 5.0
@@ -212,3 +238,20 @@ def test_spec_bench_comparison_by_hand():
     assert res["spec_fitted_error"] == pytest.approx(0.0, abs=1e-9)
     assert res["plain_prior_error"] == pytest.approx(-0.5) and res["spec_prior_error"] == pytest.approx(-0.5)
     assert res["speedup_measured"] == pytest.approx(res["speedup_predicted"])
+
+
+def test_cross_run_fit_holds_out_the_whole_other_run():
+    """--fit-metrics: fit on run A (steps 2-3 after its warm-up), predict every step of run B after warm-up; run B
+    is the truth with training 2x slower, so the fit (training ratio 0.8) predicts B's training 50% low."""
+    scn = load_scenario(CPU)
+    run_a = synthetic_run(scn, [100, 70, 90])
+    run_b = synthetic_run(scn, [120, 60, 100, 80])
+    for r in run_b:
+        r["timing/train/policy_training"] *= 2.0
+    rep = fidelity(scn, run_b, fit_records=run_a, warmup=1)
+    assert rep["fit"]["steps"] == [2, 3] and rep["ar_holdout"]["steps"] == [2, 3, 4]
+    ph = rep["ar_holdout"]["phases"]
+    assert ph["generation"]["error"] == pytest.approx(0.0, abs=1e-9)
+    assert ph["training"]["error"] == pytest.approx(-0.5, abs=1e-9)
+    with pytest.raises(ValueError):
+        fidelity(scn, run_b[:1], fit_records=run_a, warmup=1)
