@@ -1,0 +1,253 @@
+"""Batch-size-aware speculation: the number of draft tokens k chosen per *running* batch size, k = 0 included.
+
+On a 2-core CPU one verification step of k + 1 tokens per request costs little more than a plain decode step at
+batch 1 but several times more at batch 32-64 (measured, SmolLM2-135M fp32: plain 50 / 59 / 128 / 230 ms at batch
+1 / 8 / 32 / 64, EAGLE-3 k = 3 with nothing accepted 67 / 131 / 359 / 715 ms), so speculation pays only while few
+sequences are still running: the long tail of a rollout.
+
+vLLM 0.32 already implements the switch ("dynamic speculative decoding"):
+``speculative_config.num_speculative_tokens_per_batch_size = [(first, last, k), ...]`` (inclusive batch-size
+ranges, the first starting at 1; gaps and the tail carry the previous k; k is capped by
+``num_speculative_tokens``). Each engine step its scheduler looks up k for the number of requests it scheduled
+(``Scheduler.dynamic_sd_lookup[len(num_scheduled_tokens)]``) and the drafter proposes that many tokens for the
+next step; with k = 0 the EAGLE drafter still runs its first forward pass (to keep its KV cache in sync) but
+proposes nothing, and the next step is a plain decode step. Verification is unchanged, so outputs stay lossless
+(tests/functional/test_adaptive_k.py: identical greedy tokens with the switch on).
+
+This module only builds that schedule from config (``policy.generation.dynamic_speculation``, see
+:class:`DynamicSpeculationConfig`): either given explicitly in vLLM's format, or derived from measured step costs
+(:func:`derive_schedule`, e.g. the ``step_costs`` block that ``examples/bench_spec_rollouts.py`` writes), and
+:func:`apply_batch_size_schedule` puts it into the engine's ``speculative_config`` before ``vllm.LLM`` is built.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+logger = logging.getLogger(__name__)
+
+Schedule = list[tuple[int, int, int]]
+VLLM_KEY = "num_speculative_tokens_per_batch_size"
+
+
+class DynamicSpeculationConfig(BaseModel):
+    """``policy.generation.dynamic_speculation``: k per running batch size (needs ``vllm_kwargs.speculative_config``).
+
+    Exactly one of:
+
+    - ``num_speculative_tokens_per_batch_size``: ``[[first, last, k], ...]`` inclusive batch-size ranges (vLLM's
+      format; the first range starts at 1; k = 0 turns drafting off for that range);
+    - ``step_costs``: a JSON file with measured step costs (``examples/bench_spec_rollouts.py --out FILE``
+      writes them under ``"step_costs"``; see :func:`load_step_costs`); the schedule is :func:`derive_schedule`
+      of it, with ``acceptance_rate`` (per-token acceptance a; None: the file's) and ``min_speedup``.
+
+    ``max_batch_size``: largest running batch the derived schedule covers (larger ones keep the last k).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
+    step_costs: str | None = None
+    acceptance_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_speedup: float = Field(default=1.0, gt=0.0)
+    max_batch_size: PositiveInt = 256
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DynamicSpeculationConfig:
+        given = [self.num_speculative_tokens_per_batch_size is not None, self.step_costs is not None]
+        if self.enabled and sum(given) != 1:
+            raise ValueError("policy.generation.dynamic_speculation: set exactly one of "
+                             "num_speculative_tokens_per_batch_size (explicit schedule) or step_costs (a JSON file "
+                             "of measured step costs)")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            validate_schedule(self.num_speculative_tokens_per_batch_size)
+        return self
+
+
+def validate_schedule(schedule: Sequence[Sequence[int]]) -> Schedule:
+    """Check a schedule in vLLM's format and return it sorted as tuples.
+
+    Raises:
+        ValueError: empty, an entry not ``(first, last, k)``, first > last, a batch size < 1, k < 0, overlapping
+            ranges, or the first range not starting at 1 (the rules vLLM enforces at engine start).
+    """
+    if not schedule:
+        raise ValueError("num_speculative_tokens_per_batch_size: empty schedule")
+    out = []
+    for entry in schedule:
+        if len(entry) != 3:
+            raise ValueError(f"num_speculative_tokens_per_batch_size entry {entry!r}: expected [first, last, k]")
+        first, last, k = (int(x) for x in entry)
+        if first < 1 or last < first or k < 0:
+            raise ValueError(f"num_speculative_tokens_per_batch_size entry {entry!r}: need 1 <= first <= last, k >= 0")
+        out.append((first, last, k))
+    out.sort()
+    if out[0][0] != 1:
+        raise ValueError("num_speculative_tokens_per_batch_size: the first range must start at batch size 1")
+    for (_, prev_last, _), (first, _, _) in itertools.pairwise(out):
+        if first <= prev_last:
+            raise ValueError(f"num_speculative_tokens_per_batch_size: overlapping ranges {out}")
+    return out
+
+
+def k_for_batch_size(schedule: Sequence[Sequence[int]], batch_size: int, max_k: int | None = None) -> int:
+    """k the schedule gives a running batch of ``batch_size`` requests (vLLM's rule: gaps and the tail keep the
+    previous range's k), capped at ``max_k`` (the engine's ``num_speculative_tokens``)."""
+    k = 0
+    for first, last, range_k in validate_schedule(schedule):
+        if first > batch_size:
+            break
+        k = range_k
+    return k if max_k is None else min(k, max_k)
+
+
+def expected_tokens_per_step(acceptance_rate: float, k: int) -> float:
+    """E = (1 - a^(k+1)) / (1 - a): expected tokens one verification step emits when each of k proposals is
+    accepted with probability a given its predecessors were (i.i.d. acceptance; Leviathan et al. 2023, eq. 1).
+    E = k + 1 at a = 1, 1 at k = 0."""
+    a = float(acceptance_rate)
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"acceptance rate {a} outside [0, 1]")
+    if a == 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def interpolate_cost(costs: Mapping[int, float], batch_size: float) -> float:
+    """Step cost at ``batch_size`` from costs measured at some batch sizes: piecewise linear between measured
+    points, the first point's cost below it, linear extrapolation of the last two points above (never below the
+    last cost). Units as given (seconds). Raises ValueError with no points."""
+    if not costs:
+        raise ValueError("no measured step costs")
+    pts = sorted((int(b), float(c)) for b, c in costs.items())
+    if batch_size <= pts[0][0] or len(pts) == 1:
+        return pts[0][1] if batch_size <= pts[0][0] else pts[0][1] * batch_size / pts[0][0]
+    for (b0, c0), (b1, c1) in itertools.pairwise(pts):
+        if batch_size <= b1:
+            return c0 + (c1 - c0) * (batch_size - b0) / (b1 - b0)
+    (b0, c0), (b1, c1) = pts[-2], pts[-1]
+    return max(c1, c1 + (c1 - c0) * (batch_size - b1) / (b1 - b0))
+
+
+def _acceptance_for(acceptance_rate: float | Mapping[int, float], k: int) -> float:
+    if isinstance(acceptance_rate, Mapping):
+        rates = {int(key): float(v) for key, v in acceptance_rate.items()}
+        if k not in rates:
+            raise ValueError(f"no acceptance rate for k={k} (have {sorted(rates)})")
+        return rates[k]
+    return float(acceptance_rate)
+
+
+def predicted_speedups(ar_step_s: Mapping[int, float], spec_step_s: Mapping[int, Mapping[int, float]],
+                       acceptance_rate: float | Mapping[int, float], batch_size: int) -> dict[int, float]:
+    """Predicted decode throughput over plain decoding at ``batch_size`` for each k: ``E_k(a) * c_AR / c_k``;
+    k = 0 gives ``c_AR / c_0`` if a k = 0 cost (drafter prefill only) was measured, else 1. ``acceptance_rate``:
+    one per-token a, or {k: a} (acceptance measured per draft length)."""
+    c_ar = interpolate_cost(ar_step_s, batch_size)
+    out = {0: c_ar / interpolate_cost(spec_step_s[0], batch_size) if 0 in spec_step_s else 1.0}
+    for k, costs in spec_step_s.items():
+        if int(k) > 0:
+            a = _acceptance_for(acceptance_rate, int(k))
+            out[int(k)] = expected_tokens_per_step(a, int(k)) * c_ar / interpolate_cost(costs, batch_size)
+    return out
+
+
+def derive_schedule(ar_step_s: Mapping[int, float], spec_step_s: Mapping[int, Mapping[int, float]],
+                    acceptance_rate: float | Mapping[int, float], max_batch_size: int = 256, min_speedup: float = 1.0,
+                    max_k: int | None = None) -> Schedule:
+    """Schedule (vLLM format) that picks, per running batch size 1..max_batch_size, the k with the largest
+    :func:`predicted_speedups`, drafting (k > 0) only where that beats k = 0 by the factor ``min_speedup``.
+
+    Args:
+        ar_step_s: {batch size: seconds of one plain decode step}.
+        spec_step_s: {k: {batch size: seconds of one speculative step that accepts nothing}} (k = 0 optional).
+        acceptance_rate: per-token acceptance a of the draft (the a whose ``E_k(a)`` equals the measured
+            acceptance length), or {k: a} per draft length.
+        max_k: ignore measured k above it (the engine's ``num_speculative_tokens``).
+
+    Returns:
+        [(first, last, k), ...] covering 1..max_batch_size, adjacent equal k merged; ties go to the smaller k.
+    """
+    spec = {int(k): {int(b): float(c) for b, c in v.items()} for k, v in spec_step_s.items()
+            if max_k is None or int(k) <= max_k}
+    ar = {int(b): float(c) for b, c in ar_step_s.items()}
+    schedule: Schedule = []
+    for b in range(1, int(max_batch_size) + 1):
+        s = predicted_speedups(ar, spec, acceptance_rate, b)
+        best = max(sorted(s), key=lambda k: (s[k], -k))
+        k = best if best > 0 and s[best] >= min_speedup * s[0] else 0
+        if schedule and schedule[-1][2] == k:
+            schedule[-1] = (schedule[-1][0], b, k)
+        else:
+            schedule.append((b, b, k))
+    return schedule
+
+
+def load_step_costs(path: str | Path) -> dict[str, Any]:
+    """Read measured step costs: a JSON object with ``ar_step_s`` {batch: s}, ``spec_step_s`` {k: {batch: s}} and
+    optionally ``acceptance_rate`` (a, or {k: a}), either at top level or under ``"step_costs"`` (the benchmark's output).
+
+    Raises:
+        FileNotFoundError: no such file; ValueError: the keys are missing.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"policy.generation.dynamic_speculation.step_costs: no file {path}")
+    data = json.loads(path.read_text())
+    data = data.get("step_costs", data)
+    if "ar_step_s" not in data or "spec_step_s" not in data:
+        raise ValueError(f"{path}: expected 'ar_step_s' and 'spec_step_s' (optionally under 'step_costs')")
+    return data
+
+
+def schedule_from_config(cfg: DynamicSpeculationConfig | Mapping[str, Any], max_k: int | None = None) -> Schedule:
+    """The schedule a ``policy.generation.dynamic_speculation`` section describes (explicit or derived).
+
+    Raises:
+        ValueError: derivation without an acceptance rate (neither in the config nor in the file).
+    """
+    if not isinstance(cfg, DynamicSpeculationConfig):
+        cfg = DynamicSpeculationConfig(**cfg)
+    if cfg.num_speculative_tokens_per_batch_size is not None:
+        return validate_schedule(cfg.num_speculative_tokens_per_batch_size)
+    data = load_step_costs(cfg.step_costs)
+    a = cfg.acceptance_rate if cfg.acceptance_rate is not None else data.get("acceptance_rate")
+    if a is None:
+        raise ValueError("policy.generation.dynamic_speculation: set acceptance_rate (the step-cost file has none)")
+    return derive_schedule(data["ar_step_s"], data["spec_step_s"], a, cfg.max_batch_size, cfg.min_speedup, max_k)
+
+
+def apply_batch_size_schedule(engine_kwargs: dict[str, Any], generation_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Engine kwargs with ``speculative_config.num_speculative_tokens_per_batch_size`` set from
+    ``generation_cfg["dynamic_speculation"]`` (unchanged when that is absent or disabled). Call before
+    ``vllm.LLM(**engine_kwargs)``; the input dicts are not modified.
+
+    Raises:
+        ValueError: dynamic speculation without ``speculative_config``, or with the vLLM key also set in
+            ``vllm_kwargs.speculative_config`` (set one).
+    """
+    section = generation_cfg.get("dynamic_speculation")
+    if not section or not (section.enabled if isinstance(section, DynamicSpeculationConfig)
+                           else section.get("enabled", True)):
+        return engine_kwargs
+    spec = engine_kwargs.get("speculative_config")
+    if not spec:
+        raise ValueError("policy.generation.dynamic_speculation needs policy.generation.vllm_kwargs."
+                         "speculative_config")
+    if spec.get(VLLM_KEY) is not None:
+        raise ValueError(f"both policy.generation.dynamic_speculation and speculative_config.{VLLM_KEY} are set; "
+                         "set one")
+    max_k = int(spec.get("num_speculative_tokens") or 1)
+    schedule = schedule_from_config(section, max_k)
+    if max(k for _, _, k in schedule) > max_k:
+        logger.warning("dynamic speculation schedule %s has k above num_speculative_tokens=%d: vLLM caps it",
+                       schedule, max_k)
+    logger.info("dynamic speculation: k per running batch size %s", schedule)
+    return {**engine_kwargs, "speculative_config": {**spec, VLLM_KEY: [list(r) for r in schedule]}}

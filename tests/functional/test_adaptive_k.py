@@ -1,0 +1,109 @@
+"""Batch-size-aware speculation through the generation worker (tiny-qwen3, EAGLE-3 head trained on its greedy
+outputs): with ``policy.generation.dynamic_speculation`` the engine drafts k = k(running batch size) tokens each
+step (recorded from vLLM's scheduler and compared with the schedule evaluated here), and greedy outputs stay
+identical, token for token, to plain (non-speculative) greedy decoding.
+
+Requests get different lengths (16, 32, ..., 128 tokens, ignore_eos) so the running batch shrinks from 8 to 1 and
+the engine passes through every range of the schedule (k = 0 at batch >= 6, 1 at 3-5, 3 at 1-2).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("vllm")
+
+from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.speculative import checks
+from nemo_rl_spec.speculative.adaptive_k import k_for_batch_size
+from nemo_rl_spec.speculative.lossless import first_mismatch, lossless_prompts
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # ~100 s on the shared 2-core machine
+
+SCHEDULE = [[1, 2, 3], [3, 5, 1], [6, 256, 0]]
+K_MAX = 3
+NUM_PROMPTS = 8
+
+
+def _generation_cfg(draft: str | None) -> dict:
+    from nemo_rl_spec.utils.config import load_config
+
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "grpo_math_tiny.yaml"
+    gen = load_config(recipe).policy.generation.model_dump()
+    gen["vllm_cfg"]["max_model_len"] = 1024
+    if draft is not None:
+        gen["vllm_kwargs"] = {"speculative_config": {"method": "eagle3", "model": draft,
+                                                     "num_speculative_tokens": K_MAX}}
+        gen["dynamic_speculation"] = {"num_speculative_tokens_per_batch_size": SCHEDULE}
+    return gen
+
+
+def greedy_scenario(model: str, draft: str | None, prompts: list[list[int]], lengths: list[int]) -> dict:
+    """Worker engine (speculative with the schedule, or plain), greedy decode with per-request lengths; records
+    (running batch size, k scheduled) of every engine step from vLLM's scheduler."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
+    from nemo_rl_spec.speculative.metrics import (
+        SpecDecodeCounters,
+        read_spec_decode_counters,
+    )
+
+    worker = VllmGenerationWorker(_generation_cfg(draft), model, seed=0)
+    llm = worker.llm
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    steps: list[tuple[int, int]] = []
+    schedule_fn = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        out = schedule_fn(*args, **kwargs)
+        if out.num_scheduled_tokens:
+            steps.append((len(out.num_scheduled_tokens), int(out.num_spec_tokens_to_schedule)))
+        return out
+
+    scheduler.schedule = recording_schedule
+    spec_cfg = llm.llm_engine.vllm_config.speculative_config
+    read = read_spec_decode_counters if draft is not None else (lambda _: SpecDecodeCounters())  # stats off
+    before = read(llm)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    counters = read(llm) - before
+    result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "steps": steps, "counters": counters,
+              "engine_schedule": None if spec_cfg is None else spec_cfg.num_speculative_tokens_per_batch_size}
+    worker.shutdown()
+    return result
+
+
+def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path):
+    from transformers import AutoTokenizer
+
+    target = resolve_model("tiny-qwen3")
+    prompts = lossless_prompts(AutoTokenizer.from_pretrained(target), 64)
+    draft = checks.train_tiny_head(target, prompts[:16], str(tmp_path / "draft"),
+                                   cache_dir=checks.default_draft_cache())["path"]
+    test_prompts = prompts[:NUM_PROMPTS]
+    lengths = [16 * (i + 1) for i in range(NUM_PROMPTS)]
+    plain = checks.run_isolated(greedy_scenario, target, None, test_prompts, lengths)
+    spec = checks.run_isolated(greedy_scenario, target, draft, test_prompts, lengths)
+
+    assert [list(r) for r in spec["engine_schedule"]] == SCHEDULE
+    for i, (a, b) in enumerate(zip(plain["outputs"], spec["outputs"])):
+        assert len(a) == len(b) == lengths[i]
+        assert a == b, f"prompt {i}: first mismatch at {first_mismatch(a, b)}"
+
+    # every step drafted exactly the k the schedule gives its running batch (computed here, not by vLLM)
+    decode_steps = spec["steps"]
+    assert decode_steps and all(k == k_for_batch_size(SCHEDULE, b, K_MAX) for b, k in decode_steps), decode_steps
+    seen = {k for _, k in decode_steps}
+    assert seen == {0, 1, 3}, seen
+    c = spec["counters"]
+    print(f"\nsteps (batch, k): {decode_steps[:3]} ... {decode_steps[-3:]}; drafts {c.num_drafts}, draft tokens "
+          f"{c.num_draft_tokens}, accepted {c.num_accepted_tokens}, acceptance length {c.acceptance_length:.2f}")
+    # proposals exist only for steps with k > 0: draft tokens = sum of k over requests of drafting steps
+    expected_draft_tokens = sum(b * k for b, k in decode_steps[:-1])
+    assert c.num_draft_tokens <= expected_draft_tokens
+    assert c.num_drafts > 0 and c.num_accepted_tokens > 0
+    assert all(k == 0 for b, k in decode_steps if b >= 6)

@@ -1,0 +1,126 @@
+"""Batch-size-aware speculation schedule (nemo_rl_spec/speculative/adaptive_k.py), against hand-worked values
+and vLLM's own dense lookup of the same schedule."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nemo_rl_spec.speculative.adaptive_k import (
+    VLLM_KEY,
+    DynamicSpeculationConfig,
+    apply_batch_size_schedule,
+    derive_schedule,
+    expected_tokens_per_step,
+    interpolate_cost,
+    k_for_batch_size,
+    predicted_speedups,
+    schedule_from_config,
+    validate_schedule,
+)
+
+# Hand-worked example. Plain step 1.0 s at batch 1, 2.0 s at batch 9 -> c_AR(b) = 1 + (b-1)/8.
+# k=1 step 1.2 / 3.0 s -> c_1(b) = 1.2 + 0.225 (b-1); k=3 step 1.5 / 6.0 s -> c_3(b) = 1.5 + 0.5625 (b-1).
+# a = 0.6: E_1 = 1 + 0.6 = 1.6, E_3 = 1 + 0.6 + 0.36 + 0.216 = 2.176.
+AR = {1: 1.0, 9: 2.0}
+SPEC = {1: {1: 1.2, 9: 3.0}, 3: {1: 1.5, 9: 6.0}}
+A = 0.6
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens_per_step(A, 1) == pytest.approx(1.6)
+    assert expected_tokens_per_step(A, 3) == pytest.approx(2.176)
+    assert expected_tokens_per_step(0.0, 5) == 1.0
+    assert expected_tokens_per_step(1.0, 3) == 4.0
+    assert expected_tokens_per_step(A, 0) == 1.0
+    with pytest.raises(ValueError):
+        expected_tokens_per_step(1.5, 1)
+
+
+def test_interpolate_cost():
+    costs = {1: 0.050, 8: 0.059, 32: 0.128, 64: 0.230}
+    assert interpolate_cost(costs, 1) == 0.050
+    assert interpolate_cost(costs, 20) == pytest.approx(0.059 + (0.128 - 0.059) * 12 / 24)
+    assert interpolate_cost(costs, 96) == pytest.approx(0.230 + (0.230 - 0.128) * 32 / 32)  # extrapolated
+    assert interpolate_cost({4: 2.0}, 1) == 2.0
+    with pytest.raises(ValueError):
+        interpolate_cost({}, 3)
+
+
+def test_predicted_speedups_by_hand():
+    s = predicted_speedups(AR, SPEC, A, 1)
+    assert s == pytest.approx({0: 1.0, 1: 1.6 / 1.2, 3: 2.176 / 1.5})
+    s = predicted_speedups(AR, SPEC, A, 3)   # c_AR 1.25, c_1 1.65, c_3 2.625
+    assert s == pytest.approx({0: 1.0, 1: 1.6 * 1.25 / 1.65, 3: 2.176 * 1.25 / 2.625})
+    with_k0 = predicted_speedups(AR, {**SPEC, 0: {1: 1.1, 9: 2.2}}, A, 1)
+    assert with_k0[0] == pytest.approx(1.0 / 1.1)
+
+
+def test_derive_schedule_by_hand():
+    # b = 1: k=3 (1.451 > 1.333). b >= 2: k=1 beats k=3 (b=2: 1.263 vs 1.187). k=1 stays >= 1.05 while
+    # 1.6 (1 + x/8) >= 1.05 (1.2 + 0.225 x), x = b - 1, i.e. x <= 0.34 / 0.03625 = 9.38 -> b <= 10.
+    assert derive_schedule(AR, SPEC, A, max_batch_size=32, min_speedup=1.05) == [(1, 1, 3), (2, 10, 1), (11, 32, 0)]
+    # without k = 3 measured (or capped by max_k = 2) only k = 1 remains at b = 1
+    assert derive_schedule(AR, SPEC, A, 32, 1.05, max_k=2) == [(1, 10, 1), (11, 32, 0)]
+    # per-k acceptance: k=3 with a = 0 never pays, k=1 keeps a = 0.6 -> k=1 from b = 1
+    assert derive_schedule(AR, SPEC, {1: A, 3: 0.0}, 32, 1.05) == [(1, 10, 1), (11, 32, 0)]
+    with pytest.raises(ValueError, match="k=3"):
+        derive_schedule(AR, SPEC, {1: A}, 32)
+    # acceptance 0: nothing ever pays
+    assert derive_schedule(AR, SPEC, 0.0, 16) == [(1, 16, 0)]
+    # a measured k=0 step (drafter prefill only) 10% above plain decoding: k=0's speedup is 1/1.1, so k=1 pays
+    # while 1.6 (1 + x/8) >= (1.05/1.1)(1.2 + 0.225 x), i.e. x <= 0.4545 / 0.01477 = 30.8 -> b <= 31
+    k0 = {**SPEC, 0: {1: 1.1, 9: 2.2}}
+    assert derive_schedule(AR, k0, A, 40, 1.05) == [(1, 1, 3), (2, 31, 1), (32, 40, 0)]
+
+
+def test_schedule_lookup_matches_vllm():
+    vllm_utils = pytest.importorskip("vllm.v1.spec_decode.dynamic.utils")
+    schedules = [[(1, 1, 3), (2, 10, 1), (11, 32, 0)], [(1, 4, 5), (9, 16, 2)], [(1, 1, 7)]]
+    for sched in schedules:
+        dense = vllm_utils.build_dynamic_sd_schedule_lookup([list(r) for r in sched], 64, 5)
+        assert [k_for_batch_size(sched, b, max_k=5) for b in range(1, 65)] == dense[1:]
+    # hand-worked: gap 5..8 keeps k=5 (capped by 5), tail keeps 2
+    assert [k_for_batch_size(schedules[1], b) for b in (1, 4, 5, 8, 9, 16, 17, 200)] == [5, 5, 5, 5, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("bad", [[], [(2, 4, 1)], [(1, 4, 1), (3, 8, 0)], [(1, 4, -1)], [(1, 0, 1)], [(1, 2)]])
+def test_validate_schedule_rejects(bad):
+    with pytest.raises(ValueError):
+        validate_schedule(bad)
+
+
+def test_config_needs_exactly_one_source(tmp_path):
+    with pytest.raises(ValueError, match="exactly one"):
+        DynamicSpeculationConfig()
+    with pytest.raises(ValueError, match="exactly one"):
+        DynamicSpeculationConfig(num_speculative_tokens_per_batch_size=[(1, 4, 1)], step_costs="x.json")
+    assert DynamicSpeculationConfig(enabled=False).enabled is False
+
+
+def test_schedule_from_step_cost_file(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"step_costs": {"ar_step_s": {str(b): c for b, c in AR.items()},
+                                               "spec_step_s": {str(k): {str(b): c for b, c in v.items()}
+                                                               for k, v in SPEC.items()},
+                                               "acceptance_rate": A}}))
+    cfg = {"step_costs": str(path), "min_speedup": 1.05, "max_batch_size": 32}
+    assert schedule_from_config(cfg) == [(1, 1, 3), (2, 10, 1), (11, 32, 0)]
+    assert schedule_from_config({**cfg, "acceptance_rate": 0.0}) == [(1, 32, 0)]
+    with pytest.raises(FileNotFoundError, match="step_costs"):
+        schedule_from_config({"step_costs": str(tmp_path / "missing.json")})
+
+
+def test_apply_batch_size_schedule():
+    engine = {"model": "m", "speculative_config": {"method": "eagle3", "model": "d", "num_speculative_tokens": 3}}
+    gen = {"dynamic_speculation": {"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 256, 0]]}}
+    out = apply_batch_size_schedule(engine, gen)
+    assert out["speculative_config"][VLLM_KEY] == [[1, 4, 3], [5, 256, 0]]
+    assert VLLM_KEY not in engine["speculative_config"]          # input untouched
+    assert apply_batch_size_schedule(engine, {"dynamic_speculation": None}) is engine
+    assert apply_batch_size_schedule(engine, {"dynamic_speculation": {"enabled": False}}) is engine
+    with pytest.raises(ValueError, match="speculative_config"):
+        apply_batch_size_schedule({"model": "m"}, gen)
+    with pytest.raises(ValueError, match="set one"):
+        apply_batch_size_schedule({"speculative_config": {**engine["speculative_config"], VLLM_KEY: [[1, 2, 1]]}},
+                                  gen)
