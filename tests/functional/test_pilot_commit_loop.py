@@ -32,8 +32,8 @@ COUNT_KEYS = ("rollout_alloc/step_rollouts", "rollout_alloc/cumulative_rollouts"
               "pilot_commit/cumulative_pilot_rollouts", "pilot_commit/cumulative_commit_rollouts")
 
 
-def run_grpo(tmp: Path, steps: int) -> list[dict]:
-    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(TINY), *PC,
+def run_grpo(tmp: Path, steps: int, recipe: Path = TINY, extra: tuple[str, ...] = ()) -> list[dict]:
+    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(recipe), *PC, *extra,
            f"grpo.max_num_steps={steps}", f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -117,3 +117,27 @@ def test_resume_in_the_middle_continues_exactly(runs):
                 assert torch.equal(ra["rewards"], rb["rewards"])
                 for name, tensor in ra["payload"].items():
                     assert torch.allclose(tensor.float(), rb["payload"][name].float(), rtol=1e-6, atol=1e-7), name
+
+
+@pytest.mark.parametrize("recipe", ["grpo_math_tiny_spec.yaml", "grpo_math_tiny_async.yaml"])
+def test_pilot_commit_with_speculative_rollouts_and_async(tmp_path, recipe):
+    """Pilot-Commit on top of speculative rollouts (online EAGLE-3 draft, refit with the policy) and of async GRPO:
+    the loop runs, the rollout counts keep Pilot-Commit's identities; with speculation the counts equal the sync
+    allocator's plan exactly (speculation does not change which rollouts are made) and every step reports
+    acceptance and a draft refit."""
+    metrics = [m for m in run_grpo(tmp_path, 2, ROOT / "configs" / recipe, ("checkpointing.enabled=false",))
+               if m["step"] > 0]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert all(math.isfinite(v) for k, v in m.items() if k != "train/draft_loss"), m
+        assert m["pilot_commit/pilot_rollouts"] == m["pilot_commit/piloted"] * 2
+        assert m["pilot_commit/commit_rollouts"] == m["pilot_commit/committed"] * 4
+        assert m["train/num_valid_seqs"] == m["rollout_alloc/train_rollouts"] == m["pilot_commit/committed"] * 6
+    if "spec" in recipe:
+        expected, _ = offline_plan(2)
+        for m, e in zip(metrics, expected):
+            assert {k: m[k] for k in COUNT_KEYS} == {k: e[k] for k in COUNT_KEYS}
+            assert m["vllm/spec_num_drafts"] > 0 and m["vllm/spec_acceptance_length"] >= 1.0
+            assert m["refit/draft_version"] == m["refit/weight_version"] == m["step"]
+    else:
+        assert [m["async/trajectory_age_max"] <= 1 for m in metrics] == [True, True]
