@@ -49,7 +49,7 @@ from contextlib import contextmanager
 import ray
 from tqdm import tqdm
 
-from nemo_rl_spec.algorithms.grpo import train_on_selection
+from nemo_rl_spec.algorithms.grpo import end_step, train_on_selection
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
 from nemo_rl_spec.algorithms.interfaces import GenerateFn, RolloutRequest, RolloutResult
 from nemo_rl_spec.algorithms.rollout_allocation import mix_seed, requests_by_n
@@ -289,7 +289,7 @@ def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer
         return None
     selection = batch.selection
     metrics = {"train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
-               **selection.metrics, **_async_metrics(batch, buffer, step),
+               **selection.metrics, **_async_metrics(batch, buffer, step), **s.spec_metrics_interval(),
                "timing/train/idle/buffer_starvation": wait_end - wait_start,
                "timing/train/exposed_generation": gate.generation_overlap(wait_start, wait_end)}
     if selection.groups:
@@ -299,6 +299,8 @@ def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer
         metrics["timing/train/exposed_generation"] += waited[0]  # the trainer waited on a running generate call
         with timer.time("weight_sync"):
             metrics.update(s.refitter.refit(version=step + 1))
+        if s.spec_alarm is not None:
+            s.spec_alarm.notify_refit()
     producer.set_version(step + 1)
     return metrics, selection.exhausted
 
@@ -354,15 +356,8 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
                 break
             metrics, exhausted = out
             metrics.update(timer.metrics("timing/train/"))
-            last = exhausted or step + 1 == cfg.grpo.max_num_steps
-            if last or (cfg.grpo.val_period and (step + 1) % cfg.grpo.val_period == 0):
-                metrics.update(val())
-            s.logger.log_metrics(metrics, step=step + 1)
             history.append(metrics)
-            if last or (step + 1) % cfg.checkpointing.save_period == 0:
-                _checkpoint(s, buffer, step + 1, metrics)
-            if exhausted:
-                print(f"every training prompt was evicted (solved); stopping after step {step + 1}")
+            if end_step(s, step, metrics, exhausted, val, lambda m, done=step + 1: _checkpoint(s, buffer, done, m)):
                 break
     finally:
         producer.stop()

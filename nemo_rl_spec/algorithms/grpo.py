@@ -63,15 +63,24 @@ def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
         with timer.time("total_step_time"):
             metrics, exhausted = grpo_step(s, step, timer)
         metrics.update(timer.metrics("timing/train/"))
-        last = exhausted or step + 1 == cfg.grpo.max_num_steps
-        if last or (cfg.grpo.val_period and (step + 1) % cfg.grpo.val_period == 0):
-            metrics.update(val())
-        s.logger.log_metrics(metrics, step=step + 1)
         history.append(metrics)
-        if last or (step + 1) % cfg.checkpointing.save_period == 0:
-            save_checkpoint(s, step + 1, metrics)
-        if exhausted:
-            print(f"every training prompt was evicted (solved); stopping after step {step + 1}")
+        if end_step(s, step, metrics, exhausted, val, lambda m, done=step + 1: save_checkpoint(s, done, m)):
             break
     return history
+
+
+def end_step(s: GRPOSetup, step: int, metrics: dict[str, float], exhausted: bool, val, checkpoint) -> bool:
+    """Validation (every ``grpo.val_period`` steps and at the end), logging and checkpointing of finished step
+    ``step`` (sync and async loops). ``val()`` returns validation metrics; ``checkpoint(metrics)`` saves step + 1.
+    Returns True when the run must stop because every prompt was evicted."""
+    cfg = s.cfg
+    last = exhausted or step + 1 == cfg.grpo.max_num_steps
+    if last or (cfg.grpo.val_period and (step + 1) % cfg.grpo.val_period == 0):
+        metrics.update(val())
+    s.logger.log_metrics(metrics, step=step + 1)
+    if last or (step + 1) % cfg.checkpointing.save_period == 0:
+        checkpoint(metrics)
+    if exhausted:
+        print(f"every training prompt was evicted (solved); stopping after step {step + 1}")
+    return exhausted
 

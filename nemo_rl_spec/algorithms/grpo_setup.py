@@ -49,18 +49,29 @@ class GRPOSetup:
     start_step: int = 0
     extra_state: dict = field(default_factory=dict)
     spec_alarm: LowAcceptanceAlarm | None = None
+    spec_mark: SpecDecodeCounters | None = None
 
     def spec_counters(self) -> SpecDecodeCounters | None:
         """Cumulative speculative-decoding counters of the generation worker (None without speculation)."""
         return ray.get(self.generation.spec_counters.remote()) if self.spec_alarm is not None else None
 
-    def spec_metrics_since(self, before: SpecDecodeCounters | None) -> dict[str, float]:
-        """``vllm/spec_*`` acceptance metrics since ``before`` and the low-acceptance alarm (empty without
-        speculation)."""
+    def spec_metrics_since(self, before: SpecDecodeCounters | None,
+                           after: SpecDecodeCounters | None = None) -> dict[str, float]:
+        """``vllm/spec_*`` acceptance metrics from counters ``before`` to ``after`` (None: now) and the
+        low-acceptance alarm (empty without speculation)."""
         if before is None:
             return {}
-        metrics = (self.spec_counters() - before).as_metrics("vllm/")
+        metrics = ((self.spec_counters() if after is None else after) - before).as_metrics("vllm/")
         return {**metrics, **self.spec_alarm.check(metrics)}
+
+    def spec_metrics_interval(self) -> dict[str, float]:
+        """:meth:`spec_metrics_since` the previous call (the first call: since engine start); for the async loop,
+        whose generation runs in another thread (validation calls in the interval count too)."""
+        if self.spec_alarm is None:
+            return {}
+        now = self.spec_counters()
+        before, self.spec_mark = self.spec_mark, now
+        return self.spec_metrics_since(before if before is not None else SpecDecodeCounters(), now)
 
     @property
     def pad_token_id(self) -> int:
@@ -128,8 +139,42 @@ def _engine_draft_dir(cfg: MasterConfig, policy) -> str | None:
     return draft.model_name
 
 
+def serves_policy_mtp(cfg: MasterConfig) -> bool:
+    """True when vLLM drafts with the policy's own MTP block (``speculative_config.method: mtp``; the schema requires
+    ``policy.megatron_cfg.mtp_num_layers >= 1`` then)."""
+    spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
+    return isinstance(spec, dict) and spec.get("method") == "mtp" and cfg.policy.megatron_cfg.mtp_num_layers > 0
+
+
+def check_mtp_drafter_model(cfg: MasterConfig, model_path: str) -> None:
+    """With ``method: mtp``, the policy must be exportable as a MiMo checkpoint (Llama/Qwen trunk, head_dim ==
+    hidden/heads). Raises ConfigError naming the keys otherwise (before any worker starts)."""
+    import json
+
+    from nemo_rl_spec.speculative.mtp_export import mtp_drafter_support_error
+    from nemo_rl_spec.utils.config import ConfigError
+
+    if not serves_policy_mtp(cfg):
+        return
+    error = mtp_drafter_support_error(json.loads((Path(model_path) / "config.json").read_text()))
+    if error is not None:
+        raise ConfigError(f"policy.generation.vllm_kwargs.speculative_config.method=mtp serves the policy as a MiMo "
+                          f"checkpoint, which policy.model_name={cfg.policy.model_name!r} cannot be: {error}. Use a "
+                          "Llama/Qwen model with head_dim == hidden_size / num_attention_heads (e.g. tiny-llama, "
+                          "smollm2-135m-instruct) or another speculative_config.method")
+
+
+def _engine_model_path(cfg: MasterConfig, policy, model_path: str) -> str:
+    """The checkpoint the engine starts from: with the MTP drafter, the policy worker's MiMo export (trunk + MTP
+    layers + tokenizer) in ``<logger.log_dir>/mimo_policy``; else the HF model directory."""
+    if not serves_policy_mtp(cfg):
+        return model_path
+    return ray.get(policy.save_mimo_checkpoint.remote(str((Path(cfg.logger.log_dir) / "mimo_policy").resolve())))
+
+
 def start_workers(cfg: MasterConfig, model_path: str) -> tuple[Any, Any]:
     """Create the Megatron policy actor and the vLLM generation actor, then wait until both are up."""
+    check_mtp_drafter_model(cfg, model_path)
     policy_cfg = cfg.policy.model_dump()
     policy = ray.remote(MegatronPolicyWorker).options(
         num_cpus=cfg.cluster.policy_num_cpus, runtime_env=_policy_env(cfg)
@@ -141,7 +186,8 @@ def start_workers(cfg: MasterConfig, model_path: str) -> tuple[Any, Any]:
     draft = enabled_draft(cfg)
     generation = ray.remote(VllmGenerationWorker).options(
         num_cpus=cfg.cluster.generation_num_cpus, runtime_env=vllm_runtime_env(gen_cfg)
-    ).remote(gen_cfg, model_path, cfg.grpo.seed, draft is not None and draft.allow_stale_draft)
+    ).remote(gen_cfg, _engine_model_path(cfg, policy, model_path), cfg.grpo.seed,
+             draft is not None and draft.allow_stale_draft)
     ray.get([policy.__ray_ready__.remote(), generation.__ray_ready__.remote()])
     return policy, generation
 
@@ -178,7 +224,7 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
     draft = enabled_draft(cfg)
     s.refitter = WeightRefitter(policy, generation, s.val_prompt_ids[: cfg.policy.refit.probe_batch_size],
                                 cfg.policy.refit.logprob_mismatch_threshold, s.pad_token_id,
-                                sync_draft=draft is not None and draft.online)
+                                sync_draft=(draft is not None and draft.online) or serves_policy_mtp(cfg))
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         resume(s)
     return s

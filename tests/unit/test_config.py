@@ -117,7 +117,7 @@ SPEC = CONFIGS / "grpo_math_tiny_spec.yaml"
     (["policy.generation.vllm_kwargs.speculative_config.method=draft_model"], "speculative_config.method=eagle3"),
     (["+policy.megatron_cfg.mtp_num_layers=1"], "train either an EAGLE-3 head or MTP heads"),
     (["policy.draft.enabled=false"], "needs speculative_config.model \\(a draft directory\\) or a policy.draft"),
-    (["+policy.draft.model_name=/a", "+policy.generation.vllm_kwargs.speculative_config.model=/b"],
+    (["policy.draft.model_name=/a", "+policy.generation.vllm_kwargs.speculative_config.model=/b"],
      "policy.draft.model_name='/a' differs from policy.generation.vllm_kwargs.speculative_config.model='/b'"),
 ])
 def test_draft_and_speculation_mismatches_are_rejected(overrides, match):

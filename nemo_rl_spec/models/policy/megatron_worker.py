@@ -18,6 +18,11 @@ lambda_plus for occ), ``mtp_occ_eps`` and ``mtp_occ_lambda_max``. The MTP block'
 Megatron's DDP buffer and optimizer and get their own torch AdamW (same hyper-parameters, own grad clipping), so
 the trunk's grad-norm clipping never sees them (needed for detach to leave the trunk bitwise unchanged).
 
+Online EAGLE-3 draft (``policy.draft.enabled`` and ``policy.draft.online``; docs/speculative.md): the training
+forward runs under the draft's capture hooks and the head trains on the detached activations after the policy's
+backward, with its own optimizer (``speculative/online.py``); ``export_draft_weights`` / ``save_draft`` hand it to
+the generation worker.
+
 ``policy.train_global_batch_size`` is not read: ``train`` makes exactly one optimizer step over all rows it
 is given (the driver sizes the batch). The learning rate is constant (no scheduler). ``precision`` must be
 float32 on CPU. Data parallelism across several workers would need one shared process group; each worker
@@ -382,11 +387,54 @@ class MegatronPolicyWorker(PolicyInterface):
         return mm.export_hf_state(self.module, self.spec)
 
     def export_draft_weights(self) -> dict:
-        """The online draft for the generation worker: ``{"weights", "draft_version", "policy_version"}``
-        (:meth:`OnlineDraft.export`). Raises RuntimeError without an online draft."""
-        if self.draft is None:
-            raise RuntimeError("export_draft_weights: no online draft (policy.draft.online is false)")
-        return self.draft.export()
+        """The drafter's weights for the generation worker: ``{"weights", "draft_version", "policy_version"}``.
+
+        Online EAGLE-3 head: :meth:`OnlineDraft.export`. MTP drafter (``speculative_config.method: mtp`` with
+        ``mtp_num_layers`` >= 1): the MTP block under MiMo names with zero q/k/v biases
+        (:meth:`mimo_mtp_weights`), ``draft_version`` = optimizer steps taken, ``policy_version`` = the version of
+        the last :meth:`export_hf_weights`. Raises RuntimeError with neither."""
+        if self.draft is not None:
+            return self.draft.export()
+        if self.serves_mtp_drafter:
+            return {"weights": self.mimo_mtp_weights(), "draft_version": self.step,
+                    "policy_version": self.weight_version}
+        raise RuntimeError("export_draft_weights: no online draft (policy.draft.online is false) and no MTP drafter "
+                           "(speculative_config.method=mtp with policy.megatron_cfg.mtp_num_layers >= 1)")
+
+    @property
+    def serves_mtp_drafter(self) -> bool:
+        """True when vLLM drafts with this policy's MTP block (``speculative_config.method: mtp``, MTP layers > 0)."""
+        spec = (self.cfg["generation"].get("vllm_kwargs") or {}).get("speculative_config") or {}
+        return spec.get("method") == "mtp" and self.mtp_num_layers > 0
+
+    def mimo_mtp_weights(self) -> dict[str, torch.Tensor]:
+        """CPU fp32 copies of the MTP block under MiMo names (``model.mtp_layers.<k>.*``, q/k/v biases added as
+        zeros), the set vLLM's MiMo MTP drafter reloads. Raises RuntimeError without MTP layers."""
+        from nemo_rl_spec.speculative.mtp_export import megatron_mtp_to_mimo, with_zero_qkv_bias
+
+        if not self.mtp_num_layers:
+            raise RuntimeError("mimo_mtp_weights: policy.megatron_cfg.mtp_num_layers is 0")
+        state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in mm.megatron_param_state(self.module).items()}
+        return with_zero_qkv_bias(megatron_mtp_to_mimo(state, self.spec))
+
+    def save_mimo_checkpoint(self, path: str) -> str:
+        """Write the current policy (trunk + MTP layers) as a ``MiMoForCausalLM`` checkpoint with the tokenizer files
+        of the policy's model directory, for vLLM's ``mtp`` method; returns ``path``.
+
+        Raises:
+            RuntimeError: no MTP layers. ValueError: a trunk the MiMo/Qwen2 layer cannot express (see
+            :func:`~nemo_rl_spec.speculative.mtp_export.write_mimo_checkpoint`).
+        """
+        import json
+
+        from nemo_rl_spec.speculative.mtp_export import write_mimo_checkpoint
+
+        mtp = self.mimo_mtp_weights()
+        trunk = mm.export_hf_state(self.module, self.spec)
+        with open(os.path.join(self.model_path, "config.json")) as fh:
+            trunk_cfg = json.load(fh)
+        write_mimo_checkpoint(trunk, trunk_cfg, mtp, path, tokenizer_dir=self.model_path)
+        return path
 
     def save_draft(self, path: str) -> str:
         """Write the draft head in vLLM's eagle3 format to ``path`` (the engine's initial draft); returns path."""
