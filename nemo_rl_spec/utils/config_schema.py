@@ -218,6 +218,27 @@ class PolicyConfig(_Strict):
         return self
 
 
+    @model_validator(mode="after")
+    def _mtp_drafter(self) -> "PolicyConfig":
+        """``speculative_config.method: mtp`` serves the policy's own MTP block as vLLM's drafter (the policy written as
+        a MiMo checkpoint, refit with it): it needs MTP layers and takes no separate draft model. (The model's
+        architecture, Llama/Qwen with head_dim == hidden/heads, is checked at setup, once it is resolved.)"""
+        spec = self.generation.vllm_kwargs.get("speculative_config")
+        if not (isinstance(spec, dict) and spec.get("method") == "mtp"):
+            return self
+        if self.megatron_cfg.mtp_num_layers < 1:
+            raise ValueError("policy.generation.vllm_kwargs.speculative_config.method=mtp drafts with the policy's "
+                             "MTP block; set policy.megatron_cfg.mtp_num_layers >= 1 (got "
+                             f"{self.megatron_cfg.mtp_num_layers})")
+        if spec.get("model"):
+            raise ValueError("policy.generation.vllm_kwargs.speculative_config.model must be unset with method=mtp "
+                             "(the engine serves the policy's own MTP layer)")
+        if self.draft is not None and self.draft.enabled and self.draft.model_name:
+            raise ValueError("policy.draft.model_name (an EAGLE-3 head) is not used with policy.generation."
+                             "vllm_kwargs.speculative_config.method=mtp; remove it or set policy.draft.enabled=false")
+        return self
+
+
 class TrainDataConfig(_Strict):
     source: Literal["reasoning_gym", "dapo_math_17k"]
     path: Optional[str]

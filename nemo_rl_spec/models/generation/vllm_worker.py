@@ -78,6 +78,19 @@ def _checkpoint_tensor_names(model_path: str) -> set[str]:
     return names
 
 
+def _zero_tensor_names(model_path: str, names: set[str]) -> set[str]:
+    """Those of ``names`` whose tensor in the safetensors checkpoint at ``model_path`` is all zeros."""
+    from safetensors import safe_open
+
+    out: set[str] = set()
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as fh:
+            for name in set(fh.keys()) & names:
+                if not fh.get_tensor(name).any():
+                    out.add(name)
+    return out
+
+
 class VllmGenerationWorker(GenerationInterface):
     """Generation backend on an in-process vLLM engine (fp32). Wrap with ``ray.remote`` to run remotely.
 
@@ -154,6 +167,24 @@ class VllmGenerationWorker(GenerationInterface):
         self.weight_names = _checkpoint_tensor_names(model_path)
         if self.tie_word_embeddings:
             self.weight_names.discard("lm_head.weight")
+        # A MiMo checkpoint of a policy (speculative_config.method=mtp, speculative/mtp_export.py): its MTP layers are
+        # the drafter's and arrive through update_draft_weights, and the q/k/v biases its Qwen2 layers need but a
+        # Llama/Qwen3 trunk lacks were written as zeros: update_weights adds exactly those zero biases when absent.
+        self.serves_mimo = "MiMoForCausalLM" in (getattr(hf_config, "architectures", None) or [])
+        self.zero_bias_names: set[str] = set()
+        if self.serves_mimo:
+            from nemo_rl_spec.speculative.mtp_export import (
+                MIMO_MTP_PREFIX,
+                MTP_POST_NORM_FLAG,
+                install_post_norm_mtp_input,
+            )
+
+            self.weight_names = {n for n in self.weight_names if not n.startswith(MIMO_MTP_PREFIX)}
+            biases = {n for n in self.weight_names if n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))}
+            self.zero_bias_names = _zero_tensor_names(model_path, biases)
+            exported = json.loads((Path(model_path) / "config.json").read_text()).get(MTP_POST_NORM_FLAG, False)
+            if self.speculative and exported:  # a megatron-core MTP layer reads the final-normed hidden state
+                install_post_norm_mtp_input(self.llm)
         self.draft_guard = DraftVersionGuard(allow_stale_draft=allow_stale_draft)
         if self.speculative:
             self.draft_guard.record(0, 0)  # the draft the engine was started with, paired with policy version 0
@@ -276,9 +307,19 @@ class VllmGenerationWorker(GenerationInterface):
         e.g. qkv_proj, half-loaded). With tied embeddings ``lm_head.weight`` is optional: the embedding is
         sent as ``lm_head.weight`` too (without it vLLM keeps a stale output layer).
 
+        Serving a MiMo checkpoint (``method: mtp``): the MTP layers (``model.mtp_layers.*``) are not expected here
+        (they go through :meth:`update_draft_weights`), and the q/k/v biases the checkpoint holds as zeros (a Llama /
+        Qwen3 trunk has none) are added as zeros when ``weights`` lacks them; every other name is checked as above.
+
         Raises:
             ValueError: names missing from or unknown to the checkpoint.
         """
+        if self.zero_bias_names:
+            weights = dict(weights)
+            for name in self.zero_bias_names - set(weights):
+                weight = weights.get(name[:-len("bias")] + "weight")
+                if weight is not None:
+                    weights[name] = torch.zeros(weight.shape[0], dtype=torch.float32)
         names = set(weights)
         missing = self.weight_names - names
         unknown = names - self.weight_names - {"lm_head.weight"}

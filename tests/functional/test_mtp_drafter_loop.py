@@ -1,0 +1,153 @@
+"""Native MTP drafter in the GRPO workers (``configs/grpo_math_tiny_mtp_spec.yaml``: tiny-llama policy with one
+megatron-core MTP layer, vLLM ``method: mtp``, k = 1).
+
+Setup writes the policy as a MiMo checkpoint (``<logger.log_dir>/mimo_policy``) and the engine starts from it; every
+refit pushes the trunk (HF names; the zero q/k/v biases the Qwen2 layers need are added by the generation worker)
+and then the MTP layer through the versioned draft refit. After a few train + refit cycles on the real Ray workers:
+
+(c) a draft refit whose policy version differs from the engine's is refused and loads nothing;
+(a) every MTP proposal the engine makes while decoding greedily equals megatron's MTP argmax of the *current* policy
+    (computed in the policy actor, with MiMo's zeroed token embedding at position 0), and not that of the initial
+    MTP layer (so a draft left un-refit would fail); the refit log-prob probe stays tiny;
+(b) the speculative greedy outputs equal plain greedy outputs of a separate vLLM engine (no speculation) loaded with
+    the current policy's HF weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytest.importorskip("vllm")
+pytest.importorskip("megatron.core")
+
+from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
+from nemo_rl_spec.algorithms.rollouts import response_mask
+from nemo_rl_spec.speculative import checks
+from nemo_rl_spec.speculative.draft_refit import DraftVersionMismatchError
+from nemo_rl_spec.speculative.lossless import first_mismatch, lossless_prompts
+from nemo_rl_spec.speculative.mtp_checks import (
+    megatron_mtp_argmax,
+    mtp_params,
+    replay_agreement,
+    spec_greedy_with_proposals,
+)
+from nemo_rl_spec.utils.config import ConfigError, load_config
+
+pytestmark = pytest.mark.timeout(1800)
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "grpo_math_tiny_mtp_spec.yaml"
+NUM_PROMPTS, MAX_TOKENS, CYCLES = 4, 32, 3
+
+
+def _train_data(s, gen, step: int) -> dict:
+    ids, prompt_lens, seq_lens = gen["output_ids"], gen["input_lengths"], gen["unpadded_sequence_lengths"]
+    adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(step))
+    data = {"input_ids": ids, "input_lengths": seq_lens, "token_mask": response_mask(prompt_lens, seq_lens, ids.shape[1]),
+            "sample_mask": torch.ones(ids.shape[0]), "advantages": adv, "generation_logprobs": gen["generation_logprobs"]}
+    data["prev_logprobs"] = ray.get(s.policy.get_logprobs.remote(data, s.cfg.policy.generation.temperature))
+    return data
+
+
+def _write_hf_dir(weights: dict[str, torch.Tensor], model_dir: str, out: Path) -> Path:
+    """The policy's HF weights as a plain checkpoint directory (config and tokenizer of ``model_dir``)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True)
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in weights.items()}
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"))
+    for f in Path(model_dir).iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+# --------------------------------------------------------------------------------------- tests
+def test_mtp_drafter_needs_mtp_layers_and_a_mimo_compatible_model(tmp_path):
+    with pytest.raises(ConfigError, match="policy.megatron_cfg.mtp_num_layers >= 1"):
+        load_config(RECIPE, ["policy.megatron_cfg.mtp_num_layers=0"])
+    with pytest.raises(ConfigError, match="speculative_config.model must be unset with method=mtp"):
+        load_config(RECIPE, ["+policy.generation.vllm_kwargs.speculative_config.model=/x"])
+    from nemo_rl_spec.algorithms.grpo_setup import check_mtp_drafter_model
+    from nemo_rl_spec.models.hf_assets import resolve_model
+
+    cfg = load_config(RECIPE, ["policy.model_name=tiny-qwen3"])  # validates: the model is checked at setup
+    with pytest.raises(ConfigError, match=r"speculative_config.method=mtp .*policy.model_name='tiny-qwen3'.*"
+                                          r"head_dim 32 != hidden_size / num_attention_heads = 64/4"):
+        check_mtp_drafter_model(cfg, resolve_model("tiny-qwen3"))
+    check_mtp_drafter_model(load_config(RECIPE), resolve_model("tiny-llama"))
+
+
+@pytest.mark.slow  # ~2 min setup + 3 cycles alone on the shared 2-core machine, 4-5 min in all
+def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
+    from transformers import AutoTokenizer
+
+    cfg = load_config(RECIPE, [f"logger.log_dir={tmp_path / 'logs'}", "checkpointing.enabled=false",
+                               "policy.megatron_cfg.optimizer.lr=1.0e-2"])
+    t0 = time.perf_counter()
+    s = setup(cfg)
+    try:
+        mimo = tmp_path / "logs" / "mimo_policy"
+        assert json.loads((mimo / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
+        assert (mimo / "tokenizer.json").is_file() and (mimo / "tokenizer_config.json").is_file()
+        assert ray.get(s.generation.get_versions.remote()) == {"policy_version": 0, "draft_version": 0,
+                                                                "draft_policy_version": 0}
+        prompts = lossless_prompts(AutoTokenizer.from_pretrained(str(mimo)), NUM_PROMPTS)
+        initial_mtp = ray.get(s.policy.__ray_call__.remote(mtp_params))
+        mismatches, mtp_acc = [], []
+        for step in range(CYCLES):
+            gen = ray.get(s.generation.generate.remote({"prompt_token_ids": prompts}, n=2, seed=step,
+                                                       max_new_tokens=MAX_TOKENS))
+            train = ray.get(s.policy.train.remote(_train_data(s, gen, step)))
+            mtp_acc.append(train["mtp/acceptance"])
+            refit = s.refitter.refit(version=step + 1)
+            mismatches.append(refit["refit/logprob_mismatch"])
+            assert refit["refit/draft_version"] == step + 1
+        assert ray.get(s.generation.get_versions.remote()) == {"policy_version": CYCLES, "draft_version": CYCLES,
+                                                                "draft_policy_version": CYCLES}
+        print(f"\nsetup+{CYCLES} cycles {time.perf_counter() - t0:.0f} s; refit mismatch {mismatches}; "
+              f"train mtp/acceptance {mtp_acc}")
+        assert max(mismatches) < 1e-4
+
+        # (c) a draft paired with another policy version is refused, and nothing is loaded
+        export = ray.get(s.policy.export_draft_weights.remote())
+        assert export["policy_version"] == CYCLES and export["draft_version"] == CYCLES
+        assert all(k.startswith("model.mtp_layers.0.") for k in export["weights"])
+        gen_rng = torch.Generator().manual_seed(7)
+        bad = {**export, "policy_version": CYCLES - 1,
+               "weights": {k: torch.randn(v.shape, generator=gen_rng) for k, v in export["weights"].items()}}
+        with pytest.raises(DraftVersionMismatchError, match="policy version 2 offered to an engine at policy version 3"):
+            ray.get(s.generation.update_draft_weights.remote(bad))
+        assert ray.get(s.generation.get_versions.remote())["draft_version"] == CYCLES
+
+        # (a) the engine's MTP proposals are the current policy's MTP argmax
+        outputs, proposals = ray.get(s.generation.__ray_call__.remote(spec_greedy_with_proposals, prompts,
+                                                                      MAX_TOKENS))
+        sequences = [p + o for p, o in zip(prompts, outputs)]
+        current = ray.get(s.policy.__ray_call__.remote(megatron_mtp_argmax, sequences))
+        initial = ray.get(s.policy.__ray_call__.remote(megatron_mtp_argmax, sequences, initial_mtp))
+        agree, total = replay_agreement(prompts, outputs, proposals, current)
+        agree_initial, _ = replay_agreement(prompts, outputs, proposals, initial)
+        print(f"MTP proposals == current megatron MTP argmax {agree}/{total}; == initial MTP layer's "
+              f"{agree_initial}/{total}")
+        assert total >= NUM_PROMPTS * MAX_TOKENS // 2 and agree == total
+        assert agree_initial < total  # a drafter left at the initial MTP layer would be caught
+        hf_weights = ray.get(s.policy.export_hf_weights.remote())
+    finally:
+        teardown(s)
+    # (b) lossless: speculative greedy == plain greedy of the same weights (separate engine, no speculation)
+    from nemo_rl_spec.models.hf_assets import resolve_model
+
+    plain_dir = _write_hf_dir(hf_weights, resolve_model(cfg.policy.model_name), tmp_path / "plain")
+    plain = checks.run_isolated(checks.greedy_generate, str(plain_dir), prompts, MAX_TOKENS)
+    assert first_mismatch(plain["outputs"], outputs) is None
+
