@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
 
     s = None
     try:
-        s = setup(cfg)
+        try:
+            s = setup(cfg)  # also checks files the config names (draft directories, MTP-drafter model) first
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         if cfg.grpo.async_grpo is not None and cfg.grpo.async_grpo.enabled:
             from nemo_rl_spec.algorithms.async_grpo import async_grpo_train
 

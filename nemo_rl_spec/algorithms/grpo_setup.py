@@ -164,6 +164,21 @@ def check_mtp_drafter_model(cfg: MasterConfig, model_path: str) -> None:
                           "smollm2-135m-instruct) or another speculative_config.method")
 
 
+def check_draft_dir(cfg: MasterConfig) -> None:
+    """Raise ConfigError (before any worker starts) when the EAGLE-3 draft directory named by ``policy.draft.model_name``
+    or ``speculative_config.model`` has no ``config.json`` (e.g. ``make draft`` was not run)."""
+    from nemo_rl_spec.utils.config import ConfigError
+
+    spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
+    draft = enabled_draft(cfg)
+    for key, path in (("policy.draft.model_name", draft.model_name if draft is not None else None),
+                      ("policy.generation.vllm_kwargs.speculative_config.model",
+                       spec.get("model") if isinstance(spec, dict) and spec.get("method") == "eagle3" else None)):
+        if path and not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{key}={path!r}: no draft there (config.json missing); create it with "
+                              "examples/init_draft.py (make draft) or point the key at an EAGLE-3 head directory")
+
+
 def _engine_model_path(cfg: MasterConfig, policy, model_path: str) -> str:
     """The checkpoint the engine starts from: with the MTP drafter, the policy worker's MiMo export (trunk + MTP
     layers + tokenizer) in ``<logger.log_dir>/mimo_policy``; else the HF model directory."""
@@ -205,6 +220,7 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
     from transformers import AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    check_draft_dir(cfg)
     model_path = resolve_model(cfg.policy.model_name)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train, val = load_datasets(cfg)

@@ -128,3 +128,21 @@ def test_draft_and_speculation_mismatches_are_rejected(overrides, match):
 def test_speculation_off_by_override_validates():
     cfg = load_config(SPEC, ["policy.draft.enabled=false", "policy.generation.vllm_kwargs.speculative_config=null"])
     assert cfg.policy.generation.vllm_kwargs["speculative_config"] is None
+
+
+def test_missing_draft_directory_exits_2_before_ray(tmp_path, capsys, monkeypatch):
+    """A recipe naming a draft directory that does not exist (``make draft`` not run) fails with the key named,
+    before Ray or any worker starts."""
+    import importlib.util
+
+    import ray
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started before the draft check"))
+    spec = importlib.util.spec_from_file_location("run_grpo", CONFIGS.parent / "examples" / "run_grpo.py")
+    run_grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_grpo)
+    missing = tmp_path / "no_draft"
+    assert run_grpo.main(["--config", str(SPEC), f"policy.draft.model_name={missing}",
+                          f"logger.log_dir={tmp_path}/logs"]) == 2
+    err = capsys.readouterr().err
+    assert f"policy.draft.model_name='{missing}': no draft there (config.json missing)" in err
