@@ -58,5 +58,11 @@ class GenerationInterface(ABC):
         """Load HF-named policy weights and record ``version``."""
 
     @abstractmethod
+    def update_draft_weights(self, draft: dict) -> dict:
+        """Load the drafter's weights (``{"weights", "draft_version", "policy_version"}``) after the policy refit of
+        the same version; refuses a draft paired with another policy version (DraftVersionMismatchError) unless
+        stale drafts are allowed. Returns the versions the engine now holds."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Release the engine."""

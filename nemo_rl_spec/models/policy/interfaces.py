@@ -24,8 +24,14 @@ class PolicyInterface(ABC):
         (``loss``, ``grad_norm``, ``lr``, loss-specific keys)."""
 
     @abstractmethod
-    def export_hf_weights(self) -> dict[str, torch.Tensor]:
-        """Current weights under Hugging Face names (incl. ``lm_head.weight`` when embeddings are tied)."""
+    def export_hf_weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """Current weights under Hugging Face names (incl. ``lm_head.weight`` when embeddings are tied); ``version``
+        is the weight version they will be loaded as (a drafter exported next is paired with it)."""
+
+    @abstractmethod
+    def export_draft_weights(self) -> dict:
+        """The drafter trained with the policy (online EAGLE-3 head or MTP layers):
+        ``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}``."""
 
     @abstractmethod
     def save_checkpoint(self, path: str) -> None:
