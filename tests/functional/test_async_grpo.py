@@ -132,10 +132,16 @@ def test_ctrl_c_leaves_no_processes_and_a_usable_checkpoint(tmp_path):
     cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(ASYNC),
            f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
            "logger.progress_bar=false", "grpo.max_num_steps=50", "checkpointing.save_period=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Ctrl-C as from a terminal: a job started in the background by a non-interactive shell (e.g. CI run with
+    # `&`) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt; restore the default for the
+    # driver. Its output goes to a file (an unread pipe can fill and block the driver).
+    log = tmp_path / "driver.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 600
     while not (tmp_path / "ckpt" / "step_1" / "training_info.json").is_file():
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:]
+        assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
         time.sleep(1)
     family = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
     assert family, "no Ray / vLLM processes found under the driver"
@@ -144,7 +150,7 @@ def test_ctrl_c_leaves_no_processes_and_a_usable_checkpoint(tmp_path):
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail("driver did not exit within 120 s of Ctrl-C")
+        pytest.fail("driver did not exit within 120 s of Ctrl-C:\n" + log.read_text()[-3000:])
     leftovers = _wait_gone(family)
     assert not leftovers, f"orphan processes after Ctrl-C: {leftovers}"
     latest = max((p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")),
