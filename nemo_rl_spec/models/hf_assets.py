@@ -109,22 +109,21 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def _build_tiny_qwen3(out_dir: Path) -> None:
+def _build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int) -> None:
+    """A random fp32 ``<arch>ForCausalLM`` (``Qwen3`` or ``Llama``) with the SmolLM2 tokenizer, initialised
+    deterministically without transformers' init code or the global RNG: norms 1, embedding ~ N(0, embed std),
+    every other tensor ~ N(0, linear std), drawn in sorted parameter-name order from one seeded generator."""
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     tokenizer = _load_smollm2_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **TINY_QWEN3_CONFIG,
-    )
+    config = getattr(transformers, f"{arch}Config")(
+        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **arch_config)
     config.dtype = torch.float32
-    model = Qwen3ForCausalLM(config).to(torch.float32)
-    # Deterministic init that does not depend on transformers' init code or the global RNG.
-    gen = torch.Generator().manual_seed(TINY_QWEN3_SEED)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if name.endswith("norm.weight"):
@@ -138,31 +137,14 @@ def _build_tiny_qwen3(out_dir: Path) -> None:
     )
     model.save_pretrained(str(out_dir), safe_serialization=True)
     _save_tokenizer(tokenizer, out_dir)
+
+
+def _build_tiny_qwen3(out_dir: Path) -> None:
+    _build_tiny_random(out_dir, "Qwen3", TINY_QWEN3_CONFIG, TINY_QWEN3_SEED)
 
 
 def _build_tiny_llama(out_dir: Path) -> None:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = _load_smollm2_tokenizer()
-    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_LLAMA_CONFIG)
-    config.dtype = torch.float32
-    model = LlamaForCausalLM(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(TINY_LLAMA_SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name == "model.embed_tokens.weight":
-                param.copy_(torch.randn(param.shape, generator=gen) * TINY_QWEN3_EMBED_STD)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * TINY_QWEN3_LINEAR_STD)
-    model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
-    )
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    _save_tokenizer(tokenizer, out_dir)
+    _build_tiny_random(out_dir, "Llama", TINY_LLAMA_CONFIG, TINY_LLAMA_SEED)
 
 
 def _build_smollm2(out_dir: Path) -> None:
