@@ -4,6 +4,9 @@
         [--modes detach ce policy occ] [--seeds 0 1] [--steps 4] [--overhead-repeats N] [key=value ...]
 
 ``--steps 0 --overhead-repeats N`` only times ``train()`` per mode in one process (the overhead check).
+Mode ``occ+ref`` is occ with ``mtp_occ_reference`` on: every step also reports c and v2 from full parameter
+gradients, and the JSON gets ``proxy_validation`` (correlation of the proxies with them over steps and seeds) and,
+with ``--overhead-repeats``, the reference's cost as ``occ+ref`` vs ``occ`` train() time.
 
 Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh process: Ray + vLLM + Megatron), with
 ``policy.megatron_cfg.mtp_loss_mode=<mode>`` and ``grpo.seed=<seed>``. Written JSON::
@@ -13,8 +16,10 @@ Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh proc
         "mtp_acceptance": train/mtp/acceptance at the last step (top-1 agreement with the main head, fraction),
         "step_time_s": mean timing/train/total_step_time over steps after the first (seconds),
         "train_time_s": mean timing/train/policy_training over steps after the first (seconds),
-        "series": {metric: [per step]} for reward, lambda, c_hat, v2_hat, MTP CE, acceptance}}},
-     "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...}}
+        "series": {metric: [per step]} for reward, lambda, c_hat, v2_hat, MTP CE, acceptance (+ c_ref, v2_ref,
+                   lambda_ref for occ+ref)}}},
+     "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...},
+     "proxy_validation": {"pearson_c", "pearson_v2", "pearson_lambda", "sign_agreement_c", "n"}}
 
 Also prints a table and writes ``<out>.png`` (per-step curves per mode, mean over seeds). On 2 shared CPU cores the
 step times carry the noise of whatever else runs; compare the training-phase times, which the MTP mode changes.
@@ -30,12 +35,21 @@ import tempfile
 from pathlib import Path
 
 SERIES = {"reward": "train/reward", "lambda": "train/mtp/lambda", "c_hat": "train/mtp/c_hat",
-          "v2_hat": "train/mtp/v2_hat", "mtp_ce": "train/mtp/ce_0", "mtp_acceptance": "train/mtp/acceptance"}
+          "v2_hat": "train/mtp/v2_hat", "mtp_ce": "train/mtp/ce_0", "mtp_acceptance": "train/mtp/acceptance",
+          "c_ref": "train/mtp/c_ref", "v2_ref": "train/mtp/v2_ref", "lambda_ref": "train/mtp/lambda_ref"}
+REFERENCE = "+ref"  # mode suffix: also compute the full-gradient reference (policy.megatron_cfg.mtp_occ_reference)
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """``occ`` -> the loss mode; ``occ+ref`` -> the loss mode plus the full-gradient reference."""
+    base = mode.removesuffix(REFERENCE)
+    return [f"policy.megatron_cfg.mtp_loss_mode={base}"] + \
+        (["+policy.megatron_cfg.mtp_occ_reference=true"] if mode.endswith(REFERENCE) else [])
 
 
 def run_one(config: str, mode: str, seed: int, steps: int, extra: list[str], log_dir: Path) -> list[dict]:
     """One GRPO run in a subprocess; returns its JSONL records (one per step, plus step 0 validation if any)."""
-    cmd = [sys.executable, "examples/run_grpo.py", "--config", config, f"policy.megatron_cfg.mtp_loss_mode={mode}",
+    cmd = [sys.executable, "examples/run_grpo.py", "--config", config, *mode_overrides(mode),
            f"grpo.seed={seed}", f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}",
            "checkpointing.enabled=false", "logger.progress_bar=false", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -54,6 +68,26 @@ def summarise(records: list[dict]) -> dict:
             "step_time_s": mean("timing/train/total_step_time"),
             "train_time_s": mean("timing/train/policy_training"),
             "series": {name: [r.get(key, float("nan")) for r in steps] for name, key in SERIES.items()}}
+
+
+def proxy_validation(seeds: dict) -> dict:
+    """Pearson correlation of the proxies (c_hat, v2_hat, lambda) with the full-gradient reference (c, v2,
+    lambda_ref) over every step of every seed, and the fraction of steps where sign(c_hat) == sign(c)."""
+    import numpy as np
+
+    pairs = {name: ([], []) for name in ("c", "v2", "lambda")}
+    for r in seeds.values():
+        s = r["series"]
+        for name, (hat, ref) in {"c": ("c_hat", "c_ref"), "v2": ("v2_hat", "v2_ref"),
+                                 "lambda": ("lambda", "lambda_ref")}.items():
+            pairs[name][0].extend(s[hat])
+            pairs[name][1].extend(s[ref])
+    out = {f"pearson_{name}": float(np.corrcoef(a, b)[0, 1]) if len(a) > 2 else float("nan")
+           for name, (a, b) in pairs.items()}
+    c_hat, c_ref = pairs["c"]
+    out["sign_agreement_c"] = float(np.mean([(a > 0) == (b > 0) for a, b in zip(c_hat, c_ref)]))
+    out["n"] = len(c_hat)
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
@@ -94,7 +128,8 @@ def train_overhead(config: str, modes: list[str], repeats: int, extra: list[str]
     workers = {}
     for mode in modes:
         pcfg = cfg.policy.model_dump()
-        pcfg["megatron_cfg"]["mtp_loss_mode"] = mode
+        pcfg["megatron_cfg"]["mtp_loss_mode"] = mode.removesuffix(REFERENCE)
+        pcfg["megatron_cfg"]["mtp_occ_reference"] = mode.endswith(REFERENCE)
         workers[mode] = MegatronPolicyWorker(pcfg, ClippedPGLossFn(cfg.loss_fn.model_dump()), path, seed=0)
     gen = torch.Generator().manual_seed(0)
     vocab = workers[modes[0]].spec.vocab_size
@@ -130,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         med = train_overhead(args.config, args.modes, args.overhead_repeats, extra)
         result["train_step_median_s"] = med
         print("train() median seconds, one process:", json.dumps(med), flush=True)
-        if "occ" in med and "detach" in med:
-            print(f"occ / detach train(): {med['occ'] / med['detach']:.4f}", flush=True)
+        for num, den in (("occ", "detach"), ("occ" + REFERENCE, "occ")):
+            if num in med and den in med:
+                result.setdefault("train_step_ratio", {})[f"{num}_vs_{den}"] = med[num] / med[den]
+                print(f"{num} / {den} train(): {med[num] / med[den]:.4f}", flush=True)
     if args.steps == 0:
         Path(args.out).write_text(json.dumps(result, indent=1))
         return 0
@@ -144,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mode:7s} seed {seed}: acc {r['final_accuracy']:.3f}  mtp_acc {r['mtp_acceptance']:.3f}  "
                       f"step {r['step_time_s']:.2f}s  train {r['train_time_s']:.2f}s", flush=True)
     runs = result["runs"]
+    if "occ" + REFERENCE in runs:
+        result["proxy_validation"] = proxy_validation(runs["occ" + REFERENCE])
+        print("proxy validation:", json.dumps(result["proxy_validation"]), flush=True)
     if "occ" in runs and "detach" in runs:
         mean = lambda mode, key: sum(s[key] for s in runs[mode].values()) / len(runs[mode])  # noqa: E731
         result["overhead"] = {f"occ_vs_detach_{k}": mean("occ", f"{k}_s") / mean("detach", f"{k}_s")

@@ -24,7 +24,9 @@ Definitions (seconds are wall clock, means over steps 2..N, the first step being
 
 Speculative mode uses vLLM ``speculative_config`` (``--spec-config`` JSON; default: ``draft_model`` with a
 1-layer truncation of the target, k = 3; the draft is not refit, so acceptance may fall as the policy moves --
-lossless either way). If the speculative engine cannot start, those modes are reported with their error and the
+lossless either way); ``--spec-recipe`` runs the speculative modes on that recipe instead, with its own draft
+settings (e.g. ``configs/grpo_math_smollm2_135m_spec.yaml``: online EAGLE-3, refit with the policy every step). If
+the speculative engine cannot start, those modes are reported with their error and the
 autoregressive half still runs.
 """
 from __future__ import annotations
@@ -47,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/grpo_math_tiny.yaml")
     p.add_argument("--steps", type=int, default=8, help="GRPO steps per mode")
     p.add_argument("--spec-config", default=None, help="JSON speculative_config (default: 1-layer draft_model, k=3)")
+    p.add_argument("--spec-recipe", default=None,
+                   help="run the speculative modes on this recipe as written (its speculative_config and policy.draft, "
+                        "e.g. online EAGLE-3 refit every step) instead of --config + --spec-config")
+    p.add_argument("--workdir", default=None, help="keep per-mode logs here (default: a fresh temp dir)")
     p.add_argument("--decoding", nargs="+", default=["autoregressive", "speculative"],
                    choices=["autoregressive", "speculative"])
     p.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
@@ -68,6 +74,18 @@ def default_spec_config(workdir: Path, model_name: str) -> dict:
 
     draft = build_truncated_draft(resolve_model(model_name), workdir / "draft_1layer", num_layers=1)
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+
+
+def speculative_config(args: argparse.Namespace, model_name: str, workdir: Path) -> dict:
+    """The speculative modes' ``speculative_config``: ``--spec-config``, else ``--spec-recipe``'s own, else
+    :func:`default_spec_config`."""
+    from nemo_rl_spec.utils.config import load_config
+
+    if args.spec_config:
+        return json.loads(args.spec_config)
+    if args.spec_recipe:
+        return load_config(args.spec_recipe, args.overrides).policy.generation.vllm_kwargs["speculative_config"]
+    return default_spec_config(workdir, model_name)
 
 
 def _read_counters(worker):
@@ -252,15 +270,14 @@ def main(argv=None) -> int:
         print(write_reports(out, json.loads(out.read_text())["modes"]))
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="bench_sync_async_"))
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_sync_async_"))
     from nemo_rl_spec.utils.config import load_config
 
     base = load_config(args.config, args.overrides)
     spec, spec_error = None, None
     if "speculative" in args.decoding:
         try:
-            spec = json.loads(args.spec_config) if args.spec_config else \
-                default_spec_config(workdir, base.policy.model_name)
+            spec = speculative_config(args, base.policy.model_name, workdir)
         except Exception:  # noqa: BLE001 - reported per mode
             spec_error = traceback.format_exc()
     results: dict[str, dict] = {}
@@ -276,7 +293,8 @@ def main(argv=None) -> int:
             for attempt in range(1, args.attempts + 1):  # a loaded machine can time out Ray's startup
                 print(f"=== {key} (attempt {attempt})", flush=True)
                 try:
-                    results[key] = run_mode(args.config, overrides, is_async=age > 0,
+                    config = args.spec_recipe if decoding == "speculative" and args.spec_recipe else args.config
+                    results[key] = run_mode(config, overrides, is_async=age > 0,
                                             speculative=decoding == "speculative")
                     results[key]["attempts"] = attempt
                     break
@@ -292,7 +310,7 @@ def main(argv=None) -> int:
             r = results.get(f"{name}/{decoding}")
             if r and "error" not in r and ref:
                 r["speedup_vs_sync"] = ref / r["step_time_s"]
-    settings = {"config": args.config, "steps": args.steps, "overrides": args.overrides,
+    settings = {"config": args.config, "spec_recipe": args.spec_recipe, "steps": args.steps, "overrides": args.overrides,
                 "speculative_config": spec, "note": "means over steps 2..N; see examples/bench_sync_vs_async.py"}
     out.write_text(json.dumps({"modes": results, "settings": settings}, indent=2, default=str))
     print(write_reports(out, results))

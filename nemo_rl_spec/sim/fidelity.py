@@ -235,7 +235,8 @@ def _get(cfg: Mapping[str, Any], dotted: str, default: Any = None) -> Any:
 def scenario_from_recipe(scenario: ScenarioSpec, recipe: Mapping[str, Any]) -> ScenarioSpec:
     """``scenario`` with a GRPO recipe's sizes: prompts per step, generations per prompt, response cap
     (``policy.generation.max_new_tokens``); with ``policy.generation.vllm_kwargs.speculative_config``: k
-    (``num_speculative_tokens``), online draft training (``policy.draft.online``, formerly ``train``) and, when
+    (``num_speculative_tokens``), online draft training (``policy.draft.online``, formerly ``train``) with its
+    training-time-test unroll (``policy.draft.ttt_steps``, default k) and, when
     the draft directory's config.json gives ``draft_vocab_size``, an EAGLE-3 draft of that vocabulary (without a
     directory: the scenario's draft, i.e. a fresh head with the policy's full vocabulary).
 
@@ -253,7 +254,8 @@ def scenario_from_recipe(scenario: ScenarioSpec, recipe: Mapping[str, Any]) -> S
             raise ValueError(f"speculative method {method!r}: the simulator models EAGLE-3 drafts only")
         k = int(spec_cfg.get("num_speculative_tokens", data["speculative"]["k"]))
         online = bool(_get(recipe, "policy.draft.online", False) or _get(recipe, "policy.draft.train", False))
-        spec = dict(data["speculative"], k=k, online_draft_training=online)
+        spec = dict(data["speculative"], k=k, online_draft_training=online,
+                    ttt_steps=_get(recipe, "policy.draft.ttt_steps", None))
         if spec.get("acceptance_length") is not None:
             spec["acceptance_length"] = min(spec["acceptance_length"], k + 1.0)
         if spec.get("per_position") is not None and len(spec["per_position"]) < k:

@@ -138,6 +138,8 @@ class SpeculativeSpec(BaseModel):
     acceptance_length: Optional[float] = Field(None, ge=1)
     draft: Union[str, ModelSpec] = "eagle3"
     online_draft_training: bool = False
+    ttt_steps: Optional[int] = Field(None, ge=1, description="training-time-test unroll of online draft training "
+                                     "(draft forwards per trained token); None: k, as policy.draft.ttt_steps")
 
     @model_validator(mode="after")
     def _one_acceptance(self) -> "SpeculativeSpec":

@@ -23,9 +23,12 @@ def training_seconds(model: ModelSpec, profile: SystemProfile, devices: int, seq
     return flops / (devices * profile.hardware.peak_flops * profile.efficiency.train_mfu)
 
 
-def draft_training_seconds(draft: ModelSpec, profile: SystemProfile, devices: int, seq_tokens: np.ndarray) -> float:
-    """Online draft training on captured (detached) hidden states: 3 x the draft's forward FLOPs / MFU."""
-    return training_seconds(draft, profile, devices, seq_tokens)
+def draft_training_seconds(draft: ModelSpec, profile: SystemProfile, devices: int, seq_tokens: np.ndarray,
+                           ttt_steps: int = 1) -> float:
+    """Online EAGLE-3 training on captured (detached) hidden states with a training-time-test unroll of
+    ``ttt_steps``: the head runs once per unroll step, so ``ttt_steps x 3 x`` the draft's forward FLOPs / (devices *
+    peak * train_mfu)."""
+    return ttt_steps * training_seconds(draft, profile, devices, seq_tokens)
 
 
 def refit_seconds(params: int, bytes_per_param: float, profile: SystemProfile, layout: LayoutSpec) -> float:

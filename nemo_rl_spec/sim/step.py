@@ -99,16 +99,21 @@ def train_side(res: Resolved, lengths: np.ndarray, devices: int, speculative: bo
     if speculative:
         params += mm.total_params(res.draft)
         if res.scenario.speculative.online_draft_training:
-            tr += draft_training_seconds(res.draft, res.profile, devices, seqs)
+            tr += online_draft_seconds(res, devices, seqs)
     return lp, tr, refit_seconds(params, res.model.bytes_per_param, res.profile, res.scenario.layout)
+
+
+def online_draft_seconds(res: Resolved, devices: int, seqs: np.ndarray) -> float:
+    """Online draft training per step: :func:`draft_training_seconds` with the unroll ``ttt_steps`` (default k)."""
+    spec = res.scenario.speculative
+    return draft_training_seconds(res.draft, res.profile, devices, seqs, spec.ttt_steps or spec.k)
 
 
 def speculative_overheads(res: Resolved, lengths: np.ndarray, devices: int) -> tuple[float, float]:
     """Extra (training, refit) seconds speculation adds to measured baseline phases: the draft's refit bytes and,
     with online draft training, its fwd+bwd."""
     seqs = trained_seq_tokens(res, lengths)
-    extra_train = (draft_training_seconds(res.draft, res.profile, devices, seqs)
-                   if res.scenario.speculative.online_draft_training else 0.0)
+    extra_train = online_draft_seconds(res, devices, seqs) if res.scenario.speculative.online_draft_training else 0.0
     eff, lay = res.profile.efficiency, res.scenario.layout
     extra_refit = refit_seconds(mm.total_params(res.draft), res.draft.bytes_per_param, res.profile, lay)
     return extra_train, extra_refit - eff.refit_overhead_s

@@ -97,6 +97,8 @@ class MegatronConfig(_Strict):
     mtp_loss_scaling_factor: float = Field(default=0.1, ge=0.0)
     mtp_occ_eps: PositiveFloat = 1e-8
     mtp_occ_lambda_max: Optional[float] = Field(default=None, ge=0.0)  # optional clamp of the OCC lambda_t
+    # reference c, v2 from full parameter gradients (two extra trunk backwards per micro-batch; validation only)
+    mtp_occ_reference: bool = False
 
 
 class VllmConfig(_Strict):

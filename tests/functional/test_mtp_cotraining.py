@@ -80,6 +80,33 @@ def _split(worker):
     return trunk, {k: v for k, v in state.items() if k.startswith(mm.MTP_PREFIX)}
 
 
+def _independent_gradients(worker, data, mode):
+    """On a copy of the worker's current weights, one ordinary forward with the MTP block reading the live trunk
+    (no detached copies): ``(named params, dL_RL/dparams, dL_MTP/dparams + [dL_MTP/dh], dL_RL/dh)``."""
+    ref, _ = mm.build_from_hf(worker.model_path, mtp_num_layers=1, seed=3)
+    mm.load_megatron_state(ref, {k: v.detach().clone() for k, v in mm.megatron_param_state(worker.module).items()})
+    ids, loss_fn = data["input_ids"], _loss_fn()
+    trunk = mm.gpt_trunk_forward(ref, ids)
+    trunk.hidden.retain_grad()
+    main_logits = mm.output_logits(ref, trunk.hidden)
+    curr = token_logprobs(main_logits, ids, data["input_lengths"], 1.0)
+    n_tok = (data["token_mask"] * data["sample_mask"].unsqueeze(1)).sum()
+    rl_loss, _ = loss_fn(curr, data, n_tok, data["sample_mask"].sum())
+    hidden = mm.mtp_hidden_states(ref, ids, trunk, trunk.hidden, ref.embedding)[0]
+    lp = ml.mtp_token_logprobs(mm.output_logits(ref, hidden), ids, 0)
+    valid = ml.mtp_valid_mask(data, 0)
+    if mode in ("ce", "detach"):
+        mtp_loss = ml.mtp_ce_loss(lp, valid, valid.sum())
+    else:
+        mtp_loss, _ = loss_fn(lp, {**data, "token_mask": valid}, valid.sum(), data["sample_mask"].sum())
+    params = dict(ref.named_parameters())
+    g_rl = torch.autograd.grad(rl_loss, list(params.values()), retain_graph=True, allow_unused=True)
+    g_mtp = torch.autograd.grad(mtp_loss, list(params.values()) + [trunk.hidden], retain_graph=True,
+                                allow_unused=True)
+    g_rl_h = torch.autograd.grad(rl_loss, trunk.hidden)[0]
+    return params, g_rl, g_mtp, g_rl_h
+
+
 def test_detach_trunk_bitwise_equal_to_no_mtp_and_mtp_moves(model_dir):
     plain, detach = _worker(model_dir, mtp_num_layers=0), _worker(model_dir, mode="detach")
     for step in range(2):
@@ -125,30 +152,9 @@ def test_trunk_gradient_is_rl_plus_lambda_mtp(model_dir, mode):
     hidden-state gradients."""
     worker = _worker(model_dir, mode=mode, factor=0.7, micro=4, clip=1e9)
     data = _on_policy(worker, _batch())
-    ref, _ = mm.build_from_hf(model_dir, mtp_num_layers=1, seed=3)
-    mm.load_megatron_state(ref, {k: v.detach().clone() for k, v in mm.megatron_param_state(worker.module).items()})
+    params, g_rl, g_mtp, g_rl_h = _independent_gradients(worker, data, mode)
     m = worker.train(data)
-    lam = m["mtp/lambda"]
-    # independent forward on the copy (weights before the step)
-    ids, loss_fn = data["input_ids"], _loss_fn()
-    trunk = mm.gpt_trunk_forward(ref, ids)
-    trunk.hidden.retain_grad()
-    main_logits = mm.output_logits(ref, trunk.hidden)
-    curr = token_logprobs(main_logits, ids, data["input_lengths"], 1.0)
-    n_tok = (data["token_mask"] * data["sample_mask"].unsqueeze(1)).sum()
-    rl_loss, _ = loss_fn(curr, data, n_tok, data["sample_mask"].sum())
-    hidden = mm.mtp_hidden_states(ref, ids, trunk, trunk.hidden, ref.embedding)[0]
-    lp = ml.mtp_token_logprobs(mm.output_logits(ref, hidden), ids, 0)
-    valid = ml.mtp_valid_mask(data, 0)
-    if mode == "ce":
-        mtp_loss = ml.mtp_ce_loss(lp, valid, valid.sum())
-    else:
-        mtp_loss, _ = loss_fn(lp, {**data, "token_mask": valid}, valid.sum(), data["sample_mask"].sum())
-    params = dict(ref.named_parameters())
-    g_rl = torch.autograd.grad(rl_loss, list(params.values()), retain_graph=True, allow_unused=True)
-    g_mtp = torch.autograd.grad(mtp_loss, list(params.values()) + [trunk.hidden], retain_graph=True,
-                                allow_unused=True)
-    g_rl_h = torch.autograd.grad(rl_loss, trunk.hidden)[0]
+    lam, ids = m["mtp/lambda"], data["input_ids"]
     if mode == "occ":
         keep = (torch.arange(ids.shape[1]).unsqueeze(0) < data["input_lengths"].unsqueeze(1)).t().unsqueeze(-1)
         c = float((g_rl_h * g_mtp[-1] * keep).double().sum())
@@ -168,3 +174,31 @@ def test_trunk_gradient_is_rl_plus_lambda_mtp(model_dir, mode):
             got = worker_params[name].main_grad
         scale = expected.abs().max().clamp(min=1e-8)
         assert (got - expected).abs().max() / scale < 1e-4, name
+
+
+@pytest.mark.parametrize("mode", ["occ", "detach"])
+def test_occ_reference_equals_full_gradients_and_leaves_training_unchanged(model_dir, mode):
+    """``mtp_occ_reference``: c_ref and v2_ref equal <g_RL, g_MTP> and ||g_MTP||^2 over the shared parameters from an
+    independent full-graph backward (one micro-batch), lambda_ref is the OCC rule on them, and the step itself is
+    bitwise the same as without the reference (weights and proxies)."""
+    plain = _worker(model_dir, mode=mode, factor=0.7, micro=4, clip=1e9)
+    worker = _worker(model_dir, mode=mode, factor=0.7, micro=4, clip=1e9)
+    worker.mtp_occ_reference = True
+    data = _on_policy(worker, _batch())
+    params, g_rl, g_mtp, _ = _independent_gradients(worker, data, "occ" if mode == "occ" else "ce")
+    c = v2 = 0.0
+    for (name, p), gr, gm in zip(params.items(), g_rl, g_mtp[:-1]):
+        if not name.startswith(mm.MTP_PREFIX) and gm is not None:
+            v2 += float(gm.double().pow(2).sum())
+            c += 0.0 if gr is None else float((gr.double() * gm.double()).sum())
+    m, m_plain = worker.train(data), plain.train(data)
+    assert m["mtp/c_ref"] == pytest.approx(c, rel=1e-4, abs=1e-12)
+    assert m["mtp/v2_ref"] == pytest.approx(v2, rel=1e-4) and v2 > 0.0
+    assert m["mtp/lambda_ref"] == pytest.approx(occ_lambda(c, v2, 0.7, 1e-8), rel=1e-3)
+    assert "mtp/c_ref" not in m_plain
+    for key in ("mtp/c_hat", "mtp/v2_hat", "mtp/lambda", "loss", "grad_norm"):
+        assert m[key] == m_plain[key], key
+    state, state_plain = _split(worker), _split(plain)
+    for part, part_plain in zip(state, state_plain):
+        for name in part:
+            assert torch.equal(part[name], part_plain[name]), name

@@ -115,3 +115,32 @@ def test_mtp_token_logprobs_and_acceptance_hand_example():
     assert float(ml.mtp_ce_loss(lp, valid, 3.0)) == pytest.approx(20.0 / 3, rel=1e-5)
     data["input_lengths"] = torch.tensor([4])  # padding at s = 4 never counts
     assert ml.mtp_valid_mask(data, 0).tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
+
+
+def _bench_occ():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "bench_occ.py"
+    spec = importlib.util.spec_from_file_location("bench_occ", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_occ_reference_mode_overrides_and_proxy_validation():
+    bench = _bench_occ()
+    assert bench.mode_overrides("occ") == ["policy.megatron_cfg.mtp_loss_mode=occ"]
+    assert bench.mode_overrides("occ+ref") == ["policy.megatron_cfg.mtp_loss_mode=occ",
+                                               "+policy.megatron_cfg.mtp_occ_reference=true"]
+    # seed 0: c_hat = 2 c_ref + 1 (pearson 1); seed 1 continues the line; one step where the signs differ
+    seeds = {"0": {"series": {"c_hat": [1.0, 3.0, 5.0], "c_ref": [0.0, 1.0, 2.0], "v2_hat": [1.0, 2.0, 3.0],
+                              "v2_ref": [3.0, 2.0, 1.0], "lambda": [0.0, 1.0, 2.0], "lambda_ref": [0.0, 1.0, 2.0]}},
+             "1": {"series": {"c_hat": [7.0], "c_ref": [3.0], "v2_hat": [4.0], "v2_ref": [0.0], "lambda": [3.0],
+                              "lambda_ref": [3.0]}}}
+    out = bench.proxy_validation(seeds)
+    assert out["pearson_c"] == pytest.approx(1.0, abs=1e-12)
+    assert out["pearson_v2"] == pytest.approx(-1.0, abs=1e-12)
+    assert out["pearson_lambda"] == pytest.approx(1.0, abs=1e-12)
+    assert out["sign_agreement_c"] == 0.75  # c_hat = 1 > 0 while c_ref = 0 at the first step
+    assert out["n"] == 4

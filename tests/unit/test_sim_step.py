@@ -9,7 +9,7 @@ from nemo_rl_spec.sim.interfaces import LayoutSpec, PilotCommitSpec, ScenarioSpe
 from nemo_rl_spec.sim.phases import logprob_seconds, refit_seconds, training_seconds
 from nemo_rl_spec.sim.presets import MODELS, resolve_profile
 from nemo_rl_spec.sim.simulate import async_step, simulate
-from nemo_rl_spec.sim.step import resolve, rollout_counts, scenario_lengths
+from nemo_rl_spec.sim.step import resolve, rollout_counts, scenario_lengths, speculative_overheads
 
 
 def zero() -> ScenarioSpec:
@@ -39,6 +39,22 @@ def test_logprob_and_training_from_flops():
     assert logprob_seconds(m, prof, 32, seqs) == pytest.approx(flops / (32 * 2.5e15 * 0.4))
     assert logprob_seconds(m, prof, 32, seqs, with_reference=True) == pytest.approx(2 * flops / (32 * 2.5e15 * 0.4))
     assert training_seconds(m, prof, 32, seqs) == pytest.approx(3 * logprob_seconds(m, prof, 32, seqs))
+
+
+def test_online_draft_training_scales_with_the_ttt_unroll():
+    """Online EAGLE-3 training costs ttt_steps x 3 x the draft's forward FLOPs (default ttt_steps = k)."""
+    base = load_scenario(CONFIG_DIR / "cpu_smollm2_default.yaml").model_dump()
+    base["speculative"].update(k=3, online_draft_training=True)
+    lengths = np.array([100.0, 60.0, 160.0])
+    extra = {}
+    for ttt in (None, 1, 5):
+        res = resolve(ScenarioSpec.model_validate({**base, "speculative": {**base["speculative"], "ttt_steps": ttt}}))
+        extra[ttt], _ = speculative_overheads(res, lengths, 1)
+    seqs = res.scenario.workload.prompt_tokens + lengths
+    one = 3 * mm.forward_flops_sequences(res.draft, seqs) / (res.profile.hardware.peak_flops
+                                                             * res.profile.efficiency.train_mfu)
+    assert extra[1] == pytest.approx(one, rel=1e-12)
+    assert extra[None] == pytest.approx(3 * one, rel=1e-12) and extra[5] == pytest.approx(5 * one, rel=1e-12)
 
 
 def test_baseline_fit_and_sync_composition():

@@ -14,7 +14,8 @@ Megatron's grad-norm clipping). Config keys read (``policy`` section of the reci
 
 MTP co-training (``policy.megatron_cfg.mtp_num_layers`` > 0; OCC issue, docs/occ.md) also reads
 ``mtp_loss_mode`` (detach | ce | policy | occ), ``mtp_loss_scaling_factor`` (the fixed coefficient, or
-lambda_plus for occ), ``mtp_occ_eps`` and ``mtp_occ_lambda_max``. The MTP block's parameters are kept out of
+lambda_plus for occ), ``mtp_occ_eps``, ``mtp_occ_lambda_max`` and ``mtp_occ_reference`` (also report c and v2
+from full parameter gradients, to validate the proxies; costs two extra trunk backwards). The MTP block's parameters are kept out of
 Megatron's DDP buffer and optimizer and get their own torch AdamW (same hyper-parameters, own grad clipping), so
 the trunk's grad-norm clipping never sees them (needed for detach to leave the trunk bitwise unchanged).
 
@@ -40,7 +41,7 @@ import torch
 
 from nemo_rl_spec.algorithms.loss import mtp_loss as ml
 from nemo_rl_spec.algorithms.loss.interfaces import aggregate_microbatch_metrics
-from nemo_rl_spec.algorithms.occ import MTPCoefficient, occ_proxies
+from nemo_rl_spec.algorithms.occ import MTPCoefficient, occ_lambda, occ_proxies
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
 from nemo_rl_spec.models.policy.interfaces import PolicyInterface
@@ -116,6 +117,7 @@ class MegatronPolicyWorker(PolicyInterface):
         self.mtp_optimizer = self._mtp_optimizer(mcfg) if self.mtp_params else None
         self.mtp_coef = MTPCoefficient(mtp_cfg.mtp_loss_mode, mtp_cfg.mtp_loss_scaling_factor, mtp_cfg.mtp_occ_eps,
                                        mtp_cfg.mtp_occ_lambda_max)
+        self.mtp_occ_reference = mtp_cfg.mtp_occ_reference
         self.draft = self._online_draft(policy_cfg, seed)
         self.step = 0
         self.weight_version = 0
@@ -232,7 +234,8 @@ class MegatronPolicyWorker(PolicyInterface):
         max). Also returns ``grad_norm`` (before clipping), ``lr`` and ``num_micro_batches``.
         With MTP, also the ``mtp/*`` metrics of :meth:`_mtp_micro_batch` (``mtp/lambda``, ``mtp/c_hat``,
         ``mtp/v2_hat``, ``mtp/loss_<k>``, ``mtp/ce_<k>``, ``mtp/acceptance_<k>``, ``mtp/acceptance``,
-        ``mtp/grad_norm``, ``mtp/delta_abs_mean``); the driver logs them as ``train/mtp/*``.
+        ``mtp/grad_norm``, ``mtp/delta_abs_mean``, and with ``mtp_occ_reference`` ``mtp/c_ref``, ``mtp/v2_ref``,
+        ``mtp/lambda_ref``); the driver logs them as ``train/mtp/*``.
         """
         self.model.train()
         self.model.zero_grad_buffer()
@@ -310,6 +313,9 @@ class MegatronPolicyWorker(PolicyInterface):
         mtp_loss, stats = self._mtp_losses(mb, trunk, h_copy, w_copy, embed_copy, main_logits, global_seqs, global_mtp)
         stats.update(c_hat=0.0, v2_hat=0.0, lam=0.0)  # the hook on h overwrites them
         self.optimizer.scale_loss(mtp_loss).backward()  # 1. MTP params + the detached copies
+        if self.mtp_occ_reference:
+            stats.update(self._occ_reference(rl_loss, [h, weight, *(o for o, _ in emb_pairs)],
+                                             [h_copy.grad, w_copy.grad, *(c.grad for _, c in emb_pairs)]))
 
         valid = (torch.arange(ids.shape[1]).unsqueeze(0) < mb["input_lengths"].unsqueeze(1)).float()
         valid = (valid * mb["sample_mask"].float().unsqueeze(1)).t()  # [S, B] like h
@@ -329,6 +335,30 @@ class MegatronPolicyWorker(PolicyInterface):
         stats["delta_abs_sum"] = float(((curr.detach() - mb["prev_logprobs"]).abs() * mask).sum())
         stats["num_valid_tokens"] = float(mask.sum())
         return rl_loss, metrics, stats
+
+    def _occ_reference(self, rl_loss: torch.Tensor, shared_outputs: list[torch.Tensor],
+                       mtp_grads: list[torch.Tensor | None]) -> dict[str, float]:
+        """The quantities the OCC proxies estimate, from full parameter gradients (``mtp_occ_reference``).
+
+        ``g_RL = dL_RL/dtheta`` and ``g_MTP = dL_MTP/dtheta`` over every shared (non-MTP) parameter theta, the MTP
+        one rebuilt by back-propagating the detached copies' gradients (``mtp_grads``, same order as
+        ``shared_outputs``: trunk output h [S, B, H], output weight [V, H], shifted-token embeddings) into the
+        trunk. Returns ``c_ref = <g_RL, g_MTP>``, ``v2_ref = ||g_MTP||^2`` (float64 sums) and ``lam_ref``, the
+        OCC rule (:func:`occ_lambda`, this worker's lambda_plus / eps / clamp) applied to them, in any mode. ``torch.autograd.grad`` returns the gradients without accumulating
+        them, so training is unchanged (bitwise); the cost is two extra trunk backwards per micro-batch.
+        """
+        shared = [p for n, p in self.module.named_parameters() if p.requires_grad and not n.startswith(mm.MTP_PREFIX)]
+        pairs = [(o, g) for o, g in zip(shared_outputs, mtp_grads) if g is not None]
+        g_mtp = torch.autograd.grad([o for o, _ in pairs], shared, [g for _, g in pairs], retain_graph=True,
+                                    allow_unused=True)
+        g_rl = torch.autograd.grad(rl_loss, shared, retain_graph=True, allow_unused=True)
+        c = v2 = 0.0
+        for gr, gm in zip(g_rl, g_mtp):
+            if gm is not None:
+                v2 += float(gm.double().pow(2).sum())
+                c += 0.0 if gr is None else float((gr.double() * gm.double()).sum())
+        coef = self.mtp_coef
+        return {"c_ref": c, "v2_ref": v2, "lam_ref": occ_lambda(c, v2, coef.scaling_factor, coef.eps, coef.lambda_max)}
 
     def _mtp_losses(self, mb, trunk, h_copy, w_copy, embed_copy, main_logits, global_seqs, global_mtp):
         """MTP loss of the mode (heads averaged) and per-head stats (loss, CE, acceptance counts)."""
@@ -354,7 +384,8 @@ class MegatronPolicyWorker(PolicyInterface):
         """Clip and apply the MTP AdamW step; combine micro-batch stats into ``mtp/*`` metrics.
 
         ``mtp/lambda`` is the valid-token-weighted mean of the micro-batch coefficients (one per micro-batch);
-        ``mtp/c_hat`` and ``mtp/v2_hat`` are sums over micro-batches; losses and CE are sums of globally
+        ``mtp/c_hat`` and ``mtp/v2_hat`` (and the reference ``mtp/c_ref``, ``mtp/v2_ref``) are sums over
+        micro-batches, ``mtp/lambda_ref`` is weighted like ``mtp/lambda``; losses and CE are sums of globally
         normalised micro-batch values; acceptance = agreeing / valid targets.
         """
         clip = float(self.cfg["megatron_cfg"]["optimizer"]["clip_grad"])
@@ -364,6 +395,9 @@ class MegatronPolicyWorker(PolicyInterface):
         out = {"mtp/lambda": sum(s["lam"] * s["num_valid_tokens"] for s in mtp_stats) / max(toks, 1.0),
                "mtp/c_hat": sum(s["c_hat"] for s in mtp_stats), "mtp/v2_hat": sum(s["v2_hat"] for s in mtp_stats),
                "mtp/grad_norm": float(mtp_grad_norm),
+               **({"mtp/c_ref": sum(s["c_ref"] for s in mtp_stats), "mtp/v2_ref": sum(s["v2_ref"] for s in mtp_stats),
+                   "mtp/lambda_ref": sum(s["lam_ref"] * s["num_valid_tokens"] for s in mtp_stats) / max(toks, 1.0)}
+                  if self.mtp_occ_reference else {}),
                "mtp/delta_abs_mean": sum(s["delta_abs_sum"] for s in mtp_stats) / max(toks, 1.0)}
         agree_all = count_all = 0.0
         for k in range(self.mtp_num_layers):
