@@ -6,9 +6,15 @@ import math
 
 import pytest
 import torch
+from examples_loader import load_example
 
 from nemo_rl_spec.algorithms.loss import mtp_loss as ml
-from nemo_rl_spec.algorithms.occ import MTPCoefficient, closed_form_lambda, occ_lambda, occ_proxies
+from nemo_rl_spec.algorithms.occ import (
+    MTPCoefficient,
+    closed_form_lambda,
+    occ_lambda,
+    occ_proxies,
+)
 
 
 def test_occ_lambda_hand_values_and_clamps():
@@ -117,19 +123,8 @@ def test_mtp_token_logprobs_and_acceptance_hand_example():
     assert ml.mtp_valid_mask(data, 0).tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
 
 
-def _bench_occ():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "bench_occ.py"
-    spec = importlib.util.spec_from_file_location("bench_occ", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_occ_reference_mode_overrides_and_proxy_validation():
-    bench = _bench_occ()
+    bench = load_example("bench_occ")
     assert bench.mode_overrides("occ") == ["policy.megatron_cfg.mtp_loss_mode=occ"]
     assert bench.mode_overrides("occ+ref") == ["policy.megatron_cfg.mtp_loss_mode=occ",
                                                "+policy.megatron_cfg.mtp_occ_reference=true"]

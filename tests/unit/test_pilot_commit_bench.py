@@ -1,11 +1,11 @@
 """What the Pilot-Commit benchmark relies on, without a model: generator difficulty settings, the held-out
 reasoning-gym validation set, the config-time Pilot-Commit budget check, and the benchmark's rollouts-to-target
 arithmetic."""
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+from examples_loader import load_example
 
 from nemo_rl_spec.data.datasets import load_train_problems, parse_generator
 from nemo_rl_spec.utils.config import ConfigError, load_config
@@ -15,10 +15,7 @@ BENCH_RECIPE = ROOT / "configs" / "grpo_math_smollm2_135m_pilot_commit.yaml"
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_pilot_commit", ROOT / "examples" / "bench_pilot_commit.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("bench_pilot_commit")
 
 
 def test_parse_generator():

@@ -3,10 +3,17 @@ import json
 
 import numpy as np
 import pytest
+from examples_loader import load_example
 
 from nemo_rl_spec.sim import model_math as mm
-from nemo_rl_spec.sim.calibrate import (calibrate, fit_mean_length_scale, measured_phases, predict, read_jsonl,
-                                        summarize)
+from nemo_rl_spec.sim.calibrate import (
+    calibrate,
+    fit_mean_length_scale,
+    measured_phases,
+    predict,
+    read_jsonl,
+    summarize,
+)
 from nemo_rl_spec.sim.config import CONFIG_DIR, load_scenario
 from nemo_rl_spec.sim.cpu_profile import cpu_efficiency_from_design, design_fit_errors
 from nemo_rl_spec.sim.lengths import sample_lengths
@@ -99,12 +106,5 @@ def test_cpu_training_mfu_by_hand():
 
 
 def run_sim_main():
-    """``examples/run_sim.py``'s main, imported from its file (examples/ is not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "run_sim.py"
-    spec = importlib.util.spec_from_file_location("run_sim", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    """``examples/run_sim.py``'s main."""
+    return load_example("run_sim").main

@@ -2,8 +2,15 @@
 import json
 
 import pytest
+from examples_loader import load_example
 
-from nemo_rl_spec.sim.config import CONFIG_DIR, deep_merge, load_raw, load_scenario, scenario_files
+from nemo_rl_spec.sim.config import (
+    CONFIG_DIR,
+    deep_merge,
+    load_raw,
+    load_scenario,
+    scenario_files,
+)
 from nemo_rl_spec.sim.simulate import simulate
 
 
@@ -48,12 +55,5 @@ def test_run_sim_writes_speedups_per_scenario_and_plots(tmp_path):
 
 
 def run_sim_main():
-    """``examples/run_sim.py``'s main, imported from its file (examples/ is not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "run_sim.py"
-    spec = importlib.util.spec_from_file_location("run_sim", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    """``examples/run_sim.py``'s main."""
+    return load_example("run_sim").main

@@ -3,6 +3,7 @@ hand-worked numbers and synthetic runs with a known truth. No timing, no vLLM.""
 import json
 
 import pytest
+from examples_loader import load_example
 
 from nemo_rl_spec.sim.calibrate import predict
 from nemo_rl_spec.sim.config import CONFIG_DIR, load_scenario
@@ -214,15 +215,8 @@ def test_cli_fidelity_writes_report(tmp_path, capsys):
 
 
 def run_sim_main():
-    """``examples/run_sim.py``'s main, imported from its file (examples/ is not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "run_sim.py"
-    spec = importlib.util.spec_from_file_location("run_sim", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    """``examples/run_sim.py``'s main."""
+    return load_example("run_sim").main
 
 
 def test_spec_bench_comparison_by_hand():
