@@ -66,3 +66,37 @@ def hf_token_logprobs(model, input_ids: torch.Tensor, input_lengths: torch.Tenso
         for s in range(1, int(input_lengths[b])):
             out[b, s] = logprobs[b, s - 1, input_ids[b, s]]
     return out
+
+
+def base_recipe_section(section: str) -> dict:
+    """A top-level section (``policy``, ``loss_fn``, ...) of ``configs/grpo_math_base.yaml``, as a fresh dict."""
+    import os
+
+    import yaml
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "grpo_math_base.yaml")
+    with open(path) as f:
+        return yaml.safe_load(f)[section]
+
+
+def train_batch(seed: int = 0, batch: int = 4, seq: int = 16, vocab: int = 512,
+                sample_mask: list[float] | None = None) -> dict:
+    """A training batch for ``MegatronPolicyWorker.train`` on random tokens: lengths 16, 11, 14, 7 (padding 0 after
+    them), response mask from position 3, advantages 1.0, -0.5, 0.8, -1.3, zero generation log-probs.
+    Shapes: input_ids / token_mask / generation_logprobs [batch, seq]; input_lengths / sample_mask / advantages
+    [batch]."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([16, 11, 14, 7][:batch])
+    ids = torch.randint(1, vocab, (batch, seq), generator=gen)
+    token_mask = torch.zeros(batch, seq)
+    for b, n in enumerate(lengths.tolist()):
+        ids[b, n:] = 0
+        token_mask[b, 3:n] = 1.0
+    mask = torch.ones(batch) if sample_mask is None else torch.tensor(sample_mask[:batch])
+    return dict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=mask,
+                advantages=torch.tensor([1.0, -0.5, 0.8, -1.3])[:batch], generation_logprobs=torch.zeros(batch, seq))
+
+
+def on_policy(worker, data: dict) -> dict:
+    """``data`` with ``prev_logprobs`` from ``worker`` (the first, on-policy minibatch)."""
+    return {**data, "prev_logprobs": worker.get_logprobs(data)}

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fixtures_models as fm  # noqa: E402
@@ -24,16 +23,8 @@ from nemo_rl_spec.models.policy import megatron_model as mm  # noqa: E402
 from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker, token_logprobs  # noqa: E402
 
 torch.set_num_threads(1)
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
-
-
-def _yaml(name):
-    with open(os.path.join(CONFIGS, name)) as f:
-        return yaml.safe_load(f)
-
-
 def _policy_cfg(mtp_num_layers=1, mode="detach", factor=0.5, micro=2, clip=1.0, lr=1e-2) -> dict:
-    cfg = _yaml("grpo_math_base.yaml")["policy"]
+    cfg = fm.base_recipe_section("policy")
     cfg.update(train_micro_batch_size=micro, logprob_batch_size=4)
     cfg["megatron_cfg"]["optimizer"].update(lr=lr, clip_grad=clip)
     cfg["megatron_cfg"].update(mtp_num_layers=mtp_num_layers, mtp_loss_mode=mode, mtp_loss_scaling_factor=factor)
@@ -41,20 +32,7 @@ def _policy_cfg(mtp_num_layers=1, mode="detach", factor=0.5, micro=2, clip=1.0, 
 
 
 def _loss_fn():
-    return ClippedPGLossFn(_yaml("grpo_math_base.yaml")["loss_fn"])
-
-
-def _batch(seed=0, batch=4, seq=16, vocab=512) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([16, 11, 14, 7][:batch])
-    ids = torch.randint(1, vocab, (batch, seq), generator=gen)
-    token_mask = torch.zeros(batch, seq)
-    for b, n in enumerate(lengths.tolist()):
-        ids[b, n:] = 0
-        token_mask[b, 3:n] = 1.0
-    return dict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=torch.ones(batch),
-                advantages=torch.tensor([1.0, -0.5, 0.8, -1.3])[:batch],
-                generation_logprobs=torch.zeros(batch, seq))
+    return ClippedPGLossFn(fm.base_recipe_section("loss_fn"))
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +44,6 @@ def model_dir(tmp_path_factory):
 
 def _worker(model_dir, **kw):
     return MegatronPolicyWorker(_policy_cfg(**kw), _loss_fn(), model_dir, seed=3)
-
-
-def _on_policy(worker, data):
-    data = dict(data)
-    data["prev_logprobs"] = worker.get_logprobs(data)
-    return data
 
 
 def _split(worker):
@@ -110,7 +82,7 @@ def _independent_gradients(worker, data, mode):
 def test_detach_trunk_bitwise_equal_to_no_mtp_and_mtp_moves(model_dir):
     plain, detach = _worker(model_dir, mtp_num_layers=0), _worker(model_dir, mode="detach")
     for step in range(2):
-        data = _on_policy(plain, _batch(seed=step))
+        data = fm.on_policy(plain, fm.train_batch(seed=step))
         plain.train(data)
         metrics = detach.train(data)
     trunk_plain, _ = _split(plain)
@@ -128,7 +100,7 @@ def test_detach_trunk_bitwise_equal_to_no_mtp_and_mtp_moves(model_dir):
 def test_every_mode_moves_mtp_and_trunk_and_reports(model_dir, mode):
     worker = _worker(model_dir, mode=mode, factor=0.5)
     trunk0, mtp0 = _split(worker)
-    data = _on_policy(worker, _batch())
+    data = fm.on_policy(worker, fm.train_batch())
     m = worker.train(data)
     trunk1, mtp1 = _split(worker)
     assert all(not torch.equal(mtp0[n], mtp1[n]) for n in mtp0)
@@ -151,7 +123,7 @@ def test_trunk_gradient_is_rl_plus_lambda_mtp(model_dir, mode):
     gradient equals that of ``L_MTP``; for occ, lambda equals the rule applied to independently computed
     hidden-state gradients."""
     worker = _worker(model_dir, mode=mode, factor=0.7, micro=4, clip=1e9)
-    data = _on_policy(worker, _batch())
+    data = fm.on_policy(worker, fm.train_batch())
     params, g_rl, g_mtp, g_rl_h = _independent_gradients(worker, data, mode)
     m = worker.train(data)
     lam, ids = m["mtp/lambda"], data["input_ids"]
@@ -184,7 +156,7 @@ def test_occ_reference_equals_full_gradients_and_leaves_training_unchanged(model
     plain = _worker(model_dir, mode=mode, factor=0.7, micro=4, clip=1e9)
     worker = _worker(model_dir, mode=mode, factor=0.7, micro=4, clip=1e9)
     worker.mtp_occ_reference = True
-    data = _on_policy(worker, _batch())
+    data = fm.on_policy(worker, fm.train_batch())
     params, g_rl, g_mtp, _ = _independent_gradients(worker, data, "occ" if mode == "occ" else "ce")
     c = v2 = 0.0
     for (name, p), gr, gm in zip(params.items(), g_rl, g_mtp[:-1]):

@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fixtures_models as fm  # noqa: E402
@@ -24,16 +23,8 @@ from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker  # n
 from nemo_rl_spec.speculative.capture import capture_hidden_states  # noqa: E402
 
 torch.set_num_threads(1)
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
-
-
-def _yaml(name):
-    with open(os.path.join(CONFIGS, name)) as f:
-        return yaml.safe_load(f)
-
-
 def _policy_cfg(draft: bool, micro=2, lr=1e-2) -> dict:
-    cfg = _yaml("grpo_math_base.yaml")["policy"]
+    cfg = fm.base_recipe_section("policy")
     cfg.update(train_micro_batch_size=micro, logprob_batch_size=4)
     cfg["megatron_cfg"]["optimizer"].update(lr=lr)
     if draft:
@@ -42,16 +33,8 @@ def _policy_cfg(draft: bool, micro=2, lr=1e-2) -> dict:
     return cfg
 
 
-def _batch(seed=0, batch=4, seq=16, vocab=512) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([16, 11, 14, 7][:batch])
-    ids = torch.randint(1, vocab, (batch, seq), generator=gen)
-    token_mask = torch.zeros(batch, seq)
-    for b, n in enumerate(lengths.tolist()):
-        ids[b, n:] = 0
-        token_mask[b, 3:n] = 1.0
-    return dict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=torch.tensor([1., 1., 0., 1.]),
-                advantages=torch.tensor([1.0, -0.5, 0.8, -1.3])[:batch], generation_logprobs=torch.zeros(batch, seq))
+def _batch(seed=0) -> dict:
+    return fm.train_batch(seed, sample_mask=[1., 1., 0., 1.])
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +45,8 @@ def model_dir(tmp_path_factory):
 
 
 def _worker(model_dir, draft: bool, **kw):
-    return MegatronPolicyWorker(_policy_cfg(draft, **kw), ClippedPGLossFn(_yaml("grpo_math_base.yaml")["loss_fn"]),
+    return MegatronPolicyWorker(_policy_cfg(draft, **kw), ClippedPGLossFn(fm.base_recipe_section("loss_fn")),
                                 model_dir, seed=3)
-
-
-def _on_policy(worker, data):
-    return {**data, "prev_logprobs": worker.get_logprobs(data)}
 
 
 def _grads(worker):
@@ -82,7 +61,7 @@ def test_policy_gradients_bitwise_equal_with_and_without_online_draft(model_dir)
     plain, with_draft = _worker(model_dir, draft=False), _worker(model_dir, draft=True)
     draft_before = copy.deepcopy(with_draft.draft.head.state_dict())
     for step in range(2):
-        data = _on_policy(plain, _batch(seed=step))
+        data = fm.on_policy(plain, _batch(seed=step))
         policy_embedding = with_draft.module.embedding.word_embeddings.weight.detach().clone()
         m_plain = plain.train(data)
         m_draft = with_draft.train(data)
@@ -109,7 +88,7 @@ def test_draft_loss_equals_independent_ttt_loss(model_dir):
     """One micro-batch: the reported draft loss equals the TTT loss of a copy of the head on hidden states and soft
     targets captured by a separate forward of a copy of the policy (before the step)."""
     worker = _worker(model_dir, draft=True, micro=4)
-    data = _on_policy(worker, _batch(seed=5))
+    data = fm.on_policy(worker, _batch(seed=5))
     head = copy.deepcopy(worker.draft.head)
     ref, _ = mm.build_from_hf(model_dir, seed=3)
     mm.load_megatron_state(ref, _params(worker))
@@ -123,7 +102,7 @@ def test_draft_loss_equals_independent_ttt_loss(model_dir):
 
 def test_draft_checkpoint_roundtrip_and_version_pairing(model_dir, tmp_path):
     worker = _worker(model_dir, draft=True)
-    worker.train(_on_policy(worker, _batch(seed=1)))
+    worker.train(fm.on_policy(worker, _batch(seed=1)))
     worker.export_hf_weights(version=7)
     exported = worker.export_draft_weights()
     assert exported["policy_version"] == 7 and exported["draft_version"] == 1
