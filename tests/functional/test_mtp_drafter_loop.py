@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -24,12 +25,14 @@ import pytest
 import ray
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fixtures_models as fm  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 
 from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
-from nemo_rl_spec.algorithms.rollouts import response_mask
 from nemo_rl_spec.speculative import checks
 from nemo_rl_spec.speculative.draft_refit import DraftVersionMismatchError
 from nemo_rl_spec.speculative.lossless import first_mismatch, lossless_prompts
@@ -44,15 +47,6 @@ from nemo_rl_spec.utils.config import ConfigError, load_config
 pytestmark = pytest.mark.timeout(1800)
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "grpo_math_tiny_mtp_spec.yaml"
 NUM_PROMPTS, MAX_TOKENS, CYCLES = 4, 32, 3
-
-
-def _train_data(s, gen, step: int) -> dict:
-    ids, prompt_lens, seq_lens = gen["output_ids"], gen["input_lengths"], gen["unpadded_sequence_lengths"]
-    adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(step))
-    data = {"input_ids": ids, "input_lengths": seq_lens, "token_mask": response_mask(prompt_lens, seq_lens, ids.shape[1]),
-            "sample_mask": torch.ones(ids.shape[0]), "advantages": adv, "generation_logprobs": gen["generation_logprobs"]}
-    data["prev_logprobs"] = ray.get(s.policy.get_logprobs.remote(data, s.cfg.policy.generation.temperature))
-    return data
 
 
 def _write_hf_dir(weights: dict[str, torch.Tensor], model_dir: str, out: Path) -> Path:
@@ -107,7 +101,7 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
         for step in range(CYCLES):
             gen = ray.get(s.generation.generate.remote({"prompt_token_ids": prompts}, n=2, seed=step,
                                                        max_new_tokens=MAX_TOKENS))
-            train = ray.get(s.policy.train.remote(_train_data(s, gen, step)))
+            train = ray.get(s.policy.train.remote(fm.train_data_from_generation(s, gen, step)))
             mtp_acc.append(train["mtp/acceptance"])
             refit = s.refitter.refit(version=step + 1)
             mismatches.append(refit["refit/logprob_mismatch"])

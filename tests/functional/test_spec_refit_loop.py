@@ -15,6 +15,7 @@ learner sees); after the broken draft refit, acceptance collapses and the alarm 
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -23,10 +24,13 @@ import pytest
 import ray
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fixtures_models as fm  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from nemo_rl_spec.algorithms.grpo_setup import setup, teardown  # noqa: E402
-from nemo_rl_spec.algorithms.rollouts import masked_mean_abs_diff, response_mask  # noqa: E402
+from nemo_rl_spec.algorithms.rollouts import masked_mean_abs_diff  # noqa: E402
 from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
 from nemo_rl_spec.utils.config import load_config  # noqa: E402
 
@@ -59,15 +63,6 @@ def _offline_draft(out_dir: Path, prompts: list[list[int]]) -> Path:
     return head.save_pretrained(out_dir)
 
 
-def _train_data(s, gen, step: int) -> dict:
-    ids, prompt_lens, seq_lens = gen["output_ids"], gen["input_lengths"], gen["unpadded_sequence_lengths"]
-    adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(step))
-    data = {"input_ids": ids, "input_lengths": seq_lens, "token_mask": response_mask(prompt_lens, seq_lens, ids.shape[1]),
-            "sample_mask": torch.ones(ids.shape[0]), "advantages": adv, "generation_logprobs": gen["generation_logprobs"]}
-    data["prev_logprobs"] = ray.get(s.policy.get_logprobs.remote(data, s.cfg.policy.generation.temperature))
-    return data
-
-
 def test_acceptance_survives_refits_and_alarm_fires_on_broken_draft_refit(tmp_path):
     from transformers import AutoTokenizer
 
@@ -88,7 +83,7 @@ def test_acceptance_survives_refits_and_alarm_fires_on_broken_draft_refit(tmp_pa
             m = s.spec_metrics_since(before)
             lengths.append(m["vllm/spec_acceptance_length"])
             alarms.append(m[s.spec_alarm.METRIC])
-            data = _train_data(s, gen, step)
+            data = fm.train_data_from_generation(s, gen, step)
             lp_errors.append(masked_mean_abs_diff(data["prev_logprobs"], gen["generation_logprobs"],
                                                   data["token_mask"]))
             train = ray.get(s.policy.train.remote(data))
