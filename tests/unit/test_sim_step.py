@@ -75,6 +75,13 @@ def test_async_step_formula():
     res = resolve(scn)
     step, ph = async_step(res, scenario_lengths(res), False, 1536)
     assert step == pytest.approx(max(ph.generation, ph.logprob + ph.training) + ph.refit)
+    # exposed generation at the AR split: generation beyond log-probs + training, AR and speculative
+    r = simulate(scn)
+    split = int(r.details["ar_gen_devices"])
+    lengths = scenario_lengths(res)
+    for speculative, key in ((False, "exposed_generation_ar_s"), (True, "exposed_generation_spec_s")):
+        _, ph = async_step(res, lengths, speculative, split)
+        assert r.details[key] == pytest.approx(max(0.0, ph.generation - ph.logprob - ph.training), rel=1e-12)
 
 
 def test_async_needs_separate_pools():
