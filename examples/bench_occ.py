@@ -3,7 +3,9 @@
     python examples/bench_occ.py --out results/bench_occ.json [--config configs/grpo_math_tiny_mtp.yaml]
         [--modes detach ce policy occ] [--seeds 0 1] [--steps 4] [--overhead-repeats N] [key=value ...]
 
-``--steps 0 --overhead-repeats N`` only times ``train()`` per mode in one process (the overhead check).
+``--steps 0 --overhead-repeats N`` only times ``train()`` per mode in one process (the overhead check);
+``--proxy-steps N`` runs N occ+ref steps of one worker on random batches with random advantages and writes
+``proxy_validation_random_batches`` (in a recipe whose model never earns reward every advantage, c and v2 are 0).
 Mode ``occ+ref`` is occ with ``mtp_occ_reference`` on: every step also reports c and v2 from full parameter
 gradients, and the JSON gets ``proxy_validation`` (correlation of the proxies with them over steps and seeds) and,
 with ``--overhead-repeats``, the reference's cost as ``occ+ref`` vs ``occ`` train() time.
@@ -71,22 +73,31 @@ def summarise(records: list[dict]) -> dict:
 
 
 def proxy_validation(seeds: dict) -> dict:
-    """Pearson correlation of the proxies (c_hat, v2_hat, lambda) with the full-gradient reference (c, v2,
-    lambda_ref) over every step of every seed, and the fraction of steps where sign(c_hat) == sign(c)."""
+    """Pearson and Spearman (rank) correlation of the proxies (c_hat, v2_hat, lambda) with the full-gradient reference (c, v2,
+    lambda_ref; and c, v2 over the decoder layers only, when the series have them) over every step of every seed,
+    and the fraction of steps where sign(c_hat) == sign(c) (``sign_agreement_c``, ``sign_agreement_c_decoder``)."""
     import numpy as np
 
-    pairs = {name: ([], []) for name in ("c", "v2", "lambda")}
+    names = {"c": ("c_hat", "c_ref"), "v2": ("v2_hat", "v2_ref"), "lambda": ("lambda", "lambda_ref"),
+             "c_decoder": ("c_hat", "c_ref_decoder"), "v2_decoder": ("v2_hat", "v2_ref_decoder")}
+    pairs = {name: ([], []) for name in names}
     for r in seeds.values():
         s = r["series"]
-        for name, (hat, ref) in {"c": ("c_hat", "c_ref"), "v2": ("v2_hat", "v2_ref"),
-                                 "lambda": ("lambda", "lambda_ref")}.items():
-            pairs[name][0].extend(s[hat])
-            pairs[name][1].extend(s[ref])
-    out = {f"pearson_{name}": float(np.corrcoef(a, b)[0, 1]) if len(a) > 2 else float("nan")
-           for name, (a, b) in pairs.items()}
-    c_hat, c_ref = pairs["c"]
-    out["sign_agreement_c"] = float(np.mean([(a > 0) == (b > 0) for a, b in zip(c_hat, c_ref)]))
-    out["n"] = len(c_hat)
+        for name, (hat, ref) in names.items():
+            if ref in s:
+                pairs[name][0].extend(s[hat])
+                pairs[name][1].extend(s[ref])
+    rank = lambda x: np.argsort(np.argsort(x))  # noqa: E731
+    out = {}
+    for name, (a, b) in pairs.items():
+        if len(a) > 2:  # magnitudes are heavy-tailed, so also the rank correlation
+            out[f"pearson_{name}"] = float(np.corrcoef(a, b)[0, 1])
+            out[f"spearman_{name}"] = float(np.corrcoef(rank(a), rank(b))[0, 1])
+    for name in ("c", "c_decoder"):
+        hat, ref = pairs[name]
+        if hat:
+            out[f"sign_agreement_{name}"] = float(np.mean([(a > 0) == (b > 0) for a, b in zip(hat, ref)]))
+    out["n"] = len(pairs["c"][0])
     return out
 
 
@@ -109,15 +120,8 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path)
 
 
-def train_overhead(config: str, modes: list[str], repeats: int, extra: list[str], batch: int = 8,
-                   seq: int = 160) -> dict:
-    """Time ``MegatronPolicyWorker.train`` per mode in ONE process on one fixed random batch (prompt 32 tokens,
-    response to ``seq``), modes interleaved ``repeats`` times after one warm-up each; returns median seconds."""
-    import statistics
-    import time
-
-    import torch
-
+def _workers(config: str, modes: list[str], extra: list[str]) -> dict:
+    """One ``MegatronPolicyWorker`` per mode (``occ+ref``: occ with the full-gradient reference), same init."""
     from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
     from nemo_rl_spec.models.hf_assets import resolve_model
     from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker
@@ -131,15 +135,34 @@ def train_overhead(config: str, modes: list[str], repeats: int, extra: list[str]
         pcfg["megatron_cfg"]["mtp_loss_mode"] = mode.removesuffix(REFERENCE)
         pcfg["megatron_cfg"]["mtp_occ_reference"] = mode.endswith(REFERENCE)
         workers[mode] = MegatronPolicyWorker(pcfg, ClippedPGLossFn(cfg.loss_fn.model_dump()), path, seed=0)
-    gen = torch.Generator().manual_seed(0)
-    vocab = workers[modes[0]].spec.vocab_size
-    ids = torch.randint(1, vocab, (batch, seq), generator=gen)
+    return workers
+
+
+def random_train_batch(worker, seed: int, batch: int = 8, seq: int = 160, prompt: int = 32) -> dict:
+    """Random tokens (prompt ``prompt`` tokens, response to ``seq``), advantages ~ N(0, 1) seeded by ``seed``, and
+    on-policy ``prev_logprobs`` from ``worker``. Shapes: [batch, seq] and [batch]."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, worker.spec.vocab_size, (batch, seq), generator=gen)
     mask = torch.zeros(batch, seq)
-    mask[:, 32:] = 1.0
+    mask[:, prompt:] = 1.0
     data = dict(input_ids=ids, input_lengths=torch.full((batch,), seq), token_mask=mask,
                 sample_mask=torch.ones(batch), advantages=torch.randn(batch, generator=gen),
                 generation_logprobs=torch.zeros(batch, seq))
-    data["prev_logprobs"] = workers[modes[0]].get_logprobs(data)
+    data["prev_logprobs"] = worker.get_logprobs(data)
+    return data
+
+
+def train_overhead(config: str, modes: list[str], repeats: int, extra: list[str]) -> dict:
+    """Time ``MegatronPolicyWorker.train`` per mode in ONE process on one fixed random batch
+    (:func:`random_train_batch`), modes interleaved ``repeats`` times after one warm-up each; returns median
+    seconds."""
+    import statistics
+    import time
+
+    workers = _workers(config, modes, extra)
+    data = random_train_batch(workers[modes[0]], seed=0)
     times = {m: [] for m in modes}
     for rep in range(repeats + 1):
         for mode in modes:
@@ -150,11 +173,27 @@ def train_overhead(config: str, modes: list[str], repeats: int, extra: list[str]
     return {m: statistics.median(t) for m, t in times.items()}
 
 
+def proxy_steps(config: str, steps: int, extra: list[str]) -> dict:
+    """``steps`` occ+ref optimizer steps of one worker on fresh random batches with random advantages (a GRPO
+    recipe whose model never earns reward has all-zero advantages, hence c = v2 = 0 everywhere); returns
+    ``{"<seed>": {"series": ...}}`` for :func:`proxy_validation`."""
+    worker = _workers(config, ["occ" + REFERENCE], extra)["occ" + REFERENCE]
+    series = {name: [] for name in ("c_hat", "c_ref", "v2_hat", "v2_ref", "lambda", "lambda_ref", "c_ref_decoder",
+                                    "v2_ref_decoder")}
+    for step in range(steps):
+        m = worker.train(random_train_batch(worker, seed=1000 + step))
+        for name in series:
+            series[name].append(m[f"mtp/{name}"])
+    return {"0": {"series": series}}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--overhead-repeats", type=int, default=0,
                         help="also time worker.train per mode in one process (median of N rounds)")
+    parser.add_argument("--proxy-steps", type=int, default=0,
+                        help="also validate the proxies: N occ+ref worker steps on random batches and advantages")
     parser.add_argument("--config", default="configs/grpo_math_tiny_mtp.yaml")
     parser.add_argument("--modes", nargs="+", default=["detach", "ce", "policy", "occ"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
@@ -169,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             if num in med and den in med:
                 result.setdefault("train_step_ratio", {})[f"{num}_vs_{den}"] = med[num] / med[den]
                 print(f"{num} / {den} train(): {med[num] / med[den]:.4f}", flush=True)
+    if args.proxy_steps:
+        result["proxy_steps"] = proxy_steps(args.config, args.proxy_steps, extra)
+        result["proxy_validation_random_batches"] = proxy_validation(result["proxy_steps"])
+        print("proxy validation (random batches):", json.dumps(result["proxy_validation_random_batches"]), flush=True)
     if args.steps == 0:
         Path(args.out).write_text(json.dumps(result, indent=1))
         return 0

@@ -158,14 +158,18 @@ def test_occ_reference_equals_full_gradients_and_leaves_training_unchanged(model
     worker.mtp_occ_reference = True
     data = fm.on_policy(worker, fm.train_batch())
     params, g_rl, g_mtp, _ = _independent_gradients(worker, data, "occ" if mode == "occ" else "ce")
-    c = v2 = 0.0
+    c = v2 = c_dec = v2_dec = 0.0
     for (name, p), gr, gm in zip(params.items(), g_rl, g_mtp[:-1]):
         if not name.startswith(mm.MTP_PREFIX) and gm is not None:
-            v2 += float(gm.double().pow(2).sum())
-            c += 0.0 if gr is None else float((gr.double() * gm.double()).sum())
+            dot, sq = (0.0 if gr is None else float((gr.double() * gm.double()).sum())), float(gm.double().pow(2).sum())
+            c, v2 = c + dot, v2 + sq
+            if name.startswith("decoder."):
+                c_dec, v2_dec = c_dec + dot, v2_dec + sq
     m, m_plain = worker.train(data), plain.train(data)
     assert m["mtp/c_ref"] == pytest.approx(c, rel=1e-4, abs=1e-12)
     assert m["mtp/v2_ref"] == pytest.approx(v2, rel=1e-4) and v2 > 0.0
+    assert m["mtp/c_ref_decoder"] == pytest.approx(c_dec, rel=1e-4, abs=1e-12)
+    assert m["mtp/v2_ref_decoder"] == pytest.approx(v2_dec, rel=1e-4) and 0.0 < v2_dec < v2
     assert m["mtp/lambda_ref"] == pytest.approx(occ_lambda(c, v2, 0.7, 1e-8), rel=1e-3)
     assert "mtp/c_ref" not in m_plain
     for key in ("mtp/c_hat", "mtp/v2_hat", "mtp/lambda", "loss", "grad_norm"):

@@ -135,7 +135,12 @@ def test_bench_occ_reference_mode_overrides_and_proxy_validation():
                               "lambda_ref": [3.0]}}}
     out = bench.proxy_validation(seeds)
     assert out["pearson_c"] == pytest.approx(1.0, abs=1e-12)
-    assert out["pearson_v2"] == pytest.approx(-1.0, abs=1e-12)
+    assert out["pearson_v2"] == pytest.approx(-1.0, abs=1e-12) and out["spearman_v2"] == pytest.approx(-1.0)
+    assert out["spearman_c"] == pytest.approx(1.0)
     assert out["pearson_lambda"] == pytest.approx(1.0, abs=1e-12)
     assert out["sign_agreement_c"] == 0.75  # c_hat = 1 > 0 while c_ref = 0 at the first step
-    assert out["n"] == 4
+    assert out["n"] == 4 and "pearson_c_decoder" not in out  # no decoder-only series given
+    seeds["0"]["series"]["c_ref_decoder"] = [-1.0, -3.0, -5.0]
+    seeds["1"]["series"]["c_ref_decoder"] = [-7.0]
+    out = bench.proxy_validation(seeds)
+    assert out["pearson_c_decoder"] == pytest.approx(-1.0, abs=1e-12) and out["sign_agreement_c_decoder"] == 0.0

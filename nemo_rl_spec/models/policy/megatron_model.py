@@ -68,6 +68,7 @@ def load_hf_config(model_path: str):
 
 
 MTP_PREFIX = "mtp."  # megatron-core names of the MTP block's parameters (``mtp.layers.<k>.*``)
+DECODER_PREFIX = "decoder."  # the transformer layers and final norm (not the embedding or output layer)
 
 
 def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_num_layers: int = 0) -> TransformerConfig:

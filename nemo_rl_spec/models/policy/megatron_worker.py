@@ -343,22 +343,30 @@ class MegatronPolicyWorker(PolicyInterface):
         ``g_RL = dL_RL/dtheta`` and ``g_MTP = dL_MTP/dtheta`` over every shared (non-MTP) parameter theta, the MTP
         one rebuilt by back-propagating the detached copies' gradients (``mtp_grads``, same order as
         ``shared_outputs``: trunk output h [S, B, H], output weight [V, H], shifted-token embeddings) into the
-        trunk. Returns ``c_ref = <g_RL, g_MTP>``, ``v2_ref = ||g_MTP||^2`` (float64 sums) and ``lam_ref``, the
-        OCC rule (:func:`occ_lambda`, this worker's lambda_plus / eps / clamp) applied to them, in any mode. ``torch.autograd.grad`` returns the gradients without accumulating
+        trunk. Returns ``c_ref = <g_RL, g_MTP>``, ``v2_ref = ||g_MTP||^2`` (float64 sums), the same over the
+        decoder layers only (``c_ref_decoder``, ``v2_ref_decoder``: the parameters the hidden-state proxies can see;
+        the embedding table and output weight also take the MTP gradient directly) and ``lam_ref``, the OCC rule
+        (:func:`occ_lambda`, this worker's lambda_plus / eps / clamp) applied to c_ref, v2_ref, in any mode. ``torch.autograd.grad`` returns the gradients without accumulating
         them, so training is unchanged (bitwise); the cost is two extra trunk backwards per micro-batch.
         """
-        shared = [p for n, p in self.module.named_parameters() if p.requires_grad and not n.startswith(mm.MTP_PREFIX)]
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and not n.startswith(mm.MTP_PREFIX)]
+        shared = [p for _, p in named]
         pairs = [(o, g) for o, g in zip(shared_outputs, mtp_grads) if g is not None]
         g_mtp = torch.autograd.grad([o for o, _ in pairs], shared, [g for _, g in pairs], retain_graph=True,
                                     allow_unused=True)
         g_rl = torch.autograd.grad(rl_loss, shared, retain_graph=True, allow_unused=True)
-        c = v2 = 0.0
-        for gr, gm in zip(g_rl, g_mtp):
-            if gm is not None:
-                v2 += float(gm.double().pow(2).sum())
-                c += 0.0 if gr is None else float((gr.double() * gm.double()).sum())
+        c = v2 = c_dec = v2_dec = 0.0
+        for (name, _), gr, gm in zip(named, g_rl, g_mtp):
+            if gm is None:
+                continue
+            dot = 0.0 if gr is None else float((gr.double() * gm.double()).sum())
+            sq = float(gm.double().pow(2).sum())
+            c, v2 = c + dot, v2 + sq
+            if name.startswith(mm.DECODER_PREFIX):
+                c_dec, v2_dec = c_dec + dot, v2_dec + sq
         coef = self.mtp_coef
-        return {"c_ref": c, "v2_ref": v2, "lam_ref": occ_lambda(c, v2, coef.scaling_factor, coef.eps, coef.lambda_max)}
+        return {"c_ref": c, "v2_ref": v2, "c_ref_decoder": c_dec, "v2_ref_decoder": v2_dec,
+                "lam_ref": occ_lambda(c, v2, coef.scaling_factor, coef.eps, coef.lambda_max)}
 
     def _mtp_losses(self, mb, trunk, h_copy, w_copy, embed_copy, main_logits, global_seqs, global_mtp):
         """MTP loss of the mode (heads averaged) and per-head stats (loss, CE, acceptance counts)."""
@@ -395,9 +403,7 @@ class MegatronPolicyWorker(PolicyInterface):
         out = {"mtp/lambda": sum(s["lam"] * s["num_valid_tokens"] for s in mtp_stats) / max(toks, 1.0),
                "mtp/c_hat": sum(s["c_hat"] for s in mtp_stats), "mtp/v2_hat": sum(s["v2_hat"] for s in mtp_stats),
                "mtp/grad_norm": float(mtp_grad_norm),
-               **({"mtp/c_ref": sum(s["c_ref"] for s in mtp_stats), "mtp/v2_ref": sum(s["v2_ref"] for s in mtp_stats),
-                   "mtp/lambda_ref": sum(s["lam_ref"] * s["num_valid_tokens"] for s in mtp_stats) / max(toks, 1.0)}
-                  if self.mtp_occ_reference else {}),
+               **(self._reference_metrics(mtp_stats, toks) if self.mtp_occ_reference else {}),
                "mtp/delta_abs_mean": sum(s["delta_abs_sum"] for s in mtp_stats) / max(toks, 1.0)}
         agree_all = count_all = 0.0
         for k in range(self.mtp_num_layers):
@@ -408,6 +414,14 @@ class MegatronPolicyWorker(PolicyInterface):
             out[f"mtp/acceptance_{k}"] = agree / count if count else float("nan")
             agree_all, count_all = agree_all + agree, count_all + count
         out["mtp/acceptance"] = agree_all / count_all if count_all else float("nan")
+        return out
+
+    @staticmethod
+    def _reference_metrics(mtp_stats: list[dict], toks: float) -> dict[str, float]:
+        """``mtp/{c_ref, v2_ref, c_ref_decoder, v2_ref_decoder}`` summed over micro-batches, ``mtp/lambda_ref``
+        weighted by valid tokens like ``mtp/lambda``."""
+        out = {f"mtp/{k}": sum(s[k] for s in mtp_stats) for k in ("c_ref", "v2_ref", "c_ref_decoder", "v2_ref_decoder")}
+        out["mtp/lambda_ref"] = sum(s["lam_ref"] * s["num_valid_tokens"] for s in mtp_stats) / max(toks, 1.0)
         return out
 
     # ---- weights and checkpoints ------------------------------------------------------------------
