@@ -60,6 +60,7 @@ from nemo_rl_spec.algorithms.trajectory_buffer import (
     group_age,
 )
 from nemo_rl_spec.algorithms.validation import validate
+from nemo_rl_spec.speculative.metrics import SpecDecodeCounters
 from nemo_rl_spec.utils.timer import Timer
 
 _POLL_S = 0.5
@@ -148,7 +149,9 @@ def make_tagged_generate_fn(s: GRPOSetup, gate: GenerationGate, stats: dict) -> 
     version the vLLM actor reported for the call that sampled it, and every call runs under ``gate``.
 
     Payloads also carry ``draft_version`` (int or None). ``stats`` accumulates ``generation_s`` (seconds inside
-    generate calls), ``generated_tokens`` (response tokens) and ``draft_version`` (of the latest call).
+    generate calls), ``generated_tokens`` (response tokens), ``spec_counters`` (the calls' speculative-decoding
+    counts, returned by generate itself: querying the actor would queue behind the next generate call) and
+    ``draft_version`` (of the latest call).
     """
 
     def generate_fn(requests: list[RolloutRequest]) -> list[RolloutResult]:
@@ -163,6 +166,8 @@ def make_tagged_generate_fn(s: GRPOSetup, gate: GenerationGate, stats: dict) -> 
                 stats["generation_s"] += time.perf_counter() - start
             stats["generated_tokens"] += int((gen["unpadded_sequence_lengths"] - gen["input_lengths"]).sum())
             stats["draft_version"] = gen["draft_version"]
+            if gen.get("spec_counters") is not None:
+                stats["spec_counters"] = gen["spec_counters"] + stats.get("spec_counters", SpecDecodeCounters())
             index = gen["prompt_index"].tolist()
             rewards = s.env.step(decode_responses(s.tokenizer, gen), [chosen[i] for i in index]).float()
             for j, req in enumerate(reqs):
@@ -234,9 +239,10 @@ class TrajectoryProducer(threading.Thread):
             while index < self.last_index and self._wait_turn(index):
                 stats = {"generation_s": 0.0, "generated_tokens": 0, "draft_version": None}
                 selection = self.s.allocator.step(make_tagged_generate_fn(self.s, self.gate, stats))
+                spec = stats.get("spec_counters")
                 batch = TrajectoryBatch(index, selection, stats["draft_version"],
                                         copy.deepcopy(self.s.allocator.state_dict()), stats["generation_s"],
-                                        stats["generated_tokens"])
+                                        stats["generated_tokens"], spec.as_metrics("vllm/") if spec else {})
                 if not self.buffer.put(batch):
                     return
                 index += 1
@@ -274,6 +280,14 @@ def _async_metrics(batch: TrajectoryBatch, buffer: TrajectoryBuffer, step: int) 
     return out
 
 
+def _spec_metrics(s: GRPOSetup, batch: TrajectoryBatch) -> dict[str, float]:
+    """``vllm/spec_*`` acceptance of the generate calls that produced ``batch`` (recorded by the producer from
+    the calls' own counts) and the low-acceptance alarm's verdict on them; empty without speculation."""
+    if s.spec_alarm is None or not batch.metrics:
+        return {}
+    return {**batch.metrics, **s.spec_alarm.check(batch.metrics)}
+
+
 def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer: TrajectoryProducer,
                      gate: GenerationGate, timer: Timer) -> tuple[dict[str, float], bool] | None:
     """One trainer step at version ``step``: wait for a batch, train, refit to ``step + 1``.
@@ -289,7 +303,7 @@ def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer
         return None
     selection = batch.selection
     metrics = {"train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
-               **selection.metrics, **_async_metrics(batch, buffer, step), **s.spec_metrics_interval(),
+               **selection.metrics, **_async_metrics(batch, buffer, step), **_spec_metrics(s, batch),
                "timing/train/idle/buffer_starvation": wait_end - wait_start,
                "timing/train/exposed_generation": gate.generation_overlap(wait_start, wait_end)}
     if selection.groups:

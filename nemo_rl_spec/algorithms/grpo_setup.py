@@ -49,7 +49,6 @@ class GRPOSetup:
     start_step: int = 0
     extra_state: dict = field(default_factory=dict)
     spec_alarm: LowAcceptanceAlarm | None = None
-    spec_mark: SpecDecodeCounters | None = None
 
     def spec_counters(self) -> SpecDecodeCounters | None:
         """Cumulative speculative-decoding counters of the generation worker (None without speculation)."""
@@ -63,15 +62,6 @@ class GRPOSetup:
             return {}
         metrics = ((self.spec_counters() if after is None else after) - before).as_metrics("vllm/")
         return {**metrics, **self.spec_alarm.check(metrics)}
-
-    def spec_metrics_interval(self) -> dict[str, float]:
-        """:meth:`spec_metrics_since` the previous call (the first call: since engine start); for the async loop,
-        whose generation runs in another thread (validation calls in the interval count too)."""
-        if self.spec_alarm is None:
-            return {}
-        now = self.spec_counters()
-        before, self.spec_mark = self.spec_mark, now
-        return self.spec_metrics_since(before if before is not None else SpecDecodeCounters(), now)
 
     @property
     def pad_token_id(self) -> int:

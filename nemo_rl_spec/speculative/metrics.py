@@ -58,14 +58,22 @@ class SpecDecodeCounters:
                 per_pos = [a + b for a, b in zip(per_pos + [0] * (len(values) - len(per_pos)), values)]
         return cls(drafts, draft_tokens, accepted, tuple(per_pos))
 
-    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+    def _combine(self, other: SpecDecodeCounters, sign: int) -> SpecDecodeCounters:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         a = list(self.accepted_per_pos) + [0] * (n - len(self.accepted_per_pos))
         b = list(other.accepted_per_pos) + [0] * (n - len(other.accepted_per_pos))
-        return SpecDecodeCounters(self.num_drafts - other.num_drafts,
-                                  self.num_draft_tokens - other.num_draft_tokens,
-                                  self.num_accepted_tokens - other.num_accepted_tokens,
-                                  tuple(x - y for x, y in zip(a, b)))
+        return SpecDecodeCounters(self.num_drafts + sign * other.num_drafts,
+                                  self.num_draft_tokens + sign * other.num_draft_tokens,
+                                  self.num_accepted_tokens + sign * other.num_accepted_tokens,
+                                  tuple(x + sign * y for x, y in zip(a, b)))
+
+    def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        """Counts of the interval from ``other`` to ``self`` (per-position lists padded with zeros)."""
+        return self._combine(other, -1)
+
+    def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        """Counts of two disjoint intervals together (e.g. the generate calls of one batch)."""
+        return self._combine(other, 1)
 
     @property
     def acceptance_length(self) -> float:

@@ -46,6 +46,11 @@ def test_counters_and_metrics_by_hand():
     assert two == SpecDecodeCounters(2, 6, 4, (2, 2, 0))
     empty = SpecDecodeCounters.from_vllm_metrics([])
     assert math.isnan(empty.acceptance_length) and math.isnan(empty.acceptance_rate)
+    # two calls of one batch add up; per-position lists of different lengths are zero-padded
+    assert delta + two == SpecDecodeCounters(42, 126, 64, (32, 22, 10))
+    assert SpecDecodeCounters(1, 2, 1, (1,)) + SpecDecodeCounters(1, 3, 2, (1, 1, 0)) == SpecDecodeCounters(
+        2, 5, 3, (2, 1, 0))
+    assert empty + delta == delta and (delta + two) - two == delta
 
 
 def test_alarm_fires_only_after_refit_and_under_floor():

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 
@@ -26,6 +26,7 @@ class GenerationOutputSpec(TypedDict):
         (after temperature), 0 on prompt and padding.
     prompt_index: [N] int64, which prompt each row came from.
     policy_version: int, draft_version: int | None.
+    spec_counters: SpecDecodeCounters of this call (speculative/metrics.py), or None without speculation.
     """
 
     output_ids: torch.Tensor
@@ -35,6 +36,7 @@ class GenerationOutputSpec(TypedDict):
     prompt_index: torch.Tensor
     policy_version: int
     draft_version: int | None
+    spec_counters: Any
 
 
 class GenerationInterface(ABC):

@@ -228,7 +228,9 @@ class VllmGenerationWorker(GenerationInterface):
 
         Returns:
             GenerationOutputSpec with N = B * n rows, right-padded with the tokenizer's pad id;
-            ``generation_logprobs`` hold log-probs of the sampling distribution (after temperature).
+            ``generation_logprobs`` hold log-probs of the sampling distribution (after temperature);
+            ``spec_counters``: this call's speculative-decoding counts (None without speculation), so a caller
+            never has to query the engine while another call may be running.
         """
         from vllm import TokensPrompt
 
@@ -244,8 +246,11 @@ class VllmGenerationWorker(GenerationInterface):
                 requests.append(TokensPrompt(prompt_token_ids=prompt))
                 params.append(self._sampling_params(row_seeds[i * n + j], len(prompt), temperature, max_new_tokens))
                 prompt_index.append(i)
+        before = self.spec_counters()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        return self._pack(prompts, prompt_index, outputs)
+        out = self._pack(prompts, prompt_index, outputs)
+        out["spec_counters"] = None if before is None else self.spec_counters() - before
+        return out
 
     def score(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
         """Log-probs of given sequences under the engine's current weights at temperature 1 (raw logits), from
