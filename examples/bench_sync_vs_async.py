@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=["autoregressive", "speculative"])
     p.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
     p.add_argument("--replot", action="store_true", help="only rewrite the table and plot from an existing --out")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="only combine the modes of earlier outputs into --out (a later file's mode replaces an "
+                        "earlier one: for re-running single modes), recompute speedup_vs_sync, rewrite table and plot")
     p.add_argument("--attempts", type=int, default=3, help="tries per mode (Ray startup can time out under load)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides applied to every mode")
     return p.parse_args(argv)
@@ -214,7 +217,7 @@ def mode_overrides(name: str, age: int, decoding: str, spec: dict | None, steps:
 
 def table(results: dict) -> str:
     cols = ["step_time_s", "exposed_generation_s", "logprobs_s", "training_s", "weight_sync_s",
-            "buffer_starvation_s", "refit_bubble_s", "tokens_per_s", "acceptance_length", "final_reward",
+            "buffer_starvation_s", "refit_bubble_s", "tokens_per_s", "acceptance_length", "final_reward", "mean_reward",
             "final_accuracy", "max_trajectory_age", "speedup_vs_sync"]
     lines = ["| mode | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for name, r in results.items():
@@ -263,11 +266,37 @@ def write_reports(out: Path, results: dict) -> str:
     return md
 
 
+def add_speedups(results: dict) -> None:
+    """``speedup_vs_sync`` = sync step time / the mode's step time, per decoding, in place."""
+    for decoding in ("autoregressive", "speculative"):
+        ref = results.get(f"sync/{decoding}", {}).get("step_time_s")
+        for name, _ in MODES:
+            r = results.get(f"{name}/{decoding}")
+            if r and "error" not in r and ref:
+                r["speedup_vs_sync"] = ref / r["step_time_s"]
+
+
+def merge(paths: list[str], out: Path) -> str:
+    """Combine the ``modes`` of several outputs (later files win) into ``out``, keeping each file's settings under
+    ``settings.sources``; returns the table."""
+    results, sources = {}, []
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        results.update(doc["modes"])
+        sources.append({"file": str(path), "modes": sorted(doc["modes"]), "settings": doc.get("settings")})
+    add_speedups(results)
+    out.write_text(json.dumps({"modes": results, "settings": {"sources": sources}}, indent=2, default=str))
+    return write_reports(out, results)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     if args.replot:
         print(write_reports(out, json.loads(out.read_text())["modes"]))
+        return 0
+    if args.merge:
+        print(merge(args.merge, out))
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_sync_async_"))
@@ -304,12 +333,7 @@ def main(argv=None) -> int:
                     results[key] = {"error": traceback.format_exc(), "attempts": attempt}
             print(json.dumps({key: results[key]}, default=str), flush=True)
             out.write_text(json.dumps({"modes": results}, indent=2, default=str))
-    for decoding in args.decoding:
-        ref = results.get(f"sync/{decoding}", {}).get("step_time_s")
-        for name, _ in MODES:
-            r = results.get(f"{name}/{decoding}")
-            if r and "error" not in r and ref:
-                r["speedup_vs_sync"] = ref / r["step_time_s"]
+    add_speedups(results)
     settings = {"config": args.config, "spec_recipe": args.spec_recipe, "steps": args.steps, "overrides": args.overrides,
                 "speculative_config": spec, "note": "means over steps 2..N; see examples/bench_sync_vs_async.py"}
     out.write_text(json.dumps({"modes": results, "settings": settings}, indent=2, default=str))
