@@ -1,6 +1,7 @@
 """Benchmark sync against async GRPO, autoregressive against speculative rollouts, on one recipe and seed.
 
 ``python examples/bench_sync_vs_async.py --out bench.json [--config configs/grpo_math_tiny.yaml] [--steps 8]``
+``python examples/bench_sync_vs_async.py --merge first.json rerun.json --out bench.json`` (combine re-run modes)
 
 Runs {sync, async age 1, async age 2} x {autoregressive, speculative} one after another in this process (each mode
 gets fresh Ray actors from the same initial weights, seeds and prompt stream), then writes:
