@@ -19,7 +19,7 @@ Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh proc
         "step_time_s": mean timing/train/total_step_time over steps after the first (seconds),
         "train_time_s": mean timing/train/policy_training over steps after the first (seconds),
         "series": {metric: [per step]} for reward, lambda, c_hat, v2_hat, MTP CE, acceptance (+ c_ref, v2_ref,
-                   lambda_ref for occ+ref)}}},
+                   lambda_ref, c_ref_decoder, v2_ref_decoder for occ+ref)}}},
      "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...},
      "proxy_validation": {"pearson_c", "pearson_v2", "pearson_lambda", "sign_agreement_c", "n"}}
 
@@ -38,7 +38,9 @@ from pathlib import Path
 
 SERIES = {"reward": "train/reward", "lambda": "train/mtp/lambda", "c_hat": "train/mtp/c_hat",
           "v2_hat": "train/mtp/v2_hat", "mtp_ce": "train/mtp/ce_0", "mtp_acceptance": "train/mtp/acceptance",
-          "c_ref": "train/mtp/c_ref", "v2_ref": "train/mtp/v2_ref", "lambda_ref": "train/mtp/lambda_ref"}
+          "c_ref": "train/mtp/c_ref", "v2_ref": "train/mtp/v2_ref", "lambda_ref": "train/mtp/lambda_ref",
+          "c_ref_decoder": "train/mtp/c_ref_decoder", "v2_ref_decoder": "train/mtp/v2_ref_decoder"}
+PROXY_SERIES = ("c_hat", "c_ref", "v2_hat", "v2_ref", "lambda", "lambda_ref", "c_ref_decoder", "v2_ref_decoder")
 REFERENCE = "+ref"  # mode suffix: also compute the full-gradient reference (policy.megatron_cfg.mtp_occ_reference)
 
 
@@ -178,8 +180,7 @@ def proxy_steps(config: str, steps: int, extra: list[str]) -> dict:
     recipe whose model never earns reward has all-zero advantages, hence c = v2 = 0 everywhere); returns
     ``{"<seed>": {"series": ...}}`` for :func:`proxy_validation`."""
     worker = _workers(config, ["occ" + REFERENCE], extra)["occ" + REFERENCE]
-    series = {name: [] for name in ("c_hat", "c_ref", "v2_hat", "v2_ref", "lambda", "lambda_ref", "c_ref_decoder",
-                                    "v2_ref_decoder")}
+    series = {name: [] for name in PROXY_SERIES}
     for step in range(steps):
         m = worker.train(random_train_batch(worker, seed=1000 + step))
         for name in series:

@@ -235,7 +235,7 @@ class MegatronPolicyWorker(PolicyInterface):
         With MTP, also the ``mtp/*`` metrics of :meth:`_mtp_micro_batch` (``mtp/lambda``, ``mtp/c_hat``,
         ``mtp/v2_hat``, ``mtp/loss_<k>``, ``mtp/ce_<k>``, ``mtp/acceptance_<k>``, ``mtp/acceptance``,
         ``mtp/grad_norm``, ``mtp/delta_abs_mean``, and with ``mtp_occ_reference`` ``mtp/c_ref``, ``mtp/v2_ref``,
-        ``mtp/lambda_ref``); the driver logs them as ``train/mtp/*``.
+        ``mtp/c_ref_decoder``, ``mtp/v2_ref_decoder``, ``mtp/lambda_ref``); the driver logs them as ``train/mtp/*``.
         """
         self.model.train()
         self.model.zero_grad_buffer()
