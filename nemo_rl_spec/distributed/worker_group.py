@@ -1,0 +1,153 @@
+"""A group of N Ray actors of one class, optionally in one ``torch.distributed`` world (NeMo-RL's RayWorkerGroup,
+our own code).
+
+Worker ``r`` is scheduled into the bundle of node ``nodes[r]`` of a :class:`RayVirtualCluster` and gets, in its
+``runtime_env``, ``RANK=r``, ``WORLD_SIZE=N``, ``LOCAL_RANK`` (its index among the group's workers on that node),
+``MASTER_ADDR`` / ``MASTER_PORT`` (published from rank 0's node: a free port probed there) and the caller's own
+environment variables. The actor's ``__init__`` then calls :func:`init_process_group_from_env` (gloo on CPU, NCCL
+on GPU). Groups of independent actors (one vLLM engine per worker) pass ``torch_distributed=False``: no world, no
+rendezvous variables.
+
+Methods run on all workers or on a subset (``ranks``); :meth:`run_all_workers_sharded_data` splits a batch by
+data-parallel rank (:func:`~nemo_rl_spec.distributed.batch.shard_batch`): every worker of DP rank ``d`` (its TP/PP
+peers too) receives shard ``d``.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import ray
+import torch
+
+from nemo_rl_spec.distributed.batch import shard_batch
+from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
+
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_process_group_from_env(timeout_minutes: float = 30.0) -> tuple[int, int]:
+    """Initialise the default ``torch.distributed`` group from the rendezvous variables a worker group set (gloo on
+    CPU, NCCL when CUDA is available); a process without them gets a world of size 1 on a free local port.
+
+    Returns:
+        (rank, world_size).
+    Raises:
+        RuntimeError: from ``torch.distributed`` when peers do not join within ``timeout_minutes``.
+    """
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if "WORLD_SIZE" not in os.environ:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port)})
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+    torch.distributed.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                         timeout=timedelta(minutes=timeout_minutes))
+    return rank, world
+
+
+class RayWorkerGroup:
+    """N actors of ``actor_cls`` placed on ``cluster`` nodes.
+
+    Args:
+        cluster: the virtual cluster whose bundles host the workers.
+        actor_cls: a plain class (wrapped with ``ray.remote`` here).
+        nodes: node index of each worker (``len(nodes)`` = N workers), e.g. ``[0, 0, 1, 1]``.
+        init_args: ``init_args(rank) -> (args, kwargs)`` for each worker's constructor.
+        num_cpus, num_gpus: per-worker Ray resources (fractions of their node's bundle).
+        env_vars: per-worker environment (``env_vars(rank) -> dict``) merged under the rendezvous variables.
+        torch_distributed: set the rendezvous variables (one ``torch.distributed`` world of N ranks).
+        name: prefix of the actors' names (``<name>-<rank>``, shown by ``ray list actors``).
+
+    Raises:
+        ValueError: empty ``nodes``.
+    """
+
+    def __init__(self, cluster: RayVirtualCluster, actor_cls: type, nodes: Sequence[int],
+                 init_args: Callable[[int], tuple[tuple, dict]], num_cpus: float, num_gpus: float = 0.0,
+                 env_vars: Callable[[int], dict[str, str]] | None = None, torch_distributed: bool = True,
+                 name: str = "worker"):
+        if not nodes:
+            raise ValueError("a worker group needs at least one worker (nodes is empty)")
+        self.cluster, self.nodes, self.name = cluster, list(nodes), name
+        rendezvous = cluster.node_address(self.nodes[0]) if torch_distributed else None
+        remote_cls = ray.remote(actor_cls)
+        self.workers = []
+        for rank, node in enumerate(self.nodes):
+            env = dict(env_vars(rank) if env_vars is not None else {})
+            if rendezvous is not None:
+                env.update(RANK=str(rank), WORLD_SIZE=str(len(self.nodes)),
+                           LOCAL_RANK=str(self.nodes[:rank].count(node)), MASTER_ADDR=rendezvous[0],
+                           MASTER_PORT=str(rendezvous[1]))
+            args, kwargs = init_args(rank)
+            self.workers.append(remote_cls.options(
+                num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=cluster.scheduling(node),
+                runtime_env={"env_vars": env}, name=f"{name}-{rank}-{os.getpid()}-{id(self):x}",
+            ).remote(*args, **kwargs))
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers."""
+        return len(self.workers)
+
+    def _targets(self, ranks: Sequence[int] | None) -> list[int]:
+        return list(range(self.world_size)) if ranks is None else list(ranks)
+
+    def run_all_workers_single_data(self, method: str, *args, ranks: Sequence[int] | None = None,
+                                    **kwargs) -> list[ray.ObjectRef]:
+        """Call ``method(*args, **kwargs)`` on every worker (or on ``ranks``); returns the futures in rank order."""
+        return [getattr(self.workers[r], method).remote(*args, **kwargs) for r in self._targets(ranks)]
+
+    def run_all_workers_multiple_data(self, method: str, per_worker: Sequence[tuple[tuple, dict]],
+                                      ranks: Sequence[int] | None = None) -> list[ray.ObjectRef]:
+        """Call ``method(*args_i, **kwargs_i)`` on worker ``ranks[i]`` (default: rank i) for each ``per_worker[i]``.
+
+        Raises:
+            ValueError: ``per_worker`` and the targeted ranks differ in length.
+        """
+        targets = self._targets(ranks)
+        if len(per_worker) != len(targets):
+            raise ValueError(f"{len(per_worker)} argument sets for {len(targets)} workers")
+        return [getattr(self.workers[r], method).remote(*a, **k) for r, (a, k) in zip(targets, per_worker)]
+
+    def run_all_workers_sharded_data(self, method: str, data: dict[str, Any], dp_rank_of: Sequence[int], dp_size: int,
+                                     *args, **kwargs) -> list[ray.ObjectRef]:
+        """Shard ``data`` into ``dp_size`` contiguous row blocks and call ``method(shard, *args, **kwargs)`` on every
+        worker, worker ``r`` receiving shard ``dp_rank_of[r]`` (its TP/PP peers get the same shard). Each shard is
+        put in the object store once."""
+        shards = [ray.put(s) for s in shard_batch(data, dp_size)]
+        return [getattr(w, method).remote(shards[dp_rank_of[r]], *args, **kwargs) for r, w in enumerate(self.workers)]
+
+    @staticmethod
+    def get(refs: list[ray.ObjectRef] | ray.ObjectRef, timeout: float | None = None):
+        """``ray.get`` (the controllers' one place that blocks on workers)."""
+        return ray.get(refs, timeout=timeout)
+
+    def node_ids(self) -> list[str]:
+        """The Ray node id each worker runs on (rank order)."""
+        return ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                        for w in self.workers])
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until every worker's constructor has finished (re-raises a constructor's error)."""
+        ray.get([w.__ray_ready__.remote() for w in self.workers], timeout=timeout)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Call each worker's ``shutdown()`` if it has one (best effort, ``timeout`` s), then kill every actor."""
+        for worker in self.workers:
+            try:
+                ray.get(worker.shutdown.remote(), timeout=timeout)
+            except Exception:  # noqa: BLE001 - no shutdown method, a dead actor, a timeout: the kill below cleans up
+                pass
+            ray.kill(worker)
+        self.workers = []
