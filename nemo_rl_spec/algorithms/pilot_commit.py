@@ -45,78 +45,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Optional
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import Any, Iterable
 
 from nemo_rl_spec.algorithms.interfaces import RolloutRequest, RolloutResult, Stage, TrainGroup, TrainSelection
 from nemo_rl_spec.algorithms.rollout_allocation import AllocatorBase
+from nemo_rl_spec.utils.feature_configs import PilotCommitConfig
 
 logger = logging.getLogger(__name__)
-
-
-class PilotCommitConfig(BaseModel):
-    """``grpo.pilot_commit``: Pilot-Commit rollout allocation. The section being present turns it on unless
-    ``enabled: false``.
-
-    Budget: a step pilots ``pilot_batch_size`` prompts (``pilot_batch_size * n_pilot`` rollouts) and commits
-    K = (rollout_budget_per_step - pilot_batch_size * n_pilot) // n_commit prompts (``K * n_commit`` rollouts).
-    ``rollout_budget_per_step`` None means the uniform-GRPO budget
-    ``grpo.num_prompts_per_step * grpo.num_generations_per_prompt``.
-
-    Thresholds: p_hat is a multiple of 1/n_pilot; put p_lower/p_upper between grid points to avoid ties
-    (defaults 0.1/0.9 select every pilot that is neither all-wrong nor all-right).
-    """
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    enabled: bool = True
-    n_pilot: int = Field(default=2, description="pilot rollouts per prompt (>= 2)")
-    n_commit: int = Field(default=4, ge=1, description="commit rollouts per selected prompt")
-    pilot_batch_size: int = Field(default=4, ge=1, description="prompts piloted per step")
-    rollout_budget_per_step: Optional[int] = Field(default=None, ge=1, description="rollouts per step (pilot+commit)")
-    p_lower: float = Field(default=0.1, description="p_hat below it: too hard, deferred to the next epoch")
-    p_upper: float = Field(default=0.9, description="p_hat above it: too easy, not committed")
-    evict_after_consecutive_solved: int = Field(default=2, ge=1, description="all-solved pilots in a row -> evicted")
-    bind_pilot_to_commit: bool = True
-    max_off_steps: int = Field(default=2, ge=0, description="replay-buffer entries older than this (steps) expire")
-    max_buffer_size: int = Field(default=64, ge=0, description="replay-buffer capacity (prompts); 0 disables it")
-    all_too_hard_fallback: Literal["commit_top", "skip"] = "commit_top"
-
-    @field_validator("n_pilot")
-    @classmethod
-    def _pilot_spread(cls, v: int) -> int:
-        if v < 2:
-            raise ValueError(f"n_pilot={v}: need >= 2 pilot rollouts, one rollout cannot show a reward spread")
-        return v
-
-    @field_validator("p_lower", "p_upper")
-    @classmethod
-    def _unit_interval(cls, v: float, info) -> float:
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"{info.field_name}={v} must lie in [0, 1] (a success rate)")
-        return v
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "PilotCommitConfig":
-        if not self.p_lower < self.p_upper:
-            raise ValueError(f"need 0 <= p_lower < p_upper <= 1, got p_lower={self.p_lower}, p_upper={self.p_upper}")
-        if self.rollout_budget_per_step is not None:
-            self.commit_slots(self.rollout_budget_per_step)
-        return self
-
-    def commit_slots(self, budget: int) -> int:
-        """K, prompts committed per step under ``budget`` rollouts.
-
-        Raises:
-            ValueError: the budget does not cover the pilot plus one commit.
-        """
-        pilot = self.pilot_batch_size * self.n_pilot
-        slots = (budget - pilot) // self.n_commit
-        if slots < 1:
-            raise ValueError(f"rollout_budget_per_step={budget} leaves no commit slot: the pilot costs "
-                             f"pilot_batch_size*n_pilot={pilot} and one commit n_commit={self.n_commit}")
-        return slots
 
 
 @dataclass

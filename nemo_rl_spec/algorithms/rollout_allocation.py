@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from nemo_rl_spec.algorithms.interfaces import (
     RolloutAllocator,
@@ -36,24 +35,10 @@ from nemo_rl_spec.algorithms.interfaces import (
     TrainGroup,
     TrainSelection,
 )
+from nemo_rl_spec.utils.feature_configs import DynamicSamplingConfig
 
 _MASK64 = (1 << 64) - 1
 _STAGE_CODE = {Stage.PILOT: 1, Stage.COMMIT: 2, Stage.GROUP: 3}
-
-
-class DynamicSamplingConfig(BaseModel):
-    """``grpo.dynamic_sampling``: DAPO dynamic sampling (Yu et al. 2025, "DAPO", section 3.2).
-
-    Each step generates batches of ``grpo.num_prompts_per_step`` prompts x ``grpo.num_generations_per_prompt``
-    rollouts, keeps only groups whose rewards are not all equal, and generates another batch until the train
-    batch is full or ``max_gen_batches`` batches were generated (then it trains on what it kept; possibly nothing).
-    The section being present turns the feature on unless ``enabled: false``.
-    """
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    enabled: bool = True
-    max_gen_batches: int = Field(default=10, ge=1, description="generation batches per step, at most")
 
 
 def mix_seed(*values: int) -> int:

@@ -28,73 +28,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from nemo_rl_spec.utils.feature_configs import DynamicSpeculationConfig, Schedule, validate_schedule
 
 logger = logging.getLogger(__name__)
 
-Schedule = list[tuple[int, int, int]]
 VLLM_KEY = "num_speculative_tokens_per_batch_size"
-
-
-class DynamicSpeculationConfig(BaseModel):
-    """``policy.generation.dynamic_speculation``: k per running batch size (needs ``vllm_kwargs.speculative_config``).
-
-    Exactly one of:
-
-    - ``num_speculative_tokens_per_batch_size``: ``[[first, last, k], ...]`` inclusive batch-size ranges (vLLM's
-      format; the first range starts at 1; k = 0 turns drafting off for that range);
-    - ``step_costs``: a JSON file with measured step costs (``examples/bench_spec_rollouts.py --out FILE``
-      writes them under ``"step_costs"``; see :func:`load_step_costs`); the schedule is :func:`derive_schedule`
-      of it, with ``acceptance_rate`` (per-token acceptance a; None: the file's) and ``min_speedup``.
-
-    ``max_batch_size``: largest running batch the derived schedule covers (larger ones keep the last k).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = True
-    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
-    step_costs: str | None = None
-    acceptance_rate: float | None = Field(default=None, ge=0.0, le=1.0)
-    min_speedup: float = Field(default=1.0, gt=0.0)
-    max_batch_size: PositiveInt = 256
-
-    @model_validator(mode="after")
-    def _one_source(self) -> DynamicSpeculationConfig:
-        given = [self.num_speculative_tokens_per_batch_size is not None, self.step_costs is not None]
-        if self.enabled and sum(given) != 1:
-            raise ValueError("policy.generation.dynamic_speculation: set exactly one of "
-                             "num_speculative_tokens_per_batch_size (explicit schedule) or step_costs (a JSON file "
-                             "of measured step costs)")
-        if self.num_speculative_tokens_per_batch_size is not None:
-            validate_schedule(self.num_speculative_tokens_per_batch_size)
-        return self
-
-
-def validate_schedule(schedule: Sequence[Sequence[int]]) -> Schedule:
-    """Check a schedule in vLLM's format and return it sorted as tuples.
-
-    Raises:
-        ValueError: empty, an entry not ``(first, last, k)``, first > last, a batch size < 1, k < 0, overlapping
-            ranges, or the first range not starting at 1 (the rules vLLM enforces at engine start).
-    """
-    if not schedule:
-        raise ValueError("num_speculative_tokens_per_batch_size: empty schedule")
-    out = []
-    for entry in schedule:
-        if len(entry) != 3:
-            raise ValueError(f"num_speculative_tokens_per_batch_size entry {entry!r}: expected [first, last, k]")
-        first, last, k = (int(x) for x in entry)
-        if first < 1 or last < first or k < 0:
-            raise ValueError(f"num_speculative_tokens_per_batch_size entry {entry!r}: need 1 <= first <= last, k >= 0")
-        out.append((first, last, k))
-    out.sort()
-    if out[0][0] != 1:
-        raise ValueError("num_speculative_tokens_per_batch_size: the first range must start at batch size 1")
-    for (_, prev_last, _), (first, _, _) in itertools.pairwise(out):
-        if first <= prev_last:
-            raise ValueError(f"num_speculative_tokens_per_batch_size: overlapping ranges {out}")
-    return out
 
 
 def k_for_batch_size(schedule: Sequence[Sequence[int]], batch_size: int, max_k: int | None = None) -> int:

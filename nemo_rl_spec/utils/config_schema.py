@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from nemo_rl_spec.algorithms.pilot_commit import PilotCommitConfig
-from nemo_rl_spec.algorithms.rollout_allocation import DynamicSamplingConfig
-from nemo_rl_spec.speculative.adaptive_k import DynamicSpeculationConfig
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+from nemo_rl_spec.utils.feature_configs import DynamicSamplingConfig, DynamicSpeculationConfig, PilotCommitConfig
 
 NonNegFloat = Field(ge=0.0)
 
@@ -290,21 +289,21 @@ class CheckpointingConfig(_Strict):
 
 
 class ClusterConfig(_Strict):
+    """``cluster``: the nodes a run is laid out on (nemo_rl_spec/distributed/placement.py).
+
+    A node has ``gpus_per_node`` worker slots on GPU, ``workers_per_node`` on CPU (``gpus_per_node: 0``; the CPU
+    analogue of a GPU, ignored on GPU). ``policy_num_cpus`` / ``generation_num_cpus``: CPUs a Megatron rank / one
+    engine slot asks from Ray. ``num_cpus``: CPUs of a local Ray start (``ray_address: null``); whether the plan fits
+    them is checked by ``plan_placement``, which knows the slot counts.
+    """
+
     num_nodes: PositiveInt
     gpus_per_node: int = Field(ge=0)
+    workers_per_node: PositiveInt
     num_cpus: PositiveFloat
     policy_num_cpus: PositiveFloat
     generation_num_cpus: PositiveFloat
     ray_address: Optional[str]
-
-    @model_validator(mode="after")
-    def _fits(self) -> "ClusterConfig":
-        if self.policy_num_cpus + self.generation_num_cpus > self.num_cpus:
-            raise ValueError(
-                f"cluster.policy_num_cpus + cluster.generation_num_cpus = "
-                f"{self.policy_num_cpus + self.generation_num_cpus} exceeds cluster.num_cpus={self.num_cpus}"
-            )
-        return self
 
 
 class MasterConfig(_Strict):

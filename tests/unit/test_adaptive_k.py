@@ -8,7 +8,6 @@ import pytest
 
 from nemo_rl_spec.speculative.adaptive_k import (
     VLLM_KEY,
-    DynamicSpeculationConfig,
     apply_batch_size_schedule,
     derive_schedule,
     expected_tokens_per_step,
@@ -16,8 +15,8 @@ from nemo_rl_spec.speculative.adaptive_k import (
     k_for_batch_size,
     predicted_speedups,
     schedule_from_config,
-    validate_schedule,
 )
+from nemo_rl_spec.utils.feature_configs import DynamicSpeculationConfig, validate_schedule
 
 # Hand-worked example. Plain step 1.0 s at batch 1, 2.0 s at batch 9 -> c_AR(b) = 1 + (b-1)/8.
 # k=1 step 1.2 / 3.0 s -> c_1(b) = 1.2 + 0.225 (b-1); k=3 step 1.5 / 6.0 s -> c_3(b) = 1.5 + 0.5625 (b-1).

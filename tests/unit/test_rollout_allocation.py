@@ -12,10 +12,8 @@ import torch
 from pydantic import ValidationError
 
 from nemo_rl_spec.algorithms.interfaces import RolloutAllocator, RolloutRequest, RolloutResult, Stage, TrainGroup
-from nemo_rl_spec.algorithms.pilot_commit import PilotCommitConfig
 from nemo_rl_spec.algorithms.rollout_allocation import (
     DynamicSamplingAllocator,
-    DynamicSamplingConfig,
     PromptStream,
     UniformAllocator,
     build_rollout_allocator,
@@ -23,6 +21,7 @@ from nemo_rl_spec.algorithms.rollout_allocation import (
     mix_seed,
     requests_by_n,
 )
+from nemo_rl_spec.utils.feature_configs import DynamicSamplingConfig, PilotCommitConfig
 
 P_OF_KIND = {"H": 0.0, "M": 0.5, "E": 1.0}
 

@@ -257,7 +257,8 @@ def test_pilot_binding_shrinks_the_producer_lead(monkeypatch):
     # bound pilots are one batch older than their commits: with A = 2 the producer may lead by 1 only, so the
     # oldest rollout of every trained group is exactly at the bound (age 2) and nothing is evicted
     import nemo_rl_spec.algorithms.async_grpo as ag
-    from nemo_rl_spec.algorithms.pilot_commit import PilotCommitAllocator, PilotCommitConfig
+    from nemo_rl_spec.algorithms.pilot_commit import PilotCommitAllocator
+    from nemo_rl_spec.utils.feature_configs import PilotCommitConfig
 
     holder = {}
 

@@ -1,0 +1,160 @@
+"""Pydantic models of the optional feature sections that algorithm and speculative modules implement.
+
+They live in ``utils`` so that the recipe schema (:mod:`nemo_rl_spec.utils.config_schema`) does not import upward
+(imports run algorithms -> models -> distributed -> utils); the modules that implement the features import them
+from here:
+
+- :class:`PilotCommitConfig` (``grpo.pilot_commit``): :mod:`nemo_rl_spec.algorithms.pilot_commit`
+- :class:`DynamicSamplingConfig` (``grpo.dynamic_sampling``): :mod:`nemo_rl_spec.algorithms.rollout_allocation`
+- :class:`DynamicSpeculationConfig` (``policy.generation.dynamic_speculation``) and :func:`validate_schedule`:
+  :mod:`nemo_rl_spec.speculative.adaptive_k`
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+Schedule = list[tuple[int, int, int]]
+
+
+class PilotCommitConfig(BaseModel):
+    """``grpo.pilot_commit``: Pilot-Commit rollout allocation. The section being present turns it on unless
+    ``enabled: false``.
+
+    Budget: a step pilots ``pilot_batch_size`` prompts (``pilot_batch_size * n_pilot`` rollouts) and commits
+    K = (rollout_budget_per_step - pilot_batch_size * n_pilot) // n_commit prompts (``K * n_commit`` rollouts).
+    ``rollout_budget_per_step`` None means the uniform-GRPO budget
+    ``grpo.num_prompts_per_step * grpo.num_generations_per_prompt``.
+
+    Thresholds: p_hat is a multiple of 1/n_pilot; put p_lower/p_upper between grid points to avoid ties
+    (defaults 0.1/0.9 select every pilot that is neither all-wrong nor all-right).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: bool = True
+    n_pilot: int = Field(default=2, description="pilot rollouts per prompt (>= 2)")
+    n_commit: int = Field(default=4, ge=1, description="commit rollouts per selected prompt")
+    pilot_batch_size: int = Field(default=4, ge=1, description="prompts piloted per step")
+    rollout_budget_per_step: Optional[int] = Field(default=None, ge=1, description="rollouts per step (pilot+commit)")
+    p_lower: float = Field(default=0.1, description="p_hat below it: too hard, deferred to the next epoch")
+    p_upper: float = Field(default=0.9, description="p_hat above it: too easy, not committed")
+    evict_after_consecutive_solved: int = Field(default=2, ge=1, description="all-solved pilots in a row -> evicted")
+    bind_pilot_to_commit: bool = True
+    max_off_steps: int = Field(default=2, ge=0, description="replay-buffer entries older than this (steps) expire")
+    max_buffer_size: int = Field(default=64, ge=0, description="replay-buffer capacity (prompts); 0 disables it")
+    all_too_hard_fallback: Literal["commit_top", "skip"] = "commit_top"
+
+    @field_validator("n_pilot")
+    @classmethod
+    def _pilot_spread(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(f"n_pilot={v}: need >= 2 pilot rollouts, one rollout cannot show a reward spread")
+        return v
+
+    @field_validator("p_lower", "p_upper")
+    @classmethod
+    def _unit_interval(cls, v: float, info) -> float:
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{info.field_name}={v} must lie in [0, 1] (a success rate)")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PilotCommitConfig":
+        if not self.p_lower < self.p_upper:
+            raise ValueError(f"need 0 <= p_lower < p_upper <= 1, got p_lower={self.p_lower}, p_upper={self.p_upper}")
+        if self.rollout_budget_per_step is not None:
+            self.commit_slots(self.rollout_budget_per_step)
+        return self
+
+    def commit_slots(self, budget: int) -> int:
+        """K, prompts committed per step under ``budget`` rollouts.
+
+        Raises:
+            ValueError: the budget does not cover the pilot plus one commit.
+        """
+        pilot = self.pilot_batch_size * self.n_pilot
+        slots = (budget - pilot) // self.n_commit
+        if slots < 1:
+            raise ValueError(f"rollout_budget_per_step={budget} leaves no commit slot: the pilot costs "
+                             f"pilot_batch_size*n_pilot={pilot} and one commit n_commit={self.n_commit}")
+        return slots
+
+
+class DynamicSamplingConfig(BaseModel):
+    """``grpo.dynamic_sampling``: DAPO dynamic sampling (Yu et al. 2025, "DAPO", section 3.2).
+
+    Each step generates batches of ``grpo.num_prompts_per_step`` prompts x ``grpo.num_generations_per_prompt``
+    rollouts, keeps only groups whose rewards are not all equal, and generates another batch until the train
+    batch is full or ``max_gen_batches`` batches were generated (then it trains on what it kept; possibly nothing).
+    The section being present turns the feature on unless ``enabled: false``.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: bool = True
+    max_gen_batches: int = Field(default=10, ge=1, description="generation batches per step, at most")
+
+
+class DynamicSpeculationConfig(BaseModel):
+    """``policy.generation.dynamic_speculation``: k per running batch size (needs ``vllm_kwargs.speculative_config``).
+
+    Exactly one of:
+
+    - ``num_speculative_tokens_per_batch_size``: ``[[first, last, k], ...]`` inclusive batch-size ranges (vLLM's
+      format; the first range starts at 1; k = 0 turns drafting off for that range);
+    - ``step_costs``: a JSON file with measured step costs (``examples/bench_spec_rollouts.py --out FILE``
+      writes them under ``"step_costs"``; see :func:`load_step_costs`); the schedule is :func:`derive_schedule`
+      of it, with ``acceptance_rate`` (per-token acceptance a; None: the file's) and ``min_speedup``.
+
+    ``max_batch_size``: largest running batch the derived schedule covers (larger ones keep the last k).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = None
+    step_costs: str | None = None
+    acceptance_rate: float | None = Field(default=None, ge=0.0, le=1.0)
+    min_speedup: float = Field(default=1.0, gt=0.0)
+    max_batch_size: PositiveInt = 256
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DynamicSpeculationConfig:
+        given = [self.num_speculative_tokens_per_batch_size is not None, self.step_costs is not None]
+        if self.enabled and sum(given) != 1:
+            raise ValueError("policy.generation.dynamic_speculation: set exactly one of "
+                             "num_speculative_tokens_per_batch_size (explicit schedule) or step_costs (a JSON file "
+                             "of measured step costs)")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            validate_schedule(self.num_speculative_tokens_per_batch_size)
+        return self
+
+
+def validate_schedule(schedule: Sequence[Sequence[int]]) -> Schedule:
+    """Check a schedule in vLLM's format and return it sorted as tuples.
+
+    Raises:
+        ValueError: empty, an entry not ``(first, last, k)``, first > last, a batch size < 1, k < 0, overlapping
+            ranges, or the first range not starting at 1 (the rules vLLM enforces at engine start).
+    """
+    if not schedule:
+        raise ValueError("num_speculative_tokens_per_batch_size: empty schedule")
+    out = []
+    for entry in schedule:
+        if len(entry) != 3:
+            raise ValueError(f"num_speculative_tokens_per_batch_size entry {entry!r}: expected [first, last, k]")
+        first, last, k = (int(x) for x in entry)
+        if first < 1 or last < first or k < 0:
+            raise ValueError(f"num_speculative_tokens_per_batch_size entry {entry!r}: need 1 <= first <= last, k >= 0")
+        out.append((first, last, k))
+    out.sort()
+    if out[0][0] != 1:
+        raise ValueError("num_speculative_tokens_per_batch_size: the first range must start at batch size 1")
+    for (_, prev_last, _), (first, _, _) in itertools.pairwise(out):
+        if first <= prev_last:
+            raise ValueError(f"num_speculative_tokens_per_batch_size: overlapping ranges {out}")
+    return out
