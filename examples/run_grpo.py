@@ -3,8 +3,8 @@
 The recipe is validated before Ray or any worker starts; a bad value exits with status 2 and one message naming
 the key or file. ``--dry-run`` stops there: it validates the recipe, checks what this build runs and prints the
 placement plan (which worker on which node, with which GPU / CPU share; DP/TP/PP; engines), starting no Ray worker;
-a recipe that does not fit its cluster exits with status 2 naming the key. Ctrl-C or a worker failure tears down every Ray actor and vLLM engine; complete checkpoints
-(``step_N``) are never touched by a failure.
+a recipe that does not fit its cluster exits with status 2 naming the key. Ctrl-C or a worker failure tears down
+every Ray actor and vLLM engine; complete checkpoints (``step_N``) are never touched by a failure.
 """
 from __future__ import annotations
 
