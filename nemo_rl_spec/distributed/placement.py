@@ -32,9 +32,11 @@ Ray requests per worker (``policy_num_cpus`` ... ``generation_num_gpus``):
   workers need one device each.
 - GPU split: a policy rank asks 1 GPU; an engine ``T`` whole GPUs (Ray makes those ``T`` visible to it).
 
-Ray's fractional-GPU allocator fills a partly used GPU first, so two 0.5-GPU actors on one node may be given the
-same GPU while another stays idle; ``policy_slots`` / ``engine_slots`` are the intended local GPU of every worker
-for setup code that pins devices (not verified on GPU here: this machine has none).
+Ray's fractional-GPU allocator fills a partly used GPU first. Measured here with logical GPUs (ray 2.60,
+``ray.init(num_gpus=4)``): in one bundle of 4 GPUs, four 0.5-GPU actors got GPUs [0, 0, 1, 1] and four more got
+[2, 2, 3, 3], i.e. two Megatron ranks on one GPU; with one 1-GPU bundle per slot, the two actors in bundle ``s``
+both got GPU ``s``. So on GPU either the reservation has one bundle per GPU (NeMo-RL's layout) or the setup pins
+every worker to its ``policy_slots`` / ``engine_slots`` GPU; fractional requests alone do not. (No real GPU here.)
 """
 from __future__ import annotations
 
