@@ -8,6 +8,7 @@ be (not root, no apt-get, no network); set REQUIRE_SLURM=1 to make that a failur
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -215,6 +216,45 @@ def test_one_grpo_step_of_the_tiny_recipe_under_slurm(slurm_nodes, tmp_path):
     assert "Connecting to existing Ray cluster" in (_log_dir(job, tmp_path) / "driver.log").read_text()
     assert _ray_processes(job) == []
     print(f"GRPO step under Slurm, job {job}: {elapsed:.1f}s from sbatch to COMPLETED")
+
+
+PLACEMENT_LINE = re.compile(r"\[placement\] (policy rank|generation engine) (\d+) \(node (\d+)\) on ray node (\w+)")
+
+
+@pytest.mark.timeout(2400)
+def test_two_node_grpo_places_a_policy_worker_and_an_engine_on_each_node(slurm_nodes, tmp_path):
+    """cluster.num_nodes=2 under a 2-node job: the placement plan puts policy rank n and engine n on node n
+    (colocated, one slot per node); the Ray node id each actor reports (printed by the driver as ``[placement]``
+    lines) differs between the two nodes and agrees between the rank and the engine of one node; 2 GRPO steps run."""
+    if len(slurm_nodes) < 2:
+        _unavailable(f"needs 2 Slurm nodes, sinfo shows {slurm_nodes}")
+    log_dir = tmp_path / "logs"
+    command = (f"{sys.executable} examples/run_grpo.py --config configs/grpo_math_tiny.yaml cluster.num_nodes=2 "
+               f"grpo.max_num_steps=2 grpo.val_at_start=false data.validation.max_samples=2 "
+               f"logger.log_dir={log_dir} checkpointing.enabled=false logger.progress_bar=false "
+               "cluster.ray_address=$RAY_ADDRESS")
+    t0 = time.monotonic()
+    job = _submit(tmp_path, command, 2, "--time=00:40:00")
+    fields = _wait(job, tmp_path, 2100)
+    elapsed = time.monotonic() - t0
+    out = _output(job, tmp_path)
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", out
+    driver = (_log_dir(job, tmp_path) / "driver.log").read_text()
+    placed = {(role.split()[0], int(i)): (int(node), ray_node) for role, i, node, ray_node in
+              PLACEMENT_LINE.findall(driver)}
+    assert set(placed) == {("policy", 0), ("policy", 1), ("generation", 0), ("generation", 1)}, driver[-4000:]
+    for i in (0, 1):
+        assert placed["policy", i][0] == placed["generation", i][0] == i      # the plan: rank i, engine i on node i
+        assert placed["policy", i][1] == placed["generation", i][1]          # the actors agree on their Ray node
+    assert placed["policy", 0][1] != placed["policy", 1][1]                  # two different Ray nodes
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in records}
+    assert {1, 2} <= set(steps), records
+    for step in (1, 2):
+        assert all(math.isfinite(v) for v in steps[step].values() if isinstance(v, (int, float))), steps[step]
+        assert "train/loss" in steps[step]
+    assert _ray_processes(job) == []
+    print(f"2-node GRPO under Slurm, job {job}: {elapsed:.1f}s from sbatch to COMPLETED; placement {placed}")
 
 
 # ---- container plumbing, without Slurm: stub srun/scontrol/squeue/scancel on PATH --------------------------------

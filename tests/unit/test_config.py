@@ -211,3 +211,19 @@ def test_missing_draft_directory_exits_2_before_ray(tmp_path, capsys, monkeypatc
                           f"logger.log_dir={tmp_path}/logs"]) == 2
     err = capsys.readouterr().err
     assert f"policy.draft.model_name='{missing}': no draft there (config.json missing)" in err
+
+
+def test_every_override_in_the_deploy_doc_names_an_existing_key():
+    """docs/deploy.md shows overrides (``a.b=value``): each key must exist in a shipped recipe (a doc showing a
+    key that was renamed or never existed fails here)."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    doc = (CONFIGS.parent / "docs" / "deploy.md").read_text()
+    keys = set(re.findall(r"(?<![\w.$+])((?:grpo|loss_fn|policy|data|env|logger|checkpointing|cluster)\.[\w.]+)=", doc))
+    assert {"policy.draft.online", "policy.megatron_cfg.mtp_loss_mode", "cluster.ray_address"} <= keys
+    merged = [load_yaml_with_defaults(p) for p in RECIPES]
+    missing = [k for k in sorted(keys) if all(OmegaConf.select(c, k, default="__missing__") == "__missing__"
+                                              for c in merged)]
+    assert missing == []
