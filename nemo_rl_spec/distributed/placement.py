@@ -215,8 +215,8 @@ def _requests(cfg: MasterConfig, vllm_tp: int) -> tuple[float, float, float, flo
     if c.gpus_per_node == 0:
         return c.policy_num_cpus, 0.0, vllm_tp * c.generation_num_cpus, 0.0
     if colocated:
-        return c.policy_num_cpus, COLOCATED_GPU_SHARE, vllm_tp * c.generation_num_cpus, \
-            COLOCATED_GPU_SHARE if vllm_tp == 1 else 0.0
+        engine_gpus = COLOCATED_GPU_SHARE if vllm_tp == 1 else 0.0
+        return c.policy_num_cpus, COLOCATED_GPU_SHARE, vllm_tp * c.generation_num_cpus, engine_gpus
     return c.policy_num_cpus, 1.0, vllm_tp * c.generation_num_cpus, float(vllm_tp)
 
 

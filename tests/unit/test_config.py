@@ -120,7 +120,8 @@ def test_refusals_depend_on_the_platform():
                                                                          "cluster.workers_per_node=8"])
     assert [r.key for r in runtime_refusals(cpu)] == [
         "policy.generation.vllm_cfg.tensor_parallel_size > 1 on CPU (cluster.gpus_per_node=0)"]
-    for lifted in ("policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.activation_checkpointing=true",
+    for lifted in ("policy.megatron_cfg.tensor_model_parallel_size=2",
+                   "policy.megatron_cfg.activation_checkpointing=true",
                    "policy.megatron_cfg.optimizer.use_distributed_optimizer=true", "cluster.num_nodes=2"):
         check_runtime_support(load_config(TINY, [lifted]))
 

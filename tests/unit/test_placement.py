@@ -68,8 +68,8 @@ def test_rank_coordinates_match_megatron_rank_generator(tp, pp, world):
 
 def test_megatron_coordinates_worked_example():
     assert megatron_coordinates(5, tp=2, dp=2) == (1, 0, 1)
-    p = plan(TINY, "cluster.workers_per_node=8", "cluster.num_cpus=8", "policy.megatron_cfg.tensor_model_parallel_size=2",
-             "policy.megatron_cfg.pipeline_model_parallel_size=2")
+    p = plan(TINY, "cluster.workers_per_node=8", "cluster.num_cpus=8",
+             "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.pipeline_model_parallel_size=2")
     assert (p.tp_rank_of, p.dp_rank_of, p.pp_rank_of) == ([0, 1] * 4, [0, 0, 1, 1] * 2, [0] * 4 + [1] * 4)
 
 
