@@ -28,16 +28,17 @@ K_MAX = 3
 NUM_PROMPTS = 8
 
 
-def _generation_cfg(draft: str | None) -> dict:
+def _generation_cfg(draft: str | None):
+    """The tiny recipe's typed ``policy.generation`` (max_model_len 1024); speculative, with the schedule, if
+    ``draft``."""
     from nemo_rl_spec.utils.config import load_config
 
     recipe = Path(__file__).resolve().parents[2] / "configs" / "grpo_math_tiny.yaml"
-    gen = load_config(recipe).policy.generation.model_dump()
-    gen["vllm_cfg"]["max_model_len"] = 1024
+    gen = load_config(recipe).policy.generation
+    gen.vllm_cfg.max_model_len = 1024
     if draft is not None:
-        gen["vllm_kwargs"] = {"speculative_config": {"method": "eagle3", "model": draft,
-                                                     "num_speculative_tokens": K_MAX}}
-        gen["dynamic_speculation"] = {"num_speculative_tokens_per_batch_size": SCHEDULE}
+        gen.vllm_kwargs = {"speculative_config": {"method": "eagle3", "model": draft, "num_speculative_tokens": K_MAX}}
+        gen.dynamic_speculation = {"num_speculative_tokens_per_batch_size": SCHEDULE}
     return gen
 
 

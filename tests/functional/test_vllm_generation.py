@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray")
 from nemo_rl_spec.models.generation.runtime_env import iomp_library  # noqa: E402
 from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker, vllm_runtime_env  # noqa: E402
 from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
+from nemo_rl_spec.utils.config_schema import GenerationConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -30,10 +31,10 @@ TOL = 1e-4
 QUESTIONS = ["What is 2 + 3?", "Name a prime number larger than 10.", "Hi"]
 
 
-def generation_cfg(temperature: float) -> dict:
+def generation_cfg(temperature: float) -> GenerationConfig:
     cfg = copy.deepcopy(yaml.safe_load(BASE_CONFIG.read_text())["policy"]["generation"])
     cfg.update(temperature=temperature, max_new_tokens=MAX_NEW_TOKENS)
-    return cfg
+    return GenerationConfig.model_validate(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ class Engines:
         if self.temperature != temperature:
             self.close()
             cfg = generation_cfg(temperature)
-            actor_cls = ray.remote(num_cpus=0.5, runtime_env=vllm_runtime_env(cfg))(VllmGenerationWorker)
+            actor_cls = ray.remote(num_cpus=0.5, runtime_env=vllm_runtime_env(cfg.vllm_cfg))(VllmGenerationWorker)
             self.actor = actor_cls.remote(cfg, self.model_path, 0)
             self.temperature = temperature
             timings = ray.get(self.actor.get_timings.remote())
@@ -238,19 +239,20 @@ def test_runtime_env_vars(monkeypatch):
     cfg = generation_cfg(1.0)
     # vLLM writes torch's libgomp into LD_PRELOAD of any process that imported it: must not be inherited
     monkeypatch.setenv("LD_PRELOAD", "/t/torch/lib/libgomp.so.1:/u/libother.so")
-    env = vllm_runtime_env(cfg)["env_vars"]
+    env = vllm_runtime_env(cfg.vllm_cfg)["env_vars"]
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["HF_HUB_OFFLINE"] == "1"
-    assert env["OMP_NUM_THREADS"] == str(cfg["vllm_cfg"]["num_threads"])
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(cfg["vllm_cfg"]["kv_cache_space_gb"])
+    assert env["OMP_NUM_THREADS"] == str(cfg.vllm_cfg.num_threads)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == str(int(cfg.vllm_cfg.kv_cache_space_gb))
+    assert "VLLM_PORT" not in env and "VLLM_CPU_OMP_THREADS_BIND" not in env  # one engine, TP 1
     if iomp_library() is not None:
         assert env["LD_PRELOAD"] == f"/u/libother.so:{iomp_library()}"
-    cfg["vllm_cfg"]["kv_cache_space_gb"] = 0.5  # vLLM's variable takes whole GiB: passed as bytes instead
-    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_runtime_env(cfg)["env_vars"]
+    cfg.vllm_cfg.kv_cache_space_gb = 0.5  # vLLM's variable takes whole GiB: passed as bytes instead
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_runtime_env(cfg.vllm_cfg)["env_vars"]
 
 
 def test_runtime_env_preloads_iomp(engines):
     info = ray.get(engines.get(1.0).runtime_info.remote())
-    assert info["torch_threads"] == generation_cfg(1.0)["vllm_cfg"]["num_threads"]
+    assert info["torch_threads"] == generation_cfg(1.0).vllm_cfg.num_threads
     assert info["iomp_loaded"] == (iomp_library() is not None)
 
 

@@ -11,10 +11,14 @@ import glob
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_spec.utils.config_schema import GenerationConfig, VllmConfig
+
 GiB = 1 << 30
+VLLM_PORT_BASE, VLLM_PORT_BAND = 7000, 100  # engine e scans for its ports from 7000 + 100 * e
 
 
 def iomp_library() -> str | None:
@@ -50,15 +54,39 @@ def _ld_preload(existing: str, libs: list[str]) -> str:
     return ":".join(entries)
 
 
-def kv_cache_bytes(generation_cfg: dict[str, Any]) -> int:
-    """KV-cache size of the engine in bytes, from ``vllm_cfg.kv_cache_space_gb`` (GiB)."""
-    return int(float(generation_cfg["vllm_cfg"]["kv_cache_space_gb"]) * GiB)
+def kv_cache_bytes(vllm_cfg: VllmConfig) -> int:
+    """KV-cache size of the engine in bytes, from ``policy.generation.vllm_cfg.kv_cache_space_gb`` (GiB)."""
+    return int(float(vllm_cfg.kv_cache_space_gb) * GiB)
 
 
-def engine_env_vars(generation_cfg: dict[str, Any]) -> dict[str, str]:
-    """Variables the engine reads in-process (safe to set after the process started)."""
-    vllm_cfg = generation_cfg["vllm_cfg"]
-    threads = str(int(vllm_cfg["num_threads"]))
+def engine_port_base(engine_index: int) -> int:
+    """First port of engine ``engine_index``'s ``VLLM_PORT`` band (NeMo-RL's ``7000 + 100 * index``): several engines
+    on one machine otherwise race for the same free port (vllm#39015); vLLM scans upward from it.
+
+    Raises:
+        ValueError: a negative index, or one whose band would pass port 65535.
+    """
+    port = VLLM_PORT_BASE + VLLM_PORT_BAND * int(engine_index)
+    if engine_index < 0 or port + VLLM_PORT_BAND > 65535:
+        raise ValueError(f"engine index {engine_index} has no VLLM_PORT band below 65536")
+    return port
+
+
+def engine_env_vars(vllm_cfg: VllmConfig, engine_index: int | None = None) -> dict[str, str]:
+    """Variables the engine reads in-process (safe to set after the process started).
+
+    Args:
+        vllm_cfg: ``policy.generation.vllm_cfg`` (reads ``num_threads``: threads per TP rank, ``kv_cache_space_gb``,
+            ``tensor_parallel_size``).
+        engine_index: the engine's index in its :class:`~nemo_rl_spec.models.generation.vllm_generation.
+            VllmGeneration`; sets its own ``VLLM_PORT`` band (:func:`engine_port_base`). None: no ``VLLM_PORT``.
+
+    With ``tensor_parallel_size > 1`` the engine spawns one process per TP rank (vLLM's ``mp`` executor): they run
+    unbound (``VLLM_CPU_OMP_THREADS_BIND=nobind``; vLLM's ``auto`` binding needs one NUMA node per rank) with
+    ``num_threads`` OpenMP threads each, and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` lets the drafter refit send its
+    callable to them.
+    """
+    threads = str(int(vllm_cfg.num_threads))
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: refit reaches the model directly
         "OMP_NUM_THREADS": threads,
@@ -70,27 +98,33 @@ def engine_env_vars(generation_cfg: dict[str, Any]) -> dict[str, str]:
         # actors on this machine need; vLLM's own multi-process CPU workers use 5 ms as well.
         "KMP_BLOCKTIME": "5",
     }
-    gb = float(vllm_cfg["kv_cache_space_gb"])
+    gb = float(vllm_cfg.kv_cache_space_gb)
     if gb == int(gb) and gb > 0:  # vLLM's variable takes whole GiB; fractions go through kwargs only
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(gb))
+    if engine_index is not None:
+        env["VLLM_PORT"] = str(engine_port_base(engine_index))
+    if vllm_cfg.tensor_parallel_size > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return env
 
 
-def vllm_runtime_env(generation_cfg: dict[str, Any], preload_tcmalloc: bool = False) -> dict[str, Any]:
+def vllm_runtime_env(vllm_cfg: VllmConfig, engine_index: int | None = None,
+                     preload_tcmalloc: bool = False) -> dict[str, Any]:
     """Ray ``runtime_env`` for a generation actor.
 
     Args:
-        generation_cfg: the ``policy.generation`` section (reads ``vllm_cfg.num_threads`` and
-            ``vllm_cfg.kv_cache_space_gb``).
+        vllm_cfg: ``policy.generation.vllm_cfg`` (see :func:`engine_env_vars`).
+        engine_index: the engine's index (its ``VLLM_PORT`` band); None: no ``VLLM_PORT``.
         preload_tcmalloc: also preload vLLM's bundled tcmalloc (off by default; not measured here).
 
     Returns:
         ``{"env_vars": {...}}`` with ``LD_PRELOAD`` of the venv's ``libiomp5.so`` when present (it must
         be loaded at process start; measured on 2 busy cores, SmolLM2 batch 8, 2 threads: 32-59 tok/s
         with it, 5-7 tok/s with torch's libgomp; equal at 1 thread), thread counts,
-        ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``VLLM_CPU_KVCACHE_SPACE`` and ``HF_HUB_OFFLINE=1``.
+        ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_PORT`` and ``HF_HUB_OFFLINE=1``.
     """
-    env = engine_env_vars(generation_cfg)
+    env = engine_env_vars(vllm_cfg, engine_index)
     libs = [lib for lib in (iomp_library(), tcmalloc_library() if preload_tcmalloc else None) if lib]
     preload = _ld_preload(os.environ.get("LD_PRELOAD", ""), libs)
     if preload:
@@ -98,13 +132,14 @@ def vllm_runtime_env(generation_cfg: dict[str, Any], preload_tcmalloc: bool = Fa
     return {"env_vars": env}
 
 
-def apply_engine_env(generation_cfg: dict[str, Any]) -> None:
+def apply_engine_env(vllm_cfg: VllmConfig) -> None:
     """Set the in-process engine variables in ``os.environ`` (before the engine is created).
 
-    ``VLLM_ENABLE_V1_MULTIPROCESSING`` is forced to 0; the others keep a value the caller already set,
-    except ``VLLM_CPU_KVCACHE_SPACE``, which must agree with the config (vLLM lets it override kwargs).
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` is forced to 0; the others keep a value the caller already set (a Ray
+    actor's ``runtime_env``: its ``VLLM_PORT`` band), except ``VLLM_CPU_KVCACHE_SPACE``, which must agree with the
+    config (vLLM lets it override kwargs).
     """
-    env = engine_env_vars(generation_cfg)
+    env = engine_env_vars(vllm_cfg)
     for key, value in env.items():
         if key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):
             os.environ[key] = value
@@ -112,6 +147,18 @@ def apply_engine_env(generation_cfg: dict[str, Any]) -> None:
             os.environ.setdefault(key, value)
     if "VLLM_CPU_KVCACHE_SPACE" not in env:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+
+def as_generation_config(generation_cfg: GenerationConfig | Mapping[str, Any]) -> GenerationConfig:
+    """The typed ``policy.generation`` section; a plain mapping (scripts that load YAML themselves) is validated
+    into one, so its defaults come from the schema only.
+
+    Raises:
+        pydantic.ValidationError: the mapping is not a valid ``policy.generation`` section (names the key).
+    """
+    if isinstance(generation_cfg, GenerationConfig):
+        return generation_cfg
+    return GenerationConfig.model_validate(dict(generation_cfg))
 
 
 def loaded_libraries() -> set[str]:

