@@ -224,6 +224,21 @@ def test_eagle3_two_engines_greedy_equals_plain_greedy(spec_engines, one_engine,
     print(f"\neagle3 (trained head) on 2 engines: {c.num_drafts} drafts, acceptance length {c.acceptance_length:.3f}")
 
 
+def test_draft_refit_on_every_engine_and_a_skipped_one(spec_engines, eagle3_head, hf_model, prompts):
+    from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
+
+    head = Eagle3DraftHead.from_pretrained(eagle3_head, hf_model.get_input_embeddings().weight)
+    draft = {"weights": head.export_state_dict(), "draft_version": 1, "policy_version": 0}
+    results = spec_engines.update_draft_weights(draft)
+    assert [(r["draft_version"], r["draft_policy_version"]) for r in results] == [(1, 0), (1, 0)]
+    data = {"prompt_token_ids": prompts}
+    assert spec_engines.generate(data, 1, SEED)["draft_version"] == 1
+    spec_engines.update_draft_weights({**draft, "draft_version": 2}, ranks=[1])
+    assert [v["draft_version"] for v in spec_engines.get_versions()] == [1, 2]
+    with pytest.raises(EngineVersionMismatchError, match="draft_version: engine 0: 1, engine 1: 2"):
+        spec_engines.generate(data, 1, SEED)
+
+
 # ---------------------------------------------------------------------------------------------- vLLM TP = 2
 @pytest.fixture(scope="module")
 def tp2_engine(cluster, model_path):
