@@ -46,7 +46,6 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import ray
 from tqdm import tqdm
 
 from nemo_rl_spec.algorithms.grpo import end_step, train_on_selection
@@ -162,7 +161,7 @@ def make_tagged_generate_fn(s: GRPOSetup, gate: GenerationGate, stats: dict) -> 
             prompts = {"prompt_token_ids": s.prompt_ids(chosen)}
             with gate.generation():
                 start = time.perf_counter()
-                gen = ray.get(s.generation.generate.remote(prompts, n, mix_seed(*(r.seed for r in reqs))))
+                gen = s.generation.generate(prompts, n, mix_seed(*(r.seed for r in reqs)))
                 stats["generation_s"] += time.perf_counter() - start
             stats["generated_tokens"] += int((gen["unpadded_sequence_lengths"] - gen["input_lengths"]).sum())
             stats["draft_version"] = gen["draft_version"]

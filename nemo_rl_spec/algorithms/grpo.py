@@ -6,7 +6,6 @@ receive version ``step + 1``.
 """
 from __future__ import annotations
 
-import ray
 from tqdm import tqdm
 
 from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages
@@ -41,9 +40,9 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float
                                          cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
     data = build_train_data(selection, advantages, s.pad_token_id)
     with timer.time("policy_and_reference_logprobs"):
-        data["prev_logprobs"] = ray.get(s.policy.get_logprobs.remote(data, cfg.policy.generation.temperature))
+        data["prev_logprobs"] = s.policy.get_logprobs(data, cfg.policy.generation.temperature)
     with timer.time("policy_training"):
-        train_metrics = ray.get(s.policy.train.remote(data))
+        train_metrics = s.policy.train(data)
     agreement = logprob_agreement_metrics(data["prev_logprobs"], data["generation_logprobs"], data["token_mask"])
     return {"train/mean_response_length": float(data["token_mask"].sum(1).mean()),
             **{f"train/{k}": v for k, v in train_metrics.items()}, **agreement}

@@ -1,4 +1,5 @@
-"""Builds everything a GRPO run needs (Ray actors, data, environment, logger, checkpoints) and handles resume.
+"""Builds everything a GRPO run needs (placement, worker groups, data, environment, logger, checkpoints) and handles
+resume.
 
 Kept out of ``grpo.py`` so the training loop reads in one screen.
 """
@@ -20,9 +21,11 @@ from nemo_rl_spec.data import hub_datasets
 from nemo_rl_spec.data.datasets import load_gsm8k_original, load_train_problems
 from nemo_rl_spec.data.prompts import format_prompt
 from nemo_rl_spec.environments.math_env import MathEnvironment
-from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker, vllm_runtime_env
+from nemo_rl_spec.distributed.placement import PlacementPlan, plan_placement
+from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl_spec.models.generation.vllm_generation import VllmGeneration
 from nemo_rl_spec.models.hf_assets import resolve_model
-from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker
+from nemo_rl_spec.models.policy.lm_policy import Policy
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import to_yaml
 from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
@@ -32,11 +35,12 @@ from nemo_rl_spec.utils.logger import Logger
 
 @dataclass
 class GRPOSetup:
-    """Handles and state of one GRPO run. ``policy`` and ``generation`` are Ray actor handles."""
+    """Controllers and state of one GRPO run: ``policy`` (:class:`Policy`, the Megatron worker group) and
+    ``generation`` (:class:`VllmGeneration`, the vLLM engines); the drivers call them, never Ray handles."""
 
     cfg: MasterConfig
-    policy: Any
-    generation: Any
+    policy: Policy
+    generation: VllmGeneration
     refitter: WeightRefitter
     tokenizer: Any
     env: MathEnvironment
@@ -49,10 +53,11 @@ class GRPOSetup:
     start_step: int = 0
     extra_state: dict = field(default_factory=dict)
     spec_alarm: LowAcceptanceAlarm | None = None
+    workers: Workers | None = None
 
     def spec_counters(self) -> SpecDecodeCounters | None:
-        """Cumulative speculative-decoding counters of the generation worker (None without speculation)."""
-        return ray.get(self.generation.spec_counters.remote()) if self.spec_alarm is not None else None
+        """Cumulative speculative-decoding counters summed over the engines (None without speculation)."""
+        return self.generation.spec_counters() if self.spec_alarm is not None else None
 
     def spec_metrics_since(self, before: SpecDecodeCounters | None,
                            after: SpecDecodeCounters | None = None) -> dict[str, float]:
@@ -106,9 +111,8 @@ def init_ray(cfg: MasterConfig) -> None:
         ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
 
 
-def _policy_env(cfg: MasterConfig) -> dict:
-    threads = str(cfg.policy.megatron_cfg.num_threads)
-    return {"env_vars": {"OMP_NUM_THREADS": threads, "HF_HUB_OFFLINE": "1"}}
+def _policy_env(cfg: MasterConfig) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(cfg.policy.megatron_cfg.num_threads), "HF_HUB_OFFLINE": "1"}
 
 
 def enabled_draft(cfg: MasterConfig) -> DraftConfig | None:
@@ -125,7 +129,7 @@ def _engine_draft_dir(cfg: MasterConfig, policy) -> str | None:
     if draft is None:
         return None
     if draft.online:
-        return ray.get(policy.save_draft.remote(str((Path(cfg.logger.log_dir) / "draft_init").resolve())))
+        return policy.save_draft(str((Path(cfg.logger.log_dir) / "draft_init").resolve()))
     return draft.model_name
 
 
@@ -174,27 +178,52 @@ def _engine_model_path(cfg: MasterConfig, policy, model_path: str) -> str:
     layers + tokenizer) in ``<logger.log_dir>/mimo_policy``; else the HF model directory."""
     if not serves_policy_mtp(cfg):
         return model_path
-    return ray.get(policy.save_mimo_checkpoint.remote(str((Path(cfg.logger.log_dir) / "mimo_policy").resolve())))
+    return policy.save_mimo_checkpoint(str((Path(cfg.logger.log_dir) / "mimo_policy").resolve()))
 
 
-def start_workers(cfg: MasterConfig, model_path: str) -> tuple[Any, Any]:
-    """Create the Megatron policy actor and the vLLM generation actor, then wait until both are up."""
-    check_mtp_drafter_model(cfg, model_path)
-    policy_cfg = cfg.policy.model_dump()
-    policy = ray.remote(MegatronPolicyWorker).options(
-        num_cpus=cfg.cluster.policy_num_cpus, runtime_env=_policy_env(cfg)
-    ).remote(policy_cfg, ClippedPGLossFn(cfg.loss_fn.model_dump()), model_path, cfg.grpo.seed)
-    gen_cfg = cfg.policy.generation.model_dump()
-    draft_dir = _engine_draft_dir(cfg, policy)
-    if draft_dir is not None:
-        gen_cfg["vllm_kwargs"]["speculative_config"]["model"] = draft_dir
+@dataclass
+class Workers:
+    """The run's placement and its controllers: ``policy`` (Megatron worker group), ``generation`` (vLLM engines)."""
+
+    cluster: RayVirtualCluster
+    plan: PlacementPlan
+    policy: Policy
+    generation: VllmGeneration
+
+    def placement_lines(self) -> list[str]:
+        """One line per actor: role, rank, the Ray node id it reports (the multi-node check reads these)."""
+        lines = [f"[placement] policy rank {r} (node {n}) on ray node {i}"
+                 for r, (n, i) in enumerate(zip(self.plan.policy_nodes, self.policy.node_ids()))]
+        lines += [f"[placement] generation engine {e} (node {n}) on ray node {i}"
+                  for e, (n, i) in enumerate(zip(self.plan.engine_nodes, self.generation.node_ids()))]
+        return lines
+
+    def shutdown(self) -> None:
+        """Stop the engines, then the policy workers, then release the placement group (best effort each)."""
+        for part in (self.generation, self.policy, self.cluster):
+            try:
+                part.shutdown()
+            except Exception:  # noqa: BLE001 - teardown must go on; ray.shutdown() is the final guarantee
+                pass
+
+
+def start_workers(cfg: MasterConfig, model_path: str, plan: PlacementPlan) -> Workers:
+    """Reserve ``plan``'s bundles, start the Megatron worker group and the vLLM engines on them, wait until all are
+    up, and print where each actor runs."""
+    cluster = RayVirtualCluster(plan.num_nodes, plan.cpus_per_node, plan.gpus_per_node)
+    policy = Policy(cluster, plan.policy_nodes, cfg.policy, ClippedPGLossFn(cfg.loss_fn.model_dump()), model_path,
+                    cfg.grpo.seed, num_cpus=plan.policy_num_cpus, num_gpus=plan.policy_num_gpus,
+                    env_vars=_policy_env(cfg))
     draft = enabled_draft(cfg)
-    generation = ray.remote(VllmGenerationWorker).options(
-        num_cpus=cfg.cluster.generation_num_cpus, runtime_env=vllm_runtime_env(gen_cfg)
-    ).remote(gen_cfg, _engine_model_path(cfg, policy, model_path), cfg.grpo.seed,
-             draft is not None and draft.allow_stale_draft)
-    ray.get([policy.__ray_ready__.remote(), generation.__ray_ready__.remote()])
-    return policy, generation
+    generation = VllmGeneration(cluster, plan.engine_nodes, cfg.policy.generation,
+                                _engine_model_path(cfg, policy, model_path), cfg.grpo.seed,
+                                num_cpus=plan.generation_num_cpus, num_gpus=plan.generation_num_gpus,
+                                allow_stale_draft=draft is not None and draft.allow_stale_draft,
+                                draft_dir=_engine_draft_dir(cfg, policy), precision=cfg.policy.precision)
+    workers = Workers(cluster, plan, policy, generation)
+    for line in workers.placement_lines():
+        print(line, flush=True)
+    return workers
 
 
 def build_allocator(cfg: MasterConfig, pool_size: int) -> RolloutAllocator:
@@ -214,10 +243,13 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
     model_path = resolve_model(cfg.policy.model_name)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train, val = load_datasets(cfg)
+    check_mtp_drafter_model(cfg, model_path)
+    plan = plan_placement(cfg)  # ConfigError when the recipe does not fit its cluster, before Ray starts
     init_ray(cfg)
-    policy, generation = start_workers(cfg, model_path)
+    workers = start_workers(cfg, model_path, plan)
+    policy, generation = workers.policy, workers.generation
     s = GRPOSetup(
-        cfg=cfg, policy=policy, generation=generation, refitter=None, tokenizer=tokenizer,
+        cfg=cfg, policy=policy, generation=generation, refitter=None, tokenizer=tokenizer, workers=workers,
         env=MathEnvironment(cfg.env.math.model_dump()),
         train_problems=train, allocator=build_allocator(cfg, len(train)),
         val_problems=val, val_prompt_ids=[], logger=Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled),
@@ -243,7 +275,7 @@ def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path 
         return None
     tmp = s.checkpoints.begin(step)
     (tmp / "policy").mkdir()
-    ray.get(s.policy.save_checkpoint.remote(str(tmp / "policy")))
+    s.policy.save_checkpoint(str(tmp / "policy"))
     state = dict(s.extra_state)
     if "allocator" not in state:  # async GRPO passes the allocator state of its last buffered batch instead
         state["allocator"] = s.allocator.state_dict()
@@ -257,7 +289,7 @@ def resume(s: GRPOSetup) -> None:
     latest = s.checkpoints.latest()
     if latest is None:
         return
-    ray.get(s.policy.load_checkpoint.remote(str(latest / "policy")))
+    s.policy.load_checkpoint(str(latest / "policy"))
     state = torch.load(latest / "train_state.pt", weights_only=False)
     s.allocator.load_state_dict(state.pop("allocator"))
     s.extra_state = state
@@ -269,12 +301,8 @@ def resume(s: GRPOSetup) -> None:
 def teardown(s: GRPOSetup | None) -> None:
     """Stop the workers and Ray (also on errors and Ctrl-C), so no actor or vLLM engine is left behind."""
     if s is not None:
-        for actor in (s.generation, s.policy):
-            try:
-                ray.get(actor.shutdown.remote(), timeout=30) if hasattr(actor, "shutdown") else None
-            except Exception:  # noqa: BLE001 - best effort; the kill below is what guarantees cleanup
-                pass
-            ray.kill(actor)
+        if s.workers is not None:
+            s.workers.shutdown()
         s.logger.close()
     if ray.is_initialized():
         ray.shutdown()

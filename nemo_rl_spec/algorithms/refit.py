@@ -1,15 +1,21 @@
-"""Refit: push the trainer's HF-named weights into the generation workers, then probe for log-prob mismatch.
+"""Refit: push the trainer's HF-named weights into every generation engine, check each engine's versions, then probe
+each engine for log-prob mismatch.
 
-After every refit, a fixed probe batch of token sequences is scored by vLLM (prompt log-probs) and by the trainer;
-``refit/logprob_mismatch`` is the mean |logp_vllm - logp_trainer| over all scored tokens (nats). A stale or wrongly mapped weight shows up here immediately (DESIGN.md: an untied ``lm_head`` left
-vLLM stale with a 0.19 difference).
+After every refit, a fixed probe batch of token sequences is scored by every vLLM engine (prompt log-probs) and once by
+the trainer; ``refit/logprob_mismatch`` is the largest, over engines, of the mean |logp_vllm - logp_trainer| over all
+scored tokens (nats); with several engines ``refit/logprob_mismatch_engine_<e>`` gives each. A stale or wrongly mapped
+weight shows up here immediately (DESIGN.md: an untied ``lm_head`` left vLLM stale with a 0.19 difference). Before the
+probe, every engine must report the policy version just pushed (and, with draft sync, a draft paired with it): an engine
+that a refit skipped is named by :class:`EngineVersionMismatchError`.
 """
 from __future__ import annotations
 
-import ray
 import torch
 
 from nemo_rl_spec.algorithms.rollouts import masked_mean_abs_diff, response_mask
+from nemo_rl_spec.models.generation.vllm_generation import EngineVersionMismatchError
+
+__all__ = ["WeightRefitter", "RefitMismatchError", "EngineVersionMismatchError"]
 
 
 class RefitMismatchError(RuntimeError):
@@ -17,14 +23,15 @@ class RefitMismatchError(RuntimeError):
 
 
 class WeightRefitter:
-    """Versioned policy -> generation weight sync with a log-prob probe.
+    """Versioned policy -> generation weight sync with a per-engine version check and log-prob probe.
 
     Args:
-        policy, generation: Ray actor handles (PolicyInterface, GenerationInterface).
+        policy: the :class:`~nemo_rl_spec.models.policy.lm_policy.Policy` controller (Megatron worker group).
+        generation: the :class:`~nemo_rl_spec.models.generation.vllm_generation.VllmGeneration` controller.
         probe_sequences: token ids of the fixed probe sequences (e.g. chat-formatted validation prompts).
         threshold: raise :class:`RefitMismatchError` above this mismatch (None: only log).
         pad_token_id: padding id of the probe batch.
-        sync_draft: also refit the online draft (``policy.draft.online``) right after the policy, as the same pair.
+        sync_draft: also refit the drafter (online EAGLE-3 head or MTP layers) right after the policy, as the same pair.
     """
 
     def __init__(self, policy, generation, probe_sequences: list[list[int]], threshold: float | None,
@@ -37,35 +44,57 @@ class WeightRefitter:
             self.probe_ids[b, : len(seq)] = torch.tensor(seq)
 
     def refit(self, version: int) -> dict[str, float]:
-        """Export policy weights, load them into vLLM as ``version``, run the probe.
+        """Export the policy weights once (TP shards gathered into full HF tensors), load them into every engine as
+        ``version``, the drafter too with ``sync_draft``, check every engine's versions, run the probe.
 
-        Returns metrics ``refit/logprob_mismatch`` (nats), ``refit/weight_version`` and, with ``sync_draft``,
-        ``refit/draft_version``.
+        Returns metrics ``refit/logprob_mismatch`` (nats, worst engine), ``refit/weight_version``, with
+        ``sync_draft`` ``refit/draft_version``, and with several engines ``refit/logprob_mismatch_engine_<e>``.
         Raises:
+            EngineVersionMismatchError: an engine does not hold ``version`` afterwards (a skipped engine).
             RefitMismatchError: mismatch above the threshold.
             DraftVersionMismatchError: the draft offered is not paired with ``version`` (from the generation worker).
         """
-        weights = self.policy.export_hf_weights.remote(version)
-        ray.get(self.generation.update_weights.remote(weights, version))
+        self.generation.update_weights(self.policy.export_hf_weights(version), version)
         draft = self.refit_draft() if self.sync_draft else {}
-        mismatch = self.probe()
+        self.check_versions(version)
+        per_engine = self.probe()
+        mismatch = max(per_engine)
         if self.threshold is not None and not mismatch <= self.threshold:  # NaN fails too
             raise RefitMismatchError(
                 f"refit/logprob_mismatch={mismatch:.3g} exceeds policy.refit.logprob_mismatch_threshold="
-                f"{self.threshold:g} at weight version {version}"
+                f"{self.threshold:g} at weight version {version} (per engine: "
+                f"{', '.join(f'{m:.3g}' for m in per_engine)})"
             )
-        return {"refit/logprob_mismatch": mismatch, "refit/weight_version": float(version), **draft}
+        out = {"refit/logprob_mismatch": mismatch, "refit/weight_version": float(version), **draft}
+        if len(per_engine) > 1:
+            out.update({f"refit/logprob_mismatch_engine_{e}": m for e, m in enumerate(per_engine)})
+        return out
 
     def refit_draft(self) -> dict[str, float]:
-        """Push the policy worker's online draft into the engine's drafter (after the policy refit)."""
-        out = ray.get(self.generation.update_draft_weights.remote(self.policy.export_draft_weights.remote()))
-        return {"refit/draft_version": float(out["draft_version"])}
+        """Push the policy workers' drafter into every engine's drafter (after the policy refit)."""
+        outs = self.generation.update_draft_weights(self.policy.export_draft_weights())
+        return {"refit/draft_version": float(min(int(o["draft_version"]) for o in outs))}
 
-    def probe(self) -> float:
-        """Mean |vLLM log-prob - trainer log-prob| over every scored token of the probe sequences (nats), both at
-        temperature 1 (the probe checks weights; sampling plays no part, so it also holds under speculation)."""
+    def check_versions(self, version: int) -> None:
+        """Every engine must hold policy ``version`` (and, with draft sync, a draft paired with it).
+
+        Raises:
+            EngineVersionMismatchError: naming each engine that differs and what it holds.
+        """
+        stale = []
+        for e, v in enumerate(self.generation.get_versions()):
+            if v["policy_version"] != version or (self.sync_draft and v.get("draft_policy_version") != version):
+                stale.append(f"engine {e}: {v}")
+        if stale:
+            raise EngineVersionMismatchError(f"after the refit to version {version}, engines do not hold it: "
+                                             + "; ".join(stale))
+
+    def probe(self) -> list[float]:
+        """Mean |vLLM log-prob - trainer log-prob| over every scored token of the probe sequences (nats), one value
+        per engine, both at temperature 1 (the probe checks weights; sampling plays no part, so it also holds under
+        speculation)."""
         data = {"input_ids": self.probe_ids, "input_lengths": self.probe_lengths}
-        vllm_lp = ray.get(self.generation.score.remote(self.probe_ids, self.probe_lengths))
-        trainer_lp = ray.get(self.policy.get_logprobs.remote(data, 1.0))
+        trainer_lp = self.policy.get_logprobs(data, 1.0).float()
         mask = response_mask(torch.ones_like(self.probe_lengths), self.probe_lengths, self.probe_ids.shape[1])
-        return masked_mean_abs_diff(vllm_lp.float(), trainer_lp.float(), mask)
+        return [masked_mean_abs_diff(lp.float(), trainer_lp, mask)
+                for lp in self.generation.score(self.probe_ids, self.probe_lengths)]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ray
 import torch
 
 from nemo_rl_spec.algorithms.interfaces import GenerateFn, RolloutRequest, RolloutResult, TrainSelection
@@ -46,14 +45,15 @@ def decode_responses(tokenizer, gen: GenerationOutputSpec) -> list[str]:
 
 def generate_rollouts(generation, tokenizer, env, problems: list[dict], prompt_ids: list[list[int]], n: int,
                       seed: int, **overrides) -> RolloutBatch:
-    """Sample ``n`` responses for each prompt on the generation actor and score them with ``env``.
+    """Sample ``n`` responses for each prompt on the generation engines and score them with ``env``.
 
     Args:
-        generation: Ray actor handle of a :class:`GenerationInterface` worker.
+        generation: the :class:`~nemo_rl_spec.models.generation.vllm_generation.VllmGeneration` controller (or any
+            object with its ``generate``).
         problems: dicts with ``answer`` (ground truth), aligned with ``prompt_ids``.
         overrides: forwarded to ``generate`` (``temperature``, ``max_new_tokens``).
     """
-    gen = ray.get(generation.generate.remote({"prompt_token_ids": prompt_ids}, n, seed, **overrides))
+    gen = generation.generate({"prompt_token_ids": prompt_ids}, n, seed, **overrides)
     responses = decode_responses(tokenizer, gen)
     index = gen["prompt_index"]
     rewards = env.step(responses, [problems[i] for i in index.tolist()])
