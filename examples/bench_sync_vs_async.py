@@ -92,12 +92,6 @@ def speculative_config(args: argparse.Namespace, model_name: str, workdir: Path)
     return default_spec_config(workdir, model_name)
 
 
-def _read_counters(worker):
-    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
-
-    return read_spec_decode_counters(worker.llm)
-
-
 def summarize(history: list[dict], is_async: bool) -> dict:
     """Per-mode numbers from the step metrics (see the module docstring)."""
     steady = history[1:] or history
@@ -151,25 +145,17 @@ def start_ray(cfg, attempts: int = 5) -> None:
 
 
 def release(s) -> None:
-    """``grpo_setup.teardown`` without stopping Ray (the next mode reuses it): stop and kill both actors."""
-    import ray
-
+    """``grpo_setup.teardown`` without stopping Ray (the next mode reuses it): stop the engines and policy workers and
+    release their placement group."""
     if s is None:
         return
-    for actor in (s.generation, s.policy):
-        try:
-            ray.get(actor.shutdown.remote(), timeout=30)
-        except Exception:  # noqa: BLE001, S110 - the kill below is what guarantees cleanup
-            pass
-        ray.kill(actor)
+    s.workers.shutdown()
     s.logger.close()
 
 
 def run_mode(config: str, overrides: list[str], is_async: bool, speculative: bool) -> dict:
     """One mode end to end (setup, train, release the actors); returns :func:`summarize` plus wall times and
     acceptance."""
-    import ray
-
     from nemo_rl_spec.algorithms.grpo import grpo_train
     from nemo_rl_spec.algorithms.grpo_setup import setup
     from nemo_rl_spec.utils.config import check_runtime_support, load_config
@@ -181,7 +167,7 @@ def run_mode(config: str, overrides: list[str], is_async: bool, speculative: boo
     try:
         s = setup(cfg)
         setup_s = time.perf_counter() - t0
-        before = ray.get(s.generation.__ray_call__.remote(_read_counters)) if speculative else None
+        before = s.generation.spec_counters() if speculative else None
         t1 = time.perf_counter()
         if is_async:
             from nemo_rl_spec.algorithms.async_grpo import async_grpo_train
@@ -193,7 +179,7 @@ def run_mode(config: str, overrides: list[str], is_async: bool, speculative: boo
         out = summarize(history, is_async)
         out.update(setup_s=setup_s, loop_wall_s=loop_s, loop_wall_per_step_s=loop_s / max(len(history), 1))
         if speculative:
-            delta = ray.get(s.generation.__ray_call__.remote(_read_counters)) - before
+            delta = s.generation.spec_counters() - before
             out["acceptance_length"] = delta.acceptance_length
             out["spec_num_drafts"] = delta.num_drafts
         else:

@@ -106,13 +106,11 @@ def train_data_from_generation(setup, gen: dict, step: int) -> dict:
     """A training batch from one ``generate`` output of a running GRPO ``setup`` (Ray actors): the sampled
     sequences with their response mask, random advantages seeded by ``step``, vLLM's generation log-probs and the
     policy's ``prev_logprobs`` of them. Shapes: [B, S] tensors, [B] lengths / advantages."""
-    import ray
-
     from nemo_rl_spec.algorithms.rollouts import response_mask
 
     ids, prompt_lens, seq_lens = gen["output_ids"], gen["input_lengths"], gen["unpadded_sequence_lengths"]
     adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(step))
     data = {"input_ids": ids, "input_lengths": seq_lens, "token_mask": response_mask(prompt_lens, seq_lens, ids.shape[1]),
             "sample_mask": torch.ones(ids.shape[0]), "advantages": adv, "generation_logprobs": gen["generation_logprobs"]}
-    data["prev_logprobs"] = ray.get(setup.policy.get_logprobs.remote(data, setup.cfg.policy.generation.temperature))
+    data["prev_logprobs"] = setup.policy.get_logprobs(data, setup.cfg.policy.generation.temperature)
     return data

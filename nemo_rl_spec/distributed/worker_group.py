@@ -133,6 +133,12 @@ class RayWorkerGroup:
         """``ray.get`` (the controllers' one place that blocks on workers)."""
         return ray.get(refs, timeout=timeout)
 
+    def run_function(self, fn: Callable[..., Any], *args, ranks: Sequence[int] | None = None) -> list:
+        """``fn(worker_instance, *args)`` inside every worker (or ``ranks``), results in rank order (Ray's
+        ``__ray_call__``); for checks that read a worker's internals. ``fn`` must be importable (Ray pickles
+        module-level functions by reference)."""
+        return ray.get([self.workers[r].__ray_call__.remote(fn, *args) for r in self._targets(ranks)])
+
     def node_ids(self) -> list[str]:
         """The Ray node id each worker runs on (rank order)."""
         return ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())

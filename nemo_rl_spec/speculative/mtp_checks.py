@@ -1,11 +1,11 @@
 """Checks of the native MTP drafter on the running GRPO workers (``speculative_config.method: mtp``).
 
-The first three functions run *inside* the Ray actors through ``actor.__ray_call__.remote(fn, *args)`` (which calls
-``fn(actor_instance, *args)``), so no test-only method is needed on the workers::
+The first three functions run *inside* the Ray actors through the controllers' ``run_function(fn, *args)`` (Ray's
+``__ray_call__``: ``fn(actor_instance, *args)`` on every worker), so no test-only method is needed on the workers::
 
-    init = ray.get(policy.__ray_call__.remote(mtp_params))
-    outputs, proposals = ray.get(generation.__ray_call__.remote(spec_greedy_with_proposals, prompts, 32))
-    preds = ray.get(policy.__ray_call__.remote(megatron_mtp_argmax, [p + o for p, o in zip(prompts, outputs)]))
+    init = policy.run_function(mtp_params)[0]
+    outputs, proposals = generation.run_function(spec_greedy_with_proposals, prompts, 32)[0]
+    preds = policy.run_function(megatron_mtp_argmax, [p + o for p, o in zip(prompts, outputs)])[0]
     agree, total = replay_agreement(prompts, outputs, proposals, preds)   # agree == total: the drafter is current
 
 They live in the package (not in a test module) because Ray pickles functions of importable modules by reference.

@@ -93,49 +93,46 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
         mimo = tmp_path / "logs" / "mimo_policy"
         assert json.loads((mimo / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
         assert (mimo / "tokenizer.json").is_file() and (mimo / "tokenizer_config.json").is_file()
-        assert ray.get(s.generation.get_versions.remote()) == {"policy_version": 0, "draft_version": 0,
-                                                                "draft_policy_version": 0}
+        assert s.generation.get_versions() == [{"policy_version": 0, "draft_version": 0, "draft_policy_version": 0}]
         prompts = lossless_prompts(AutoTokenizer.from_pretrained(str(mimo)), NUM_PROMPTS)
-        initial_mtp = ray.get(s.policy.__ray_call__.remote(mtp_params))
+        initial_mtp = s.policy.run_function(mtp_params)[0]
         mismatches, mtp_acc = [], []
         for step in range(CYCLES):
-            gen = ray.get(s.generation.generate.remote({"prompt_token_ids": prompts}, n=2, seed=step,
-                                                       max_new_tokens=MAX_TOKENS))
-            train = ray.get(s.policy.train.remote(fm.train_data_from_generation(s, gen, step)))
+            gen = s.generation.generate({"prompt_token_ids": prompts}, n=2, seed=step, max_new_tokens=MAX_TOKENS)
+            train = s.policy.train(fm.train_data_from_generation(s, gen, step))
             mtp_acc.append(train["mtp/acceptance"])
             refit = s.refitter.refit(version=step + 1)
             mismatches.append(refit["refit/logprob_mismatch"])
             assert refit["refit/draft_version"] == step + 1
-        assert ray.get(s.generation.get_versions.remote()) == {"policy_version": CYCLES, "draft_version": CYCLES,
-                                                                "draft_policy_version": CYCLES}
+        assert s.generation.get_versions() == [{"policy_version": CYCLES, "draft_version": CYCLES,
+                                                 "draft_policy_version": CYCLES}]
         print(f"\nsetup+{CYCLES} cycles {time.perf_counter() - t0:.0f} s; refit mismatch {mismatches}; "
               f"train mtp/acceptance {mtp_acc}")
         assert max(mismatches) < 1e-4
 
         # (c) a draft paired with another policy version is refused, and nothing is loaded
-        export = ray.get(s.policy.export_draft_weights.remote())
+        export = ray.get(s.policy.export_draft_weights())
         assert export["policy_version"] == CYCLES and export["draft_version"] == CYCLES
         assert all(k.startswith("model.mtp_layers.0.") for k in export["weights"])
         gen_rng = torch.Generator().manual_seed(7)
         bad = {**export, "policy_version": CYCLES - 1,
                "weights": {k: torch.randn(v.shape, generator=gen_rng) for k, v in export["weights"].items()}}
         with pytest.raises(DraftVersionMismatchError, match="policy version 2 offered to an engine at policy version 3"):
-            ray.get(s.generation.update_draft_weights.remote(bad))
-        assert ray.get(s.generation.get_versions.remote())["draft_version"] == CYCLES
+            s.generation.update_draft_weights(bad)
+        assert s.generation.get_versions()[0]["draft_version"] == CYCLES
 
         # (a) the engine's MTP proposals are the current policy's MTP argmax
-        outputs, proposals = ray.get(s.generation.__ray_call__.remote(spec_greedy_with_proposals, prompts,
-                                                                      MAX_TOKENS))
+        outputs, proposals = s.generation.run_function(spec_greedy_with_proposals, prompts, MAX_TOKENS)[0]
         sequences = [p + o for p, o in zip(prompts, outputs)]
-        current = ray.get(s.policy.__ray_call__.remote(megatron_mtp_argmax, sequences))
-        initial = ray.get(s.policy.__ray_call__.remote(megatron_mtp_argmax, sequences, initial_mtp))
+        current = s.policy.run_function(megatron_mtp_argmax, sequences)[0]
+        initial = s.policy.run_function(megatron_mtp_argmax, sequences, initial_mtp)[0]
         agree, total = replay_agreement(prompts, outputs, proposals, current)
         agree_initial, _ = replay_agreement(prompts, outputs, proposals, initial)
         print(f"MTP proposals == current megatron MTP argmax {agree}/{total}; == initial MTP layer's "
               f"{agree_initial}/{total}")
         assert total >= NUM_PROMPTS * MAX_TOKENS // 2 and agree == total
         assert agree_initial < total  # a drafter left at the initial MTP layer would be caught
-        hf_weights = ray.get(s.policy.export_hf_weights.remote())
+        hf_weights = ray.get(s.policy.export_hf_weights())
     finally:
         teardown(s)
     # (b) lossless: speculative greedy == plain greedy of the same weights (separate engine, no speculation)

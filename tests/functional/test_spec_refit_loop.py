@@ -79,30 +79,30 @@ def test_acceptance_survives_refits_and_alarm_fires_on_broken_draft_refit(tmp_pa
     try:
         for step in range(10):
             before = s.spec_counters()
-            gen = ray.get(s.generation.generate.remote({"prompt_token_ids": prompts}, n=4, seed=step))
+            gen = s.generation.generate({"prompt_token_ids": prompts}, n=4, seed=step)
             m = s.spec_metrics_since(before)
             lengths.append(m["vllm/spec_acceptance_length"])
             alarms.append(m[s.spec_alarm.METRIC])
             data = fm.train_data_from_generation(s, gen, step)
             lp_errors.append(masked_mean_abs_diff(data["prev_logprobs"], gen["generation_logprobs"],
                                                   data["token_mask"]))
-            train = ray.get(s.policy.train.remote(data))
+            train = s.policy.train(data)
             assert train["draft_version"] == step + 1 and train["draft_loss"] > 0
             refit = s.refitter.refit(version=step + 1)
             s.spec_alarm.notify_refit()
-            versions.append(ray.get(s.generation.get_versions.remote()))
+            versions.append(s.generation.get_versions()[0])
             assert refit["refit/logprob_mismatch"] < 1e-4
         # break the draft refit on purpose: load random weights of the right names and shapes 
-        export = ray.get(s.policy.export_draft_weights.remote())
+        export = ray.get(s.policy.export_draft_weights())
         gen_rng = torch.Generator().manual_seed(123)
         export["weights"] = {k: (torch.randn(v.shape, generator=gen_rng) * 0.02 if v.is_floating_point() else v)
                              for k, v in export["weights"].items()}
-        ray.get(s.generation.update_draft_weights.remote(export))
+        s.generation.update_draft_weights(export)
         s.spec_alarm.notify_refit()
         before = s.spec_counters()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ray.get(s.generation.generate.remote({"prompt_token_ids": prompts}, n=2, seed=99))
+            s.generation.generate({"prompt_token_ids": prompts}, n=2, seed=99)
             broken = s.spec_metrics_since(before)
     finally:
         teardown(s)

@@ -20,7 +20,7 @@ targets a subset (a refit that skips an engine on purpose is then visible in :me
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -254,6 +254,11 @@ class VllmGeneration:
     def runtime_info(self) -> list[dict[str, Any]]:
         """Per engine: torch threads, whether Intel OpenMP / tcmalloc are loaded."""
         return self.workers.get(self.workers.run_all_workers_single_data("runtime_info"))
+
+    def run_function(self, fn: Callable[..., Any], *args, ranks: Sequence[int] | None = None) -> list:
+        """``fn(engine_worker, *args)`` inside every engine's actor (or ``ranks``), results in engine order; for
+        checks that read an engine's internals (e.g. :mod:`nemo_rl_spec.speculative.mtp_checks`)."""
+        return self.workers.run_function(fn, *args, ranks=ranks)
 
     def node_ids(self) -> list[str]:
         """The Ray node id each engine runs on (rank order)."""
