@@ -133,9 +133,9 @@ def _workers(config: str, modes: list[str], extra: list[str]) -> dict:
     path = resolve_model(cfg.policy.model_name)
     workers = {}
     for mode in modes:
-        pcfg = cfg.policy.model_dump()
-        pcfg["megatron_cfg"]["mtp_loss_mode"] = mode.removesuffix(REFERENCE)
-        pcfg["megatron_cfg"]["mtp_occ_reference"] = mode.endswith(REFERENCE)
+        pcfg = cfg.policy.model_copy(deep=True)
+        pcfg.megatron_cfg.mtp_loss_mode = mode.removesuffix(REFERENCE)
+        pcfg.megatron_cfg.mtp_occ_reference = mode.endswith(REFERENCE)
         workers[mode] = MegatronPolicyWorker(pcfg, ClippedPGLossFn(cfg.loss_fn.model_dump()), path, seed=0)
     return workers
 

@@ -4,18 +4,35 @@ The policy worker captures aux hidden states (:func:`~nemo_rl_spec.speculative.c
 and optionally its next-token log-probs during its own forward; both are detached there, and
 :meth:`DraftTrainer.step` refuses tensors that still require grad, so the draft loss can never reach policy
 parameters. The draft has its own optimizer (AdamW) and gradient clipping.
+
+Data parallel (several policy workers, each training the same draft on its row shard): :meth:`DraftTrainer.apply`
+takes a :class:`DataParallelSync` that sums the accumulated gradients and loss sums over the ranks before clipping,
+so every rank's draft takes the step of the whole global batch and the replicas stay identical.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
 from nemo_rl_spec.speculative.interfaces import DraftTrainerInterface
+
+
+class DataParallelSync(Protocol):
+    """Sums over the data-parallel ranks (each a collective that every rank calls, also one without rows)."""
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Element-wise sum of ``values`` over the ranks (same shape)."""
+
+    def sum_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        """Key-wise sum of metric dicts over the ranks (a key missing on a rank counts as absent there)."""
+
+    def grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Replace every ``param.grad`` by its sum over the ranks (missing gradients count as zeros)."""
 
 
 class DraftTrainer(DraftTrainerInterface):
@@ -82,10 +99,15 @@ class DraftTrainer(DraftTrainerInterface):
         return self.apply()
 
     @staticmethod
+    def scored_tokens(mask: torch.Tensor) -> int:
+        """Tokens of ``mask`` [B, S] the TTT loss can score (positions >= 2; may be 0)."""
+        return int(mask[:, 2:].bool().sum())
+
+    @staticmethod
     def num_loss_tokens(mask: torch.Tensor) -> int:
-        """Tokens of ``mask`` [B, S] the TTT loss can score (positions >= 2), at least 1: the normaliser to pass
-        to :meth:`accumulate` for a batch split into micro-batches."""
-        return max(int(mask[:, 2:].bool().sum()), 1)
+        """:meth:`scored_tokens`, at least 1: the normaliser to pass to :meth:`accumulate` for a batch split into
+        micro-batches (with data parallelism: the sum of every rank's :meth:`scored_tokens`, at least 1)."""
+        return max(DraftTrainer.scored_tokens(mask), 1)
 
     def zero_grad(self) -> None:
         """Start a new accumulation (clears gradients and the running metrics)."""
@@ -104,7 +126,7 @@ class DraftTrainer(DraftTrainerInterface):
         for name, t in (("hidden_states", hidden_states), ("target_logprobs", target_logprobs)):
             if t is not None and t.requires_grad:
                 raise ValueError(f"{name} requires grad: pass policy tensors through .detach() first")
-        valid = int(mask[:, 2:].bool().sum())
+        valid = self.scored_tokens(mask)
         if valid == 0:
             return
         self.head.train()
@@ -116,16 +138,23 @@ class DraftTrainer(DraftTrainerInterface):
         for k, v in metrics.items():
             self._metric_sums[k] = self._metric_sums.get(k, 0.0) + v * share
 
-    def apply(self) -> dict[str, float]:
-        """Clip and take the optimizer step on the accumulated gradient; returns the metrics of :meth:`step`."""
+    def apply(self, sync: DataParallelSync | None = None) -> dict[str, float]:
+        """Clip and take the optimizer step on the accumulated gradient; returns the metrics of :meth:`step`.
+
+        ``sync``: sum gradients and loss / metric sums over data-parallel ranks first (module docstring); each
+        rank must have accumulated with the global :meth:`num_loss_tokens` as ``total_tokens``.
+        """
+        sums = {"draft_loss": self._loss_sum, **self._metric_sums}
+        if sync is not None:
+            sync.grads(self.params)
+            sums = sync.sum_metrics(sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.params, self.max_grad_norm if self.max_grad_norm is not None else math.inf)
         self.optimizer.step()
         self.draft_version += 1
-        out = {"train/draft_loss": self._loss_sum, "train/draft_grad_norm": float(grad_norm),
-               "train/draft_lr": float(self.optimizer.param_groups[0]["lr"]),
+        out = {"train/draft_grad_norm": float(grad_norm), "train/draft_lr": float(self.optimizer.param_groups[0]["lr"]),
                "train/draft_version": float(self.draft_version)}
-        out.update({f"train/{k}": v for k, v in self._metric_sums.items()})
+        out.update({f"train/{k}": v for k, v in sums.items()})
         return out
 
     def export_weights(self) -> dict[str, torch.Tensor]:

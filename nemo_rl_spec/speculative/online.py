@@ -11,6 +11,11 @@ is connected to the policy's graph, so the policy's gradients are bitwise those 
 Config (``policy.draft``, :class:`~nemo_rl_spec.utils.config_schema.DraftConfig`): ``model_name`` (a head directory
 to start from, e.g. from ``examples/init_draft.py``; None: a fresh head whose ``lm_head`` is the policy's output
 layer), ``aux_layer_ids``, ``loss_weight``, ``ttt_steps``, ``optimizer.{lr, weight_decay, max_grad_norm}``.
+
+Data parallel: every policy worker trains the same head on its own row shard; the loss normaliser is the global
+count of scored tokens and the gradients are summed over the ranks before the step (``sync``, a
+:class:`~nemo_rl_spec.speculative.draft_trainer.DataParallelSync`), so all replicas stay identical and equal the
+single-worker head. Tensor parallel: every TP rank trains an identical replica on identical (full) inputs.
 """
 from __future__ import annotations
 
@@ -21,24 +26,25 @@ from typing import Any
 import torch
 
 from nemo_rl_spec.speculative.capture import HiddenStateCapture, capture_hidden_states
-from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
+from nemo_rl_spec.speculative.draft_trainer import DataParallelSync, DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
+from nemo_rl_spec.utils.config_schema import DraftConfig
 
 DRAFT_STATE_DIR = "draft"
 
 
-def build_draft_head(draft_cfg: dict, hf_config, embedding: torch.Tensor, output_weight: torch.Tensor,
+def build_draft_head(draft_cfg: DraftConfig, hf_config, embedding: torch.Tensor, output_weight: torch.Tensor,
                      seed: int = 0) -> Eagle3DraftHead:
-    """The head to train: loaded from ``draft_cfg["model_name"]`` or new (``lm_head`` = the policy's output layer).
+    """The head to train: loaded from ``draft_cfg.model_name`` or new (``lm_head`` = the policy's output layer).
 
     Args:
-        hf_config: the policy's HF config; embedding, output_weight: the policy's [V, H] input embedding and
+        hf_config: the policy's HF config; embedding, output_weight: the policy's full [V, H] input embedding and
             output weight.
     Raises:
         FileNotFoundError: ``policy.draft.model_name`` is not a draft directory.
         ValueError: the checkpoint's aux layer ids differ from ``policy.draft.aux_layer_ids``.
     """
-    name, aux = draft_cfg.get("model_name"), draft_cfg.get("aux_layer_ids")
+    name, aux = draft_cfg.model_name, draft_cfg.aux_layer_ids
     if name:
         if not (Path(name) / "config.json").is_file():
             raise FileNotFoundError(f"policy.draft.model_name={name!r}: no EAGLE-3 head there (config.json missing)")
@@ -60,21 +66,22 @@ class OnlineDraft:
 
     Args:
         head: the draft head.
-        draft_cfg: the ``policy.draft`` section (dict).
+        draft_cfg: the ``policy.draft`` section.
         ttt_steps: unrolled draft steps of the training-time-test loss.
         temperature: the policy's sampling temperature; soft targets are ``log_softmax(logits / temperature)``.
+        sync: sums over data-parallel ranks (None: a single worker).
 
     Attributes:
         policy_version: weight version of the policy the draft was last trained with (set by the worker).
     """
 
-    def __init__(self, head: Eagle3DraftHead, draft_cfg: dict, ttt_steps: int, temperature: float) -> None:
-        opt = draft_cfg.get("optimizer") or {}
-        self.trainer = DraftTrainer(head, lr=float(opt.get("lr", 3e-4)),
-                                    weight_decay=float(opt.get("weight_decay", 0.0)),
-                                    max_grad_norm=opt.get("max_grad_norm", 1.0), ttt_steps=int(ttt_steps),
-                                    loss_weight=float(draft_cfg.get("loss_weight", 1.0)))
+    def __init__(self, head: Eagle3DraftHead, draft_cfg: DraftConfig, ttt_steps: int, temperature: float,
+                 sync: DataParallelSync | None = None) -> None:
+        opt = draft_cfg.optimizer
+        self.trainer = DraftTrainer(head, lr=opt.lr, weight_decay=opt.weight_decay, max_grad_norm=opt.max_grad_norm,
+                                    ttt_steps=int(ttt_steps), loss_weight=draft_cfg.loss_weight)
         self.temperature = float(temperature) if temperature > 0 else 1.0
+        self.sync = sync
         self.policy_version = 0
         self._total = 1
 
@@ -87,11 +94,14 @@ class OnlineDraft:
         return capture_hidden_states(model, self.head.cfg.aux_layer_ids)
 
     def begin(self, policy_embedding: torch.Tensor, loss_mask: torch.Tensor) -> None:
-        """Start a draft step: copy the policy's current [V, H] embedding into the head (vLLM's drafter shares the
-        target's) and set the normaliser from the whole batch's [B, S] ``loss_mask``."""
+        """Start a draft step: copy the policy's current full [V, H] embedding into the head (vLLM's drafter shares
+        the target's) and set the normaliser from this rank's [B, S] ``loss_mask`` (summed over DP ranks)."""
         self.trainer.sync_embeddings(policy_embedding)
         self.trainer.zero_grad()
-        self._total = DraftTrainer.num_loss_tokens(loss_mask)
+        scored = torch.tensor([float(DraftTrainer.scored_tokens(loss_mask))], dtype=torch.float64)
+        if self.sync is not None:
+            scored = self.sync.sum(scored)
+        self._total = max(int(scored[0]), 1)
 
     def accumulate(self, cap: HiddenStateCapture, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                    logits: torch.Tensor) -> None:
@@ -105,7 +115,7 @@ class OnlineDraft:
     def finish(self) -> dict[str, float]:
         """Draft optimizer step; metrics without the ``train/`` prefix (``draft_loss``, ``draft_grad_norm``,
         ``draft_acc_step{j}``, ``draft_version``, ...), which the driver logs as ``train/draft_*``."""
-        return {k.removeprefix("train/"): v for k, v in self.trainer.apply().items()}
+        return {k.removeprefix("train/"): v for k, v in self.trainer.apply(self.sync).items()}
 
     def export(self) -> dict[str, Any]:
         """``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}`` for

@@ -21,6 +21,7 @@ import fixtures_models as fm  # noqa: E402
 from nemo_rl_spec.models.policy import megatron_model as mm  # noqa: E402
 from nemo_rl_spec.models.policy.hf_weight_mapping import hf_to_megatron  # noqa: E402
 from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
+from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 
 torch.set_num_threads(1)
 BASE_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "grpo_math_base.yaml")
@@ -33,6 +34,10 @@ def _policy_cfg(**optimizer) -> dict:
     cfg.update(train_micro_batch_size=2, logprob_batch_size=3)
     cfg["megatron_cfg"]["optimizer"].update(lr=1e-2, **optimizer)
     return cfg
+
+
+def _worker(cfg: dict, path: str, seed: int = 0) -> MegatronPolicyWorker:
+    return MegatronPolicyWorker(PolicyConfig.model_validate(cfg), pg_loss, path, seed=seed)
 
 
 def pg_loss(curr_logprobs, mb, global_valid_toks, global_valid_seqs):
@@ -93,7 +98,7 @@ def test_export_import_round_trip_bit_identical(tiny_model):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_worker_logprobs_match_transformers(tiny_model, temperature):
     path, hf_model = tiny_model
-    worker = MegatronPolicyWorker(_policy_cfg(), pg_loss, path, seed=0)
+    worker = _worker(_policy_cfg(), path, seed=0)
     data = _batch()
     logprobs = worker.get_logprobs(data, temperature=temperature)
     expected = fm.hf_token_logprobs(hf_model, data["input_ids"], data["input_lengths"], temperature)
@@ -121,7 +126,7 @@ def test_train_step_matches_independent_adamw_and_changes_weights(tiny_model):
     # which amplifies 1e-8 gradient round-off on near-zero gradients into lr-sized weight differences).
     path, hf_model = tiny_model
     cfg = _policy_cfg(adam_eps=1e-3)
-    worker = MegatronPolicyWorker(cfg, pg_loss, path, seed=0)
+    worker = _worker(cfg, path, seed=0)
     before = worker.export_hf_weights()
     data = _batch()
     metrics = worker.train(data)
@@ -142,8 +147,8 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model):
     exported = []
     for micro_batch in (1, 5):
         cfg = _policy_cfg(adam_eps=1e-3)  # smooth first Adam update (see the AdamW test)
-        cfg["train_micro_batch_size"] = micro_batch
-        worker = MegatronPolicyWorker(cfg, pg_loss, path, seed=0)
+        cfg.update(train_micro_batch_size=micro_batch, train_global_batch_size=5)  # global: schema needs a multiple
+        worker = _worker(cfg, path, seed=0)
         metrics = worker.train(_batch())
         exported.append((metrics, worker.export_hf_weights()))
     (metrics_a, weights_a), (metrics_b, weights_b) = exported
@@ -155,7 +160,7 @@ def test_micro_batch_size_does_not_change_the_step(tiny_model):
 
 def test_refit_exported_weights_reproduce_logprobs_in_transformers(tiny_model):
     path, hf_model = tiny_model
-    worker = MegatronPolicyWorker(_policy_cfg(), pg_loss, path, seed=0)
+    worker = _worker(_policy_cfg(), path, seed=0)
     data = _batch()
     worker.train(data)
     exported = worker.export_hf_weights()
@@ -172,14 +177,14 @@ def test_checkpoint_resume_is_bitwise(tiny_model, tmp_path):
     path, _ = tiny_model
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    first = MegatronPolicyWorker(_policy_cfg(), pg_loss, path, seed=0)
+    first = _worker(_policy_cfg(), path, seed=0)
     first.train(_batch(seed=1))
     first.save_checkpoint(str(ckpt))
     torch.manual_seed(1234)  # RNG state must come from the checkpoint, not from here
     expected = first.train(_batch(seed=2))
     expected_weights = first.export_hf_weights()
 
-    resumed = MegatronPolicyWorker(_policy_cfg(), pg_loss, path, seed=7)
+    resumed = _worker(_policy_cfg(), path, seed=7)
     resumed.load_checkpoint(str(ckpt))
     got = resumed.train(_batch(seed=2))
     got_weights = resumed.export_hf_weights()
@@ -191,7 +196,7 @@ def test_checkpoint_resume_is_bitwise(tiny_model, tmp_path):
 
 def test_get_model_config_reports_architecture(tiny_model):
     path, hf_model = tiny_model
-    worker = MegatronPolicyWorker(_policy_cfg(), pg_loss, path, seed=0)
+    worker = _worker(_policy_cfg(), path, seed=0)
     config = worker.get_model_config()
     assert config["vocab_size"] == hf_model.config.vocab_size == 512
     assert config["architecture"] == "Qwen3ForCausalLM" and config["tie_word_embeddings"] is True
@@ -203,7 +208,7 @@ def test_unsupported_architecture_raises(tmp_path):
     MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, architectures=["MistralForCausalLM"]).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="MistralForCausalLM"):
-        MegatronPolicyWorker(_policy_cfg(), pg_loss, str(tmp_path), seed=0)
+        _worker(_policy_cfg(), str(tmp_path), seed=0)
 
 
 def test_worker_runs_inside_a_ray_actor(tiny_model):
@@ -221,7 +226,7 @@ def test_worker_runs_inside_a_ray_actor(tiny_model):
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         actor = ray.remote(MegatronPolicyWorker).options(num_cpus=0.5).remote(
-            _policy_cfg(), ClippedPGLossFn(loss_cfg), path, 0)
+            PolicyConfig.model_validate(_policy_cfg()), ClippedPGLossFn(loss_cfg), path, 0)
         logprobs = ray.get(actor.get_logprobs.remote(data, 1.0))
         metrics = ray.get(actor.train.remote({**data, "prev_logprobs": logprobs}))
         exported = ray.get(actor.export_hf_weights.remote())
@@ -238,7 +243,7 @@ def test_half_precision_on_cpu_is_rejected_clearly(tiny_model):
     cfg = _policy_cfg()
     cfg["precision"] = "bfloat16"
     with pytest.raises(ValueError, match="needs CUDA"):
-        MegatronPolicyWorker(cfg, pg_loss, tiny_model[0], seed=0)
+        _worker(cfg, tiny_model[0], seed=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches are inactive on CUDA")

@@ -21,6 +21,7 @@ from nemo_rl_spec.algorithms.loss import mtp_loss as ml  # noqa: E402
 from nemo_rl_spec.algorithms.occ import occ_lambda  # noqa: E402
 from nemo_rl_spec.models.policy import megatron_model as mm  # noqa: E402
 from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker, token_logprobs  # noqa: E402
+from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 
 torch.set_num_threads(1)
 def _policy_cfg(mtp_num_layers=1, mode="detach", factor=0.5, micro=2, clip=1.0, lr=1e-2) -> dict:
@@ -43,7 +44,7 @@ def model_dir(tmp_path_factory):
 
 
 def _worker(model_dir, **kw):
-    return MegatronPolicyWorker(_policy_cfg(**kw), _loss_fn(), model_dir, seed=3)
+    return MegatronPolicyWorker(PolicyConfig.model_validate(_policy_cfg(**kw)), _loss_fn(), model_dir, seed=3)
 
 
 def _split(worker):

@@ -20,6 +20,7 @@ import fixtures_models as fm  # noqa: E402
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn  # noqa: E402
 from nemo_rl_spec.models.policy import megatron_model as mm  # noqa: E402
 from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
+from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 from nemo_rl_spec.speculative.capture import capture_hidden_states  # noqa: E402
 
 torch.set_num_threads(1)
@@ -45,8 +46,8 @@ def model_dir(tmp_path_factory):
 
 
 def _worker(model_dir, draft: bool, **kw):
-    return MegatronPolicyWorker(_policy_cfg(draft, **kw), ClippedPGLossFn(fm.base_recipe_section("loss_fn")),
-                                model_dir, seed=3)
+    return MegatronPolicyWorker(PolicyConfig.model_validate(_policy_cfg(draft, **kw)),
+                                ClippedPGLossFn(fm.base_recipe_section("loss_fn")), model_dir, seed=3)
 
 
 def _grads(worker):

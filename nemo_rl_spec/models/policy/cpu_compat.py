@@ -29,6 +29,12 @@ The patches, each with its reason:
    without the "CPU RNG state changed within GPU RNG context" warning (on CPU that is the point).
 4. **grad clipping** (``clip_grad_by_total_norm_fp32``) asserts ``param.grad.type() ==
    'torch.cuda.FloatTensor'``; it is replaced by an equivalent that accepts CPU fp32 grads.
+5. **distributed optimizer** (:func:`cuda_tensor_type_names`, a context, not applied globally): megatron's
+   ``DistributedOptimizer.__init__`` sorts parameters by ``param.type()`` against the strings
+   ``'torch.cuda.FloatTensor'`` / ``'torch.cuda.HalfTensor'`` / ``'torch.cuda.BFloat16Tensor'`` and raises
+   TypeError for anything else. Inside the context, ``Tensor.type()`` (no arguments) of a CPU tensor answers the
+   CUDA name of its dtype, so fp32 CPU parameters take the fp32 path; the worker wraps only the optimizer's
+   construction in it (the checks are all in the constructor in megatron-core 0.19.2).
 """
 from __future__ import annotations
 
@@ -215,6 +221,28 @@ def _patch_grad_clip() -> None:
         module = importlib.import_module(name)
         if hasattr(module, "clip_grad_by_total_norm_fp32"):
             module.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32_cpu
+
+
+@contextlib.contextmanager
+def cuda_tensor_type_names():
+    """Patch 5 (module docstring): within the context ``cpu_tensor.type()`` returns ``'torch.cuda.<T>Tensor'``.
+    A no-op context on CUDA."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.type
+
+    def type_as_cuda(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_as_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 def apply_cpu_compat() -> bool:

@@ -26,6 +26,16 @@ Fused layouts:
 
 Export always includes ``lm_head.weight``: with tied embeddings it equals the embedding. vLLM refit
 stays stale without it (DESIGN.md, "Tied embeddings and refit").
+
+Tensor parallelism (megatron-core's TP layers, T ranks; :func:`tp_shard` / :func:`tp_unshard` on Megatron names)::
+
+    column-parallel  linear_qkv, eh_proj       rows split in T contiguous blocks (dim 0); for linear_qkv a block
+                                               is G/T whole query groups, since the fused rows are grouped per group
+    column-parallel  linear_fc1 (SwiGLU)       gate and up halves each split in T blocks, rank r holds
+                                               cat([gate_r, up_r]) (megatron applies silu to its local first half)
+    row-parallel     linear_proj, linear_fc2   columns split in T blocks (dim 1)
+    vocab-parallel   word_embeddings, output_layer   vocabulary rows split in T blocks (dim 0)
+    replicated       every norm weight
 """
 from __future__ import annotations
 
@@ -215,3 +225,54 @@ def load_hf_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
     for path in files:
         state.update(load_file(path))
     return state
+
+
+_TP_COLUMN_PARALLEL = ("linear_qkv.weight", "eh_proj.weight", "word_embeddings.weight", "output_layer.weight")
+_TP_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+_TP_GLU = ("linear_fc1.weight",)
+
+
+def tp_partition(name: str) -> str | None:
+    """How tensor parallelism splits the Megatron tensor ``name``: "rows" (dim 0), "cols" (dim 1), "glu" (each
+    half of dim 0) or None (replicated); module docstring."""
+    if name.endswith(_TP_COLUMN_PARALLEL):
+        return "rows"
+    if name.endswith(_TP_ROW_PARALLEL):
+        return "cols"
+    if name.endswith(_TP_GLU):
+        return "glu"
+    return None
+
+
+def check_tp_size(spec: ModelSpec, tp_size: int) -> None:
+    """Raise ValueError naming ``policy.megatron_cfg.tensor_model_parallel_size`` when ``spec`` cannot be split in
+    ``tp_size`` ranks (heads, query groups, FFN width and vocabulary must all be divisible)."""
+    sizes = {"num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_query_groups,
+             "intermediate_size": spec.ffn_hidden_size, "vocab_size": spec.vocab_size}
+    bad = {k: v for k, v in sizes.items() if v % tp_size}
+    if bad:
+        raise ValueError(f"policy.megatron_cfg.tensor_model_parallel_size={tp_size} does not divide the model's "
+                         f"{bad} ({spec.architecture})")
+
+
+def tp_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """TP rank ``rank``'s part of the full Megatron tensor ``name`` (a view for rows / cols, replicated tensors
+    unchanged). Shape: e.g. linear_proj [H, H*D] -> [H, H*D / size]."""
+    rule = tp_partition(name)
+    if rule is None or size == 1:
+        return full
+    if rule == "glu":
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, size, dim=0)[rank], torch.chunk(up, size, dim=0)[rank]], dim=0)
+    return torch.chunk(full, size, dim=0 if rule == "rows" else 1)[rank]
+
+
+def tp_unshard(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """Inverse of :func:`tp_shard`: the full tensor from every TP rank's part, in rank order."""
+    rule = tp_partition(name)
+    if rule is None or len(shards) == 1:
+        return shards[0]
+    if rule == "glu":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=0 if rule == "rows" else 1)

@@ -13,13 +13,17 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
+from nemo_rl_spec.distributed.worker_group import init_process_group_from_env
 from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
 from nemo_rl_spec.models.policy.hf_weight_mapping import (
     ModelSpec,
+    check_tp_size,
     hf_to_megatron,
     load_hf_safetensors,
     megatron_to_hf,
     model_spec_from_hf_config,
+    tp_shard,
+    tp_unshard,
 )
 
 apply_cpu_compat()  # before any megatron import (triton stub, torch proxies)
@@ -36,28 +40,56 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def initialize_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
+    """Join the ``torch.distributed`` world and initialise megatron ``parallel_state`` (TP x PP, DP = the rest) if
+    not yet done.
+
+    Inside a :class:`~nemo_rl_spec.distributed.worker_group.RayWorkerGroup` (``RANK`` / ``WORLD_SIZE`` set) the world
+    is the group's (:func:`~nemo_rl_spec.distributed.worker_group.init_process_group_from_env`); a process created
+    outside one (a test, a single actor) gets a world of size 1 on a free local port, without touching
+    ``os.environ`` (a Ray cluster started later from this process would hand the variables on to its actors).
+    Megatron's rank order is tp-cp-ep-dp-pp: rank = pp * (DP * TP) + dp * TP + tp.
+
+    Raises:
+        ValueError: ``policy.megatron_cfg.tensor_model_parallel_size`` x ``pipeline_model_parallel_size`` does not
+            divide the world size, or ``parallel_state`` already holds other sizes (one layout per process).
+    """
+    if not torch.distributed.is_initialized():
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            init_process_group_from_env()
+        else:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                                 world_size=1, timeout=timedelta(minutes=30))
+    world = torch.distributed.get_world_size()
+    if world % (tensor_parallel_size * pipeline_parallel_size):
+        raise ValueError(f"policy.megatron_cfg.tensor_model_parallel_size={tensor_parallel_size} x "
+                         f"pipeline_model_parallel_size={pipeline_parallel_size} does not divide the {world} policy "
+                         "workers")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+    held = (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+    if held != (tensor_parallel_size, pipeline_parallel_size):
+        raise ValueError(f"this process already runs megatron with TP x PP = {held}; cannot also build "
+                         f"{(tensor_parallel_size, pipeline_parallel_size)}")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def initialize_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> None:
-    """Initialise a world-size-1 gloo process group and megatron ``parallel_state`` if not yet done.
+def tp_partial_grad(name: str, config: TransformerConfig) -> bool:
+    """True for a replicated parameter whose gradient each TP rank only holds in part (megatron's
+    ``finalize_model_grads`` sums it over TP): the q/k RMSNorm weights, applied to each rank's own heads."""
+    return bool(config.qk_layernorm) and ("q_layernorm" in name or "k_layernorm" in name)
 
-    Raises:
-        ValueError: tensor/pipeline parallel size larger than the world size (1 here).
-    """
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, rank=0, world_size=1, timeout=timedelta(minutes=30))
-    world = torch.distributed.get_world_size()
-    if tensor_parallel_size * pipeline_parallel_size > world:
-        raise ValueError(f"TP={tensor_parallel_size} x PP={pipeline_parallel_size} exceeds world size {world}")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+
+def tp_group():
+    """The tensor-parallel process group of this rank (size 1 without TP)."""
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def load_hf_config(model_path: str):
@@ -71,14 +103,25 @@ MTP_PREFIX = "mtp."  # megatron-core names of the MTP block's parameters (``mtp.
 DECODER_PREFIX = "decoder."  # the transformer layers and final norm (not the embedding or output layer)
 
 
-def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_num_layers: int = 0) -> TransformerConfig:
+def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_num_layers: int = 0,
+                       activation_checkpointing: bool = False) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for ``spec``; dropout 0, all fusions off, CPU initialisation.
 
     ``mtp_num_layers`` > 0 adds megatron-core's multi-token-prediction block (``mtp_num_layers`` in the config,
     its loss scale left at megatron's default: the worker computes the MTP loss itself, see
-    :func:`gpt_trunk_forward`).
+    :func:`gpt_trunk_forward`). ``activation_checkpointing`` recomputes every transformer layer in the backward
+    (megatron's ``recompute_granularity="full"``, ``recompute_method="uniform"``, one layer per chunk).
+    ``calculate_per_token_loss=True``: the worker's losses are already divided by global (all data-parallel ranks)
+    token / sequence counts, so Megatron DDP must SUM gradients over DP (gradient_scaling_factor 1) instead of
+    averaging them.
     """
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+        if activation_checkpointing else {}
     return TransformerConfig(
+        **recompute,
+        calculate_per_token_loss=True,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         mtp_num_layers=mtp_num_layers or None,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -109,16 +152,22 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_
 
 
 def build_gpt_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    mtp_num_layers: int = 0) -> GPTModel:
+                    mtp_num_layers: int = 0, activation_checkpointing: bool = False) -> GPTModel:
     """A randomly initialised ``GPTModel`` with ``spec``'s architecture (distributed must be initialised).
 
     With ``mtp_num_layers`` > 0 the model carries megatron-core's ``MultiTokenPredictionBlock``
     (``model.mtp``), built by ``get_gpt_mtp_block_spec`` from the local layer spec: per MTP layer k an
     ``enorm``/``hnorm`` RMSNorm pair, ``eh_proj`` [H, 2H], one transformer layer like the decoder's last, and a
     final RMSNorm; logits come from the shared output layer.
+
+    With tensor parallelism every rank draws the full initial weights from the same CPU generator (seeded with
+    ``seed`` on every rank) and keeps its slice, so the TP=T model equals the TP=1 one.
+    Raises:
+        ValueError: the model cannot be split over the tensor-parallel size (:func:`check_tp_size`).
     """
+    check_tp_size(spec, parallel_state.get_tensor_model_parallel_world_size())
     model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(spec, dtype, mtp_num_layers)
+    config = transformer_config(spec, dtype, mtp_num_layers, activation_checkpointing)
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
     mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if mtp_num_layers else None
     model = GPTModel(
@@ -158,24 +207,27 @@ def load_megatron_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) 
 
 
 def import_hf_weights(model: torch.nn.Module, model_dir: str, spec: ModelSpec) -> None:
-    """Load an HF safetensors checkpoint directory into an unwrapped GPTModel.
+    """Load an HF safetensors checkpoint directory into an unwrapped GPTModel (this TP rank's slices).
 
     The HF checkpoint has no MTP weights: each MTP layer's transformer layer starts as a copy of the last
     decoder layer and its norms as the final norm (DeepSeek-V3 / MiMo-style warm start), ``eh_proj`` keeps its
     random megatron initialisation.
     """
-    state = hf_to_megatron(load_hf_safetensors(model_dir), spec)
-    state.update(mtp_init_from_trunk(megatron_param_state(model), state, spec.num_layers))
+    full = hf_to_megatron(load_hf_safetensors(model_dir), spec)
+    full.update(mtp_init_from_trunk(megatron_param_state(model), full, spec.num_layers))
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    state = {name: tp_shard(name, full[name], rank, size) if name in full else local
+             for name, local in megatron_param_state(model).items()}
     load_megatron_state(model, state)
 
 
 def mtp_init_from_trunk(model_state: dict[str, torch.Tensor], trunk_state: dict[str, torch.Tensor],
                         num_layers: int) -> dict[str, torch.Tensor]:
-    """Initial MTP tensors (megatron names) from trunk tensors; those without a trunk counterpart
-    (``eh_proj``) keep the model's current values. Empty when the model has no MTP block."""
+    """Initial MTP tensors (megatron names, full size) copied from the full trunk tensors; MTP tensors without a
+    trunk counterpart (``eh_proj``) are left out (they keep the model's values). Empty without an MTP block."""
     last = f"decoder.layers.{num_layers - 1}."
     out = {}
-    for name, tensor in model_state.items():
+    for name in model_state:
         if not name.startswith(MTP_PREFIX):
             continue
         _, _, k, rest = name.split(".", 3)  # mtp.layers.<k>.<rest>
@@ -184,16 +236,33 @@ def mtp_init_from_trunk(model_state: dict[str, torch.Tensor], trunk_state: dict[
         elif rest.split(".")[0] in ("enorm", "hnorm", "final_layernorm"):
             source = "decoder.final_layernorm." + rest.split(".", 1)[1]
         else:
-            source = None
-        out[name] = trunk_state[source].clone() if source in trunk_state else tensor.detach().clone()
+            continue
+        out[name] = trunk_state[source].clone()
+    return out
+
+
+@torch.no_grad()
+def full_param_state(model: torch.nn.Module, names=None) -> dict[str, torch.Tensor]:
+    """Megatron-named full tensors: this rank's slices all-gathered over the tensor-parallel group and put back
+    together (:func:`~.hf_weight_mapping.tp_unshard`); every TP rank must call it (collective). ``names``: a
+    filter (default: every parameter). Without TP, the model's own tensors (no copy)."""
+    local = {k: v.detach() for k, v in megatron_param_state(model).items() if names is None or names(k)}
+    group, size = tp_group(), parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return local
+    out = {}
+    for name, tensor in local.items():
+        parts = [torch.empty_like(tensor) for _ in range(size)]
+        torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+        out[name] = tp_unshard(name, parts)
     return out
 
 
 @torch.no_grad()
 def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """HF-named CPU fp32 copies of the trunk weights, always including ``lm_head.weight`` (MTP weights are not
-    part of the HF Llama/Qwen3 layout and are left out)."""
-    trunk = {k: v.detach() for k, v in megatron_param_state(model).items() if not k.startswith(MTP_PREFIX)}
+    """HF-named CPU fp32 copies of the full trunk weights (gathered over TP: a collective), always including
+    ``lm_head.weight`` (MTP weights are not part of the HF Llama/Qwen3 layout and are left out)."""
+    trunk = full_param_state(model, lambda name: not name.startswith(MTP_PREFIX))
     hf_state = megatron_to_hf(trunk, spec)
     return {name: t.to("cpu", torch.float32).clone(memory_format=torch.contiguous_format) for name, t in hf_state.items()}
 

@@ -1,33 +1,58 @@
 """Megatron-core policy worker: log-probs, one optimizer step per ``train`` call, HF export, checkpoints.
 
-A plain class; the driver wraps it with ``ray.remote``. ``__init__`` applies the CPU patches and
-initialises gloo + megatron ``parallel_state`` (world size 1) inside the actor process.
+A plain class; :class:`~nemo_rl_spec.models.policy.lm_policy.Policy` runs N of them as a
+:class:`~nemo_rl_spec.distributed.worker_group.RayWorkerGroup` (one ``torch.distributed`` world, gloo on CPU).
+``__init__`` applies the CPU patches, joins the world (or makes a world of size 1 when created outside a worker
+group) and initialises megatron ``parallel_state`` with TP x PP; DP = world / (TP * PP), ranks in megatron's order
+(TP fastest, :class:`~.parallel.ParallelLayout`).
 
 Training uses Megatron's ``DistributedDataParallel`` (contiguous fp32 grad buffer, ``main_grad``) and
 ``get_megatron_optimizer`` (Adam; torch's AdamW underneath when neither TE nor Apex is installed, with
-Megatron's grad-norm clipping). Config keys read (``policy`` section of the recipe)::
+Megatron's grad-norm clipping). Config (:class:`~nemo_rl_spec.utils.config_schema.PolicyConfig`, the ``policy``
+section): ``precision``, ``train_micro_batch_size``, ``logprob_batch_size``, ``generation.temperature`` (logits are
+divided by it in ``train``, as in ``get_logprobs``), ``megatron_cfg.{tensor,pipeline}_model_parallel_size``,
+``megatron_cfg.num_threads``, ``megatron_cfg.activation_checkpointing``,
+``megatron_cfg.optimizer.{lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, use_distributed_optimizer}``.
 
-    policy.precision, policy.train_micro_batch_size, policy.logprob_batch_size,
-    policy.generation.temperature (logits are divided by it in ``train``, as in ``get_logprobs``),
-    policy.megatron_cfg.{tensor,pipeline}_model_parallel_size, policy.megatron_cfg.num_threads,
-    policy.megatron_cfg.optimizer.{lr, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad}
+Data parallel: each DP rank gets a contiguous row shard of the global batch (the controller shards it; shards may
+differ in size, even be empty). The loss of every micro-batch is divided by GLOBAL counts (valid tokens, valid
+sequences, per-MTP-head targets: sums over the DP group), so the gradients of all ranks add up to the global-batch
+gradient: Megatron DDP all-reduces with SUM (``calculate_per_token_loss``, gradient scaling 1). ``train`` returns
+the same metrics on every rank (loss-type metrics combined over DP by the loss contract: sum, ``*_max`` by max).
 
-MTP co-training (``policy.megatron_cfg.mtp_num_layers`` > 0; OCC issue, docs/occ.md) also reads
-``mtp_loss_mode`` (detach | ce | policy | occ), ``mtp_loss_scaling_factor`` (the fixed coefficient, or
-lambda_plus for occ), ``mtp_occ_eps``, ``mtp_occ_lambda_max`` and ``mtp_occ_reference`` (also report c and v2
-from full parameter gradients, to validate the proxies; costs two extra trunk backwards). The MTP block's parameters are kept out of
-Megatron's DDP buffer and optimizer and get their own torch AdamW (same hyper-parameters, own grad clipping), so
-the trunk's grad-norm clipping never sees them (needed for detach to leave the trunk bitwise unchanged).
+Tensor parallel: megatron-core's own TP layers on gloo; HF weights are sliced per TP rank on import and gathered
+back on export (:mod:`~.hf_weight_mapping`), log-probs are vocab-parallel (:mod:`~.vocab_parallel`).
+
+Pipeline parallel is refused (``pipeline_model_parallel_size`` must be 1): the worker runs its own forward (trunk,
+main head, MTP block on detached copies of trunk tensors, OCC's three backward calls, the online draft's capture
+hooks) in one process, while PP needs megatron's pipeline schedules (``get_forward_backward_func``) with p2p
+transfers between stages; the MTP block and the tied embedding would live on other stages than the trunk output
+they read, and on CPU the schedules also allocate on "cuda" and call ``torch.cuda.synchronize``.
+
+Activation checkpointing (``megatron_cfg.activation_checkpointing``): megatron's full uniform recompute, one layer
+per chunk; the step is the same as without it.
+
+Distributed optimizer (``optimizer.use_distributed_optimizer``): megatron's ``DistributedOptimizer`` (Adam state
+sharded over DP, gradients reduce-scattered, parameters all-gathered), on CPU through a type-name shim
+(:func:`~.cpu_compat.cuda_tensor_type_names`).
+
+MTP co-training (``megatron_cfg.mtp_num_layers`` > 0; docs/occ.md) also reads ``mtp_loss_mode`` (detach | ce |
+policy | occ), ``mtp_loss_scaling_factor`` (the fixed coefficient, or lambda_plus for occ), ``mtp_occ_eps``,
+``mtp_occ_lambda_max`` and ``mtp_occ_reference`` (also report c and v2 from full parameter gradients, to validate
+the proxies; costs two extra trunk backwards). The MTP block's parameters are kept out of Megatron's DDP buffer and
+optimizer and get their own torch AdamW (same hyper-parameters, own grad clipping), so the trunk's grad-norm
+clipping never sees them (needed for detach to leave the trunk bitwise unchanged); their gradients are summed over
+DP here. OCC's lambda is computed per micro-batch, so DP=N equals DP=1 when the shard boundaries fall on
+micro-batch boundaries (otherwise the micro-batches, and so the lambdas, differ, as with another micro-batch size).
 
 Online EAGLE-3 draft (``policy.draft.enabled`` and ``policy.draft.online``; docs/speculative.md): the training
 forward runs under the draft's capture hooks and the head trains on the detached activations after the policy's
-backward, with its own optimizer (``speculative/online.py``); ``export_draft_weights`` / ``save_draft`` hand it to
-the generation worker.
+backward, with its own optimizer (``speculative/online.py``; gradients summed over DP); ``export_draft_weights`` /
+``save_draft`` hand it to the generation worker.
 
-``policy.train_global_batch_size`` is not read: ``train`` makes exactly one optimizer step over all rows it
-is given (the driver sizes the batch). The learning rate is constant (no scheduler). ``precision`` must be
-float32 on CPU. Data parallelism across several workers would need one shared process group; each worker
-here initialises its own world of size 1.
+``policy.train_global_batch_size`` is not read: ``train`` makes exactly one optimizer step over all rows it is
+given (the driver sizes the batch). The learning rate is constant (no scheduler). ``precision`` must be float32 on
+CPU.
 """
 from __future__ import annotations
 
@@ -39,36 +64,51 @@ from typing import Callable
 import numpy as np
 import torch
 
-from nemo_rl_spec.algorithms.loss import mtp_loss as ml
-from nemo_rl_spec.algorithms.loss.interfaces import aggregate_microbatch_metrics
-from nemo_rl_spec.algorithms.occ import MTPCoefficient, occ_lambda, occ_proxies
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
-from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
-from nemo_rl_spec.models.policy.interfaces import PolicyInterface
 from nemo_rl_spec.models.policy import megatron_model as mm
+from nemo_rl_spec.models.policy import mtp_loss as ml
+from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat, cuda_tensor_type_names
+from nemo_rl_spec.models.policy.interfaces import PolicyInterface
+from nemo_rl_spec.models.policy.occ import MTPCoefficient, occ_lambda, occ_proxies
+from nemo_rl_spec.models.policy.optimizer_state import (
+    load_named_adam_state,
+    named_adam_state,
+    uses_distributed_optimizer,
+)
+from nemo_rl_spec.models.policy.parallel import (
+    GroupSync,
+    ParallelLayout,
+    all_reduce_grads,
+    all_reduce_sum,
+    clip_grads_,
+    combine_metrics,
+    reduce_metrics,
+)
+from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, target_logprobs
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
-from nemo_rl_spec.utils.config_schema import MegatronConfig
+from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
 
-from megatron.core import tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-CHECKPOINT_FILE = "megatron_policy.pt"
+CHECKPOINT_FILE = "megatron_policy_tp{tp_rank}.pt"  # one file per TP rank, written by DP rank 0
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, input_lengths: torch.Tensor,
-                   temperature: float = 1.0) -> torch.Tensor:
+                   temperature: float = 1.0, tp_group=None) -> torch.Tensor:
     """Log-prob of each token given its prefix, aligned with ``input_ids``.
 
     ``out[b, s] = log_softmax(logits[b, s-1] / temperature)[input_ids[b, s]]`` for 1 <= s < input_lengths[b],
     0 at s = 0 and on padding. (``log_softmax`` then gather, the very ops of the usual reference; the
-    cheaper ``gather - logsumexp`` differs from it by ~2e-5 at SmolLM2's logit scale.)
+    cheaper ``gather - logsumexp`` differs from it by ~2e-5 at SmolLM2's logit scale.) With ``tp_group`` the
+    logits are this rank's vocabulary shard and the softmax runs over all shards (:func:`target_logprobs`).
 
-    Shape: logits [B, S, V], input_ids [B, S], input_lengths [B] -> [B, S] float32.
+    Shape: logits [B, S, V] (or [B, S, V/T]), input_ids [B, S], input_lengths [B] -> [B, S] float32.
     """
-    logprobs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    next_token = logprobs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    next_token = target_logprobs(logits[:, :-1], input_ids[:, 1:], temperature, tp_group)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     valid = positions[1:].unsqueeze(0) < input_lengths.unsqueeze(1)
     return torch.nn.functional.pad(torch.where(valid, next_token, 0.0), (1, 0))
@@ -91,34 +131,57 @@ def _slice_batch(data: TrainDatumSpec, start: int, stop: int, seq_len: int) -> T
     return out
 
 
-class MegatronPolicyWorker(PolicyInterface):
-    """megatron-core GPTModel policy (Llama / Qwen3 HF checkpoints), see module docstring."""
+def _check_supported_layout(mcfg: MegatronConfig) -> None:
+    """Raise ValueError for pipeline parallelism (module docstring gives the reason)."""
+    if mcfg.pipeline_model_parallel_size != 1:
+        raise ValueError(
+            f"policy.megatron_cfg.pipeline_model_parallel_size={mcfg.pipeline_model_parallel_size}: pipeline "
+            "parallelism is not supported by this worker (its forward runs the trunk, the MTP block on detached trunk "
+            "tensors, OCC's backward calls and the draft capture hooks in one process; PP would need megatron's "
+            "pipeline schedules with p2p stages). Use tensor_model_parallel_size and data parallelism instead")
 
-    def __init__(self, policy_cfg: dict, loss_fn: LossFn, model_path: str, seed: int):
-        mcfg = policy_cfg["megatron_cfg"]
-        torch.set_num_threads(int(mcfg["num_threads"]))
+
+class MegatronPolicyWorker(PolicyInterface):
+    """megatron-core GPTModel policy (Llama / Qwen3 HF checkpoints), see module docstring.
+
+    Args:
+        cfg: the ``policy`` section.
+        loss_fn: the micro-batch loss (:class:`~nemo_rl_spec.algorithms.loss.interfaces.LossFunction` contract).
+        model_path: local HF checkpoint directory.
+        seed: the same on every rank (weights are initialised identically on all ranks).
+    Raises:
+        ValueError: unsupported precision, pipeline parallelism, a TP size the model cannot be split by, or a
+            TP x PP that does not divide the number of workers (each names its config key).
+    """
+
+    def __init__(self, cfg: PolicyConfig, loss_fn: LossFn, model_path: str, seed: int):
+        mcfg = cfg.megatron_cfg
+        torch.set_num_threads(mcfg.num_threads)
         apply_cpu_compat()
-        self.cfg, self.loss_fn, self.model_path = policy_cfg, loss_fn, model_path
-        self.dtype = self._param_dtype(policy_cfg["precision"])
-        self.train_temperature = float(policy_cfg["generation"]["temperature"])
+        self.cfg, self.loss_fn, self.model_path = cfg, loss_fn, model_path
+        self.dtype = self._param_dtype(cfg.precision)
+        self.train_temperature = float(cfg.generation.temperature)
         self._seed_everything(seed)
         self.spec = mm.model_spec_from_hf_config(mm.load_hf_config(model_path))
-        mm.initialize_distributed(mcfg["tensor_model_parallel_size"], mcfg["pipeline_model_parallel_size"])
-        mtp_cfg = MegatronConfig.model_validate(mcfg)  # fills the MTP keys' schema defaults
-        self.mtp_num_layers = mtp_cfg.mtp_num_layers
-        module = mm.build_gpt_model(self.spec, self.dtype, seed, self.mtp_num_layers)
+        _check_supported_layout(mcfg)
+        mm.initialize_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size)
+        self.layout = ParallelLayout.from_parallel_state()
+        self.dp_group, self.tp_group = parallel_state.get_data_parallel_group(), mm.tp_group()
+        self.mtp_num_layers = mcfg.mtp_num_layers
+        module = mm.build_gpt_model(self.spec, self.dtype, seed, self.mtp_num_layers, mcfg.activation_checkpointing)
         mm.import_hf_weights(module, model_path, self.spec)
         self.mtp_params = [p for n, p in module.named_parameters() if n.startswith(mm.MTP_PREFIX)]
         for p in self.mtp_params:  # keep them out of DDP's buffer and Megatron's optimizer (own AdamW below)
             p.requires_grad_(False)
         self.model = self._wrap_ddp(module)
-        self.optimizer = get_megatron_optimizer(self._optimizer_config(mcfg["optimizer"]), [self.model])
+        with cuda_tensor_type_names():  # the distributed optimizer type-checks 'torch.cuda.*Tensor' (cpu_compat)
+            self.optimizer = get_megatron_optimizer(self._optimizer_config(), [self.model])
         apply_cpu_compat()  # patch megatron modules imported lazily by DDP / optimizer construction
-        self.mtp_optimizer = self._mtp_optimizer(mcfg) if self.mtp_params else None
-        self.mtp_coef = MTPCoefficient(mtp_cfg.mtp_loss_mode, mtp_cfg.mtp_loss_scaling_factor, mtp_cfg.mtp_occ_eps,
-                                       mtp_cfg.mtp_occ_lambda_max)
-        self.mtp_occ_reference = mtp_cfg.mtp_occ_reference
-        self.draft = self._online_draft(policy_cfg, seed)
+        self.mtp_optimizer = self._mtp_optimizer() if self.mtp_params else None
+        self.mtp_coef = MTPCoefficient(mcfg.mtp_loss_mode, mcfg.mtp_loss_scaling_factor, mcfg.mtp_occ_eps,
+                                       mcfg.mtp_occ_lambda_max)
+        self.mtp_occ_reference = mcfg.mtp_occ_reference
+        self.draft = self._online_draft(seed)
         self.step = 0
         self.weight_version = 0
 
@@ -143,59 +206,76 @@ class MegatronPolicyWorker(PolicyInterface):
             raise ValueError(f"policy.precision={precision!r} needs CUDA; use float32 on CPU")
         return mm.PRECISIONS[precision]
 
+    @property
+    def _distributed_optimizer(self) -> bool:
+        return self.cfg.megatron_cfg.optimizer.use_distributed_optimizer
+
     def _wrap_ddp(self, module: torch.nn.Module) -> DistributedDataParallel:
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
+            use_distributed_optimizer=self._distributed_optimizer,
         )
         return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
 
-    def _optimizer_config(self, opt: dict) -> OptimizerConfig:
+    def _optimizer_config(self) -> OptimizerConfig:
+        opt = self.cfg.megatron_cfg.optimizer
         return OptimizerConfig(
-            optimizer="adam",
-            lr=float(opt["lr"]),
-            weight_decay=float(opt["weight_decay"]),
-            adam_beta1=float(opt["adam_beta1"]),
-            adam_beta2=float(opt["adam_beta2"]),
-            adam_eps=float(opt["adam_eps"]),
-            clip_grad=float(opt["clip_grad"]),
-            bf16=self.dtype == torch.bfloat16,
-            fp16=self.dtype == torch.float16,
-            params_dtype=self.dtype,
-            use_distributed_optimizer=False,
+            optimizer="adam", lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
+            adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
+            bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+            use_distributed_optimizer=self._distributed_optimizer,
         )
 
-    def _mtp_optimizer(self, mcfg: dict) -> torch.optim.Optimizer:
+    def _mtp_optimizer(self) -> torch.optim.Optimizer:
         for p in self.mtp_params:
             p.requires_grad_(True)
-        opt = mcfg["optimizer"]
-        return torch.optim.AdamW(self.mtp_params, lr=float(opt["lr"]), betas=(float(opt["adam_beta1"]),
-                                 float(opt["adam_beta2"])), eps=float(opt["adam_eps"]),
-                                 weight_decay=float(opt["weight_decay"]))
+        opt = self.cfg.megatron_cfg.optimizer
+        return torch.optim.AdamW(self.mtp_params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                                 weight_decay=opt.weight_decay)
 
-    def _online_draft(self, policy_cfg: dict, seed: int) -> OnlineDraft | None:
+    def _speculative_config(self) -> dict:
+        spec = self.cfg.generation.vllm_kwargs.get("speculative_config") or {}
+        return spec if isinstance(spec, dict) else spec.model_dump()
+
+    def _online_draft(self, seed: int) -> OnlineDraft | None:
         """The EAGLE-3 head trained online (``policy.draft.enabled`` and ``online``), else None."""
-        dcfg = policy_cfg.get("draft") or {}
-        if not (dcfg.get("enabled", True) and dcfg.get("online", False)):
+        dcfg = self.cfg.draft
+        if dcfg is None or not (dcfg.enabled and dcfg.online):
             return None
-        spec = (policy_cfg["generation"].get("vllm_kwargs") or {}).get("speculative_config") or {}
-        ttt = dcfg.get("ttt_steps") or spec.get("num_speculative_tokens") or 3
-        head = build_draft_head(dcfg, mm.load_hf_config(self.model_path), self.module.embedding.word_embeddings.weight,
-                                mm.output_weight(self.module), seed)
-        return OnlineDraft(head, dcfg, int(ttt), self.train_temperature)
+        ttt = dcfg.ttt_steps or self._speculative_config().get("num_speculative_tokens") or 3
+        head = build_draft_head(dcfg, mm.load_hf_config(self.model_path), self._full_embedding(),
+                                self._full_output_weight(), seed)
+        return OnlineDraft(head, dcfg, int(ttt), self.train_temperature, sync=GroupSync(self.dp_group))
 
     @property
     def module(self) -> torch.nn.Module:
         """The unwrapped GPTModel."""
         return self.model.module
 
+    def _full_embedding(self) -> torch.Tensor:
+        """The full [V, H] input embedding (gathered over TP: a collective)."""
+        name = "embedding.word_embeddings.weight"
+        return mm.full_param_state(self.module, lambda n: n == name)[name]
+
+    def _full_output_weight(self) -> torch.Tensor:
+        """The full [V, H] output weight (the embedding when tied)."""
+        if self.spec.tie_word_embeddings:
+            return self._full_embedding()
+        return mm.full_param_state(self.module, lambda n: n == "output_layer.weight")["output_layer.weight"]
+
     def get_model_config(self) -> dict:
         """Architecture facts the driver may need (vocab_size, num_layers, ...), as a plain dict."""
         return dict(vars(self.spec))
 
+    def parallel_layout(self) -> dict[str, int]:
+        """This rank's coordinates: ``rank, world_size, dp_rank, dp_size, tp_rank, tp_size, pp_rank, pp_size``, and
+        ``distributed_optimizer`` (1 when the Adam state is sharded over DP)."""
+        return {**vars(self.layout), "distributed_optimizer": int(uses_distributed_optimizer(self.optimizer))}
+
     # ---- log-probs -------------------------------------------------------------------------------
     def _forward_logprobs(self, mb: TrainDatumSpec, temperature: float) -> torch.Tensor:
         logits = mm.gpt_logits(self.model, mb["input_ids"])
-        return token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature)
+        return token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group)
 
     def _micro_batches(self, data: TrainDatumSpec, size: int):
         """Yield (start, stop, rows trimmed to their longest sequence) for consecutive row chunks."""
@@ -207,47 +287,48 @@ class MegatronPolicyWorker(PolicyInterface):
 
     @torch.no_grad()
     def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
-        """See :meth:`PolicyInterface.get_logprobs`; batched by ``policy.logprob_batch_size``.
+        """See :meth:`PolicyInterface.get_logprobs`; batched by ``policy.logprob_batch_size``. Under DP, ``data`` is
+        this rank's shard; TP peers compute the same rows together.
 
         Shape: input_ids [B, S] -> [B, S] float32 (0 at position 0 and on padding).
         """
         self.model.eval()
         out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
-        for start, stop, mb in self._micro_batches(data, int(self.cfg["logprob_batch_size"])):
+        for start, stop, mb in self._micro_batches(data, self.cfg.logprob_batch_size):
             lp = self._forward_logprobs(mb, temperature)
             out[start:stop, : lp.shape[1]] = lp
         return out
 
     # ---- training --------------------------------------------------------------------------------
-    @staticmethod
-    def _global_counts(data: TrainDatumSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """(valid response tokens, valid sequences) over the whole batch: sum(token_mask * sample_mask)."""
+    def _global_counts(self, data: TrainDatumSpec) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """(valid response tokens, valid sequences, per-MTP-head valid targets) over the GLOBAL batch: this shard's
+        ``sum(token_mask * sample_mask)``, ``sum(sample_mask)`` and MTP masks, summed over the DP group."""
         sample_mask = data["sample_mask"].float()
-        valid_toks = (data["token_mask"].float() * sample_mask.unsqueeze(1)).sum()
-        return valid_toks, sample_mask.sum()
+        local = [(data["token_mask"].float() * sample_mask.unsqueeze(1)).sum(), sample_mask.sum()]
+        local += [ml.mtp_valid_mask(data, k).sum() for k in range(self.mtp_num_layers)]
+        total = all_reduce_sum(torch.stack(local), self.dp_group)
+        return total[0], total[1], list(total[2:])
 
     def train(self, data: TrainDatumSpec) -> dict[str, float]:
-        """One optimizer step over all rows of ``data`` (micro-batches of ``train_micro_batch_size``).
+        """One optimizer step over all rows of ``data`` (this rank's DP shard; micro-batches of
+        ``train_micro_batch_size``); a collective over the whole worker group.
 
         Each micro-batch loss is already normalised by the global counts, so ``loss`` is the SUM of the
-        micro-batch losses; loss metrics are combined by ``aggregate_microbatch_metrics`` (sum, ``*_max`` by
-        max). Also returns ``grad_norm`` (before clipping), ``lr`` and ``num_micro_batches``.
-        With MTP, also the ``mtp/*`` metrics of :meth:`_mtp_micro_batch` (``mtp/lambda``, ``mtp/c_hat``,
-        ``mtp/v2_hat``, ``mtp/loss_<k>``, ``mtp/ce_<k>``, ``mtp/acceptance_<k>``, ``mtp/acceptance``,
-        ``mtp/grad_norm``, ``mtp/delta_abs_mean``, and with ``mtp_occ_reference`` ``mtp/c_ref``, ``mtp/v2_ref``,
-        ``mtp/c_ref_decoder``, ``mtp/v2_ref_decoder``, ``mtp/lambda_ref``); the driver logs them as ``train/mtp/*``.
+        micro-batch losses (over DP ranks too); loss metrics are combined by the loss contract (sum, ``*_max`` by
+        max) over micro-batches and DP ranks, ``num_micro_batches`` is the total over DP ranks. Also returns
+        ``grad_norm`` (before clipping), ``lr`` and ``update_successful``. With MTP, also the ``mtp/*`` metrics of
+        :meth:`_mtp_step`; with an online draft the ``draft_*`` metrics. The same dict on every rank.
         """
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self.mtp_optimizer is not None:
             self.mtp_optimizer.zero_grad(set_to_none=True)
-        global_toks, global_seqs = self._global_counts(data)
-        global_mtp = [ml.mtp_valid_mask(data, k).sum() for k in range(self.mtp_num_layers)]
+        global_toks, global_seqs, global_mtp = self._global_counts(data)
         if self.draft is not None:
-            self.draft.begin(self.module.embedding.word_embeddings.weight, _draft_loss_mask(data))
+            self.draft.begin(self._full_embedding(), _draft_loss_mask(data))
         losses, per_mb_metrics, mtp_stats = [], [], []
-        for _, _, mb in self._micro_batches(data, int(self.cfg["train_micro_batch_size"])):
+        for _, _, mb in self._micro_batches(data, self.cfg.train_micro_batch_size):
             if self.mtp_num_layers:
                 loss, metrics, stats = self._mtp_micro_batch(mb, global_toks, global_seqs, global_mtp)
                 mtp_stats.append(stats)
@@ -255,15 +336,16 @@ class MegatronPolicyWorker(PolicyInterface):
                 loss, metrics = self._rl_micro_batch(mb, global_toks, global_seqs)
             losses.append(float(loss.detach()))
             per_mb_metrics.append(metrics)
-        self.model.finish_grad_sync()
+        finalize_model_grads([self.model])  # DP all-reduce (DDP), then TP sums of q/k-norm grads (per-head shards)
         update_ok, grad_norm, _ = self.optimizer.step()
         mtp_metrics = self._mtp_step(mtp_stats) if self.mtp_num_layers else {}
         draft_metrics = self.draft.finish() if self.draft is not None else {}
         self.step += 1
-        return {**aggregate_microbatch_metrics(per_mb_metrics), **mtp_metrics, **draft_metrics, "loss": sum(losses),
+        local = {**(combine_metrics(per_mb_metrics) if per_mb_metrics else {}), "loss": sum(losses),
+                 "num_micro_batches": float(len(losses))}
+        return {**reduce_metrics(local, self.dp_group), **mtp_metrics, **draft_metrics,
                 "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
-                "lr": float(self.optimizer.param_groups[0]["lr"]), "update_successful": float(update_ok),
-                "num_micro_batches": float(len(losses))}
+                "lr": float(self.optimizer.param_groups[0]["lr"]), "update_successful": float(update_ok)}
 
     def _rl_micro_batch(self, mb: TrainDatumSpec, global_toks, global_seqs):
         """Forward + backward of the RL loss on one micro-batch; with an online draft, the forward runs under the
@@ -271,11 +353,12 @@ class MegatronPolicyWorker(PolicyInterface):
         capture = self.draft.capture(self.model) if self.draft is not None else contextlib.nullcontext()
         with capture as cap:
             logits = mm.gpt_logits(self.model, mb["input_ids"])
-        curr_logprobs = token_logprobs(logits, mb["input_ids"], mb["input_lengths"], self.train_temperature)
+        curr_logprobs = token_logprobs(logits, mb["input_ids"], mb["input_lengths"], self.train_temperature,
+                                       self.tp_group)
         loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
         self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
         if self.draft is not None:
-            self.draft.accumulate(cap, mb["input_ids"], _draft_loss_mask(mb), logits)
+            self.draft.accumulate(cap, mb["input_ids"], _draft_loss_mask(mb), gather_vocab(logits, self.tp_group))
         return loss, metrics
 
     # ---- MTP co-training (docs/occ.md) -------------------------------------------------------------
@@ -292,7 +375,8 @@ class MegatronPolicyWorker(PolicyInterface):
           3. if lambda != 0: lambda * dL_MTP/dE and lambda * dL_MTP/dW into the embedding table / output weight.
         The trunk backward runs once; with lambda = 0 (detach) the trunk sees exactly the no-MTP gradients.
         MTP loss per head: CE for detach / ce; the clipped PG loss (``loss_fn`` on the MTP log-probs, MTP mask,
-        same advantages and ``prev_logprobs``) for policy / occ; heads averaged.
+        same advantages and ``prev_logprobs``) for policy / occ; heads averaged. Under TP, h and its gradients are
+        full (replicated) on every TP rank, W and dL/dW are this rank's vocabulary rows.
         """
         mod, ids, temp = self.module, mb["input_ids"], self.train_temperature
         trunk = mm.gpt_trunk_forward(mod, ids)
@@ -308,7 +392,7 @@ class MegatronPolicyWorker(PolicyInterface):
             return emb_pairs[-1][1]
 
         main_logits = mm.output_logits(mod, h)
-        curr = token_logprobs(main_logits, ids, mb["input_lengths"], temp)
+        curr = token_logprobs(main_logits, ids, mb["input_lengths"], temp, self.tp_group)
         rl_loss, metrics = self.loss_fn(curr, mb, global_toks, global_seqs)
         mtp_loss, stats = self._mtp_losses(mb, trunk, h_copy, w_copy, embed_copy, main_logits, global_seqs, global_mtp)
         stats.update(c_hat=0.0, v2_hat=0.0, lam=0.0)  # the hook on h overwrites them
@@ -346,8 +430,11 @@ class MegatronPolicyWorker(PolicyInterface):
         trunk. Returns ``c_ref = <g_RL, g_MTP>``, ``v2_ref = ||g_MTP||^2`` (float64 sums), the same over the
         decoder layers only (``c_ref_decoder``, ``v2_ref_decoder``: the parameters the hidden-state proxies can see;
         the embedding table and output weight also take the MTP gradient directly) and ``lam_ref``, the OCC rule
-        (:func:`occ_lambda`, this worker's lambda_plus / eps / clamp) applied to c_ref, v2_ref, in any mode. ``torch.autograd.grad`` returns the gradients without accumulating
-        them, so training is unchanged (bitwise); the cost is two extra trunk backwards per micro-batch.
+        (:func:`occ_lambda`, this worker's lambda_plus / eps / clamp) applied to c_ref, v2_ref, in any mode. Under
+        TP the sums of tensor-parallel slices are added over the TP group (replicated parameters count once; the
+        per-head partial gradients of the q/k norms are summed over TP first, as ``finalize_model_grads`` does).
+        ``torch.autograd.grad`` returns the gradients without accumulating them, so training is unchanged
+        (bitwise); the cost is two extra trunk backwards per micro-batch.
         """
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and not n.startswith(mm.MTP_PREFIX)]
         shared = [p for _, p in named]
@@ -355,15 +442,19 @@ class MegatronPolicyWorker(PolicyInterface):
         g_mtp = torch.autograd.grad([o for o, _ in pairs], shared, [g for _, g in pairs], retain_graph=True,
                                     allow_unused=True)
         g_rl = torch.autograd.grad(rl_loss, shared, retain_graph=True, allow_unused=True)
-        c = v2 = c_dec = v2_dec = 0.0
-        for (name, _), gr, gm in zip(named, g_rl, g_mtp):
+        sums = torch.zeros(2, 4, dtype=torch.float64)  # [replicated, tensor-parallel] x [c, v2, c_dec, v2_dec]
+        for (name, param), gr, gm in zip(named, g_rl, g_mtp):
             if gm is None:
                 continue
+            if mm.tp_partial_grad(name, self.module.config):  # per-head shards of a replicated weight: sum them first
+                gr, gm = (None if gr is None else all_reduce_sum(gr, self.tp_group)), all_reduce_sum(gm, self.tp_group)
+            row = sums[int(bool(getattr(param, "tensor_model_parallel", False)))]
             dot = 0.0 if gr is None else float((gr.double() * gm.double()).sum())
             sq = float(gm.double().pow(2).sum())
-            c, v2 = c + dot, v2 + sq
+            row[:2] += torch.tensor([dot, sq], dtype=torch.float64)
             if name.startswith(mm.DECODER_PREFIX):
-                c_dec, v2_dec = c_dec + dot, v2_dec + sq
+                row[2:] += torch.tensor([dot, sq], dtype=torch.float64)
+        c, v2, c_dec, v2_dec = (sums[0] + all_reduce_sum(sums[1], self.tp_group)).tolist()
         coef = self.mtp_coef
         return {"c_ref": c, "v2_ref": v2, "c_ref_decoder": c_dec, "v2_ref_decoder": v2_dec,
                 "lam_ref": occ_lambda(c, v2, coef.scaling_factor, coef.eps, coef.lambda_max)}
@@ -375,7 +466,7 @@ class MegatronPolicyWorker(PolicyInterface):
         total, stats = 0.0, {"heads": []}
         for k, hk in enumerate(hidden):
             logits = mm.output_logits(mod, hk, weight=w_copy)
-            lp = ml.mtp_token_logprobs(logits, ids, k, self.train_temperature)
+            lp = ml.mtp_token_logprobs(logits, ids, k, self.train_temperature, self.tp_group)
             valid = ml.mtp_valid_mask(mb, k)
             ce = ml.mtp_ce_loss(lp, valid, global_mtp[k])
             if self.mtp_coef.mode in ("policy", "occ"):
@@ -383,91 +474,121 @@ class MegatronPolicyWorker(PolicyInterface):
             else:
                 head_loss = ce
             total = total + head_loss / k_heads
-            agree, count = ml.mtp_acceptance_counts(logits.detach(), main_logits.detach(), valid, k)
+            agree, count = ml.mtp_acceptance_counts(logits.detach(), main_logits.detach(), valid, k, self.tp_group)
             stats["heads"].append({"loss": float(head_loss.detach()), "ce": float(ce.detach()), "agree": agree,
                                    "count": count})
         return total, stats
 
+    _REFERENCE_KEYS = ("c_ref", "v2_ref", "c_ref_decoder", "v2_ref_decoder")
+
+    def _mtp_sums(self, mtp_stats: list[dict]) -> dict[str, float]:
+        """This rank's sums over its micro-batches of everything the ``mtp/*`` metrics are built from (a fixed key
+        set, also for a rank without rows, so the sums can be all-reduced over DP)."""
+        sums = {"lam_toks": sum(s["lam"] * s["num_valid_tokens"] for s in mtp_stats),
+                "toks": sum(s["num_valid_tokens"] for s in mtp_stats),
+                "c_hat": sum(s["c_hat"] for s in mtp_stats), "v2_hat": sum(s["v2_hat"] for s in mtp_stats),
+                "delta_abs_sum": sum(s["delta_abs_sum"] for s in mtp_stats)}
+        if self.mtp_occ_reference:
+            sums.update({k: sum(s[k] for s in mtp_stats) for k in self._REFERENCE_KEYS})
+            sums["lam_ref_toks"] = sum(s["lam_ref"] * s["num_valid_tokens"] for s in mtp_stats)
+        for k in range(self.mtp_num_layers):
+            for field in ("loss", "ce", "agree", "count"):
+                sums[f"{field}_{k}"] = sum(s["heads"][k][field] for s in mtp_stats)
+        return sums
+
     def _mtp_step(self, mtp_stats: list[dict]) -> dict[str, float]:
-        """Clip and apply the MTP AdamW step; combine micro-batch stats into ``mtp/*`` metrics.
+        """Sum the MTP gradients over DP, clip (TP-aware norm) and apply the MTP AdamW step; combine the
+        micro-batch stats of all DP ranks into ``mtp/*`` metrics.
 
         ``mtp/lambda`` is the valid-token-weighted mean of the micro-batch coefficients (one per micro-batch);
-        ``mtp/c_hat`` and ``mtp/v2_hat`` (and the reference ``mtp/c_ref``, ``mtp/v2_ref``) are sums over
-        micro-batches, ``mtp/lambda_ref`` is weighted like ``mtp/lambda``; losses and CE are sums of globally
-        normalised micro-batch values; acceptance = agreeing / valid targets.
+        ``mtp/c_hat`` and ``mtp/v2_hat`` (and the reference ``mtp/c_ref``, ``mtp/v2_ref``, ``mtp/c_ref_decoder``,
+        ``mtp/v2_ref_decoder``) are sums over micro-batches, ``mtp/lambda_ref`` is weighted like ``mtp/lambda``;
+        ``mtp/loss_<k>`` and ``mtp/ce_<k>`` are sums of globally normalised micro-batch values; ``mtp/acceptance_<k>``
+        = agreeing / valid targets, ``mtp/acceptance`` over all heads; ``mtp/delta_abs_mean``; ``mtp/grad_norm``.
         """
-        clip = float(self.cfg["megatron_cfg"]["optimizer"]["clip_grad"])
-        mtp_grad_norm = torch.nn.utils.clip_grad_norm_(self.mtp_params, clip)
+        local = self._mtp_sums(mtp_stats)
+        total = dict(zip(local, all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64),
+                                               self.dp_group).tolist()))
+        all_reduce_grads(self.mtp_params, self.dp_group)
+        mtp_grad_norm = clip_grads_(self.mtp_params, self.cfg.megatron_cfg.optimizer.clip_grad, self.tp_group)
         self.mtp_optimizer.step()
-        toks = sum(s["num_valid_tokens"] for s in mtp_stats)
-        out = {"mtp/lambda": sum(s["lam"] * s["num_valid_tokens"] for s in mtp_stats) / max(toks, 1.0),
-               "mtp/c_hat": sum(s["c_hat"] for s in mtp_stats), "mtp/v2_hat": sum(s["v2_hat"] for s in mtp_stats),
-               "mtp/grad_norm": float(mtp_grad_norm),
-               **(self._reference_metrics(mtp_stats, toks) if self.mtp_occ_reference else {}),
-               "mtp/delta_abs_mean": sum(s["delta_abs_sum"] for s in mtp_stats) / max(toks, 1.0)}
+        toks = max(total["toks"], 1.0)
+        out = {"mtp/lambda": total["lam_toks"] / toks, "mtp/c_hat": total["c_hat"], "mtp/v2_hat": total["v2_hat"],
+               "mtp/grad_norm": float(mtp_grad_norm), "mtp/delta_abs_mean": total["delta_abs_sum"] / toks}
+        if self.mtp_occ_reference:
+            out.update({f"mtp/{k}": total[k] for k in self._REFERENCE_KEYS})
+            out["mtp/lambda_ref"] = total["lam_ref_toks"] / toks
         agree_all = count_all = 0.0
         for k in range(self.mtp_num_layers):
-            heads = [s["heads"][k] for s in mtp_stats]
-            agree, count = sum(h["agree"] for h in heads), sum(h["count"] for h in heads)
-            out[f"mtp/loss_{k}"] = sum(h["loss"] for h in heads)
-            out[f"mtp/ce_{k}"] = sum(h["ce"] for h in heads)
+            agree, count = total[f"agree_{k}"], total[f"count_{k}"]
+            out[f"mtp/loss_{k}"], out[f"mtp/ce_{k}"] = total[f"loss_{k}"], total[f"ce_{k}"]
             out[f"mtp/acceptance_{k}"] = agree / count if count else float("nan")
             agree_all, count_all = agree_all + agree, count_all + count
         out["mtp/acceptance"] = agree_all / count_all if count_all else float("nan")
         return out
 
-    @staticmethod
-    def _reference_metrics(mtp_stats: list[dict], toks: float) -> dict[str, float]:
-        """``mtp/{c_ref, v2_ref, c_ref_decoder, v2_ref_decoder}`` summed over micro-batches, ``mtp/lambda_ref``
-        weighted by valid tokens like ``mtp/lambda``."""
-        out = {f"mtp/{k}": sum(s[k] for s in mtp_stats) for k in ("c_ref", "v2_ref", "c_ref_decoder", "v2_ref_decoder")}
-        out["mtp/lambda_ref"] = sum(s["lam_ref"] * s["num_valid_tokens"] for s in mtp_stats) / max(toks, 1.0)
-        return out
-
     # ---- weights and checkpoints ------------------------------------------------------------------
+    @property
+    def _is_rank_zero(self) -> bool:
+        return self.layout.rank == 0
+
     def export_hf_weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
-        """HF-named CPU fp32 copies of the current weights, always with ``lm_head.weight``. ``version``: the weight
-        version the caller will load them as (recorded; an online draft exported next is paired with it)."""
+        """HF-named CPU fp32 copies of the full current weights, always with ``lm_head.weight``. ``version``: the
+        weight version the caller will load them as (recorded; an online draft exported next is paired with it).
+
+        A collective (TP slices are all-gathered): every rank calls it; rank 0 returns the tensors, the other ranks
+        an empty dict (one copy in the object store)."""
         if version is not None:
             self.weight_version = int(version)
             if self.draft is not None:
                 self.draft.policy_version = int(version)
-        return mm.export_hf_state(self.module, self.spec)
+        state = mm.export_hf_state(self.module, self.spec)
+        return state if self._is_rank_zero else {}
+
+    def export_megatron_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter (MTP block included) under its Megatron name, full size (TP slices gathered: a
+        collective), CPU fp32 copies on rank 0, an empty dict on the other ranks. For checks and debugging."""
+        state = {k: v.to("cpu", torch.float32).clone() for k, v in mm.full_param_state(self.module).items()}
+        return state if self._is_rank_zero else {}
 
     def export_draft_weights(self) -> dict:
-        """The drafter's weights for the generation worker: ``{"weights", "draft_version", "policy_version"}``.
+        """The drafter's weights for the generation worker: ``{"weights", "draft_version", "policy_version"}``
+        (every rank calls it; ranks other than 0 return an empty dict).
 
         Online EAGLE-3 head: :meth:`OnlineDraft.export`. MTP drafter (``speculative_config.method: mtp`` with
         ``mtp_num_layers`` >= 1): the MTP block under MiMo names with zero q/k/v biases
         (:meth:`mimo_mtp_weights`), ``draft_version`` = optimizer steps taken, ``policy_version`` = the version of
         the last :meth:`export_hf_weights`. Raises RuntimeError with neither."""
         if self.draft is not None:
-            return self.draft.export()
+            return self.draft.export() if self._is_rank_zero else {}
         if self.serves_mtp_drafter:
-            return {"weights": self.mimo_mtp_weights(), "draft_version": self.step,
-                    "policy_version": self.weight_version}
+            weights = self.mimo_mtp_weights()
+            return {"weights": weights, "draft_version": self.step, "policy_version": self.weight_version} \
+                if self._is_rank_zero else {}
         raise RuntimeError("export_draft_weights: no online draft (policy.draft.online is false) and no MTP drafter "
                            "(speculative_config.method=mtp with policy.megatron_cfg.mtp_num_layers >= 1)")
 
     @property
     def serves_mtp_drafter(self) -> bool:
         """True when vLLM drafts with this policy's MTP block (``speculative_config.method: mtp``, MTP layers > 0)."""
-        spec = (self.cfg["generation"].get("vllm_kwargs") or {}).get("speculative_config") or {}
-        return spec.get("method") == "mtp" and self.mtp_num_layers > 0
+        return self._speculative_config().get("method") == "mtp" and self.mtp_num_layers > 0
 
     def mimo_mtp_weights(self) -> dict[str, torch.Tensor]:
-        """CPU fp32 copies of the MTP block under MiMo names (``model.mtp_layers.<k>.*``, q/k/v biases added as
-        zeros), the set vLLM's MiMo MTP drafter reloads. Raises RuntimeError without MTP layers."""
+        """CPU fp32 copies of the full MTP block under MiMo names (``model.mtp_layers.<k>.*``, q/k/v biases added as
+        zeros), the set vLLM's MiMo MTP drafter reloads (a collective under TP). Raises RuntimeError without MTP
+        layers."""
         from nemo_rl_spec.speculative.mtp_export import megatron_mtp_to_mimo, with_zero_qkv_bias
 
         if not self.mtp_num_layers:
             raise RuntimeError("mimo_mtp_weights: policy.megatron_cfg.mtp_num_layers is 0")
-        state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in mm.megatron_param_state(self.module).items()}
+        full = mm.full_param_state(self.module)
+        state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in full.items()}
         return with_zero_qkv_bias(megatron_mtp_to_mimo(state, self.spec))
 
     def save_mimo_checkpoint(self, path: str) -> str:
         """Write the current policy (trunk + MTP layers) as a ``MiMoForCausalLM`` checkpoint with the tokenizer files
-        of the policy's model directory, for vLLM's ``mtp`` method; returns ``path``.
+        of the policy's model directory, for vLLM's ``mtp`` method; returns ``path``. Every rank calls it (the
+        weights are gathered over TP); rank 0 writes.
 
         Raises:
             RuntimeError: no MTP layers. ValueError: a trunk the MiMo/Qwen2 layer cannot express (see
@@ -479,26 +600,41 @@ class MegatronPolicyWorker(PolicyInterface):
 
         mtp = self.mimo_mtp_weights()
         trunk = mm.export_hf_state(self.module, self.spec)
-        with open(os.path.join(self.model_path, "config.json")) as fh:
-            trunk_cfg = json.load(fh)
-        write_mimo_checkpoint(trunk, trunk_cfg, mtp, path, tokenizer_dir=self.model_path)
+        if self._is_rank_zero:
+            with open(os.path.join(self.model_path, "config.json")) as fh:
+                trunk_cfg = json.load(fh)
+            write_mimo_checkpoint(trunk, trunk_cfg, mtp, path, tokenizer_dir=self.model_path)
         return path
 
     def save_draft(self, path: str) -> str:
-        """Write the draft head in vLLM's eagle3 format to ``path`` (the engine's initial draft); returns path."""
+        """Write the draft head in vLLM's eagle3 format to ``path`` (the engine's initial draft; rank 0 writes, the
+        replicas are identical); returns path."""
         if self.draft is None:
             raise RuntimeError("save_draft: no online draft (policy.draft.online is false)")
-        self.draft.head.save_pretrained(path)
+        if self._is_rank_zero:
+            self.draft.head.save_pretrained(path)
         return path
 
+    def _checkpoint_file(self, path: str) -> str:
+        return os.path.join(path, CHECKPOINT_FILE.format(tp_rank=self.layout.tp_rank))
+
     def save_checkpoint(self, path: str) -> None:
-        """Write model, optimizer, step counter and every RNG state to ``path/megatron_policy.pt``."""
+        """Write this TP rank's model slice, the Adam state by parameter name (DP-unsharded:
+        :func:`~.optimizer_state.named_adam_state`), the MTP optimizer, the draft, the step counter and the RNG
+        states to ``path/megatron_policy_tp<r>.pt``. A collective; the DP rank 0 of each TP rank writes (the model
+        is DP-replicated), so the checkpoint loads with any DP size (and either optimizer kind), but the same TP
+        size."""
+        adam = named_adam_state(self.optimizer, self.module, self.dp_group)
+        if self.layout.dp_rank != 0:
+            return
         state = {
             "model": {k: v.detach().clone() for k, v in mm.megatron_param_state(self.module).items()},
-            "optimizer": self.optimizer.state_dict(),
+            "adam": adam,
             "mtp_optimizer": None if self.mtp_optimizer is None else self.mtp_optimizer.state_dict(),
             "step": self.step,
+            "weight_version": self.weight_version,
             "draft": None if self.draft is None else self.draft.state_dict(),
+            "tp_size": self.layout.tp_size,
             "rng": {
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),
@@ -506,16 +642,28 @@ class MegatronPolicyWorker(PolicyInterface):
                 "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
             },
         }
-        torch.save(state, os.path.join(path, CHECKPOINT_FILE))
+        torch.save(state, self._checkpoint_file(path))
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (parameters are copied in place)."""
-        state = torch.load(os.path.join(path, CHECKPOINT_FILE), map_location="cpu", weights_only=False)
+        """Restore what :meth:`save_checkpoint` wrote (parameters are copied in place).
+
+        Raises:
+            FileNotFoundError: no file for this TP rank (the checkpoint has another TP layout).
+            ValueError: the checkpoint was written with another ``policy.megatron_cfg.tensor_model_parallel_size``.
+        """
+        file = self._checkpoint_file(path)
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"{file} missing: the checkpoint in {path} was not written with "
+                                    f"policy.megatron_cfg.tensor_model_parallel_size={self.layout.tp_size}")
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        if state["tp_size"] != self.layout.tp_size:
+            raise ValueError(f"checkpoint {path} has TP={state['tp_size']}; resume with "
+                             f"policy.megatron_cfg.tensor_model_parallel_size={state['tp_size']}")
         mm.load_megatron_state(self.module, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_named_adam_state(self.optimizer, self.module, state["adam"])
         if self.mtp_optimizer is not None and state.get("mtp_optimizer") is not None:
             self.mtp_optimizer.load_state_dict(state["mtp_optimizer"])
-        self.step = state["step"]
+        self.step, self.weight_version = state["step"], state["weight_version"]
         if self.draft is not None and state.get("draft") is not None:
             self.draft.load_state_dict(state["draft"])
         rng = state["rng"]

@@ -1,0 +1,153 @@
+"""The policy controller the drivers call (NeMo-RL's ``Policy``): a group of Megatron workers laid out DP x TP x PP.
+
+``Policy`` starts one :class:`~nemo_rl_spec.models.policy.megatron_worker.MegatronPolicyWorker` per rank in a
+:class:`~nemo_rl_spec.distributed.worker_group.RayWorkerGroup` (one ``torch.distributed`` world), rank ``r`` on node
+``nodes[r]`` of the :class:`~nemo_rl_spec.distributed.virtual_cluster.RayVirtualCluster`. The ranks' coordinates follow
+megatron's default order (TP fastest): rank = pp * (DP * TP) + dp * TP + tp, DP = N / (TP * PP).
+
+Every method blocks until the workers are done and returns plain values (or object refs for the big weight dicts);
+no caller needs ``.remote`` on a policy worker. Batches are sharded by DP rank into contiguous row blocks
+(:func:`~nemo_rl_spec.distributed.batch.shard_batch`; the first ``B % DP`` shards one row longer, shards may be
+empty); TP peers of a DP rank get the same shard; per-row outputs come back from the TP-rank-0 worker of each DP rank
+and are concatenated in DP order.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from nemo_rl_spec.distributed.batch import gather_batch
+from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
+from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl_spec.distributed.worker_group import RayWorkerGroup
+from nemo_rl_spec.utils.config_schema import PolicyConfig
+
+
+def _worker_class():
+    from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker  # imports megatron (seconds)
+
+    return MegatronPolicyWorker
+
+
+class Policy:
+    """Controller over the Megatron policy workers.
+
+    Args:
+        cluster: the virtual cluster hosting the workers.
+        nodes: node index of each rank (``len(nodes)`` = N workers = DP * TP * PP).
+        cfg: the ``policy`` section.
+        loss_fn: the micro-batch loss (pickled to every worker).
+        model_path: local HF checkpoint directory (readable on every node).
+        seed: initialisation seed (the same on every rank).
+        num_cpus, num_gpus: Ray resources per worker.
+        env_vars: extra environment of every worker (e.g. ``OMP_NUM_THREADS``).
+
+    Raises:
+        ValueError: N is not a multiple of TP * PP (names the config keys); errors of a worker's constructor
+            (unsupported PP, a TP size the model cannot be split by, ...) are re-raised here.
+    """
+
+    def __init__(self, cluster: RayVirtualCluster, nodes: Sequence[int], cfg: PolicyConfig, loss_fn, model_path: str,
+                 seed: int, num_cpus: float, num_gpus: float = 0.0, env_vars: dict[str, str] | None = None):
+        mcfg = cfg.megatron_cfg
+        self.tp_size, self.pp_size = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
+        if not nodes or len(nodes) % (self.tp_size * self.pp_size):
+            raise ValueError(f"{len(nodes)} policy workers is not a multiple of policy.megatron_cfg."
+                             f"tensor_model_parallel_size={self.tp_size} x pipeline_model_parallel_size={self.pp_size}")
+        self.dp_size = len(nodes) // (self.tp_size * self.pp_size)
+        env = dict(env_vars or {})
+        self.group = RayWorkerGroup(cluster, _worker_class(), nodes, init_args=lambda rank: ((cfg, loss_fn, model_path,
+                                    seed), {}), num_cpus=num_cpus, num_gpus=num_gpus, env_vars=lambda rank: env,
+                                    name="policy")
+        try:
+            self.layouts = self.group.get(self.group.run_all_workers_single_data("parallel_layout"))
+        except Exception:
+            self.group.shutdown()
+            raise
+        self.dp_rank_of = [layout["dp_rank"] for layout in self.layouts]
+        # per-row results: the first (TP rank 0, PP rank 0) worker of each DP rank, in DP order
+        self._row_owners = [next(r for r, lay in enumerate(self.layouts) if lay["dp_rank"] == d and lay["tp_rank"] == 0
+                                 and lay["pp_rank"] == 0) for d in range(self.dp_size)]
+
+    @property
+    def world_size(self) -> int:
+        """Number of policy workers (DP * TP * PP)."""
+        return self.group.world_size
+
+    def _sharded(self, method: str, data: TrainDatumSpec, *args) -> list:
+        return self.group.get(self.group.run_all_workers_sharded_data(method, data, self.dp_rank_of, self.dp_size,
+                                                                      *args))
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        return self.group.get(self.group.run_all_workers_single_data(method, *args, **kwargs))
+
+    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probs of ``data["input_ids"]`` (logits / ``temperature``), computed DP-sharded.
+
+        Shape: input_ids [B, S] -> [B, S] float32 (0 at position 0 and on padding)."""
+        outputs = self._sharded("get_logprobs", data, temperature)
+        return gather_batch([outputs[r] for r in self._row_owners])
+
+    def train(self, data: TrainDatumSpec) -> dict[str, float]:
+        """One optimizer step on the global batch ``data`` (sharded by DP); the metrics of rank 0 (every rank
+        returns the same, see :meth:`MegatronPolicyWorker.train`)."""
+        return self._sharded("train", data)[0]
+
+    def _rank_zero_ref(self, method: str, *args) -> ray.ObjectRef:
+        """Run ``method`` on every rank (a collective), wait for all, return rank 0's result ref (the other ranks
+        return empty dicts; their errors are raised here)."""
+        refs = self.group.run_all_workers_single_data(method, *args)
+        self.group.get(refs[1:])
+        ray.wait(refs[:1])
+        return refs[0]
+
+    def export_hf_weights(self, version: int | None = None) -> ray.ObjectRef:
+        """Object ref of the full HF-named weights (``dict[str, Tensor]``, TP slices gathered, CPU fp32); every rank
+        takes part and records ``version``."""
+        return self._rank_zero_ref("export_hf_weights", version)
+
+    def export_draft_weights(self) -> ray.ObjectRef:
+        """Object ref of the drafter export ``{"weights", "draft_version", "policy_version"}``."""
+        return self._rank_zero_ref("export_draft_weights")
+
+    def export_megatron_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter under its Megatron name, full size (MTP block included); for checks."""
+        return ray.get(self._rank_zero_ref("export_megatron_weights"))
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write the model, optimizer and draft state into the existing directory ``path`` (per TP rank)."""
+        self._all("save_checkpoint", path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore :meth:`save_checkpoint` output (written with any DP size, the same TP size)."""
+        self._all("load_checkpoint", path)
+
+    def save_draft(self, path: str) -> str:
+        """Write the online draft head in vLLM's eagle3 format to ``path``; returns it."""
+        return self._all("save_draft", path)[0]
+
+    def save_mimo_checkpoint(self, path: str) -> str:
+        """Write the policy with its MTP layers as a MiMo checkpoint to ``path``; returns it."""
+        return self._all("save_mimo_checkpoint", path)[0]
+
+    def get_model_config(self) -> dict:
+        """Architecture facts of the policy model (vocab_size, num_layers, ...)."""
+        return self.group.get(self.group.run_all_workers_single_data("get_model_config", ranks=[0]))[0]
+
+    def node_ids(self) -> list[str]:
+        """The Ray node id each rank runs on (rank order)."""
+        return self.group.node_ids()
+
+    def run_function(self, fn: Callable[..., Any], *args, ranks: Sequence[int] | None = None) -> list:
+        """``fn(worker, *args)`` inside every worker (or ``ranks``), results in rank order; for checks that read a
+        worker's internals (e.g. :mod:`nemo_rl_spec.speculative.mtp_checks`). ``fn`` must be importable (pickled by
+        reference)."""
+        targets = range(self.world_size) if ranks is None else ranks
+        return self.group.get([self.group.workers[r].__ray_call__.remote(fn, *args) for r in targets])
+
+    def shutdown(self) -> None:
+        """Kill the workers (idempotent)."""
+        self.group.shutdown()
