@@ -145,8 +145,7 @@ class Policy:
         """``fn(worker, *args)`` inside every worker (or ``ranks``), results in rank order; for checks that read a
         worker's internals (e.g. :mod:`nemo_rl_spec.speculative.mtp_checks`). ``fn`` must be importable (pickled by
         reference)."""
-        targets = range(self.world_size) if ranks is None else ranks
-        return self.group.get([self.group.workers[r].__ray_call__.remote(fn, *args) for r in targets])
+        return self.group.run_function(fn, *args, ranks=ranks)
 
     def shutdown(self) -> None:
         """Kill the workers (idempotent)."""

@@ -166,6 +166,8 @@ class MegatronPolicyWorker(PolicyInterface):
         _check_supported_layout(mcfg)
         mm.initialize_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size)
         self.layout = ParallelLayout.from_parallel_state()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")  # batches arrive as CPU tensors; each micro-batch moves here, results go back
         self.dp_group, self.tp_group = parallel_state.get_data_parallel_group(), mm.tp_group()
         self.mtp_num_layers = mcfg.mtp_num_layers
         module = mm.build_gpt_model(self.spec, self.dtype, seed, self.mtp_num_layers, mcfg.activation_checkpointing)
@@ -244,7 +246,7 @@ class MegatronPolicyWorker(PolicyInterface):
             return None
         ttt = dcfg.ttt_steps or self._speculative_config().get("num_speculative_tokens") or 3
         head = build_draft_head(dcfg, mm.load_hf_config(self.model_path), self._full_embedding(),
-                                self._full_output_weight(), seed)
+                                self._full_output_weight(), seed).to(self.device)
         return OnlineDraft(head, dcfg, int(ttt), self.train_temperature, sync=GroupSync(self.dp_group))
 
     @property
@@ -278,12 +280,14 @@ class MegatronPolicyWorker(PolicyInterface):
         return token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group)
 
     def _micro_batches(self, data: TrainDatumSpec, size: int):
-        """Yield (start, stop, rows trimmed to their longest sequence) for consecutive row chunks."""
+        """Yield (start, stop, rows trimmed to their longest sequence, on the worker's device) for consecutive row
+        chunks."""
         batch = data["input_ids"].shape[0]
         for start in range(0, batch, size):
             stop = min(start + size, batch)
             seq_len = max(int(data["input_lengths"][start:stop].max()), 1)
-            yield start, stop, _slice_batch(data, start, stop, seq_len)
+            mb = _slice_batch(data, start, stop, seq_len)
+            yield start, stop, {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
     @torch.no_grad()
     def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
@@ -296,7 +300,7 @@ class MegatronPolicyWorker(PolicyInterface):
         out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
         for start, stop, mb in self._micro_batches(data, self.cfg.logprob_batch_size):
             lp = self._forward_logprobs(mb, temperature)
-            out[start:stop, : lp.shape[1]] = lp
+            out[start:stop, : lp.shape[1]] = lp.cpu()
         return out
 
     # ---- training --------------------------------------------------------------------------------
@@ -306,7 +310,7 @@ class MegatronPolicyWorker(PolicyInterface):
         sample_mask = data["sample_mask"].float()
         local = [(data["token_mask"].float() * sample_mask.unsqueeze(1)).sum(), sample_mask.sum()]
         local += [ml.mtp_valid_mask(data, k).sum() for k in range(self.mtp_num_layers)]
-        total = all_reduce_sum(torch.stack(local), self.dp_group)
+        total = all_reduce_sum(torch.stack(local), self.dp_group).to(self.device)
         return total[0], total[1], list(total[2:])
 
     def train(self, data: TrainDatumSpec) -> dict[str, float]:
@@ -401,7 +405,7 @@ class MegatronPolicyWorker(PolicyInterface):
             stats.update(self._occ_reference(rl_loss, [h, weight, *(o for o, _ in emb_pairs)],
                                              [h_copy.grad, w_copy.grad, *(c.grad for _, c in emb_pairs)]))
 
-        valid = (torch.arange(ids.shape[1]).unsqueeze(0) < mb["input_lengths"].unsqueeze(1)).float()
+        valid = (torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < mb["input_lengths"].unsqueeze(1)).float()
         valid = (valid * mb["sample_mask"].float().unsqueeze(1)).t()  # [S, B] like h
         mtp_grad_h = h_copy.grad
 

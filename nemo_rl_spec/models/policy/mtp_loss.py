@@ -36,7 +36,7 @@ def mtp_valid_mask(data: TrainDatumSpec, head: int) -> torch.Tensor:
     """1.0 where ``input_ids[b, s]`` is a valid MTP target: a response token (``token_mask``), of a valid sample
     (``sample_mask``), with s >= head + 2 and s < input_lengths[b]. Shape: [B, S] float32."""
     token_mask = data["token_mask"].float()
-    pos = torch.arange(token_mask.shape[1]).unsqueeze(0)
+    pos = torch.arange(token_mask.shape[1], device=token_mask.device).unsqueeze(0)
     ok = (pos >= mtp_offset(head)) & (pos < data["input_lengths"].unsqueeze(1))
     return token_mask * data["sample_mask"].float().unsqueeze(1) * ok.float()
 

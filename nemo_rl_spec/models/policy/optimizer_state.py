@@ -76,8 +76,8 @@ def named_adam_state(optimizer, module: torch.nn.Module, dp_group) -> dict[str, 
             continue
         slot = by_param.get(id(param))
         state = slot.torch_optimizer.state.get(slot.key, {}) if slot is not None else {}
-        moments = torch.zeros(len(STATE_KEYS), param.numel(), dtype=torch.float32)
-        step = torch.zeros(1, dtype=torch.float64)
+        moments = torch.zeros(len(STATE_KEYS), param.numel(), dtype=torch.float32, device=param.device)
+        step = torch.zeros(1, dtype=torch.float64, device=param.device)
         if state:
             for i, key in enumerate(STATE_KEYS):
                 moments[i, slot.start: slot.stop] = state[key].reshape(-1).float()
@@ -86,7 +86,7 @@ def named_adam_state(optimizer, module: torch.nn.Module, dp_group) -> dict[str, 
             dist.all_reduce(moments, group=dp_group)
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=dp_group)
         if step[0] > 0:
-            out[name] = {**{k: moments[i].view_as(param).clone() for i, k in enumerate(STATE_KEYS)},
+            out[name] = {**{k: moments[i].view_as(param).to("cpu", copy=True) for i, k in enumerate(STATE_KEYS)},
                          "step": torch.tensor(float(step[0]))}
     return out
 
@@ -113,5 +113,6 @@ def load_named_adam_state(optimizer, module: torch.nn.Module, state: dict[str, d
                              f"parameter {tuple(slot.param.shape)}")
         slot.torch_optimizer.state[slot.key] = {
             "step": entry["step"].clone(),
-            **{k: entry[k].reshape(-1)[slot.start: slot.stop].view_as(slot.key).to(slot.key.dtype).clone()
+            **{k: entry[k].reshape(-1)[slot.start: slot.stop].view_as(slot.key).to(slot.key.device, slot.key.dtype,
+                                                                                    copy=True)
                for k in STATE_KEYS}}

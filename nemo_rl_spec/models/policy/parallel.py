@@ -57,12 +57,21 @@ class ParallelLayout:
         return {"tp_rank": rank % tp_size, "dp_rank": rank // tp_size % dp_size, "pp_rank": rank // (tp_size * dp_size)}
 
 
+def comm_device() -> torch.device:
+    """Where collective inputs must live: the current CUDA device under NCCL, else the CPU (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(values: torch.Tensor, group) -> torch.Tensor:
-    """Sum of ``values`` over ``group`` (a new tensor; no-op copy for a group of size 1). Shape preserved."""
-    out = values.clone()
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(out, group=group)
-    return out
+    """Sum of ``values`` over ``group`` (a new tensor on ``values``' device; a copy for a group of size 1). Shape
+    preserved."""
+    if dist.get_world_size(group) == 1:
+        return values.clone()
+    out = values.to(comm_device(), copy=True)
+    dist.all_reduce(out, group=group)
+    return out.to(values.device)
 
 
 def combine_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -114,9 +123,7 @@ def tp_grad_norm(params: Iterable[torch.nn.Parameter], tp_group) -> float:
         else:
             replicated += square
     if dist.get_world_size(tp_group) > 1:
-        total = torch.tensor([sharded], dtype=torch.float64)
-        dist.all_reduce(total, group=tp_group)
-        sharded = float(total[0])
+        sharded = float(all_reduce_sum(torch.tensor([sharded], dtype=torch.float64), tp_group)[0])
     return math.sqrt(sharded + replicated)
 
 
