@@ -213,13 +213,14 @@ def start_workers(cfg: MasterConfig, model_path: str, plan: PlacementPlan) -> Wo
     cluster = RayVirtualCluster(plan.num_nodes, plan.cpus_per_node, plan.gpus_per_node)
     policy = Policy(cluster, plan.policy_nodes, cfg.policy, ClippedPGLossFn(cfg.loss_fn.model_dump()), model_path,
                     cfg.grpo.seed, num_cpus=plan.policy_num_cpus, num_gpus=plan.policy_num_gpus,
-                    env_vars=_policy_env(cfg))
+                    env_vars=_policy_env(cfg), rank_env=lambda r: plan.visible_devices_env("policy", r))
     draft = enabled_draft(cfg)
     generation = VllmGeneration(cluster, plan.engine_nodes, cfg.policy.generation,
                                 _engine_model_path(cfg, policy, model_path), cfg.grpo.seed,
                                 num_cpus=plan.generation_num_cpus, num_gpus=plan.generation_num_gpus,
                                 allow_stale_draft=draft is not None and draft.allow_stale_draft,
-                                draft_dir=_engine_draft_dir(cfg, policy), precision=cfg.policy.precision)
+                                draft_dir=_engine_draft_dir(cfg, policy), precision=cfg.policy.precision,
+                                engine_env=lambda e: plan.visible_devices_env("generation", e))
     workers = Workers(cluster, plan, policy, generation)
     for line in workers.placement_lines():
         print(line, flush=True)

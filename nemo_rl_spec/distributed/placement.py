@@ -119,6 +119,21 @@ class PlacementPlan:
                 head.append(f"    {label} {slot}: " + " | ".join(self._slot_workers(node, slot) or ["idle"]))
         return "\n".join(head)
 
+    def visible_devices_env(self, role: str, index: int) -> dict[str, str]:
+        """Environment that pins worker ``index`` of ``role`` ("policy" or "generation") to the GPUs of its slots:
+        ``CUDA_VISIBLE_DEVICES`` = its local GPU indices and ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (Ray's
+        fractional packing would put two ranks on one GPU, see the module docstring; Ray still accounts the shares).
+        Empty on CPU. Not run on a GPU here.
+
+        Raises:
+            ValueError: unknown ``role``.
+        """
+        if role not in ("policy", "generation"):
+            raise ValueError(f"role must be 'policy' or 'generation', got {role!r}")
+        if not self.use_gpus:
+            return {}
+        slots = [self.policy_slots[index]] if role == "policy" else self.engine_slots[index]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots)), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
     def _slot_workers(self, node: int, slot: int) -> list[str]:
         """Descriptions of the Megatron rank and the engine that hold ``slot`` of ``node``."""

@@ -129,6 +129,8 @@ class VllmGeneration:
         draft_dir: directory of the draft the engines start from (replaces ``speculative_config.model``).
         precision: ``policy.precision``, the engines' dtype.
         name: prefix of the engine actors' names.
+        engine_env: per-engine extra environment, ``engine_env(e) -> dict`` (e.g. the GPUs an engine is pinned to,
+            :meth:`~nemo_rl_spec.distributed.placement.PlacementPlan.visible_devices_env`).
 
     The constructor returns once every engine is up (an engine's start error is raised here).
 
@@ -138,7 +140,8 @@ class VllmGeneration:
 
     def __init__(self, cluster: RayVirtualCluster, nodes: Sequence[int], cfg: GenerationConfig, model_path: str,
                  seed: int, num_cpus: float, num_gpus: float = 0.0, allow_stale_draft: bool = False,
-                 draft_dir: str | None = None, precision: str = "float32", name: str = "vllm"):
+                 draft_dir: str | None = None, precision: str = "float32", name: str = "vllm",
+                 engine_env: Callable[[int], dict[str, str]] | None = None):
         self.cfg = _with_draft_dir(as_generation_config(cfg), draft_dir)
         worker_cfg = self.cfg
         self.workers = RayWorkerGroup(
@@ -146,7 +149,8 @@ class VllmGeneration:
             init_args=lambda e: ((worker_cfg, model_path, seed), {"allow_stale_draft": allow_stale_draft,
                                                                   "precision": precision}),
             num_cpus=num_cpus, num_gpus=num_gpus,
-            env_vars=lambda e: vllm_runtime_env(worker_cfg.vllm_cfg, engine_index=e)["env_vars"],
+            env_vars=lambda e: {**vllm_runtime_env(worker_cfg.vllm_cfg, engine_index=e)["env_vars"],
+                                **(engine_env(e) if engine_env else {})},
             torch_distributed=False, name=name)
         self.workers.wait_ready()
         self._info = self.workers.get(self.workers.run_all_workers_single_data("engine_info"))

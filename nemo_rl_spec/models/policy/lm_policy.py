@@ -44,6 +44,8 @@ class Policy:
         seed: initialisation seed (the same on every rank).
         num_cpus, num_gpus: Ray resources per worker.
         env_vars: extra environment of every worker (e.g. ``OMP_NUM_THREADS``).
+        rank_env: per-rank extra environment, ``rank_env(rank) -> dict`` (e.g. the GPU a rank is pinned to,
+            :meth:`~nemo_rl_spec.distributed.placement.PlacementPlan.visible_devices_env`).
 
     Raises:
         ValueError: N is not a multiple of TP * PP (names the config keys); errors of a worker's constructor
@@ -51,7 +53,8 @@ class Policy:
     """
 
     def __init__(self, cluster: RayVirtualCluster, nodes: Sequence[int], cfg: PolicyConfig, loss_fn, model_path: str,
-                 seed: int, num_cpus: float, num_gpus: float = 0.0, env_vars: dict[str, str] | None = None):
+                 seed: int, num_cpus: float, num_gpus: float = 0.0, env_vars: dict[str, str] | None = None,
+                 rank_env: Callable[[int], dict[str, str]] | None = None):
         mcfg = cfg.megatron_cfg
         self.tp_size, self.pp_size = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
         if not nodes or len(nodes) % (self.tp_size * self.pp_size):
@@ -60,7 +63,8 @@ class Policy:
         self.dp_size = len(nodes) // (self.tp_size * self.pp_size)
         env = dict(env_vars or {})
         self.group = RayWorkerGroup(cluster, _worker_class(), nodes, init_args=lambda rank: ((cfg, loss_fn, model_path,
-                                    seed), {}), num_cpus=num_cpus, num_gpus=num_gpus, env_vars=lambda rank: env,
+                                    seed), {}), num_cpus=num_cpus, num_gpus=num_gpus,
+                                    env_vars=lambda rank: {**env, **(rank_env(rank) if rank_env else {})},
                                     name="policy")
         try:
             self.layouts = self.group.get(self.group.run_all_workers_single_data("parallel_layout"))
