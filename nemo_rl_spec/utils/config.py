@@ -113,19 +113,20 @@ def validate_config(raw: dict[str, Any], source: str = "<dict>") -> MasterConfig
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# the names nemo_rl_spec/models/hf_assets.py builds (BUILTIN_MODELS; utils does not import models, a unit test
+# checks that the two agree)
+BUILTIN_MODEL_NAMES = frozenset({"tiny-qwen3", "tiny-llama", "smollm2-135m-instruct"})
 
 
 def _check_model_name(name: str) -> None:
     """A built-in name, a local checkpoint directory, or (for clusters) a hub id ``org/name`` that does not name a
     local path."""
-    from nemo_rl_spec.models.hf_assets import BUILTIN_MODELS
-
-    if name in BUILTIN_MODELS or (Path(name) / "config.json").is_file():
+    if name in BUILTIN_MODEL_NAMES or (Path(name) / "config.json").is_file():
         return
     if _HUB_ID.match(name) and not Path(name).exists():
         return
     raise ConfigError(
-        f"policy.model_name: '{name}' is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}), "
+        f"policy.model_name: '{name}' is neither a built-in model ({', '.join(sorted(BUILTIN_MODEL_NAMES))}), "
         f"a directory containing config.json, nor a hub id org/name"
     )
 

@@ -229,3 +229,20 @@ def test_every_override_in_the_deploy_doc_names_an_existing_key():
     missing = [k for k in sorted(keys) if all(OmegaConf.select(c, k, default="__missing__") == "__missing__"
                                               for c in merged)]
     assert missing == []
+
+
+def test_utils_import_nothing_above_them_and_builtin_names_agree():
+    """Imports run algorithms -> models -> distributed -> utils: a fresh interpreter that imports the config layer
+    loads no other nemo_rl_spec package; the built-in model names the loader accepts are the ones hf_assets builds."""
+    import subprocess
+    import sys
+
+    from nemo_rl_spec.models.hf_assets import BUILTIN_MODELS
+    from nemo_rl_spec.utils.config import BUILTIN_MODEL_NAMES
+
+    assert BUILTIN_MODEL_NAMES == set(BUILTIN_MODELS)
+    code = ("import sys; import nemo_rl_spec.utils.config, nemo_rl_spec.utils.config_schema; "
+            "from nemo_rl_spec.utils.config import load_config; load_config(sys.argv[1]); "
+            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('nemo_rl_spec.')}))")
+    out = subprocess.run([sys.executable, "-c", code, str(SPEC)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['utils']", out.stdout + out.stderr
