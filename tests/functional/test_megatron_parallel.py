@@ -237,7 +237,7 @@ def tp2_mtp(cluster, model_dir, tmp_path_factory):
         out["export_after"] = (ray.get(policy.export_hf_weights(2)), reference.export_hf_weights(2))
         ckpt = tmp_path_factory.mktemp("tp2_ckpt")
         policy.save_checkpoint(str(ckpt))
-        out["ckpt_files"] = sorted(os.listdir(ckpt))
+        out["ckpt_files"], out["ckpt_dir"] = sorted(os.listdir(ckpt)), str(ckpt)
         step2 = {**_batch(5, 2), "prev_logprobs": policy.get_logprobs(_batch(5, 2))}
         first = (policy.train(step2), policy.export_megatron_weights())
         policy.load_checkpoint(str(ckpt))
@@ -261,13 +261,15 @@ def test_tp2_logprobs_export_and_step_equal_tp1(tp2_mtp):
     assert _max_diff(*run["export_after"]) < 1e-5
 
 
-def test_tp2_checkpoint_round_trip_replays_the_step(tp2_mtp):
+def test_tp2_checkpoint_round_trip_replays_the_step(tp2_mtp, model_dir):
     run = tp2_mtp
     assert run["ckpt_files"] == ["megatron_policy_tp0.pt", "megatron_policy_tp1.pt"]
     assert _max_diff(run["restored"], run["weights"][0]) == 0.0
     (m_first, w_first), (m_again, w_again) = run["replayed"]
     assert m_first["loss"] == m_again["loss"] and m_first["grad_norm"] == m_again["grad_norm"]
     assert _max_diff(w_first, w_again) == 0.0
+    with pytest.raises(ValueError, match="has TP=2; resume with policy.megatron_cfg.tensor_model_parallel_size=2"):
+        _reference(model_dir, _cfg(mtp=True)).load_checkpoint(run["ckpt_dir"])  # per-TP-rank files: same TP only
 
 
 def test_activation_checkpointing_equals_no_checkpointing(model_dir):

@@ -22,7 +22,9 @@ The patches, each with its reason:
    ``current_device`` returns ``"cpu"``, whose streams/events/synchronize are no-ops and whose RNG
    functions act on the CPU generator (so ``model_parallel_cuda_manual_seed(seed)`` reseeds the CPU
    generator with ``seed``, as it reseeds the default CUDA generator on a GPU). ``tensor.cuda()`` calls
-   are not patched: the dense path with world size 1 never reaches them.
+   are not patched: the dense path (data and tensor parallel on gloo, the distributed optimizer) never reaches
+   them. The same proxy covers the TP collectives' buffers (``tensor_parallel.mappings`` allocates gather outputs
+   on ``torch.cuda.current_device()``).
 3. **CPU RNG tracker** (:class:`CpuRNGStatesTracker`). Megatron's ``CudaRNGStatesTracker`` (used by
    ``model_parallel_cuda_manual_seed`` and forked around dropout / weight init) stores CUDA generator
    states. The replacement keeps named CPU generator states with the same ``add``/``fork`` semantics,
