@@ -26,7 +26,9 @@ class PolicyInterface(ABC):
     @abstractmethod
     def export_hf_weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
         """Current weights under Hugging Face names (incl. ``lm_head.weight`` when embeddings are tied); ``version``
-        is the weight version they will be loaded as (a drafter exported next is paired with it)."""
+        is the weight version they will be loaded as (a drafter exported next is paired with it). In a worker group
+        every rank calls it (a collective that gathers tensor-parallel slices) and only rank 0 returns the tensors;
+        the others return an empty dict."""
 
     @abstractmethod
     def export_draft_weights(self) -> dict:
