@@ -13,7 +13,6 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
-from nemo_rl_spec.distributed.worker_group import init_process_group_from_env
 from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
 from nemo_rl_spec.models.policy.hf_weight_mapping import (
     ModelSpec,
@@ -56,6 +55,8 @@ def initialize_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size
     """
     if not torch.distributed.is_initialized():
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            from nemo_rl_spec.distributed.worker_group import init_process_group_from_env  # imports ray
+
             init_process_group_from_env()
         else:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
