@@ -39,20 +39,21 @@ def init_process_group_from_env(timeout_minutes: float = 30.0) -> tuple[int, int
     """
     if torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if "WORLD_SIZE" not in os.environ:
-        import socket
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
+    timeout = timedelta(minutes=timeout_minutes)
+    if "WORLD_SIZE" not in os.environ:  # a world of one on a free local port; os.environ is left untouched (a Ray
+        import socket                   # started later from this process would hand the variables to its actors)
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port)})
+        torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                             timeout=timeout)
+        return 0, 1
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
-    torch.distributed.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                         timeout=timedelta(minutes=timeout_minutes))
+    torch.distributed.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
     return rank, world
 
 

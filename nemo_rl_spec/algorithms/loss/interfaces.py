@@ -60,6 +60,6 @@ def aggregate_microbatch_metrics(per_microbatch: list[dict[str, float]]) -> dict
     keys = set(per_microbatch[0])
     if any(set(m) != keys for m in per_microbatch):
         raise ValueError("micro-batch metrics have different keys")
-    return {
-        k: (max if k.endswith("_max") else sum)(m[k] for m in per_microbatch) for k in per_microbatch[0]
-    }
+    from nemo_rl_spec.models.policy.parallel import combine_metrics  # the one rule, shared with the DP reduction
+
+    return combine_metrics(per_microbatch)
