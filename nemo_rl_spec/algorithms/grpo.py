@@ -41,6 +41,9 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float
     data = build_train_data(selection, advantages, s.pad_token_id)
     with timer.time("policy_and_reference_logprobs"):
         data["prev_logprobs"] = s.policy.get_logprobs(data, cfg.policy.generation.temperature)
+        if cfg.loss_fn.reference_policy_kl_penalty > 0:
+            data["reference_policy_logprobs"] = s.policy.get_reference_policy_logprobs(
+                data, cfg.policy.generation.temperature)
     with timer.time("policy_training"):
         train_metrics = s.policy.train(data)
     agreement = logprob_agreement_metrics(data["prev_logprobs"], data["generation_logprobs"], data["token_mask"])

@@ -213,7 +213,8 @@ def start_workers(cfg: MasterConfig, model_path: str, plan: PlacementPlan) -> Wo
     cluster = RayVirtualCluster(plan.num_nodes, plan.cpus_per_node, plan.gpus_per_node)
     policy = Policy(cluster, plan.policy_nodes, cfg.policy, ClippedPGLossFn(cfg.loss_fn.model_dump()), model_path,
                     cfg.grpo.seed, num_cpus=plan.policy_num_cpus, num_gpus=plan.policy_num_gpus,
-                    env_vars=_policy_env(cfg), rank_env=lambda r: plan.visible_devices_env("policy", r))
+                    env_vars=_policy_env(cfg), rank_env=lambda r: plan.visible_devices_env("policy", r),
+                    init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
     draft = enabled_draft(cfg)
     generation = VllmGeneration(cluster, plan.engine_nodes, cfg.policy.generation,
                                 _engine_model_path(cfg, policy, model_path), cfg.grpo.seed,

@@ -14,6 +14,7 @@ its whole scenario; the tests then compare pieces of it:
 - TP=2 with MTP (occ) vs TP=1: log-probs, export_hf_weights tensor for tensor, one step; per-TP-rank checkpoint
   round trip.
 - activation checkpointing equals no checkpointing after one step (in process), and the recompute really runs.
+- the reference policy (KL penalty) at TP=2: initial weights swapped in and out bitwise, k3 KL matches the loss's.
 
 Tolerances: 1e-6 where only the order of fp32 sums differs (DP: the same micro-batches, summed on two ranks); 1e-5
 with TP (matmuls split over ranks, softmax over vocabulary shards). Adam's first steps divide by sqrt(v) ~ |g|,
@@ -294,3 +295,44 @@ def test_refusals_name_their_keys(model_dir, cluster):
         _reference(model_dir, PolicyConfig.model_validate(cfg))
     with pytest.raises(ValueError, match="3 policy workers is not a multiple of policy.megatron_cfg"):
         _policy(cluster, model_dir, 3, _cfg(tp=2))
+
+
+def test_reference_policy_kl_at_tp2(cluster, model_dir, tmp_path):
+    """Reference policy (``init_reference_model``, issue 14) on a TP=2 group: its log-probs equal the policy's before
+    any step (bitwise), stay at the initial values after two steps while the policy's move, scoring them leaves the
+    policy untouched, and the loss's ``kl_penalty`` equals k3 computed here from the two log-prob tensors; the
+    checkpoint carries the reference (a reloaded group scores the same)."""
+    kl_loss = ClippedPGLossFn({**fm.base_recipe_section("loss_fn"), "reference_policy_kl_penalty": 0.5})
+    policy = Policy(cluster, [0, 0], _cfg(tp=2), kl_loss, model_dir, SEED, num_cpus=0.5,
+                    env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, init_reference_model=True)
+    try:
+        data = _batch(5, seed=11)
+        initial = policy.get_logprobs(data)
+        assert torch.equal(policy.get_reference_policy_logprobs(data), initial)
+        kls = []
+        for step in range(2):
+            current = policy.get_logprobs(data)
+            ref = policy.get_reference_policy_logprobs(data)
+            assert torch.equal(policy.get_logprobs(data), current)  # the swap puts the policy back bitwise
+            metrics = policy.train({**data, "prev_logprobs": current, "reference_policy_logprobs": ref})
+            mask = data["token_mask"] * data["sample_mask"].unsqueeze(1)
+            d = torch.where(mask > 0, ref - current, 0.0).double()
+            kls.append((metrics["kl_penalty"], float(0.5 * ((d.exp() - d - 1) * mask).sum() / mask.sum())))
+        moved = (policy.get_logprobs(data) - initial).abs().max().item()
+        assert moved > 1e-3
+        assert torch.equal(policy.get_reference_policy_logprobs(data), initial)
+        assert kls[0] == (0.0, 0.0) and kls[1][1] > 1e-7
+        assert kls[1][0] == pytest.approx(kls[1][1], rel=1e-4)
+        policy.save_checkpoint(str(tmp_path))
+        saved = torch.load(tmp_path / "megatron_policy_tp1.pt", weights_only=False)["reference"]
+    finally:
+        policy.shutdown()
+    fresh = Policy(cluster, [0, 0], _cfg(tp=2), kl_loss, model_dir, SEED, num_cpus=0.5,
+                   env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, init_reference_model=True)
+    try:
+        fresh.load_checkpoint(str(tmp_path))
+        assert not torch.equal(fresh.get_logprobs(data), initial)  # the trained weights came back ...
+        assert torch.equal(fresh.get_reference_policy_logprobs(data), initial)  # ... and the reference stayed initial
+        assert saved is not None and all(v.device.type == "cpu" for v in saved.values())
+    finally:
+        fresh.shutdown()

@@ -3,7 +3,8 @@
 - sync GRPO, colocated (``configs/grpo_math_tiny_dp2.yaml``: DP=2 policy, 2 engines, online EAGLE-3, Pilot-Commit) and
   async GRPO, split placement (``configs/grpo_math_tiny_dp2_async.yaml``), 3 steps each: finite metrics, every engine's
   probe below 1e-3, and the first step's rewards and loss equal to the 1 policy worker + 1 engine run of the same
-  recipe and seeds (the independent computation: the single-worker path).
+  recipe and seeds (the independent computation: the single-worker path; one sync run serves both, see
+  ``single_step``).
 - TP=2 policy with 2 engines (in process, through ``setup``): one GRPO step, every engine's probe below 1e-3 and its
   (policy, draft) versions equal to the step; then a refit that skips engine 1 on purpose is detected by name.
 """
@@ -62,24 +63,32 @@ def _assert_first_step_equal(scaled: dict, single: dict) -> None:
             assert scaled[key] == single[key], key
 
 
-def test_sync_dp2_two_engines_equals_one_plus_one(tmp_path):
+@pytest.fixture(scope="module")
+def single_step(tmp_path_factory) -> dict:
+    """Step 1 of the 1 policy worker + 1 engine run of the DP2 recipe (sync, colocated). Async GRPO trains batch 0 at
+    version 0 with the same request seeds, so it is the reference for both scaled runs (measured: the sync and async
+    1 + 1 runs agree bitwise on step 1)."""
+    records, _ = run_grpo(DP2, tmp_path_factory.mktemp("single"), "grpo.max_num_steps=1", "cluster.workers_per_node=1")
+    return records[0]
+
+
+def test_sync_dp2_two_engines_equals_one_plus_one(tmp_path, single_step):
     scaled, out = run_grpo(DP2, tmp_path / "dp2")
     _check_scaled_run(scaled, out, engines=2)
-    single, _ = run_grpo(DP2, tmp_path / "single", "grpo.max_num_steps=1", "cluster.workers_per_node=1")
-    _assert_first_step_equal(scaled[0], single[0])
+    _assert_first_step_equal(scaled[0], single_step)
 
 
-def test_async_split_dp2_two_engines_equals_one_plus_one(tmp_path):
+def test_async_split_dp2_two_engines_equals_one_plus_one(tmp_path, single_step):
     scaled, out = run_grpo(DP2_ASYNC, tmp_path / "dp2")
     _check_scaled_run(scaled, out, engines=2)
-    single, _ = run_grpo(DP2_ASYNC, tmp_path / "single", "grpo.max_num_steps=1", "cluster.workers_per_node=2",
-                         "policy.generation.colocated.resources.gpus_per_node=1")
-    _assert_first_step_equal(scaled[0], single[0])
+    assert "async/trajectory_age_max" in scaled[1]
+    _assert_first_step_equal(scaled[0], single_step)
 
 
 def test_tp2_refit_reaches_every_engine_and_a_skipped_engine_is_named(tmp_path):
-    """TP=2 policy (DP=1) with 2 colocated engines: after one GRPO step every engine's probe is below 1e-3 and holds
-    (policy, draft) version 1; then a refit that loads version 2 into engine 0 only is caught by the refitter."""
+    """TP=2 policy (DP=1) with 2 colocated engines and the reference-policy KL term on: after one GRPO step every
+    engine's probe is below 1e-3 and holds (policy, draft) version 1; then a refit that loads version 2 into engine 0
+    only is caught by the refitter."""
     from nemo_rl_spec.algorithms.grpo import grpo_step
     from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
     from nemo_rl_spec.algorithms.refit import EngineVersionMismatchError
@@ -87,11 +96,15 @@ def test_tp2_refit_reaches_every_engine_and_a_skipped_engine_is_named(tmp_path):
     from nemo_rl_spec.utils.timer import Timer
 
     cfg = load_config(DP2, ["policy.megatron_cfg.tensor_model_parallel_size=2", f"logger.log_dir={tmp_path}/logs",
-                            "checkpointing.enabled=false", "logger.progress_bar=false"])
+                            "checkpointing.enabled=false", "logger.progress_bar=false",
+                            "loss_fn.reference_policy_kl_penalty=0.01"])  # reference log-probs through the loop
     s = setup(cfg)
     try:
         assert (s.policy.dp_size, s.policy.tp_size, s.generation.num_engines) == (1, 2, 2)
-        metrics, _ = grpo_step(s, 0, Timer())
+        timer = Timer()
+        metrics, _ = grpo_step(s, 0, timer)
+        assert metrics["train/kl_penalty"] == 0.0  # step 0: the policy is the reference
+        assert "policy_and_reference_logprobs" in timer.metrics("")
         assert metrics["refit/logprob_mismatch_engine_0"] < 1e-3 and metrics["refit/logprob_mismatch_engine_1"] < 1e-3
         assert s.generation.get_versions() == [{"policy_version": 1, "draft_version": 1, "draft_policy_version": 1}] * 2
         s.generation.update_weights(s.policy.export_hf_weights(2), 2, ranks=[0])

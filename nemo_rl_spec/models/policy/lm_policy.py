@@ -44,6 +44,7 @@ class Policy:
         seed: initialisation seed (the same on every rank).
         num_cpus, num_gpus: Ray resources per worker.
         env_vars: extra environment of every worker (e.g. ``OMP_NUM_THREADS``).
+        init_reference_model: every worker keeps the initial weights as the frozen reference policy (KL penalty).
         rank_env: per-rank extra environment, ``rank_env(rank) -> dict`` (e.g. the GPU a rank is pinned to,
             :meth:`~nemo_rl_spec.distributed.placement.PlacementPlan.visible_devices_env`).
 
@@ -54,7 +55,7 @@ class Policy:
 
     def __init__(self, cluster: RayVirtualCluster, nodes: Sequence[int], cfg: PolicyConfig, loss_fn, model_path: str,
                  seed: int, num_cpus: float, num_gpus: float = 0.0, env_vars: dict[str, str] | None = None,
-                 rank_env: Callable[[int], dict[str, str]] | None = None):
+                 rank_env: Callable[[int], dict[str, str]] | None = None, init_reference_model: bool = False):
         mcfg = cfg.megatron_cfg
         self.tp_size, self.pp_size = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
         if not nodes or len(nodes) % (self.tp_size * self.pp_size):
@@ -63,7 +64,7 @@ class Policy:
         self.dp_size = len(nodes) // (self.tp_size * self.pp_size)
         env = dict(env_vars or {})
         self.group = RayWorkerGroup(cluster, _worker_class(), nodes, init_args=lambda rank: ((cfg, loss_fn, model_path,
-                                    seed), {}), num_cpus=num_cpus, num_gpus=num_gpus,
+                                    seed), {"init_reference_model": init_reference_model}), num_cpus=num_cpus, num_gpus=num_gpus,
                                     env_vars=lambda rank: {**env, **(rank_env(rank) if rank_env else {})},
                                     name="policy")
         try:
@@ -93,6 +94,14 @@ class Policy:
 
         Shape: input_ids [B, S] -> [B, S] float32 (0 at position 0 and on padding)."""
         outputs = self._sharded("get_logprobs", data, temperature)
+        return gather_batch([outputs[r] for r in self._row_owners])
+
+    def get_reference_policy_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probs under the frozen reference policy (the initial weights), DP-sharded like
+        :meth:`get_logprobs`. Needs ``init_reference_model=True``.
+
+        Shape: input_ids [B, S] -> [B, S] float32."""
+        outputs = self._sharded("get_reference_policy_logprobs", data, temperature)
         return gather_batch([outputs[r] for r in self._row_owners])
 
     def train(self, data: TrainDatumSpec) -> dict[str, float]:

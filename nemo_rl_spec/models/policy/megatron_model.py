@@ -261,11 +261,12 @@ def full_param_state(model: torch.nn.Module, names=None) -> dict[str, torch.Tens
 
 @torch.no_grad()
 def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """HF-named CPU fp32 copies of the full trunk weights (gathered over TP: a collective), always including
-    ``lm_head.weight`` (MTP weights are not part of the HF Llama/Qwen3 layout and are left out)."""
+    """HF-named CPU copies of the full trunk weights in the parameters' dtype (fp32 on CPU; bf16 stays bf16 on GPU, no
+    fp32 round trip), gathered over TP (a collective), always including ``lm_head.weight`` (MTP weights are not part
+    of the HF Llama/Qwen3 layout and are left out). CPU because the refit transport is Ray's object store."""
     trunk = full_param_state(model, lambda name: not name.startswith(MTP_PREFIX))
     hf_state = megatron_to_hf(trunk, spec)
-    return {name: t.to("cpu", torch.float32).clone(memory_format=torch.contiguous_format) for name, t in hf_state.items()}
+    return {name: t.to("cpu").clone(memory_format=torch.contiguous_format) for name, t in hf_state.items()}
 
 
 def build_from_hf(model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0,

@@ -149,12 +149,15 @@ class MegatronPolicyWorker(PolicyInterface):
         loss_fn: the micro-batch loss (:class:`~nemo_rl_spec.algorithms.loss.interfaces.LossFunction` contract).
         model_path: local HF checkpoint directory.
         seed: the same on every rank (weights are initialised identically on all ranks).
+        init_reference_model: keep a frozen copy of the initial weights (on CPU) for
+            :meth:`get_reference_policy_logprobs` (the KL term, ``loss_fn.reference_policy_kl_penalty > 0``).
     Raises:
         ValueError: unsupported precision, pipeline parallelism, a TP size the model cannot be split by, or a
             TP x PP that does not divide the number of workers (each names its config key).
     """
 
-    def __init__(self, cfg: PolicyConfig, loss_fn: LossFn, model_path: str, seed: int):
+    def __init__(self, cfg: PolicyConfig, loss_fn: LossFn, model_path: str, seed: int,
+                 init_reference_model: bool = False):
         mcfg = cfg.megatron_cfg
         torch.set_num_threads(mcfg.num_threads)
         apply_cpu_compat()
@@ -172,6 +175,9 @@ class MegatronPolicyWorker(PolicyInterface):
         self.mtp_num_layers = mcfg.mtp_num_layers
         module = mm.build_gpt_model(self.spec, self.dtype, seed, self.mtp_num_layers, mcfg.activation_checkpointing)
         mm.import_hf_weights(module, model_path, self.spec)
+        # NeMo-RL's reference policy: the initial weights (this rank's TP slice), kept on CPU and swapped in to score
+        self.reference_state = ({k: v.detach().to("cpu", copy=True) for k, v in mm.megatron_param_state(module).items()}
+                                if init_reference_model else None)
         self.mtp_params = [p for n, p in module.named_parameters() if n.startswith(mm.MTP_PREFIX)]
         for p in self.mtp_params:  # keep them out of DDP's buffer and Megatron's optimizer (own AdamW below)
             p.requires_grad_(False)
@@ -302,6 +308,32 @@ class MegatronPolicyWorker(PolicyInterface):
             lp = self._forward_logprobs(mb, temperature)
             out[start:stop, : lp.shape[1]] = lp.cpu()
         return out
+
+    @contextlib.contextmanager
+    def _reference_weights(self):
+        """Swap the frozen reference weights into the model for the body of the ``with``, then put the current
+        weights back (bitwise: both are copied in place, so DDP buffers and the optimizer keep their tensors)."""
+        current = {k: v.detach().clone() for k, v in mm.megatron_param_state(self.module).items()}
+        mm.load_megatron_state(self.module, self.reference_state)
+        try:
+            yield
+        finally:
+            mm.load_megatron_state(self.module, current)
+
+    @torch.no_grad()
+    def get_reference_policy_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
+        """Per-token log-probs under the frozen reference policy (the weights the worker started from), for the KL
+        penalty of the loss (k3 estimator, Schulman 2020; NeMo-RL's reference policy swapped in beside the policy).
+
+        Shape: input_ids [B, S] -> [B, S] float32, as :meth:`get_logprobs`.
+        Raises:
+            RuntimeError: the worker was built without ``init_reference_model``.
+        """
+        if self.reference_state is None:
+            raise RuntimeError("get_reference_policy_logprobs: the worker keeps no reference model (it is built with "
+                               "init_reference_model=True when loss_fn.reference_policy_kl_penalty > 0)")
+        with self._reference_weights():
+            return self.get_logprobs(data, temperature)
 
     # ---- training --------------------------------------------------------------------------------
     def _global_counts(self, data: TrainDatumSpec) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -638,6 +670,7 @@ class MegatronPolicyWorker(PolicyInterface):
             "step": self.step,
             "weight_version": self.weight_version,
             "draft": None if self.draft is None else self.draft.state_dict(),
+            "reference": self.reference_state,
             "tp_size": self.layout.tp_size,
             "rng": {
                 "torch": torch.get_rng_state(),
@@ -670,6 +703,8 @@ class MegatronPolicyWorker(PolicyInterface):
         self.step, self.weight_version = state["step"], state["weight_version"]
         if self.draft is not None and state.get("draft") is not None:
             self.draft.load_state_dict(state["draft"])
+        if self.reference_state is not None and state.get("reference") is not None:
+            self.reference_state = state["reference"]
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
