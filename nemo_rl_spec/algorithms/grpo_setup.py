@@ -158,6 +158,21 @@ def check_mtp_drafter_model(cfg: MasterConfig, model_path: str) -> None:
                           "smollm2-135m-instruct) or another speculative_config.method")
 
 
+def check_tensor_parallel_model(cfg: MasterConfig, model_path: str) -> None:
+    """Raise ConfigError (before Ray starts) when the policy model cannot be split over
+    ``policy.megatron_cfg.tensor_model_parallel_size`` ranks (heads, KV heads, FFN width, vocabulary)."""
+    from transformers import AutoConfig
+
+    from nemo_rl_spec.models.policy.hf_weight_mapping import check_tp_size, model_spec_from_hf_config
+    from nemo_rl_spec.utils.config import ConfigError
+
+    spec = model_spec_from_hf_config(AutoConfig.from_pretrained(model_path, local_files_only=True))
+    try:
+        check_tp_size(spec, cfg.policy.megatron_cfg.tensor_model_parallel_size)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; policy.model_name={cfg.policy.model_name!r}") from None
+
+
 def check_draft_dir(cfg: MasterConfig) -> None:
     """Raise ConfigError (before any worker starts) when the EAGLE-3 draft directory named by ``policy.draft.model_name``
     or ``speculative_config.model`` has no ``config.json`` (e.g. ``make draft`` was not run)."""
@@ -211,17 +226,29 @@ def start_workers(cfg: MasterConfig, model_path: str, plan: PlacementPlan) -> Wo
     """Reserve ``plan``'s bundles, start the Megatron worker group and the vLLM engines on them, wait until all are
     up, and print where each actor runs."""
     cluster = RayVirtualCluster(plan.num_nodes, plan.cpus_per_node, plan.gpus_per_node)
+    try:
+        return _start_controllers(cfg, model_path, plan, cluster)
+    except BaseException:  # a worker failed to start: release what did start (the placement group included)
+        cluster.shutdown()
+        raise
+
+
+def _start_controllers(cfg: MasterConfig, model_path: str, plan: PlacementPlan, cluster: RayVirtualCluster) -> Workers:
     policy = Policy(cluster, plan.policy_nodes, cfg.policy, ClippedPGLossFn(cfg.loss_fn.model_dump()), model_path,
                     cfg.grpo.seed, num_cpus=plan.policy_num_cpus, num_gpus=plan.policy_num_gpus,
                     env_vars=_policy_env(cfg), rank_env=lambda r: plan.visible_devices_env("policy", r),
                     init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
     draft = enabled_draft(cfg)
-    generation = VllmGeneration(cluster, plan.engine_nodes, cfg.policy.generation,
-                                _engine_model_path(cfg, policy, model_path), cfg.grpo.seed,
-                                num_cpus=plan.generation_num_cpus, num_gpus=plan.generation_num_gpus,
-                                allow_stale_draft=draft is not None and draft.allow_stale_draft,
-                                draft_dir=_engine_draft_dir(cfg, policy), precision=cfg.policy.precision,
-                                engine_env=lambda e: plan.visible_devices_env("generation", e))
+    try:
+        generation = VllmGeneration(cluster, plan.engine_nodes, cfg.policy.generation,
+                                    _engine_model_path(cfg, policy, model_path), cfg.grpo.seed,
+                                    num_cpus=plan.generation_num_cpus, num_gpus=plan.generation_num_gpus,
+                                    allow_stale_draft=draft is not None and draft.allow_stale_draft,
+                                    draft_dir=_engine_draft_dir(cfg, policy), precision=cfg.policy.precision,
+                                    engine_env=lambda e: plan.visible_devices_env("generation", e))
+    except BaseException:
+        policy.shutdown()
+        raise
     workers = Workers(cluster, plan, policy, generation)
     for line in workers.placement_lines():
         print(line, flush=True)
@@ -246,9 +273,18 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train, val = load_datasets(cfg)
     check_mtp_drafter_model(cfg, model_path)
+    check_tensor_parallel_model(cfg, model_path)
     plan = plan_placement(cfg)  # ConfigError when the recipe does not fit its cluster, before Ray starts
     init_ray(cfg)
     workers = start_workers(cfg, model_path, plan)
+    try:
+        return _finish_setup(cfg, workers, tokenizer, train, val)
+    except BaseException:  # e.g. a failing resume: no actor or placement group may outlive setup
+        workers.shutdown()
+        raise
+
+
+def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[dict], val: list[dict]) -> GRPOSetup:
     policy, generation = workers.policy, workers.generation
     s = GRPOSetup(
         cfg=cfg, policy=policy, generation=generation, refitter=None, tokenizer=tokenizer, workers=workers,
@@ -298,6 +334,7 @@ def resume(s: GRPOSetup) -> None:
     s.start_step = CheckpointManager.read_info(latest)["step"]
     s.logger.truncate_after(s.start_step)
     s.refitter.refit(version=s.start_step)
+    print(f"resumed from {latest} (step {s.start_step})", flush=True)
 
 
 def teardown(s: GRPOSetup | None) -> None:

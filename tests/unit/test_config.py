@@ -101,6 +101,7 @@ def test_every_shipped_recipe_runs_on_this_build(path):
     (SPEC, ["policy.generation.vllm_cfg.tensor_parallel_size=2"], "tensor_parallel_size > 1 with policy"),
     (CONFIGS / "grpo_math_tiny_async.yaml", ["grpo.async_grpo.in_flight_weight_updates=true"],
      "grpo.async_grpo.in_flight_weight_updates=true"),
+    (TINY, ["policy.precision=bfloat16"], "policy.precision=bfloat16 on CPU"),
 ])
 def test_refused_features_name_key_reason_and_platform(recipe, overrides, key):
     from nemo_rl_spec.utils.config import RUNTIME_REFUSALS, check_runtime_support
@@ -121,7 +122,7 @@ def test_refusals_depend_on_the_platform():
                                                                          "cluster.workers_per_node=8"])
     assert [r.key for r in runtime_refusals(cpu)] == [
         "policy.generation.vllm_cfg.tensor_parallel_size > 1 with policy.generation.vllm_kwargs.speculative_config "
-        "on CPU (cluster.gpus_per_node=0)"]
+        "on CPU (cluster.gpus_per_node=0)", "policy.precision=bfloat16 on CPU (cluster.gpus_per_node=0)"]
     for lifted in ("policy.megatron_cfg.tensor_model_parallel_size=2",
                    "policy.generation.vllm_cfg.tensor_parallel_size=2",
                    "policy.megatron_cfg.activation_checkpointing=true",
@@ -246,3 +247,15 @@ def test_utils_import_nothing_above_them_and_builtin_names_agree():
             "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('nemo_rl_spec.')}))")
     out = subprocess.run([sys.executable, "-c", code, str(SPEC)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['utils']", out.stdout + out.stderr
+
+
+def test_a_model_that_tensor_parallel_cannot_split_is_a_config_error_before_ray():
+    """tiny-qwen3 has 4 heads and 2 KV heads: TP=2 splits it, TP=4 does not (named key and model, from setup's check,
+    which runs before Ray starts)."""
+    from nemo_rl_spec.algorithms.grpo_setup import check_tensor_parallel_model
+    from nemo_rl_spec.models.hf_assets import resolve_model
+
+    path = resolve_model("tiny-qwen3")
+    check_tensor_parallel_model(load_config(TINY, ["policy.megatron_cfg.tensor_model_parallel_size=2"]), path)
+    with pytest.raises(ConfigError, match="tensor_model_parallel_size=4 does not divide .*num_key_value_heads"):
+        check_tensor_parallel_model(load_config(TINY, ["policy.megatron_cfg.tensor_model_parallel_size=4"]), path)

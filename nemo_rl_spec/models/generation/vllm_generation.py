@@ -152,8 +152,12 @@ class VllmGeneration:
             env_vars=lambda e: {**vllm_runtime_env(worker_cfg.vllm_cfg, engine_index=e)["env_vars"],
                                 **(engine_env(e) if engine_env else {})},
             torch_distributed=False, name=name)
-        self.workers.wait_ready()
-        self._info = self.workers.get(self.workers.run_all_workers_single_data("engine_info"))
+        try:
+            self.workers.wait_ready()
+            self._info = self.workers.get(self.workers.run_all_workers_single_data("engine_info"))
+        except Exception:  # one engine failed to start: stop the others before re-raising
+            self.workers.shutdown()
+            raise
 
     @property
     def num_engines(self) -> int:
