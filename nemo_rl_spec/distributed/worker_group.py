@@ -150,11 +150,16 @@ class RayWorkerGroup:
         ray.get([w.__ray_ready__.remote() for w in self.workers], timeout=timeout)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Call each worker's ``shutdown()`` if it has one (best effort, ``timeout`` s), then kill every actor."""
+        """Ask every worker to ``shutdown()`` at once (those that have the method), wait up to ``timeout`` s for all
+        of them together, then kill every actor (so N busy workers cost one timeout, not N)."""
+        pending = []
         for worker in self.workers:
             try:
-                ray.get(worker.shutdown.remote(), timeout=timeout)
-            except Exception:  # noqa: BLE001 - no shutdown method, a dead actor, a timeout: the kill below cleans up
+                pending.append(worker.shutdown.remote())
+            except Exception:  # noqa: BLE001 - no shutdown method or a dead actor: the kill below cleans up
                 pass
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        for worker in self.workers:
             ray.kill(worker)
         self.workers = []
