@@ -36,6 +36,7 @@ def compute_grpo_advantages(
     eps: float = 1e-6,
     zero_spread_rtol: float = 1e-5,
     zero_spread_atol: float = 1e-6,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO advantages for equal, contiguous groups (rows prompt-major).
 
@@ -50,6 +51,8 @@ def compute_grpo_advantages(
         normalize_rewards: divide by (group std + eps), std Bessel-corrected over the whole group.
         eps: added to the std in the denominator.
         zero_spread_rtol, zero_spread_atol: zero-spread threshold, see the module docstring.
+        valid: optional [N] bool; False rows (masked non-finite rewards) are left out of their group's
+            statistics and get advantage exactly 0 (each becomes a group of one).
 
     Returns:
         [N] advantages, dtype of ``rewards``.
@@ -64,6 +67,9 @@ def compute_grpo_advantages(
     if rewards.numel() % group_size != 0:
         raise ValueError(f"len(rewards)={rewards.numel()} is not a multiple of group_size={group_size}")
     group_ids = torch.arange(rewards.numel(), device=rewards.device) // group_size
+    if valid is not None:
+        invalid = ~valid.to(torch.bool)
+        group_ids[invalid] = rewards.numel() + torch.nonzero(invalid).flatten()
     return compute_grpo_advantages_by_group(
         rewards,
         group_ids,

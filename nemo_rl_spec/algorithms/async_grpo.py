@@ -52,7 +52,7 @@ from nemo_rl_spec.algorithms.grpo import end_step, train_on_selection
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
 from nemo_rl_spec.algorithms.interfaces import GenerateFn, RolloutRequest, RolloutResult
 from nemo_rl_spec.algorithms.rollout_allocation import mix_seed, requests_by_n
-from nemo_rl_spec.algorithms.rollouts import _row_payload, decode_responses
+from nemo_rl_spec.algorithms.rollouts import _row_payload, decode_responses, score_rollouts
 from nemo_rl_spec.algorithms.trajectory_buffer import (
     TrajectoryBatch,
     TrajectoryBuffer,
@@ -167,11 +167,12 @@ def make_tagged_generate_fn(s: GRPOSetup, gate: GenerationGate, stats: dict) -> 
             stats["draft_version"] = gen["draft_version"]
             if gen.get("spec_counters") is not None:
                 stats["spec_counters"] = gen["spec_counters"] + stats.get("spec_counters", SpecDecodeCounters())
-            index = gen["prompt_index"].tolist()
-            rewards = s.env.step(decode_responses(s.tokenizer, gen), [chosen[i] for i in index]).float()
+            rewards, valid = score_rollouts(s.env, decode_responses(s.tokenizer, gen), chosen, gen, n,
+                                            s.cfg.grpo.non_finite_reward, [r.prompt_id for r in reqs])
             for j, req in enumerate(reqs):
                 rows = slice(j * n, (j + 1) * n)
-                payload = {**_row_payload(gen, rows), "draft_version": gen["draft_version"]}
+                payload = {**_row_payload(gen, rows), "draft_version": gen["draft_version"],
+                           "reward_valid": valid[rows].clone()}
                 results.append(req.result(rewards[rows], int(gen["policy_version"]), payload=payload))
         return results
 

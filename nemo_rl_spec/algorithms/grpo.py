@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
-from nemo_rl_spec.algorithms.rollouts import build_train_data, logprob_agreement_metrics, make_generate_fn
+from nemo_rl_spec.algorithms.rollouts import (build_train_data, logprob_agreement_metrics, make_generate_fn,
+                                             selection_reward_valid)
 from nemo_rl_spec.algorithms.validation import validate
 from nemo_rl_spec.utils.timer import Timer
 
@@ -21,7 +22,8 @@ def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> tuple[dict[str, float], 
     with timer.time("generation"):
         spec_before = s.spec_counters()
         selection = s.allocator.step(make_generate_fn(s.generation, s.tokenizer, s.env, s.train_problems,
-                                                      s.prompt_ids, version=step))
+                                                      s.prompt_ids, version=step,
+                                                      non_finite_reward=s.cfg.grpo.non_finite_reward))
     metrics = {"train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
                **selection.metrics, **s.spec_metrics_since(spec_before)}
     if selection.groups:
@@ -36,8 +38,9 @@ def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> tuple[dict[str, float], 
 def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float]:
     """Advantages -> trainer log-probs (pi_old) -> one policy update, for the rollouts of ``selection``."""
     cfg = s.cfg
+    valid = selection_reward_valid(selection)  # False: a masked NaN/inf reward (grpo.non_finite_reward=mask)
     advantages = compute_grpo_advantages(selection.rewards, selection.group_size,
-                                         cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards)
+                                         cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards, valid=valid)
     data = build_train_data(selection, advantages, s.pad_token_id)
     with timer.time("policy_and_reference_logprobs"):
         data["prev_logprobs"] = s.policy.get_logprobs(data, cfg.policy.generation.temperature)
@@ -48,6 +51,8 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float
         train_metrics = s.policy.train(data)
     agreement = logprob_agreement_metrics(data["prev_logprobs"], data["generation_logprobs"], data["token_mask"])
     return {"train/mean_response_length": float(data["token_mask"].sum(1).mean()),
+            "train/non_finite_rewards": float((~valid).sum()),
+            **({"train/reward": float(selection.rewards[valid].mean())} if not valid.all() else {}),
             **{f"train/{k}": v for k, v in train_metrics.items()}, **agreement}
 
 

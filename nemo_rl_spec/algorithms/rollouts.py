@@ -8,6 +8,7 @@ import torch
 from nemo_rl_spec.algorithms.interfaces import GenerateFn, RolloutRequest, RolloutResult, TrainSelection
 from nemo_rl_spec.algorithms.rollout_allocation import mix_seed, requests_by_n
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
+from nemo_rl_spec.environments.reward_check import check_rewards
 from nemo_rl_spec.models.generation.interfaces import GenerationOutputSpec
 
 
@@ -17,15 +18,17 @@ class RolloutBatch:
 
     Attributes:
         generation: the worker's output (N = B prompts x n rows, prompt-major).
-        rewards: [N] float32 in {0, 1}.
+        rewards: [N] float32 in {0, 1}, finite (a masked non-finite reward is 0.0).
         responses: N decoded response strings.
         problem_index: [N] int64, index into the list of problems passed to :func:`generate_rollouts`.
+        reward_valid: [N] bool, False where the environment's reward was NaN/inf and masked.
     """
 
     generation: GenerationOutputSpec
     rewards: torch.Tensor
     responses: list[str]
     problem_index: torch.Tensor
+    reward_valid: torch.Tensor
 
 
 def response_mask(input_lengths: torch.Tensor, sequence_lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -43,33 +46,59 @@ def decode_responses(tokenizer, gen: GenerationOutputSpec) -> list[str]:
     return [tokenizer.decode(out_ids[i, starts[i] : ends[i]].tolist(), skip_special_tokens=True) for i in range(len(starts))]
 
 
+def score_rollouts(env, responses: list[str], problems: list[dict], gen: GenerationOutputSpec, n: int,
+                   non_finite_reward: str = "error",
+                   prompt_names: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score the rows of one generation call with ``env`` and check the rewards for NaN / inf.
+
+    Shape: N responses (prompt-major, ``n`` per prompt) -> (rewards [N] float32, finite; valid [N] bool).
+
+    Args:
+        problems: the call's problems; ``gen["prompt_index"]`` indexes them.
+        non_finite_reward: ``grpo.non_finite_reward`` (see :mod:`nemo_rl_spec.environments.reward_check`).
+        prompt_names: ids naming the call's prompts in an error (training-pool indices); default 0, 1, ...
+
+    Raises:
+        NonFiniteRewardError: a reward is NaN/inf and ``non_finite_reward == "error"``.
+    """
+    rewards = env.step(responses, [problems[i] for i in gen["prompt_index"].tolist()])
+    return check_rewards(rewards, n, non_finite_reward, prompt_names)
+
+
 def generate_rollouts(generation, tokenizer, env, problems: list[dict], prompt_ids: list[list[int]], n: int,
-                      seed: int, **overrides) -> RolloutBatch:
+                      seed: int, non_finite_reward: str = "error", prompt_names: list[int] | None = None,
+                      **overrides) -> RolloutBatch:
     """Sample ``n`` responses for each prompt on the generation engines and score them with ``env``.
 
     Args:
         generation: the :class:`~nemo_rl_spec.models.generation.vllm_generation.VllmGeneration` controller (or any
             object with its ``generate``).
         problems: dicts with ``answer`` (ground truth), aligned with ``prompt_ids``.
+        non_finite_reward, prompt_names: see :func:`score_rollouts`.
         overrides: forwarded to ``generate`` (``temperature``, ``max_new_tokens``).
+
+    Raises:
+        NonFiniteRewardError: see :func:`score_rollouts`.
     """
     gen = generation.generate({"prompt_token_ids": prompt_ids}, n, seed, **overrides)
     responses = decode_responses(tokenizer, gen)
-    index = gen["prompt_index"]
-    rewards = env.step(responses, [problems[i] for i in index.tolist()])
-    return RolloutBatch(gen, rewards.float(), responses, index)
+    rewards, valid = score_rollouts(env, responses, problems, gen, n, non_finite_reward, prompt_names)
+    return RolloutBatch(gen, rewards, responses, gen["prompt_index"], valid)
 
 
-def make_generate_fn(generation, tokenizer, env, problems: list[dict], prompt_ids_of, version: int) -> GenerateFn:
+def make_generate_fn(generation, tokenizer, env, problems: list[dict], prompt_ids_of, version: int,
+                     non_finite_reward: str = "error") -> GenerateFn:
     """The :class:`GenerateFn` a rollout allocator calls: one vLLM call per distinct ``n``, scored by ``env``.
 
     Each result's payload holds its rows: ``output_ids`` [n, L], ``input_lengths`` [n], ``sequence_lengths`` [n],
-    ``generation_logprobs`` [n, L] (L = longest of the n rows), so a replayed pilot keeps its behaviour log-probs.
+    ``generation_logprobs`` [n, L] (L = longest of the n rows), so a replayed pilot keeps its behaviour log-probs,
+    and ``reward_valid`` [n] bool (False: a masked non-finite reward, see :func:`score_rollouts`).
 
     Args:
         problems: the training pool; ``RolloutRequest.prompt_id`` indexes it.
         prompt_ids_of: callable mapping a list of problems to their chat-formatted token ids.
         version: policy version of the weights the generation workers hold now.
+        non_finite_reward: ``grpo.non_finite_reward`` (``error`` or ``mask``).
     """
 
     def generate_fn(requests: list[RolloutRequest]) -> list[RolloutResult]:
@@ -78,10 +107,12 @@ def make_generate_fn(generation, tokenizer, env, problems: list[dict], prompt_id
             reqs = [requests[i] for i in idx]
             chosen = [problems[r.prompt_id] for r in reqs]
             batch = generate_rollouts(generation, tokenizer, env, chosen, prompt_ids_of(chosen), n,
-                                      seed=mix_seed(*(r.seed for r in reqs)))
+                                      seed=mix_seed(*(r.seed for r in reqs)), non_finite_reward=non_finite_reward,
+                                      prompt_names=[r.prompt_id for r in reqs])
             for j, req in enumerate(reqs):
                 rows = slice(j * n, (j + 1) * n)
-                results.append(req.result(batch.rewards[rows], version, payload=_row_payload(batch.generation, rows)))
+                payload = {**_row_payload(batch.generation, rows), "reward_valid": batch.reward_valid[rows].clone()}
+                results.append(req.result(batch.rewards[rows], version, payload=payload))
         return results
 
     return generate_fn
@@ -100,16 +131,24 @@ def _pad_cat(tensors: list[torch.Tensor], pad_value: float) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad_value) for t in tensors])
 
 
+def selection_reward_valid(selection: TrainSelection) -> torch.Tensor:
+    """Shape: [N] bool, aligned with ``selection.rewards``: False for rows whose non-finite reward was masked
+    (payload ``reward_valid``; payloads without it count as valid)."""
+    return torch.cat([r.payload.get("reward_valid", torch.ones(r.rewards.numel(), dtype=torch.bool))
+                      for r in selection.results]) if selection.results else torch.zeros(0, dtype=torch.bool)
+
+
 def build_train_data(selection: TrainSelection, advantages: torch.Tensor, pad_token_id: int) -> TrainDatumSpec:
     """Stack the payloads of a train selection (group-major, as ``selection.rewards``) into a
-    :class:`TrainDatumSpec`. Shapes: advantages [N] -> batch of N rows, right-padded with ``pad_token_id``."""
+    :class:`TrainDatumSpec`. Shapes: advantages [N] -> batch of N rows, right-padded with ``pad_token_id``;
+    ``sample_mask`` is 0 on rows whose non-finite reward was masked (:func:`selection_reward_valid`)."""
     payloads = [r.payload for r in selection.results]
     ids = _pad_cat([p["output_ids"] for p in payloads], pad_token_id)
     prompt_lens = torch.cat([p["input_lengths"] for p in payloads])
     seq_lens = torch.cat([p["sequence_lengths"] for p in payloads])
     return TrainDatumSpec(
         input_ids=ids, input_lengths=seq_lens, token_mask=response_mask(prompt_lens, seq_lens, ids.shape[1]),
-        sample_mask=torch.ones(ids.shape[0]), advantages=advantages.float(),
+        sample_mask=selection_reward_valid(selection).float(), advantages=advantages.float(),
         generation_logprobs=_pad_cat([p["generation_logprobs"] for p in payloads], 0.0),
     )
 

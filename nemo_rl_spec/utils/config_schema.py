@@ -46,6 +46,7 @@ class GRPOConfig(_Strict):
     pilot_commit: Optional[PilotCommitConfig] = None
     async_grpo: Optional[AsyncGRPOConfig] = None
     dynamic_sampling: Optional[DynamicSamplingConfig] = None
+    non_finite_reward: Literal["error", "mask"] = "error"  # NaN/inf reward: stop, or drop the row (reward_check.py)
 
     @model_validator(mode="after")
     def _pilot_commit_budget(self) -> "GRPOConfig":
