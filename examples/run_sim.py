@@ -218,7 +218,7 @@ def fidelity_main(argv: list[str]) -> int:
           + ", ".join(f"{k} {v:.3f}" for k, v in fit["ratios"].items())
           + f"; refit fixed cost {fit['refit_overhead_s']:.2f} s; other {fit['other_s']:.2f} s")
     for key, title in (("ar_holdout", "AR, held-out steps, fitted profile"),
-                       ("ar_prior", "AR, same steps, a-priori profile (DESIGN.md micro-benchmarks)"),
+                       ("ar_prior", "AR, same steps, a-priori profile (docs/install.md micro-benchmarks)"),
                        ("spec", "speculative run, AR-fitted profile"), ("spec_prior", "speculative, a-priori")):
         if key in rep:
             print(f"\n{title} (steps {rep[key]['steps']}):\n{format_table(rep, key)}")

@@ -1,4 +1,4 @@
-"""Pilot-Commit rollout allocation (PAPERS.md section 2): spend GRPO rollouts where the learning signal is.
+"""Pilot-Commit rollout allocation (docs/methods.md section 2): spend GRPO rollouts where the learning signal is.
 
 For a 0/1 reward with success rate p the GRPO group signal is the reward variance p(1 - p): a group whose rollouts
 all agree (probability p^n + (1-p)^n for n rollouts) has zero advantage and no gradient. Pilot-Commit therefore

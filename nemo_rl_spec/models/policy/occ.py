@@ -1,4 +1,4 @@
-"""OCC: the per-step coefficient of the MTP gradient that reaches the shared trunk (PAPERS.md section 3).
+"""OCC: the per-step coefficient of the MTP gradient that reaches the shared trunk (docs/methods.md section 3).
 
 Derivation (docs/occ.md). With the trunk updated by ``theta' = theta + eta * (g_RL + lambda * g_MTP)`` and the RL
 objective J L-smooth, the guaranteed improvement is
