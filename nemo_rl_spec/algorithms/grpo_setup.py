@@ -28,6 +28,7 @@ from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.models.policy.lm_policy import Policy
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import to_yaml
+from nemo_rl_spec.utils.console import configure_console, worker_log_env
 from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
 from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
 from nemo_rl_spec.utils.logger import Logger
@@ -105,6 +106,7 @@ def init_ray(cfg: MasterConfig) -> None:
     a 2-core machine)."""
     if ray.is_initialized():
         return
+    configure_console(cfg.logger.verbose)  # before any actor: their runtime_env carries it
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
     else:
@@ -112,7 +114,7 @@ def init_ray(cfg: MasterConfig) -> None:
 
 
 def _policy_env(cfg: MasterConfig) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(cfg.policy.megatron_cfg.num_threads), "HF_HUB_OFFLINE": "1"}
+    return {"OMP_NUM_THREADS": str(cfg.policy.megatron_cfg.num_threads), "HF_HUB_OFFLINE": "1", **worker_log_env()}
 
 
 def enabled_draft(cfg: MasterConfig) -> DraftConfig | None:
@@ -290,7 +292,8 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
         cfg=cfg, policy=policy, generation=generation, refitter=None, tokenizer=tokenizer, workers=workers,
         env=MathEnvironment(cfg.env.math.model_dump()),
         train_problems=train, allocator=build_allocator(cfg, len(train)),
-        val_problems=val, val_prompt_ids=[], logger=Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled),
+        val_problems=val, val_prompt_ids=[], logger=Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled,
+                                                              console=True),
         checkpoints=CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_top_k)
         if cfg.checkpointing.enabled else None,
     )

@@ -336,3 +336,4 @@ class MasterConfig(_Strict):
                 "true (optionally loss_fn.truncated_importance_sampling_ratio to cap the weights) or disable async"
             )
         return self
+    verbose: bool = False  # true: vLLM's INFO lines and its harmless per-refit warning too (utils/console.py)

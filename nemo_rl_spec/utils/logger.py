@@ -18,9 +18,12 @@ class Logger:
     Args:
         log_dir: output folder (created).
         tensorboard_enabled: also write TensorBoard scalars under ``<log_dir>/tensorboard``.
+        console: also print one line per logged step (:func:`~nemo_rl_spec.utils.console.step_line`; through
+            ``tqdm.write``, so a progress bar stays intact).
     """
 
-    def __init__(self, log_dir: str | Path, tensorboard_enabled: bool) -> None:
+    def __init__(self, log_dir: str | Path, tensorboard_enabled: bool, console: bool = False) -> None:
+        self.console = console
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.log_dir / "metrics.jsonl"
@@ -40,6 +43,12 @@ class Logger:
                 if name != "step" and math.isfinite(value):
                     self._tb.add_scalar(name, value, step)
             self._tb.flush()
+        if self.console:
+            from tqdm import tqdm
+
+            from nemo_rl_spec.utils.console import step_line
+
+            tqdm.write(step_line(record, step))
 
     def truncate_after(self, step: int) -> None:
         """Drop records with ``step > step`` (used on resume, so replayed steps are not logged twice)."""

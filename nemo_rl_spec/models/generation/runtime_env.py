@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_spec.utils.config_schema import GenerationConfig, VllmConfig
+from nemo_rl_spec.utils.console import quiet_harmless_warnings, worker_log_env
 
 GiB = 1 << 30
 VLLM_PORT_BASE, VLLM_PORT_BAND = 7000, 100  # engine e scans for its ports from 7000 + 100 * e
@@ -106,6 +107,7 @@ def engine_env_vars(vllm_cfg: VllmConfig, engine_index: int | None = None) -> di
     if vllm_cfg.tensor_parallel_size > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    env.update(worker_log_env())  # logger.verbose and VLLM_LOGGING_LEVEL reach the actor (utils/console.py)
     return env
 
 
@@ -137,7 +139,8 @@ def apply_engine_env(vllm_cfg: VllmConfig) -> None:
 
     ``VLLM_ENABLE_V1_MULTIPROCESSING`` is forced to 0; the others keep a value the caller already set (a Ray
     actor's ``runtime_env``: its ``VLLM_PORT`` band), except ``VLLM_CPU_KVCACHE_SPACE``, which must agree with the
-    config (vLLM lets it override kwargs).
+    config (vLLM lets it override kwargs). Also installs the quiet-console log filter of this process
+    (:func:`~nemo_rl_spec.utils.console.quiet_harmless_warnings`).
     """
     env = engine_env_vars(vllm_cfg)
     for key, value in env.items():
@@ -147,6 +150,7 @@ def apply_engine_env(vllm_cfg: VllmConfig) -> None:
             os.environ.setdefault(key, value)
     if "VLLM_CPU_KVCACHE_SPACE" not in env:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    quiet_harmless_warnings()
 
 
 def as_generation_config(generation_cfg: GenerationConfig | Mapping[str, Any]) -> GenerationConfig:
