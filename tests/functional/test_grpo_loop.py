@@ -1,6 +1,8 @@
 """End to end: GRPO steps of the tiny recipe through real Ray + vLLM + Megatron, and exact resume."""
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +13,37 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
 
 
-def run_grpo(tmp: Path, *overrides: str) -> list[dict]:
+def run_grpo_proc(tmp: Path, *overrides: str) -> tuple[list[dict], subprocess.CompletedProcess]:
+    """Run the tiny recipe in a subprocess (progress bar off unless an override turns it on); its metrics records
+    and the finished process (stdout, stderr)."""
     cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(TINY),
            f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt", "logger.progress_bar=false",
            *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "NEMO_RL_SPEC_VERBOSE")}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()], proc
+
+
+def run_grpo(tmp: Path, *overrides: str) -> list[dict]:
+    return run_grpo_proc(tmp, *overrides)[0]
+
+
+def assert_quiet_console(proc: subprocess.CompletedProcess, steps: int) -> None:
+    """Default console (logger.verbose=false): progress bar, one line per step, no vLLM INFO line, no per-refit
+    rotary warning (issue 16, item 5)."""
+    out = proc.stdout + proc.stderr
+    assert re.findall(r"^step 0: val accuracy \d\.\d{3}$", proc.stdout, re.M)
+    lines = re.findall(r"^step (\d+): reward \d\.\d{3}( \| val accuracy \d\.\d{3})? \| \d+\.\d s$", proc.stdout, re.M)
+    assert [int(n) for n, _ in lines] == list(range(1, steps + 1)) and lines[-1][1], proc.stdout[-2000:]
+    assert f"GRPO: 100%" in proc.stderr and f"{steps}/{steps}" in proc.stderr
+    assert not re.findall(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d", out), re.findall(r".*\bINFO \d\d-\d\d.*", out)[:5]
+    assert "Failed to load weights" not in out
 
 
 def test_two_steps_at_temperature_0_6(tmp_path):
-    records = run_grpo(tmp_path, "policy.generation.temperature=0.6")
+    records, proc = run_grpo_proc(tmp_path, "policy.generation.temperature=0.6", "logger.progress_bar=true")
+    assert_quiet_console(proc, steps=2)
     by_step = {r["step"]: r for r in records}
     assert sorted(by_step) == [0, 1, 2]
     assert "validation/accuracy" in by_step[0] and "validation/accuracy" in by_step[2]
