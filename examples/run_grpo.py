@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from nemo_rl_spec.utils.console import configure_console
+
+    configure_console(cfg.logger.verbose, cpu=cfg.cluster.gpus_per_node == 0)  # before megatron-core is imported
     from nemo_rl_spec.algorithms.grpo import grpo_train
     from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
     from nemo_rl_spec.utils.logger import plot_training_curves

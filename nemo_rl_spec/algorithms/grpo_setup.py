@@ -106,7 +106,7 @@ def init_ray(cfg: MasterConfig) -> None:
     a 2-core machine)."""
     if ray.is_initialized():
         return
-    configure_console(cfg.logger.verbose)  # before any actor: their runtime_env carries it
+    configure_console(cfg.logger.verbose, cpu=cfg.cluster.gpus_per_node == 0)  # before any actor (runtime_env)
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
     else:

