@@ -28,7 +28,7 @@ from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.models.policy.lm_policy import Policy
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import to_yaml
-from nemo_rl_spec.utils.console import configure_console, worker_log_env
+from nemo_rl_spec.utils.console import configure_console, ray_logging_level, worker_log_env
 from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
 from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
 from nemo_rl_spec.utils.logger import Logger
@@ -107,10 +107,11 @@ def init_ray(cfg: MasterConfig) -> None:
     if ray.is_initialized():
         return
     configure_console(cfg.logger.verbose, cpu=cfg.cluster.gpus_per_node == 0)  # before any actor (runtime_env)
+    level = ray_logging_level(cfg.logger.verbose)
     if cfg.cluster.ray_address:
-        ray.init(address=cfg.cluster.ray_address, log_to_driver=True)
+        ray.init(address=cfg.cluster.ray_address, log_to_driver=True, logging_level=level)
     else:
-        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True, logging_level=level)
 
 
 def _policy_env(cfg: MasterConfig) -> dict[str, str]:

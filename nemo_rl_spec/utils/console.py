@@ -45,6 +45,12 @@ def configure_console(verbose: bool, cpu: bool = False) -> None:
     quiet_harmless_warnings()
 
 
+def ray_logging_level(verbose: bool) -> int:
+    """``ray.init(logging_level=...)`` of the driver: WARNING when quiet (drops "Started a local Ray instance" and
+    the like), Ray's default INFO when verbose."""
+    return logging.INFO if verbose else logging.WARNING
+
+
 def worker_log_env() -> dict[str, str]:
     """The console variables a worker's ``runtime_env`` must carry (those set in this process); the ignored
     Python warnings go in as ``PYTHONWARNINGS`` (after any the user set)."""
