@@ -73,6 +73,17 @@ class LossConfig(_Strict):
     reference_policy_kl_type: Literal["k3"]
     use_importance_sampling_correction: bool
     truncated_importance_sampling_ratio: Optional[PositiveFloat]
+    # NeMo-RL parity (issue 18; formulas in algorithms/loss/clipped_pg.py)
+    ratio_clip_c: Optional[float] = Field(default=None, gt=1.0)  # dual clip bound; None: off
+    sequence_level_importance_ratios: bool = False  # GSPO; needs token_level_loss=false
+    use_on_policy_kl_approximation: bool = False
+
+    @model_validator(mode="after")
+    def _gspo_sequence_level(self) -> "LossConfig":
+        if self.sequence_level_importance_ratios and self.token_level_loss:
+            raise ValueError("loss_fn.sequence_level_importance_ratios=true (GSPO) needs loss_fn.token_level_loss="
+                             "false (the sequence-level objective)")
+        return self
 
 
 class OptimizerConfig(_Strict):
@@ -83,6 +94,58 @@ class OptimizerConfig(_Strict):
     adam_eps: PositiveFloat
     clip_grad: PositiveFloat
     use_distributed_optimizer: bool
+    min_lr: float = Field(default=0.0, ge=0.0)  # NeMo-RL key; the floor of policy.megatron_cfg.scheduler's decay
+
+    @model_validator(mode="after")
+    def _min_lr(self) -> "OptimizerConfig":
+        if self.min_lr > self.lr:
+            raise ValueError(f"policy.megatron_cfg.optimizer.min_lr={self.min_lr} must be <= lr={self.lr}")
+        return self
+
+
+# ---- NeMo-RL parity (issue 18): LR scheduler ---------------------------------------------------------------------
+class SchedulerConfig(_Strict):
+    """``policy.megatron_cfg.scheduler`` (NeMo-RL's keys; megatron-core's ``OptimizerParamScheduler``), stepped once
+    per optimizer step. Optimizer step n (0-based) trains with::
+
+        n <= lr_warmup_iters (warmup > 0):  lr_warmup_init + (lr - lr_warmup_init) * n / lr_warmup_iters
+        constant:                          lr
+        n > lr_decay_iters:                min_lr
+        linear / cosine:                   min_lr + (lr - min_lr) * c,  r = (n - warmup) / (lr_decay_iters - warmup),
+                                           c = 1 - r (linear) or (1 + cos(pi r)) / 2 (cosine)
+
+    (``lr``, ``min_lr``: ``policy.megatron_cfg.optimizer``.) Weight decay goes from ``start_weight_decay`` to
+    ``end_weight_decay`` over ``lr_decay_iters`` steps (``weight_decay_incr_style``); both default to
+    ``optimizer.weight_decay``.
+    """
+
+    lr_warmup_iters: int = Field(default=0, ge=0)
+    lr_warmup_init: float = Field(default=0.0, ge=0.0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_decay_iters: Optional[PositiveInt] = None
+    start_weight_decay: Optional[float] = Field(default=None, ge=0.0)
+    end_weight_decay: Optional[float] = Field(default=None, ge=0.0)
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+
+
+def check_scheduler(sched: SchedulerConfig, opt: OptimizerConfig) -> None:
+    """Raise ValueError (naming the key) for a schedule megatron's scheduler would assert on."""
+    key = "policy.megatron_cfg.scheduler"
+    if sched.lr_warmup_init > opt.lr:
+        raise ValueError(f"{key}.lr_warmup_init={sched.lr_warmup_init} must be <= policy.megatron_cfg.optimizer.lr="
+                         f"{opt.lr}")
+    needs_iters = sched.lr_decay_style != "constant" or sched.weight_decay_incr_style != "constant"
+    if needs_iters and sched.lr_decay_iters is None:
+        raise ValueError(f"{key}.lr_decay_iters must be set with lr_decay_style={sched.lr_decay_style!r} / "
+                         f"weight_decay_incr_style={sched.weight_decay_incr_style!r}")
+    if sched.lr_decay_iters is not None and sched.lr_decay_iters <= sched.lr_warmup_iters:
+        raise ValueError(f"{key}.lr_decay_iters={sched.lr_decay_iters} must be > lr_warmup_iters="
+                         f"{sched.lr_warmup_iters}")
+    start = opt.weight_decay if sched.start_weight_decay is None else sched.start_weight_decay
+    end = opt.weight_decay if sched.end_weight_decay is None else sched.end_weight_decay
+    if end < start or (sched.weight_decay_incr_style == "constant" and start != end):
+        raise ValueError(f"{key}: start_weight_decay={start} / end_weight_decay={end} must satisfy start <= end, "
+                         "and be equal with weight_decay_incr_style='constant'")
 
 
 class MegatronConfig(_Strict):
@@ -99,6 +162,13 @@ class MegatronConfig(_Strict):
     mtp_occ_lambda_max: Optional[float] = Field(default=None, ge=0.0)  # optional clamp of the OCC lambda_t
     # reference c, v2 from full parameter gradients (two extra trunk backwards per micro-batch; validation only)
     mtp_occ_reference: bool = False
+    scheduler: Optional[SchedulerConfig] = None  # NeMo-RL parity; None: constant lr
+
+    @model_validator(mode="after")
+    def _scheduler(self) -> "MegatronConfig":
+        if self.scheduler is not None:
+            check_scheduler(self.scheduler, self.optimizer)
+        return self
 
 
 class VllmConfig(_Strict):
@@ -279,6 +349,7 @@ class LoggerConfig(_Strict):
     wandb_enabled: bool
     mlflow_enabled: bool
     progress_bar: bool
+    verbose: bool = False  # true: vLLM's INFO lines and its harmless per-refit warning too (utils/console.py)
 
 
 class CheckpointingConfig(_Strict):
@@ -336,4 +407,3 @@ class MasterConfig(_Strict):
                 "true (optionally loss_fn.truncated_importance_sampling_ratio to cap the weights) or disable async"
             )
         return self
-    verbose: bool = False  # true: vLLM's INFO lines and its harmless per-refit warning too (utils/console.py)

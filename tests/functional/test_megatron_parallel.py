@@ -51,7 +51,7 @@ def _cfg(tp: int = 1, distributed_optimizer: bool = False, mtp: bool = False, dr
     """Micro-batches of 2 rows for training and log-probs: the DP shards (4 + 3 rows) split into the same
     micro-batches as DP=1, so OCC's per-micro-batch lambda is comparable."""
     cfg = fm.base_recipe_section("policy")
-    cfg.update(train_micro_batch_size=2, logprob_batch_size=2, train_global_batch_size=2)
+    cfg.update(train_micro_batch_size=2, logprob_batch_size=2, train_global_batch_size=8)  # 7 rows: one step
     mcfg = cfg["megatron_cfg"]
     mcfg.update(tensor_model_parallel_size=tp, activation_checkpointing=activation_checkpointing, num_threads=1)
     mcfg["optimizer"].update(lr=1e-2, adam_eps=1e-3, use_distributed_optimizer=distributed_optimizer)

@@ -3,10 +3,15 @@
 Per valid token t of sequence b (valid: ``token_mask[b, t] * sample_mask[b] == 1``)::
 
     ratio    = exp(curr_logprobs - prev_logprobs)                           pi_theta / pi_old
+               (sequence_level_importance_ratios, GSPO: ratio[b, t] = exp(mean_{t' valid in b} (curr - prev)),
+               the same for every token of sequence b, = (pi_theta(y_b) / pi_old(y_b)) ** (1 / |y_b|))
     pg       = -min(ratio * A_b, clip(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max) * A_b)
+               (ratio_clip_c = c > 1, dual clip: where A_b < 0, pg = min(pg, -c * A_b))
     w        = min(exp(prev_logprobs - generation_logprobs), truncated_importance_sampling_ratio)   (detached;
                only with use_importance_sampling_correction, else 1)
     kl       = exp(ref - curr) - (ref - curr) - 1                           k3 estimator of KL(pi_theta || pi_ref)
+               (use_on_policy_kl_approximation: kl *= exp(curr - generation_logprobs), detached: the samples
+               come from the generator, the KL is an expectation under pi_theta)
     per_tok  = w * pg + reference_policy_kl_penalty * kl
 
     token_level_loss=True :  loss = sum_{b,t valid} per_tok / global_valid_toks
@@ -15,7 +20,10 @@ Per valid token t of sequence b (valid: ``token_mask[b, t] * sample_mask[b] == 1
 References: clipped surrogate, PPO (Schulman et al. 2017, eq. 7), with GRPO's per-sequence advantage
 (Shao et al. 2024); asymmetric clip range ("clip-higher", DAPO, Yu et al. 2025); k3 KL estimator
 (Schulman 2020, "Approximating KL Divergence"; GRPO eq. 4); truncated importance sampling for the
-generator/trainer mismatch (Espeholt et al. 2018 IMPALA; Yao et al. 2025 "TIS").
+generator/trainer mismatch (Espeholt et al. 2018 IMPALA; Yao et al. 2025 "TIS"); dual-clip PPO (Ye et al. 2020,
+"Mastering Complex Control in MOBA Games with Deep RL", eq. 5); GSPO (Zheng et al. 2025, "Group Sequence Policy
+Optimization", eq. 7: s_i = (pi_theta(y_i|x) / pi_old(y_i|x)) ** (1/|y_i|)), which needs the sequence-level
+reduction (``token_level_loss: false``: J = mean_i min(s_i A_i, clip(s_i) A_i)).
 """
 from __future__ import annotations
 
@@ -32,6 +40,9 @@ _CFG_KEYS = (
     "use_importance_sampling_correction",
     "truncated_importance_sampling_ratio",
 )
+# optional keys (NeMo-RL parity, issue 18) and their value when absent
+_OPTIONAL_KEYS = {"ratio_clip_c": None, "sequence_level_importance_ratios": False,
+                  "use_on_policy_kl_approximation": False}
 
 
 def _divide(numerator: torch.Tensor, normalizer: torch.Tensor | float) -> torch.Tensor:
@@ -53,11 +64,13 @@ class ClippedPGLossFn:
     Args:
         cfg: the ``loss_fn`` config section with exactly the keys ratio_clip_min, ratio_clip_max,
             token_level_loss, reference_policy_kl_penalty, reference_policy_kl_type ("k3"),
-            use_importance_sampling_correction, truncated_importance_sampling_ratio (None or > 0).
+            use_importance_sampling_correction, truncated_importance_sampling_ratio (None or > 0); optionally
+            ratio_clip_c (None or > 1), sequence_level_importance_ratios, use_on_policy_kl_approximation.
 
     Raises:
         KeyError: a config key is missing.
-        ValueError: unsupported KL type, negative clip/penalty, or a non-positive truncation ratio.
+        ValueError: unsupported KL type, negative clip/penalty, a non-positive truncation ratio, ratio_clip_c <= 1,
+            or sequence-level ratios with ``token_level_loss``.
     """
 
     def __init__(self, cfg: dict):
@@ -78,6 +91,15 @@ class ClippedPGLossFn:
             raise ValueError("ratio_clip_min, ratio_clip_max and reference_policy_kl_penalty must be >= 0")
         if self.truncated_is_ratio is not None and self.truncated_is_ratio <= 0:
             raise ValueError(f"truncated_importance_sampling_ratio must be > 0 or None, got {trunc}")
+        opt = {k: cfg.get(k, default) for k, default in _OPTIONAL_KEYS.items()}
+        self.ratio_clip_c = None if opt["ratio_clip_c"] is None else float(opt["ratio_clip_c"])
+        self.sequence_level = bool(opt["sequence_level_importance_ratios"])
+        self.on_policy_kl = bool(opt["use_on_policy_kl_approximation"])
+        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1.0:
+            raise ValueError(f"loss_fn.ratio_clip_c must be > 1 (dual clip) or None, got {self.ratio_clip_c}")
+        if self.sequence_level and self.token_level_loss:
+            raise ValueError("loss_fn.sequence_level_importance_ratios=true (GSPO) needs loss_fn.token_level_loss="
+                             "false (the sequence-level objective)")
 
     def __call__(
         self,
@@ -96,7 +118,8 @@ class ClippedPGLossFn:
             (loss scalar, metrics). Metrics (python floats; sum across micro-batches, ``*_max`` by max):
             ``loss``; ``probs_ratio`` (token mean of ratio / global_valid_toks); ``probs_ratio_clamped``
             (fraction of valid tokens whose ratio lies outside [1 - clip_min, 1 + clip_max]);
-            ``kl_penalty`` (penalty-weighted KL term, reduced like the loss); ``is_weight`` (token mean of w),
+            ``kl_penalty`` (penalty-weighted KL term, reduced like the loss); ``dual_clip_fraction`` (fraction of
+            valid tokens where the dual clip bound -c * A acts); ``is_weight`` (token mean of w),
             ``is_weight_max``; ``num_valid_tokens``, ``num_valid_seqs`` (micro-batch counts).
 
         Raises:
@@ -111,9 +134,14 @@ class ClippedPGLossFn:
         mask = token_mask * sample_mask.unsqueeze(-1)
         advantages = mb_data["advantages"].to(curr_logprobs.dtype).unsqueeze(-1)
 
-        ratio = _masked_exp(curr_logprobs - prev, mask)
+        ratio = self._ratio(curr_logprobs, prev, mask)
         clipped_ratio = ratio.clamp(1.0 - self.ratio_clip_min, 1.0 + self.ratio_clip_max)
         pg = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)
+        dual = torch.zeros_like(pg, dtype=torch.bool)
+        if self.ratio_clip_c is not None:
+            bound = -advantages * self.ratio_clip_c
+            dual = (advantages < 0) & (pg > bound)
+            pg = torch.where(dual, bound.expand_as(pg), pg)
 
         is_weight = torch.ones_like(pg)
         if self.use_is_correction:
@@ -125,6 +153,9 @@ class ClippedPGLossFn:
         if self.kl_penalty != 0.0:
             ref_minus_curr = torch.where(mask > 0, mb_data["reference_policy_logprobs"] - curr_logprobs, 0.0)
             kl = self.kl_penalty * (torch.exp(ref_minus_curr) - ref_minus_curr - 1.0)
+            if self.on_policy_kl:
+                weight = _masked_exp((curr_logprobs - mb_data["generation_logprobs"]).detach(), mask)
+                kl = kl * weight.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
         loss = self._reduce(is_weight * pg + kl, mask, token_mask, sample_mask, global_valid_toks, global_valid_seqs)
         with torch.no_grad():
@@ -138,10 +169,20 @@ class ClippedPGLossFn:
                 ),
                 "is_weight": float(_divide((is_weight * mask).sum(), global_valid_toks)),
                 "is_weight_max": float(is_weight[mask > 0].max()) if bool((mask > 0).any()) else 0.0,
+                "dual_clip_fraction": float(_divide((dual.to(mask.dtype) * mask).sum(), global_valid_toks)),
                 "num_valid_tokens": float(mask.sum()),
                 "num_valid_seqs": float(sample_mask.sum()),
             }
         return loss, metrics
+
+    def _ratio(self, curr: torch.Tensor, prev: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Per-token ratio [mb, S]: token-level exp(curr - prev), or GSPO's per-sequence exp of the mean log ratio
+        over the sequence's valid tokens (1 for a sequence without any), broadcast over its tokens."""
+        if not self.sequence_level:
+            return _masked_exp(curr - prev, mask)
+        log_ratio = torch.where(mask > 0, curr - prev, torch.zeros_like(curr))
+        seq_log_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp(min=1.0)
+        return torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(curr)
 
     def _reduce(self, per_token, mask, token_mask, sample_mask, global_valid_toks, global_valid_seqs):
         """Token-level sum / global_valid_toks, or per-sequence token mean summed / global_valid_seqs."""

@@ -10,6 +10,12 @@ no caller needs ``.remote`` on a policy worker. Batches are sharded by DP rank i
 (:func:`~nemo_rl_spec.distributed.batch.shard_batch`; the first ``B % DP`` shards one row longer, shards may be
 empty); TP peers of a DP rank get the same shard; per-row outputs come back from the TP-rank-0 worker of each DP rank
 and are concatenated in DP order.
+
+Training follows NeMo-RL's ``policy.train_global_batch_size`` (GBS): :meth:`Policy.train` splits the rows of a GRPO
+step into consecutive mini-batches of GBS rows (the last one smaller when GBS does not divide the row count) and
+makes one optimizer step per mini-batch, each sharded over DP like any batch (global counts are per mini-batch).
+``prev_logprobs`` come with the batch, computed before the first mini-batch, so from the second mini-batch on the
+PPO ratio pi_theta / pi_old differs from 1 and clipping acts (:func:`train_minibatches`).
 """
 from __future__ import annotations
 
@@ -24,6 +30,66 @@ from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl_spec.distributed.worker_group import RayWorkerGroup
 from nemo_rl_spec.utils.config_schema import PolicyConfig
+
+
+# per-mini-batch metrics that add up over mini-batches; ``*_max`` keys take the max, ``lr`` the last step's value,
+# ``update_successful`` the min (every step succeeded), every other key the mean over mini-batches
+_SUMMED_METRICS = ("num_valid_tokens", "num_valid_seqs", "num_micro_batches")
+
+
+def minibatch_bounds(rows: int, global_batch_size: int) -> list[tuple[int, int]]:
+    """Row ranges ``[start, stop)`` of the consecutive mini-batches of ``global_batch_size`` rows (the last one holds
+    the remainder), e.g. 20 rows with GBS 8 -> (0, 8), (8, 16), (16, 20); no rows -> [].
+
+    Raises:
+        ValueError: ``global_batch_size < 1`` or ``rows < 0``.
+    """
+    if global_batch_size < 1 or rows < 0:
+        raise ValueError(f"policy.train_global_batch_size={global_batch_size} must be >= 1 (rows={rows} >= 0)")
+    return [(start, min(start + global_batch_size, rows)) for start in range(0, rows, global_batch_size)]
+
+
+def combine_minibatch_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One metric dict for the optimizer steps of a ``train`` call: counts (``num_valid_tokens``, ``num_valid_seqs``,
+    ``num_micro_batches``) summed, ``*_max`` by max, ``lr`` the last step's, ``update_successful`` the min, every
+    other key (loss, probs_ratio, grad_norm, ...: already normalised per mini-batch) the mean over mini-batches;
+    adds ``num_optimizer_steps``. One part comes back unchanged (plus that count).
+
+    Raises:
+        ValueError: no parts.
+    """
+    if not parts:
+        raise ValueError("no mini-batch metrics to combine (the batch has no rows)")
+    keys = list(dict.fromkeys(k for part in parts for k in part))
+    out = {}
+    for key in keys:
+        values = [p[key] for p in parts if key in p]
+        if key in _SUMMED_METRICS:
+            out[key] = float(sum(values))
+        elif key.endswith("_max"):
+            out[key] = float(max(values))
+        elif key == "lr":
+            out[key] = float(values[-1])
+        elif key == "update_successful":
+            out[key] = float(min(values))
+        else:
+            out[key] = float(sum(values) / len(values))
+    return {**out, "num_optimizer_steps": float(len(parts))}
+
+
+def train_minibatches(step_fn: Callable[[TrainDatumSpec], dict[str, float]], data: TrainDatumSpec,
+                      global_batch_size: int) -> list[dict[str, float]]:
+    """``step_fn`` (one optimizer step) on each mini-batch of :func:`minibatch_bounds`, in row order; returns each
+    step's metrics. ``data["prev_logprobs"]`` is the same slice of the log-probs taken before the first step, so the
+    second step's ratio is pi_after_step_1 / pi_old (NeMo-RL's mini-batch PPO).
+
+    Shape: every tensor of ``data`` [B, ...]; step ``i`` gets rows ``bounds[i]``.
+    """
+    metrics = []
+    for start, stop in minibatch_bounds(int(data["input_ids"].shape[0]), global_batch_size):
+        rows = {k: (v[start:stop] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in data.items()}
+        metrics.append(step_fn(rows))
+    return metrics
 
 
 def _worker_class():
@@ -62,6 +128,7 @@ class Policy:
             raise ValueError(f"{len(nodes)} policy workers is not a multiple of policy.megatron_cfg."
                              f"tensor_model_parallel_size={self.tp_size} x pipeline_model_parallel_size={self.pp_size}")
         self.dp_size = len(nodes) // (self.tp_size * self.pp_size)
+        self.train_global_batch_size = cfg.train_global_batch_size
         env = dict(env_vars or {})
         self.group = RayWorkerGroup(cluster, _worker_class(), nodes, init_args=lambda rank: ((cfg, loss_fn, model_path,
                                     seed), {"init_reference_model": init_reference_model}), num_cpus=num_cpus, num_gpus=num_gpus,
@@ -104,10 +171,15 @@ class Policy:
         outputs = self._sharded("get_reference_policy_logprobs", data, temperature)
         return gather_batch([outputs[r] for r in self._row_owners])
 
+    def train_steps(self, data: TrainDatumSpec) -> list[dict[str, float]]:
+        """One optimizer step per mini-batch of ``policy.train_global_batch_size`` rows of ``data``
+        (:func:`train_minibatches`), each sharded over DP; the metrics of every step (rank 0's; every rank returns
+        the same, see :meth:`MegatronPolicyWorker.train`)."""
+        return train_minibatches(lambda rows: self._sharded("train", rows)[0], data, self.train_global_batch_size)
+
     def train(self, data: TrainDatumSpec) -> dict[str, float]:
-        """One optimizer step on the global batch ``data`` (sharded by DP); the metrics of rank 0 (every rank
-        returns the same, see :meth:`MegatronPolicyWorker.train`)."""
-        return self._sharded("train", data)[0]
+        """:meth:`train_steps` with the steps' metrics combined (:func:`combine_minibatch_metrics`)."""
+        return combine_minibatch_metrics(self.train_steps(data))
 
     def _rank_zero_ref(self, method: str, *args) -> ray.ObjectRef:
         """Run ``method`` on every rank (a collective), wait for all, return rank 0's result ref (the other ranks

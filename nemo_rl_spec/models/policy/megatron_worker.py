@@ -50,9 +50,12 @@ forward runs under the draft's capture hooks and the head trains on the detached
 backward, with its own optimizer (``speculative/online.py``; gradients summed over DP); ``export_draft_weights`` /
 ``save_draft`` hand it to the generation worker.
 
-``policy.train_global_batch_size`` is not read: ``train`` makes exactly one optimizer step over all rows it is
-given (the driver sizes the batch). The learning rate is constant (no scheduler). ``precision`` must be float32 on
-CPU.
+``train`` makes exactly one optimizer step over all rows it is given: the controller
+(:class:`~nemo_rl_spec.models.policy.lm_policy.Policy`) splits a GRPO step into mini-batches of
+``policy.train_global_batch_size`` rows and calls it once per mini-batch. The learning rate follows
+``megatron_cfg.scheduler`` (megatron-core's ``OptimizerParamScheduler``: linear warmup, constant / linear / cosine
+decay to ``optimizer.min_lr``; constant ``optimizer.lr`` without the section), stepped once per optimizer step, the
+MTP block's AdamW at the same lr, saved and restored with checkpoints. ``precision`` must be float32 on CPU.
 """
 from __future__ import annotations
 
@@ -92,6 +95,7 @@ from megatron.core import parallel_state, tensor_parallel  # noqa: E402  (after 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 CHECKPOINT_FILE = "megatron_policy_tp{tp_rank}.pt"  # one file per TP rank, written by DP rank 0
@@ -185,6 +189,7 @@ class MegatronPolicyWorker(PolicyInterface):
         with cuda_tensor_type_names():  # the distributed optimizer type-checks 'torch.cuda.*Tensor' (cpu_compat)
             self.optimizer = get_megatron_optimizer(self._optimizer_config(), [self.model])
         apply_cpu_compat()  # patch megatron modules imported lazily by DDP / optimizer construction
+        self.scheduler = self._scheduler()
         self.mtp_optimizer = self._mtp_optimizer() if self.mtp_params else None
         self.mtp_coef = MTPCoefficient(mcfg.mtp_loss_mode, mcfg.mtp_loss_scaling_factor, mcfg.mtp_occ_eps,
                                        mcfg.mtp_occ_lambda_max)
@@ -228,17 +233,38 @@ class MegatronPolicyWorker(PolicyInterface):
     def _optimizer_config(self) -> OptimizerConfig:
         opt = self.cfg.megatron_cfg.optimizer
         return OptimizerConfig(
-            optimizer="adam", lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
+            optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1,
             adam_beta2=opt.adam_beta2, adam_eps=opt.adam_eps, clip_grad=opt.clip_grad,
             bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
             use_distributed_optimizer=self._distributed_optimizer,
         )
 
+    def _scheduler(self) -> OptimizerParamScheduler:
+        """megatron-core's lr / weight-decay scheduler from ``megatron_cfg.scheduler`` (formula in
+        :class:`~nemo_rl_spec.utils.config_schema.SchedulerConfig`); without the section a constant ``lr``. It
+        sets the lr of optimizer step 0 now; :meth:`train` advances it by one after every step."""
+        opt, sched = self.cfg.megatron_cfg.optimizer, self.cfg.megatron_cfg.scheduler
+        if sched is None:
+            return OptimizerParamScheduler(self.optimizer, init_lr=opt.lr, max_lr=opt.lr, min_lr=opt.lr,
+                                           lr_warmup_steps=0, lr_decay_steps=1, lr_decay_style="constant",
+                                           start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=1,
+                                           wd_incr_style="constant")
+        decay_iters = sched.lr_decay_iters or sched.lr_warmup_iters + 1  # unused by a constant schedule
+        pick = lambda value: opt.weight_decay if value is None else value  # noqa: E731
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=sched.lr_warmup_init, max_lr=opt.lr, min_lr=opt.min_lr,
+            lr_warmup_steps=sched.lr_warmup_iters, lr_decay_steps=decay_iters, lr_decay_style=sched.lr_decay_style,
+            start_wd=pick(sched.start_weight_decay), end_wd=pick(sched.end_weight_decay), wd_incr_steps=decay_iters,
+            wd_incr_style=sched.weight_decay_incr_style)
+
+    def _current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
     def _mtp_optimizer(self) -> torch.optim.Optimizer:
         for p in self.mtp_params:
             p.requires_grad_(True)
         opt = self.cfg.megatron_cfg.optimizer
-        return torch.optim.AdamW(self.mtp_params, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+        return torch.optim.AdamW(self.mtp_params, lr=self._current_lr(), betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
                                  weight_decay=opt.weight_decay)
 
     def _speculative_config(self) -> dict:
@@ -376,12 +402,21 @@ class MegatronPolicyWorker(PolicyInterface):
         update_ok, grad_norm, _ = self.optimizer.step()
         mtp_metrics = self._mtp_step(mtp_stats) if self.mtp_num_layers else {}
         draft_metrics = self.draft.finish() if self.draft is not None else {}
+        lr = self._current_lr()  # the lr this step used
+        self._advance_scheduler()
         self.step += 1
         local = {**(combine_metrics(per_mb_metrics) if per_mb_metrics else {}), "loss": sum(losses),
                  "num_micro_batches": float(len(losses))}
         return {**reduce_metrics(local, self.dp_group), **mtp_metrics, **draft_metrics,
                 "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
-                "lr": float(self.optimizer.param_groups[0]["lr"]), "update_successful": float(update_ok)}
+                "lr": lr, "update_successful": float(update_ok)}
+
+    def _advance_scheduler(self, steps: int = 1) -> None:
+        """Move the lr schedule ``steps`` optimizer steps on; the MTP AdamW follows the trunk's lr."""
+        self.scheduler.step(increment=steps)
+        if self.mtp_optimizer is not None:
+            for group in self.mtp_optimizer.param_groups:
+                group["lr"] = self._current_lr()
 
     def _rl_micro_batch(self, mb: TrainDatumSpec, global_toks, global_seqs):
         """Forward + backward of the RL loss on one micro-batch; with an online draft, the forward runs under the
@@ -668,6 +703,7 @@ class MegatronPolicyWorker(PolicyInterface):
             "adam": adam,
             "mtp_optimizer": None if self.mtp_optimizer is None else self.mtp_optimizer.state_dict(),
             "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
             "weight_version": self.weight_version,
             "draft": None if self.draft is None else self.draft.state_dict(),
             "reference": self.reference_state,
@@ -680,6 +716,14 @@ class MegatronPolicyWorker(PolicyInterface):
             },
         }
         torch.save(state, self._checkpoint_file(path))
+
+    def _restore_scheduler(self, saved: dict | None) -> None:
+        """Put the lr schedule at the saved step count (a checkpoint from before schedulers: at ``self.step``). The
+        schedule's shape comes from the config the run resumes with (megatron's override mode: a resumed run may
+        change the schedule); only the step count is taken from the checkpoint."""
+        steps = self.step if saved is None else int(saved["num_steps"])
+        self.scheduler.num_steps = 0
+        self._advance_scheduler(steps)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (parameters are copied in place).
@@ -701,6 +745,7 @@ class MegatronPolicyWorker(PolicyInterface):
         if self.mtp_optimizer is not None and state.get("mtp_optimizer") is not None:
             self.mtp_optimizer.load_state_dict(state["mtp_optimizer"])
         self.step, self.weight_version = state["step"], state["weight_version"]
+        self._restore_scheduler(state.get("scheduler"))
         if self.draft is not None and state.get("draft") is not None:
             self.draft.load_state_dict(state["draft"])
         if self.reference_state is not None and state.get("reference") is not None:
