@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
+from nemo_rl_spec.algorithms.overlong import apply_overlong_filtering, truncated_rows
 from nemo_rl_spec.algorithms.rollouts import (build_train_data, logprob_agreement_metrics, make_generate_fn,
                                              selection_reward_valid)
 from nemo_rl_spec.algorithms.validation import validate
@@ -42,6 +43,7 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float
     advantages = compute_grpo_advantages(selection.rewards, selection.group_size,
                                          cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards, valid=valid)
     data = build_train_data(selection, advantages, s.pad_token_id)
+    overlong = overlong_metrics(s, data)
     with timer.time("policy_and_reference_logprobs"):
         data["prev_logprobs"] = s.policy.get_logprobs(data, cfg.policy.generation.temperature)
         if cfg.loss_fn.reference_policy_kl_penalty > 0:
@@ -53,7 +55,16 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float
     return {"train/mean_response_length": float(data["token_mask"].sum(1).mean()),
             "train/non_finite_rewards": float((~valid).sum()),
             **({"train/reward": float(selection.rewards[valid].mean())} if not valid.all() else {}),
-            **{f"train/{k}": v for k, v in train_metrics.items()}, **agreement}
+            **{f"train/{k}": v for k, v in train_metrics.items()}, **agreement, **overlong}
+
+
+def overlong_metrics(s: GRPOSetup, data) -> dict[str, float]:
+    """``grpo.overlong_filtering``: mask truncated responses out of the loss (:mod:`~.overlong`); its metrics."""
+    if not s.cfg.grpo.overlong_filtering:
+        return {}
+    gen = s.cfg.policy.generation
+    truncated = truncated_rows(data, gen.max_new_tokens, gen.vllm_cfg.max_model_len, int(s.tokenizer.eos_token_id))
+    return apply_overlong_filtering(data, truncated)
 
 
 def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:

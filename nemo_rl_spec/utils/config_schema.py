@@ -46,6 +46,7 @@ class GRPOConfig(_Strict):
     pilot_commit: Optional[PilotCommitConfig] = None
     async_grpo: Optional[AsyncGRPOConfig] = None
     dynamic_sampling: Optional[DynamicSamplingConfig] = None
+    overlong_filtering: bool = False  # NeMo-RL parity: truncated responses out of the loss (algorithms/overlong.py)
     non_finite_reward: Literal["error", "mask"] = "error"  # NaN/inf reward: stop, or drop the row (reward_check.py)
 
     @model_validator(mode="after")
