@@ -200,25 +200,28 @@ def negative_control_recovered():
 
 
 def _sample_pairs_on(llm, prompt: Sequence[int], num_samples: int, num_tokens: int, temperature: float,
-                     requests: int) -> dict[str, Any]:
+                     requests: int, logprobs: bool = True) -> dict[str, Any]:
     """Sample ``num_samples`` continuations of ``num_tokens`` tokens of ``prompt`` on ``llm`` (``requests``
-    requests, ``n = num_samples / requests`` each). Returns the dict of :func:`sample_token_pairs`."""
+    requests, ``n = num_samples / requests`` each). Returns the dict of :func:`sample_token_pairs`
+    ("logprobs" None with ``logprobs=False``, which skips vLLM's vocabulary-wide log-softmax)."""
     from vllm import SamplingParams, TokensPrompt
 
     from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 
     params = SamplingParams(temperature=temperature, max_tokens=num_tokens, ignore_eos=True,
-                            n=num_samples // requests, logprobs=0)
+                            n=num_samples // requests, logprobs=0 if logprobs else None)
     before = read_spec_decode_counters(llm)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))] * requests, params, use_tqdm=False)
     gen_s = time.perf_counter() - t0
     rows = [list(c.token_ids)[:num_tokens] for o in outs for c in o.outputs]
-    logprobs = [[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)][:num_tokens]
-                for o in outs for c in o.outputs]
+    lps = None
+    if logprobs:
+        lps = torch.tensor([[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)][:num_tokens]
+                            for o in outs for c in o.outputs])
     counters = read_spec_decode_counters(llm) - before
-    return {"samples": torch.tensor(rows, dtype=torch.long), "logprobs": torch.tensor(logprobs),
-            "counters": counters, "generate_s": gen_s}
+    return {"samples": torch.tensor(rows, dtype=torch.long), "logprobs": lps, "counters": counters,
+            "generate_s": gen_s}
 
 
 def sample_token_pairs(model: str, prompt: Sequence[int], num_samples: int, num_tokens: int = 2,
@@ -256,7 +259,7 @@ def sampler_controls_scenario(model: str, prompt: Sequence[int], num_samples: in
     out = {}
     for name, context in phases.items():
         with context():
-            out[name] = _sample_pairs_on(llm, prompt, num_samples, 2, 1.0, requests)
+            out[name] = _sample_pairs_on(llm, prompt, num_samples, 2, 1.0, requests, logprobs=False)
     shutdown(llm)
     return out
 

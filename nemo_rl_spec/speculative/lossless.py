@@ -299,3 +299,50 @@ def total_variation(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
     pa = counts_a.double() / counts_a.sum()
     pb = counts_b.double() / counts_b.sum()
     return float(0.5 * (pa - pb).abs().sum())
+
+
+# ----------------------------------------------------------------------------------------------- exact reference
+@dataclass
+class PairDistribution:
+    """Exact joint distribution of the first two tokens sampled at temperature 1 after a prompt.
+
+    ``cats`` maps (t1, t2) to a category index for the ``top`` most likely first tokens x their ``top`` most
+    likely second tokens; category ``len(cats)`` ("other") holds the remaining mass. ``probs`` [len(cats) + 1]
+    float64. ``log_p1`` [V]: log p(t1 | prompt); ``log_p2[t1]`` [V]: log p(t2 | prompt, t1) for the top first
+    tokens.
+    """
+
+    cats: dict[tuple[int, int], int]
+    probs: torch.Tensor
+    log_p1: torch.Tensor
+    log_p2: dict[int, torch.Tensor]
+
+    def counts(self, samples: torch.Tensor) -> torch.Tensor:
+        """Category counts [len(cats) + 1] (float64) of ``samples`` [N, >= 2] (first two columns used)."""
+        other = len(self.cats)
+        idx = torch.tensor([self.cats.get((int(a), int(b)), other) for a, b in samples[:, :2].tolist()],
+                           dtype=torch.long)
+        return torch.bincount(idx, minlength=other + 1).double()
+
+
+def exact_pair_distribution(model_dir: str | Path, prompt: Sequence[int], top: int = 64) -> PairDistribution:
+    """:class:`PairDistribution` of ``prompt`` under the HF checkpoint ``model_dir``, computed with transformers
+    in float64 softmax (independent of vLLM): p(t1, t2) = softmax(logits(prompt))[t1] * softmax(logits(prompt +
+    t1))[t2]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([list(prompt)])).logits[0, -1].double(), -1)
+        first = p1.topk(top).indices
+        batch = torch.cat([torch.tensor([list(prompt)]).expand(top, -1), first[:, None]], dim=1)
+        p2 = torch.softmax(model(batch).logits[:, -1].double(), -1)
+    cats, probs, log_p2 = {}, [], {}
+    for i, t1 in enumerate(first.tolist()):
+        top2 = p2[i].topk(top)
+        for t2, q in zip(top2.indices.tolist(), top2.values.tolist()):
+            cats[(t1, t2)] = len(probs)
+            probs.append(float(p1[t1]) * q)
+        log_p2[t1] = torch.log(p2[i])
+    probs.append(max(0.0, 1.0 - sum(probs)))
+    return PairDistribution(cats, torch.tensor(probs, dtype=torch.float64), torch.log(p1), log_p2)
