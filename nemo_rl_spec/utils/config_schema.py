@@ -323,17 +323,38 @@ class TrainDataConfig(_Strict):
 class ValidationDataConfig(_Strict):
     source: Literal["gsm8k_original", "aime_2024", "reasoning_gym"]
     path: Optional[str]
-    max_samples: PositiveInt = Field(le=100)
+    max_samples: PositiveInt
     # reasoning_gym source only: a held-out set from these generators (None: data.train.generators), generated
     # with this seed; questions that also occur in the training pool are dropped
     generators: Optional[list[str]] = Field(default=None, min_length=1)
     seed: int = 1000
+
+    @model_validator(mode="after")
+    def _fits_source(self):
+        if self.source == "gsm8k_original" and self.max_samples > 100:
+            raise ValueError(f"data.validation.max_samples={self.max_samples}: gsm8k_original has 100 problems")
+        return self
 
 
 class DataConfig(_Strict):
     train: TrainDataConfig
     validation: ValidationDataConfig
     system_prompt: str
+
+    @model_validator(mode="after")
+    def _held_out_seeds(self):
+        # reasoning-gym draws item i of a dataset from Random(seed + i), so a held-out set whose seed lies inside
+        # the training pool's seed range repeats the pool's problems (and is emptied by the de-duplication).
+        t, v = self.train, self.validation
+        if t.source == v.source == "reasoning_gym":
+            pool = range(t.seed, t.seed + t.size + len(t.generators))
+            held = range(v.seed, v.seed + 2 * v.max_samples + len(v.generators or t.generators))
+            if pool.start < held.stop and held.start < pool.stop:
+                raise ValueError(
+                    f"data.validation.seed={v.seed}: reasoning-gym seeds its item i with seed + i, so the held-out "
+                    f"seeds [{held.start}, {held.stop}) overlap the training pool's [{pool.start}, {pool.stop}) and "
+                    f"would repeat its problems; use a seed >= {pool.stop} (or < {t.seed - len(held)})")
+        return self
 
 
 class MathEnvConfig(_Strict):
@@ -359,6 +380,9 @@ class CheckpointingConfig(_Strict):
     save_period: PositiveInt
     keep_top_k: PositiveInt
     resume: bool
+    # NeMo-RL parity: keep the keep_top_k best by this logged metric (and the newest); None: the newest
+    metric_name: Optional[str] = Field(default=None, min_length=1)
+    higher_is_better: bool = True
 
 
 class ClusterConfig(_Strict):

@@ -1,0 +1,271 @@
+"""The testbed policy: a small Llama taught one-digit chain sums by supervised fine-tuning, built offline.
+
+Why: a random tiny model solves nothing (every GRPO advantage is 0) and accepts no draft, so the method
+benchmarks and the speculative tests need a policy that is *partly* competent: per-prompt success rates spread
+over (0, 1) at the sampling temperature, and a greedy accuracy that GRPO can raise. Built-in name
+``testbed-llama`` (``policy.model_name``); :func:`build_testbed` makes it, ``resolve_model`` caches it.
+
+Build (deterministic, CPU, :data:`TESTBED.threads` torch threads):
+
+1. Corpus: ``TESTBED.sft_examples`` reasoning-gym ``chain_sum`` problems (:data:`TESTBED.generator`, seed
+   :data:`TESTBED.seed`), each rendered as a ChatML conversation ``[system, user] -> assistant`` whose answer is a
+   step-by-step chain, e.g. question ``... 4 - 1 - 7 =`` -> ``4 - 1 = 3\\n3 - 7 = -4\\n\\boxed{-4}``.
+2. Tokenizer: a byte-level BPE (HF ``tokenizers``) trained on that corpus, digits split one per token, vocabulary
+   :data:`TESTBED.vocab_size`; ChatML chat template without a default system prompt. A task-sized vocabulary keeps
+   the embedding and the softmax small, so the model is cheap to train, sample and score on 2 cores.
+3. Model: ``LlamaForCausalLM`` of :data:`TESTBED.model` (head_dim = hidden / heads, as the MiMo export needs),
+   initialised from one seeded generator like the random tiny models.
+4. SFT: AdamW, linear warmup then cosine decay, cross-entropy on the assistant tokens (and its ``<|im_end|>``)
+   only, ``TESTBED.sft_steps`` steps of ``TESTBED.batch_size`` examples, stopped early on purpose: the step count
+   was chosen by measurement (README, "Learning") so that the policy is partly competent, not solved.
+
+Usage: ``python -m nemo_rl_spec.models.testbed --out DIR [--steps N]`` (or ``make testbed``).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
+"""The system prompt of the math recipes (``data.system_prompt`` in configs/grpo_math_base.yaml)."""
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class TestbedRecipe:
+    """Everything a testbed build depends on (recorded in the cache marker; a change rebuilds).
+
+    Attributes:
+        generator: reasoning-gym generator spec of the SFT problems (the testbed recipe trains on the same family).
+        seed: seed of the SFT problems, of the initial weights and of the batch order.
+        sft_examples: corpus size (problems; repeats allowed, the family is small).
+        vocab_size: BPE vocabulary of the tokenizer (specials included); the model's is rounded up to 128.
+        model: LlamaConfig size keys.
+        sft_steps, batch_size, lr, warmup_steps, min_lr_ratio, weight_decay: the SFT optimisation.
+        init_std: std of every initial non-norm tensor.
+        threads: torch threads during the build (fixed, so the reduction order and the result do not depend on
+            the machine's core count).
+    """
+
+    generator: str = "chain_sum:min_terms=2,max_terms=4,min_digits=1,max_digits=1"
+    seed: int = 20261201
+    sft_examples: int = 20000
+    vocab_size: int = 384
+    model: dict = field(default_factory=lambda: dict(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=768, tie_word_embeddings=True, max_position_embeddings=512, rms_norm_eps=1e-6))
+    sft_steps: int = 260
+    batch_size: int = 64
+    lr: float = 2e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    init_std: float = 0.02
+    threads: int = 2
+
+
+TESTBED = TestbedRecipe()
+
+
+def chain_solution(expression: str) -> str:
+    """Step-by-step answer to a chain sum, left to right: ``"4 - 1 - 7"`` -> ``"4 - 1 = 3\\n3 - 7 = -4\\n\\boxed{-4}"``.
+
+    Raises:
+        ValueError: ``expression`` is not ``int (op int)+`` with op in ``+ -``.
+    """
+    tokens = expression.split()
+    if len(tokens) < 3 or len(tokens) % 2 == 0 or any(op not in "+-" for op in tokens[1::2]):
+        raise ValueError(f"not a chain sum: {expression!r}")
+    total, lines = int(tokens[0]), []
+    for op, operand in zip(tokens[1::2], tokens[2::2]):
+        new = total + int(operand) if op == "+" else total - int(operand)
+        lines.append(f"{total} {op} {int(operand)} = {new}")
+        total = new
+    return "\n".join(lines) + f"\n\\boxed{{{total}}}"
+
+
+def sft_conversations(recipe: TestbedRecipe) -> list[tuple[str, str]]:
+    """(question, answer) pairs of the SFT corpus: ``recipe.sft_examples`` chain sums and their chains.
+
+    The answer's final line equals reasoning-gym's ground truth (checked; a mismatch raises ValueError)."""
+    import reasoning_gym
+
+    from nemo_rl_spec.data.datasets import parse_generator
+
+    name, settings = parse_generator(recipe.generator)
+    pairs = []
+    for item in reasoning_gym.create_dataset(name, size=recipe.sft_examples, seed=recipe.seed, **settings):
+        answer = chain_solution(item["metadata"]["expression"])
+        if not answer.endswith(f"\\boxed{{{item['answer']}}}"):
+            raise ValueError(f"chain {answer!r} disagrees with reasoning-gym's answer {item['answer']!r}")
+        pairs.append((item["question"], answer))
+    return pairs
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``texts`` (digits one per token, ChatML specials,
+    :data:`CHATML_TEMPLATE`); pad ``<|endoftext|>``, eos ``<|im_end|>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token=None)
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def encode_examples(tokenizer, pairs: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
+    """Token ids of each conversation and the length of its prompt part (the loss covers the rest)."""
+    from nemo_rl_spec.data.prompts import format_prompt
+
+    out = []
+    for question, answer in pairs:
+        prompt = format_prompt(tokenizer, SYSTEM_PROMPT, question)
+        response = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+        out.append((prompt + response, len(prompt)))
+    return out
+
+
+def lr_at(step: int, recipe: TestbedRecipe) -> float:
+    """Learning rate of SFT step ``step`` (0-based): linear warmup over ``warmup_steps``, then cosine decay from
+    ``lr`` to ``lr * min_lr_ratio`` at ``sft_steps``."""
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = (step - recipe.warmup_steps) / max(1, recipe.sft_steps - recipe.warmup_steps)
+    floor = recipe.lr * recipe.min_lr_ratio
+    return floor + 0.5 * (recipe.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _batch(examples: list[tuple[list[int], int]], pad_id: int):
+    """Right-padded ids [B, S], attention mask [B, S] and labels [B, S] (-100 outside the responses)."""
+    import torch
+
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for b, (seq, prompt_len) in enumerate(examples):
+        ids[b, : len(seq)] = torch.tensor(seq)
+        labels[b, prompt_len : len(seq)] = torch.tensor(seq[prompt_len:])
+        mask[b, : len(seq)] = 1
+    return ids, mask, labels
+
+
+def build_model(tokenizer, recipe: TestbedRecipe):
+    """The initial ``LlamaForCausalLM`` (fp32): norms 1, every other tensor ~ N(0, init_std) drawn in sorted
+    parameter-name order from one generator seeded with ``recipe.seed``; vocab ``len(tokenizer)`` rounded up to 128."""
+    import torch
+    import transformers
+
+    vocab = -(-len(tokenizer) // 128) * 128
+    config = transformers.LlamaConfig(vocab_size=vocab, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id, **recipe.model)
+    config.dtype = torch.float32
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * recipe.init_std)
+    return model
+
+
+def sft(model, examples, pad_id: int, recipe: TestbedRecipe, steps: int | None = None,
+        progress: bool = True, on_step=None) -> list[float]:
+    """Supervised fine-tuning of ``model`` in place; returns the loss (mean nats per response token) of each step.
+
+    Batches: a seeded permutation of ``examples``, ``recipe.batch_size`` per step, reshuffled each epoch.
+    ``on_step(step, model)``, if given, is called after each optimizer step (used to measure accuracy vs steps)."""
+    import torch
+    from tqdm import tqdm
+
+    steps = recipe.sft_steps if steps is None else steps
+    gen = torch.Generator().manual_seed(recipe.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
+    order, cursor, losses = torch.randperm(len(examples), generator=gen).tolist(), 0, []
+    model.train()
+    bar = tqdm(range(steps), desc="testbed SFT", disable=not progress)
+    for step in bar:
+        if cursor + recipe.batch_size > len(order):
+            order, cursor = torch.randperm(len(examples), generator=gen).tolist(), 0
+        ids, mask, labels = _batch([examples[i] for i in order[cursor : cursor + recipe.batch_size]], pad_id)
+        cursor += recipe.batch_size
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, recipe)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if on_step is not None:
+            on_step(step, model)
+            model.train()
+    model.eval()
+    return losses
+
+
+def build_testbed(out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | None = None,
+                  progress: bool = True) -> list[float]:
+    """Build the testbed checkpoint into ``out_dir`` (HF safetensors, tokenizer with chat template, ``sft.json``
+    with the recipe and per-step losses). Returns the SFT losses. Deterministic: two builds are bitwise equal.
+
+    Raises:
+        ValueError: a chain answer disagrees with reasoning-gym's ground truth.
+    """
+    import json
+
+    import torch
+    from transformers import GenerationConfig
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    try:
+        pairs = sft_conversations(recipe)
+        corpus = [f"{SYSTEM_PROMPT}\n{q}\n{a}" for q, a in pairs]
+        tokenizer = train_tokenizer(corpus, recipe.vocab_size)
+        examples = encode_examples(tokenizer, pairs)
+        model = build_model(tokenizer, recipe)
+        losses = sft(model, examples, tokenizer.pad_token_id, recipe, steps, progress)
+    finally:
+        torch.set_num_threads(threads)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    (out_dir / "sft.json").write_text(json.dumps({"recipe": asdict(recipe), "steps": len(losses),
+                                                  "losses": [round(x, 6) for x in losses]}, indent=1) + "\n")
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the testbed policy (SFT on chain sums) into --out.")
+    parser.add_argument("--out", required=True, help="output directory (an HF checkpoint)")
+    parser.add_argument("--steps", type=int, default=None, help=f"SFT steps (default {TESTBED.sft_steps})")
+    args = parser.parse_args(argv)
+    losses = build_testbed(Path(args.out), steps=args.steps)
+    print(f"testbed written to {args.out}: {len(losses)} SFT steps, final loss {losses[-1]:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

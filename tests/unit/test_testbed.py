@@ -1,0 +1,84 @@
+"""The testbed policy builder (nemo_rl_spec/models/testbed.py): chains, schedule, tokenizer, determinism."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+
+import pytest
+
+from nemo_rl_spec.models import testbed as tb
+
+SMALL = dataclasses.replace(
+    tb.TESTBED, sft_examples=96, sft_steps=4, batch_size=8, warmup_steps=2,
+    model=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+               intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=256, rms_norm_eps=1e-6))
+
+
+def test_chain_solution_by_hand():
+    assert tb.chain_solution("4 - 1 - 7") == "4 - 1 = 3\n3 - 7 = -4\n\\boxed{-4}"
+    assert tb.chain_solution("9 + 9") == "9 + 9 = 18\n\\boxed{18}"
+    assert tb.chain_solution("0 - 5 + 2 - 8") == "0 - 5 = -5\n-5 + 2 = -3\n-3 - 8 = -11\n\\boxed{-11}"
+    for bad in ("4 * 2", "4 -", "4"):
+        with pytest.raises(ValueError, match="not a chain sum"):
+            tb.chain_solution(bad)
+
+
+def test_corpus_answers_match_reasoning_gym_and_score_1():
+    from nemo_rl_spec.environments.math_env import score_response
+
+    pairs = tb.sft_conversations(SMALL)
+    assert len(pairs) == SMALL.sft_examples
+    import reasoning_gym
+
+    from nemo_rl_spec.data.datasets import parse_generator
+
+    name, settings = parse_generator(SMALL.generator)
+    truth = [item["answer"] for item in reasoning_gym.create_dataset(name, size=8, seed=SMALL.seed, **settings)]
+    assert [score_response(a, g, None) for (_, a), g in zip(pairs, truth)] == [1.0] * 8
+
+
+def test_lr_schedule_by_hand():
+    r = dataclasses.replace(tb.TESTBED, lr=1.0, warmup_steps=4, sft_steps=14, min_lr_ratio=0.1)
+    assert [tb.lr_at(s, r) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert tb.lr_at(9, r) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)), abs=1e-12)
+    assert tb.lr_at(14, r) == pytest.approx(0.1, abs=1e-12)
+    assert tb.lr_at(100, r) == pytest.approx(0.1, abs=1e-12)
+
+
+def test_tokenizer_digits_chat_template_and_round_trip():
+    from nemo_rl_spec.data.prompts import format_prompt
+
+    pairs = tb.sft_conversations(SMALL)
+    tok = tb.train_tokenizer([f"{tb.SYSTEM_PROMPT}\n{q}\n{a}" for q, a in pairs], 300)
+    assert len(tok) <= 300
+    digits = [t for t in tok.convert_ids_to_tokens(tok.encode("12 - 345 = -333", add_special_tokens=False))
+              if any(c.isdigit() for c in t)]
+    assert all(sum(c.isdigit() for c in t) == 1 for t in digits) and len(digits) == 8
+    ids = format_prompt(tok, "sys", "What is 1 + 2?")
+    assert tok.decode(ids) == "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n" \
+                              "<|im_start|>assistant\n"
+    text = "7 - 9 = -2\n\\boxed{-2} and unseen text: é ∑"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+
+
+def _digest(directory) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_two_builds_bitwise_equal_and_loss_falls(tmp_path):
+    a = tb.build_testbed(tmp_path / "a", SMALL, progress=False)
+    b = tb.build_testbed(tmp_path / "b", SMALL, progress=False)
+    assert a == b
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
+    assert a[-1] < a[0]
+    record = json.loads((tmp_path / "a" / "sft.json").read_text())
+    assert record["steps"] == SMALL.sft_steps and record["recipe"]["seed"] == SMALL.seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert model.config.vocab_size % 128 == 0 and model.config.vocab_size >= len(tok)
+    assert model.config.hidden_size // model.config.num_attention_heads == model.config.head_dim
