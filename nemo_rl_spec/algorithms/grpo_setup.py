@@ -295,7 +295,8 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
         train_problems=train, allocator=build_allocator(cfg, len(train)),
         val_problems=val, val_prompt_ids=[], logger=Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled,
                                                               console=True),
-        checkpoints=CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_top_k)
+        checkpoints=CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_top_k,
+                                      cfg.checkpointing.metric_name, cfg.checkpointing.higher_is_better)
         if cfg.checkpointing.enabled else None,
     )
     s.val_prompt_ids = s.prompt_ids(val)
@@ -322,7 +323,8 @@ def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path 
     if "allocator" not in state:  # async GRPO passes the allocator state of its last buffered batch instead
         state["allocator"] = s.allocator.state_dict()
     torch.save(state, tmp / "train_state.pt")
-    info = {k: v for k, v in metrics.items() if k.startswith(("train/reward", "validation/"))}
+    info = {k: v for k, v in metrics.items()
+            if k.startswith(("train/reward", "validation/")) or k == s.cfg.checkpointing.metric_name}
     return s.checkpoints.finalize(tmp, step, info, to_yaml(s.cfg))
 
 

@@ -29,13 +29,19 @@ class CheckpointManager:
 
     Args:
         checkpoint_dir: root folder (created if missing).
-        keep_top_k: number of most recent complete checkpoints kept; older ones are deleted after a new one
-            is finalized (never before).
+        keep_top_k: number of complete checkpoints kept; the others are deleted after a new one is finalized
+            (never before). Without ``metric_name`` the most recent ones.
+        metric_name: NeMo-RL's ``checkpointing.metric_name``: keep the ``keep_top_k`` best by this key of
+            ``training_info.json`` (e.g. ``validation/accuracy``), and always the newest (the one a resume loads).
+            Checkpoints without the key rank below every one with it (older first).
+        higher_is_better: ``checkpointing.higher_is_better``: the best is the largest value (else the smallest).
     """
 
-    def __init__(self, checkpoint_dir: str | Path, keep_top_k: int) -> None:
+    def __init__(self, checkpoint_dir: str | Path, keep_top_k: int, metric_name: str | None = None,
+                 higher_is_better: bool = True) -> None:
         self.root = Path(checkpoint_dir)
         self.keep_top_k = keep_top_k
+        self.metric_name, self.higher_is_better = metric_name, higher_is_better
         self.root.mkdir(parents=True, exist_ok=True)
 
     def steps(self) -> list[int]:
@@ -75,9 +81,26 @@ class CheckpointManager:
         self._prune()
         return final
 
+    def kept_steps(self) -> list[int]:
+        """The steps :meth:`_prune` keeps, ascending: the ``keep_top_k`` newest, or with ``metric_name`` the
+        ``keep_top_k`` best by the metric (ties: the newer) plus the newest."""
+        steps = self.steps()
+        if self.metric_name is None:
+            return steps[-self.keep_top_k:]
+        sign = 1.0 if self.higher_is_better else -1.0
+
+        def rank(step: int) -> tuple[int, float, int]:
+            value = self.read_info(self.root / f"step_{step}").get(self.metric_name)
+            return (0, 0.0, step) if value is None else (1, sign * float(value), step)
+
+        best = sorted(steps, key=rank, reverse=True)[: self.keep_top_k]
+        return sorted(set(best) | set(steps[-1:]))
+
     def _prune(self) -> None:
-        for step in self.steps()[: -self.keep_top_k]:
-            shutil.rmtree(self.root / f"step_{step}", ignore_errors=True)
+        kept = set(self.kept_steps())
+        for step in self.steps():
+            if step not in kept:
+                shutil.rmtree(self.root / f"step_{step}", ignore_errors=True)
 
     @staticmethod
     def read_info(path: Path) -> dict:
