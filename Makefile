@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 RECIPE ?= configs/grpo_math_smollm2_135m.yaml
 
-.PHONY: install run draft test test-slow test-unit test-functional
+.PHONY: install run draft testbed test test-slow test-unit test-functional
 install:
 	bash scripts/install_cpu.sh
 
@@ -13,6 +13,10 @@ run: install
 OUT ?= results/drafts/$(basename $(notdir $(RECIPE)))
 draft: install
 	$(PY) examples/init_draft.py --config $(RECIPE) --out $(OUT) $(ARGS)
+
+# The testbed policy (built-in testbed-llama: SFT on chain sums, ~13 min on 2 cores, cached): make testbed
+testbed: install
+	$(PY) -c "from nemo_rl_spec.models.hf_assets import resolve_model; print(resolve_model('testbed-llama'))"
 
 test: install
 	$(PY) -m pytest tests -x -q --durations=25 -m "not slow"
