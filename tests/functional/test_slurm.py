@@ -63,9 +63,19 @@ def slurm_nodes() -> list[str]:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port in [20000, 32000): below Linux's ephemeral range (32768+), from which Ray's own randomly
+    assigned gRPC ports come (an ephemeral port chosen here was once taken by one of them before the job bound it:
+    'Address already in use' for the Ray client server), and above Ray's default worker ports (10002-19999)."""
+    import random
+
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in [20000, 32000)")
 
 
 def _job_env(tmp: Path, command: str | None) -> dict[str, str]:
