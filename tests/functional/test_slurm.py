@@ -208,9 +208,10 @@ def test_one_grpo_step_of_the_tiny_recipe_under_slurm(slurm_nodes, tmp_path):
     if not RUN_GRPO.is_file():
         pytest.skip("examples/run_grpo.py does not exist yet")
     log_dir, ckpt = tmp_path / "logs", tmp_path / "ckpt"
-    # RAY_ADDRESS is exported by ray.sub inside the job; the driver joins that cluster
+    # RAY_ADDRESS is exported by ray.sub inside the job; the driver joins that cluster. logger.verbose=true: Ray's
+    # own "Connecting to existing Ray cluster" line (asserted below) is INFO, which the quiet default hides.
     command = (f"{sys.executable} examples/run_grpo.py --config configs/grpo_math_tiny.yaml grpo.max_num_steps=1 "
-               f"logger.log_dir={log_dir} checkpointing.checkpoint_dir={ckpt} "
+               f"logger.log_dir={log_dir} checkpointing.checkpoint_dir={ckpt} logger.verbose=true "
                "logger.progress_bar=false cluster.ray_address=$RAY_ADDRESS")
     t0 = time.monotonic()
     job = _submit(tmp_path, command, 1, "--time=00:40:00")
