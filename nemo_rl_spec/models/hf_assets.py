@@ -112,6 +112,22 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def init_deterministic(model, seed: int, embed_std: float, linear_std: float) -> None:
+    """Initialise ``model`` in place without transformers' init code or the global RNG: norms 1, the input
+    embedding ~ N(0, embed_std), every other tensor ~ N(0, linear_std), drawn in sorted parameter-name order from one
+    generator seeded with ``seed`` (so a build is bit-identical)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                std = embed_std if name == "model.embed_tokens.weight" else linear_std
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
 def build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int,
                       embed_std: float = TINY_QWEN3_EMBED_STD, linear_std: float = TINY_QWEN3_LINEAR_STD,
                       tokenizer=None) -> None:
@@ -129,15 +145,7 @@ def build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int,
         pad_token_id=tokenizer.pad_token_id, **arch_config)
     config.dtype = torch.float32
     model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name == "model.embed_tokens.weight":
-                param.copy_(torch.randn(param.shape, generator=gen) * embed_std)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * linear_std)
+    init_deterministic(model, seed, embed_std, linear_std)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )

@@ -176,13 +176,9 @@ def build_model(tokenizer, recipe: TestbedRecipe):
                                       pad_token_id=tokenizer.pad_token_id, **recipe.model)
     config.dtype = torch.float32
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(recipe.seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=gen) * recipe.init_std)
+    from nemo_rl_spec.models.hf_assets import init_deterministic
+
+    init_deterministic(model, recipe.seed, recipe.init_std, recipe.init_std)
     return model
 
 
