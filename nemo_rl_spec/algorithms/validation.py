@@ -5,12 +5,25 @@ from nemo_rl_spec.algorithms.rollouts import generate_rollouts
 
 
 def validate(generation, tokenizer, env, problems: list[dict], prompt_ids: list[list[int]],
-             max_new_tokens: int) -> dict[str, float]:
-    """Greedy-decode one answer per validation problem; return ``validation/accuracy`` (fraction in [0, 1]) and
-    ``validation/mean_response_length`` (tokens)."""
+             max_new_tokens: int, non_finite_reward: str = "error") -> dict[str, float]:
+    """Greedy-decode one answer per validation problem and score it.
+
+    Returns ``validation/accuracy`` (mean reward over all problems, in [0, 1]), ``validation/mean_response_length``
+    (tokens) and ``validation/non_finite_rewards`` (how many problems got a NaN/inf reward).
+
+    Args:
+        non_finite_reward: ``grpo.non_finite_reward``. ``"mask"``: a NaN/inf reward counts as a wrong answer
+            (reward 0, still in the accuracy's denominator) and is counted in ``validation/non_finite_rewards``;
+            ``"error"``: it stops the run.
+
+    Raises:
+        NonFiniteRewardError: a reward is NaN/inf and ``non_finite_reward == "error"`` (the message names the
+            validation problem's index).
+    """
     batch = generate_rollouts(generation, tokenizer, env, problems, prompt_ids, n=1, seed=0,
-                              temperature=0.0, max_new_tokens=max_new_tokens)
+                              temperature=0.0, max_new_tokens=max_new_tokens, non_finite_reward=non_finite_reward)
     gen = batch.generation
     lengths = (gen["unpadded_sequence_lengths"] - gen["input_lengths"]).float()
     return {"validation/accuracy": float(batch.rewards.mean()),
-            "validation/mean_response_length": float(lengths.mean())}
+            "validation/mean_response_length": float(lengths.mean()),
+            "validation/non_finite_rewards": float((~batch.reward_valid).sum())}

@@ -8,7 +8,8 @@ group, the clipped-PG loss and its gradients are NaN, and the optimizer step wri
 * ``mask``: the reward is replaced by 0.0 and the row is marked invalid; invalid rows get advantage 0, are
   left out of their group's baseline and std, and get ``sample_mask = 0`` so the loss ignores them.
   ``train/non_finite_rewards`` counts them per step. (With Pilot-Commit the masked 0.0 also enters the
-  pilot's success estimate, as a failure.)
+  pilot's success estimate, as a failure.) In validation a masked reward counts as a wrong answer and
+  ``validation/non_finite_rewards`` counts them (:func:`nemo_rl_spec.algorithms.validation.validate`).
 """
 from __future__ import annotations
 

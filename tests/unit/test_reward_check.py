@@ -139,3 +139,22 @@ def test_bad_policy_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match="grpo.non_finite_reward"):
         load_config("configs/grpo_math_tiny.yaml", ["grpo.non_finite_reward=ignore"])
     assert load_config("configs/grpo_math_tiny.yaml", []).grpo.non_finite_reward == "error"
+
+
+def test_validation_counts_a_non_finite_reward_as_wrong_in_mask_mode():
+    """Validation honours grpo.non_finite_reward: with mask, a NaN/inf reward is a wrong answer (still in the
+    denominator) counted in validation/non_finite_rewards; with error, it stops the run naming the problem."""
+    from nemo_rl_spec.algorithms.validation import validate
+
+    script = [[1.0], [NAN], [0.0], [1.0], [float("inf")]]
+    problems = [{"id": i, "rewards": r} for i, r in enumerate(script)]
+    prompt_ids = [[1, 2 + i] for i in range(len(problems))]
+    m = validate(_FixedRows(), _Tokenizer(), _ScriptedRewards(), problems, prompt_ids, 2, "mask")
+    # hand: rewards [1, 0 (masked nan), 0, 1, 0 (masked inf)] -> accuracy 2/5; 2 non-finite; 2 tokens per answer
+    assert m == {"validation/accuracy": pytest.approx(0.4, abs=1e-7), "validation/mean_response_length": 2.0,
+                 "validation/non_finite_rewards": 2.0}
+    clean = validate(_FixedRows(), _Tokenizer(), _ScriptedRewards(), problems[:1] + problems[2:4], prompt_ids[:3], 2)
+    assert clean["validation/non_finite_rewards"] == 0.0
+    assert clean["validation/accuracy"] == pytest.approx(2 / 3, abs=1e-7)
+    with pytest.raises(NonFiniteRewardError, match="prompt 1 response 0: nan; prompt 4 response 0: inf"):
+        validate(_FixedRows(), _Tokenizer(), _ScriptedRewards(), problems, prompt_ids, 2, "error")
