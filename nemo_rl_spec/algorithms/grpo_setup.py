@@ -176,6 +176,31 @@ def check_tensor_parallel_model(cfg: MasterConfig, model_path: str) -> None:
         raise ConfigError(f"{exc}; policy.model_name={cfg.policy.model_name!r}") from None
 
 
+def check_ray_address(cfg: MasterConfig, timeout_s: float = 5.0) -> None:
+    """``cluster.ray_address`` must be null (a local Ray), ``auto`` (the cluster ``RAY_ADDRESS`` or this node's
+    ``ray start`` names) or ``[ray://]host:port`` whose port accepts a TCP connection within ``timeout_s`` (ray.init
+    would otherwise retry for minutes before failing).
+
+    Raises:
+        ConfigError: naming ``cluster.ray_address`` (bad form, or nothing listening there).
+    """
+    import socket
+
+    from nemo_rl_spec.utils.config import ConfigError
+
+    addr = cfg.cluster.ray_address
+    if addr is None or addr == "auto":
+        return
+    host, sep, port = addr.removeprefix("ray://").rpartition(":")
+    if not (sep and host and port.isdigit()):
+        raise ConfigError(f"cluster.ray_address={addr!r}: expected null, auto, host:port or ray://host:port")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"cluster.ray_address={addr!r}: nothing answers at {host}:{port} ({exc}); start the "
+                          "cluster first (slurm/ray.sub, `ray start --head`) or set cluster.ray_address=null") from None
+
+
 def check_draft_dir(cfg: MasterConfig) -> None:
     """Raise ConfigError (before any worker starts) when the EAGLE-3 draft directory named by ``policy.draft.model_name``
     or ``speculative_config.model`` has no ``config.json`` (e.g. ``make draft`` was not run)."""
@@ -266,8 +291,13 @@ def build_allocator(cfg: MasterConfig, pool_size: int) -> RolloutAllocator:
                                    pilot_commit=g.pilot_commit, dynamic_sampling=g.dynamic_sampling)
 
 
-def setup(cfg: MasterConfig) -> GRPOSetup:
-    """Resolve the model, load data, start Ray and the workers, and resume from the latest checkpoint if any."""
+def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], PlacementPlan]:
+    """Every check :func:`setup` makes before Ray starts: draft directory, model, data, MTP drafter, TP split, the
+    placement plan and the Ray address. Returns ``(model_path, tokenizer, train problems, validation problems, plan)``.
+
+    Raises:
+        ConfigError: naming the key whose file, model or layout does not work.
+    """
     from transformers import AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -278,6 +308,13 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
     check_mtp_drafter_model(cfg, model_path)
     check_tensor_parallel_model(cfg, model_path)
     plan = plan_placement(cfg)  # ConfigError when the recipe does not fit its cluster, before Ray starts
+    check_ray_address(cfg)
+    return model_path, tokenizer, train, val, plan
+
+
+def setup(cfg: MasterConfig) -> GRPOSetup:
+    """Resolve the model, load data, start Ray and the workers, and resume from the latest checkpoint if any."""
+    model_path, tokenizer, train, val, plan = preflight(cfg)
     init_ray(cfg)
     workers = start_workers(cfg, model_path, plan)
     try:

@@ -199,6 +199,16 @@ RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
         reason="Megatron's mixed-precision optimizer type-checks for torch.cuda tensors and the CPU path is verified "
                "in float32 only; use policy.precision=float32 on CPU",
         platforms=("cpu",), used=lambda cfg: cfg.policy.precision != "float32"),
+    "wandb": RuntimeRefusal(
+        key="logger.wandb_enabled=true",
+        reason="this build logs to TensorBoard (logger.tensorboard_enabled) and metrics.jsonl only; no W&B client "
+               "is installed or called, so the key would be silently ignored",
+        platforms=("cpu", "gpu"), used=lambda cfg: cfg.logger.wandb_enabled),
+    "mlflow": RuntimeRefusal(
+        key="logger.mlflow_enabled=true",
+        reason="this build logs to TensorBoard (logger.tensorboard_enabled) and metrics.jsonl only; no MLflow client "
+               "is installed or called, so the key would be silently ignored",
+        platforms=("cpu", "gpu"), used=lambda cfg: cfg.logger.mlflow_enabled),
 }
 
 

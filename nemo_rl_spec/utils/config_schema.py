@@ -52,8 +52,14 @@ class GRPOConfig(_Strict):
     @model_validator(mode="after")
     def _pilot_commit_budget(self) -> "GRPOConfig":
         pc = self.pilot_commit
-        if pc is not None and pc.enabled:   # the default budget must leave a commit slot (fail before start)
-            pc.commit_slots(pc.rollout_budget_per_step or self.num_prompts_per_step * self.num_generations_per_prompt)
+        # the default budget must leave a commit slot (fail before start); a set budget is checked by the section
+        if pc is not None and pc.enabled and pc.rollout_budget_per_step is None:
+            budget = self.num_prompts_per_step * self.num_generations_per_prompt
+            try:
+                pc.commit_slots(budget)
+            except ValueError as exc:
+                raise ValueError(f"grpo.pilot_commit (rollout_budget_per_step unset: grpo.num_prompts_per_step x "
+                                 f"grpo.num_generations_per_prompt = {budget}): {exc}") from None
         return self
 
     @model_validator(mode="after")

@@ -1,0 +1,158 @@
+"""The boolean and optional keys of the config schema, enumerated from the pydantic models (issue 14, item 4).
+
+Every field of :class:`~nemo_rl_spec.utils.config_schema.MasterConfig` (recursively, through nested models and the
+models inside optional sections) whose annotation is ``bool`` or ``Optional[...]`` is a *switch*. For a recipe, each
+switch gives one variant: the recipe with that one key changed as a user would change it from the command line:
+
+* ``bool``: flipped (``key=true|false``; the field's default when the recipe leaves its section out);
+* ``Optional[<section model>]``: absent/null -> ``+key={}`` (the section with its own defaults, i.e. the feature
+  on), present -> ``key=null``;
+* ``Optional[<scalar or list>]``: null -> the first candidate value the field accepts (see :data:`CANDIDATES`),
+  set -> ``key=null``.
+
+A key added to the schema is covered without editing this file. Import with ``sys.path.insert(0, <tests dir>)``.
+"""
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
+# tried in order for an Optional scalar that the recipe leaves null; the first the field's type accepts is used
+CANDIDATES = (2, 2.0, 0.5, "train/reward", [0], ["chain_sum"], [[1, 8, 1]])
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One boolean/optional schema key. ``kind``: "bool", "section" (Optional[BaseModel]) or "optional"."""
+
+    path: str
+    kind: str
+    field: FieldInfo
+    inner: typing.Any  # the annotation without None
+
+
+def _strip_optional(ann) -> tuple[typing.Any, bool]:
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) < len(typing.get_args(ann)):
+            return (args[0] if len(args) == 1 else typing.Union[tuple(args)]), True
+    return ann, False
+
+
+def _is_model(t) -> bool:
+    return isinstance(t, type) and issubclass(t, BaseModel)
+
+
+def schema_switches(model: type[BaseModel] | None = None, prefix: str = "") -> list[Switch]:
+    """Every bool / Optional field of ``model`` (default MasterConfig) and of the models nested in it, with dotted
+    paths, in declaration order."""
+    if model is None:
+        from nemo_rl_spec.utils.config_schema import MasterConfig
+        model = MasterConfig
+    out: list[Switch] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        inner, optional = _strip_optional(field.annotation)
+        if inner is bool:
+            out.append(Switch(path, "bool", field, inner))
+        elif optional:
+            out.append(Switch(path, "section" if _is_model(inner) else "optional", field, inner))
+        if _is_model(inner):
+            out += schema_switches(inner, path + ".")
+    return out
+
+
+def _select(raw: dict, path: str):
+    """(found, value) of a dotted path in a plain dict; found False when a section on the way is absent/null."""
+    node = raw
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _candidate(sw: Switch):
+    from typing import Annotated
+
+    meta = tuple(sw.field.metadata)
+    adapter = TypeAdapter(Annotated[(sw.inner, *meta)] if meta else sw.inner)
+    for value in CANDIDATES:
+        try:
+            adapter.validate_python(value)
+            return value
+        except ValidationError:
+            continue
+    raise AssertionError(f"{sw.path}: no candidate in CANDIDATES fits {sw.inner!r}; add one")
+
+
+def _yaml(value) -> str:
+    import json
+
+    return "null" if value is None else json.dumps(value)
+
+
+def variant(sw: Switch, raw: dict) -> list[str]:
+    """The override(s) that change switch ``sw`` on the recipe ``raw`` (the resolved YAML as a plain dict)."""
+    found, current = _select(raw, sw.path)
+    if sw.kind == "bool":
+        if not found or current is None:
+            default = sw.field.get_default()
+            current = bool(default) if isinstance(default, bool) else False
+        new = not current
+    elif current is None:
+        new = {} if sw.kind == "section" else _candidate(sw)
+    else:
+        new = None
+    return [f"{'' if found else '+'}{sw.path}={_yaml(new)}"]
+
+
+def recipe_variants(recipe: Path = TINY) -> list[tuple[Switch, list[str]]]:
+    """(switch, overrides) for every switch of the schema on ``recipe``."""
+    from omegaconf import OmegaConf
+
+    from nemo_rl_spec.utils.config import load_yaml_with_defaults
+
+    raw = OmegaConf.to_container(load_yaml_with_defaults(recipe), resolve=True)
+    return [(sw, variant(sw, raw)) for sw in schema_switches()]
+
+
+def pre_ray_checks(overrides: list[str], recipe: Path = TINY):
+    """Everything ``examples/run_grpo.py`` checks before Ray starts; returns the config. Raises ConfigError."""
+    from nemo_rl_spec.algorithms.grpo_setup import preflight
+    from nemo_rl_spec.utils.config import check_runtime_support, load_config
+
+    cfg = load_config(recipe, overrides)
+    check_runtime_support(cfg)
+    preflight(cfg)
+    return cfg
+
+
+def pre_ray_outcome(overrides: list[str], recipe: Path = TINY) -> tuple[str, str | None]:
+    """("ok", None) or ("refused", the ConfigError's message: what the CLI prints before exiting 2)."""
+    from nemo_rl_spec.utils.config import ConfigError
+
+    try:
+        pre_ray_checks(overrides, recipe)
+    except ConfigError as exc:
+        return "refused", str(exc)
+    return "ok", None
+
+
+def names_key(message: str, path: str) -> bool:
+    """True when ``message`` names the dotted key ``path`` or its section: the parent path, when it has at least
+    two parts, as a whole dotted name (e.g. the pydantic location ``policy.megatron_cfg.scheduler: ...`` or a key
+    ``policy.generation.colocated.resources.gpus_per_node`` of the same section)."""
+    import re
+
+    if path in message:
+        return True
+    parent = path.rpartition(".")[0]
+    return parent.count(".") >= 1 and re.search(rf"(?<![\w.]){re.escape(parent)}(?!\w)", message) is not None
