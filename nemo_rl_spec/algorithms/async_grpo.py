@@ -48,7 +48,7 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
-from nemo_rl_spec.algorithms.grpo import end_step, train_on_selection
+from nemo_rl_spec.algorithms.grpo import end_step, epochs_finished, train_on_selection
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
 from nemo_rl_spec.algorithms.interfaces import GenerateFn, RolloutRequest, RolloutResult
 from nemo_rl_spec.algorithms.rollout_allocation import mix_seed, requests_by_n
@@ -195,7 +195,8 @@ class TrajectoryProducer(threading.Thread):
         buffer: where batches go (its ``next_index`` is the first batch to produce).
         gate: shared with the trainer.
         version: policy version the generation actor holds at start.
-        last_index: produce batches ``< last_index`` (``grpo.max_num_steps``).
+        last_index: produce batches ``< last_index`` (``grpo.max_num_steps``), and none after the prompt stream
+            has handed out ``grpo.max_num_epochs`` epochs.
         carried_lag: see :func:`carried_lag`; the producer's lead shrinks by it so that carried pilot rollouts
             still meet the bound (with ``max_age = 1`` and bound pilots, generation no longer runs ahead).
     """
@@ -236,7 +237,8 @@ class TrajectoryProducer(threading.Thread):
     def run(self) -> None:
         try:
             index = self.buffer.next_index
-            while index < self.last_index and self._wait_turn(index):
+            epochs_done = lambda: epochs_finished(self.s.cfg, self.s.allocator.epochs_completed())  # noqa: E731
+            while index < self.last_index and not epochs_done() and self._wait_turn(index):
                 stats = {"generation_s": 0.0, "generated_tokens": 0, "draft_version": None}
                 selection = self.s.allocator.step(make_tagged_generate_fn(self.s, self.gate, stats))
                 spec = stats.get("spec_counters")

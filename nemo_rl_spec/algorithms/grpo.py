@@ -77,6 +77,8 @@ def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     steps = range(s.start_step, cfg.grpo.max_num_steps)
     for step in tqdm(steps, desc="GRPO", disable=not cfg.logger.progress_bar, initial=s.start_step,
                      total=cfg.grpo.max_num_steps):
+        if epochs_finished(cfg, s.allocator.epochs_completed()):  # resumed after the last epoch's final step
+            break
         timer.reset()
         with timer.time("total_step_time"):
             metrics, exhausted = grpo_step(s, step, timer)
@@ -87,12 +89,21 @@ def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     return history
 
 
+def epochs_finished(cfg, epochs_completed: float) -> bool:
+    """True once ``grpo.max_num_epochs`` epochs over the prompt pool are handed out (None: no epoch limit). The run
+    stops at whichever of ``grpo.max_num_steps`` / ``grpo.max_num_epochs`` comes first, as NeMo-RL's loop does."""
+    limit = cfg.grpo.max_num_epochs
+    return limit is not None and epochs_completed >= limit
+
+
 def end_step(s: GRPOSetup, step: int, metrics: dict[str, float], exhausted: bool, val, checkpoint) -> bool:
     """Validation (every ``grpo.val_period`` steps and at the end), logging and checkpointing of finished step
     ``step`` (sync and async loops). ``val()`` returns validation metrics; ``checkpoint(metrics)`` saves step + 1.
-    Returns True when the run must stop because every prompt was evicted."""
+    Returns True when the run must stop: every prompt was evicted, or the last epoch (``grpo.max_num_epochs``)
+    was handed out."""
     cfg = s.cfg
-    last = exhausted or step + 1 == cfg.grpo.max_num_steps
+    epochs_done = epochs_finished(cfg, metrics.get("rollout_alloc/epochs_completed", 0))
+    last = exhausted or epochs_done or step + 1 == cfg.grpo.max_num_steps
     if last or (cfg.grpo.val_period and (step + 1) % cfg.grpo.val_period == 0):
         metrics.update(val())
     s.logger.log_metrics(metrics, step=step + 1)
@@ -100,5 +111,7 @@ def end_step(s: GRPOSetup, step: int, metrics: dict[str, float], exhausted: bool
         checkpoint(metrics)
     if exhausted:
         print(f"every training prompt was evicted (solved); stopping after step {step + 1}")
-    return exhausted
+    elif epochs_done and step + 1 < cfg.grpo.max_num_steps:
+        print(f"grpo.max_num_epochs={cfg.grpo.max_num_epochs} epochs done; stopping after step {step + 1}")
+    return exhausted or epochs_done
 

@@ -266,6 +266,10 @@ class RolloutAllocator(ABC):
             ValueError: the state belongs to a different allocator kind or prompt pool.
         """
 
+    @abstractmethod
+    def epochs_completed(self) -> int:
+        """Epochs over the prompt pool whose every prompt has been handed out (``grpo.max_num_epochs``)."""
+
     def step(self, generate_fn: GenerateFn) -> TrainSelection:
         """Run plan -> generate_fn -> observe rounds until the step's selection is ready.
 

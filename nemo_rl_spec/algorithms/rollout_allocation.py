@@ -19,7 +19,8 @@ Metrics every allocator reports per step (``rollout_alloc/``):
         0.0 if no group. For uniform GRPO with success rate p and n rollouts its expectation is p^n + (1-p)^n.
     cumulative_useful_rollouts, useful_rollout_frac: rollouts that ended in a train group with a reward spread,
         and their share of all rollouts generated so far (1 - wasted share).
-    epoch, max_policy_lag (max over train rollouts of the newest version seen this step minus the rollout's).
+    epoch, epochs_completed (epochs whose every prompt was handed out; ``grpo.max_num_epochs`` stops on it),
+    max_policy_lag (max over train rollouts of the newest version seen this step minus the rollout's).
 """
 from __future__ import annotations
 
@@ -94,6 +95,10 @@ class PromptStream:
     def remaining_in_epoch(self) -> int:
         """Prompts of the current epoch not yet handed out (evicted ones excluded)."""
         return sum(1 for pid in self.order[self.pos :] if pid not in self.evicted)
+
+    def epochs_completed(self) -> int:
+        """Epochs whose every prompt has been handed out (the current one counts once it is used up)."""
+        return self.epoch + (self.remaining_in_epoch() == 0)
 
     def next_batch(self, size: int) -> list[int]:
         """Up to ``size`` prompts of the current epoch; starts the next epoch first if this one is used up.
@@ -174,6 +179,10 @@ class AllocatorBase(RolloutAllocator):
         self._step_rollouts = 0
         self._step_max_version: int | None = None
 
+    def epochs_completed(self) -> int:
+        """Epochs over the prompt pool fully handed out so far (:meth:`PromptStream.epochs_completed`)."""
+        return self.stream.epochs_completed()
+
     @property
     def current_step(self) -> int:
         """The step the next selection will be for."""
@@ -243,6 +252,7 @@ class AllocatorBase(RolloutAllocator):
             "rollout_alloc/cumulative_useful_rollouts": float(self._cum["useful_rollouts"]),
             "rollout_alloc/useful_rollout_frac": self._cum["useful_rollouts"] / max(self._cum["rollouts"], 1),
             "rollout_alloc/epoch": float(self.stream.epoch),
+            "rollout_alloc/epochs_completed": float(self.stream.epochs_completed()),
             "rollout_alloc/max_policy_lag": float(max(lags, default=0)),
             **extra,
         }

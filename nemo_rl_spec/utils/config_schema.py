@@ -38,6 +38,9 @@ class GRPOConfig(_Strict):
     num_prompts_per_step: PositiveInt
     num_generations_per_prompt: PositiveInt
     max_num_steps: PositiveInt
+    # NeMo-RL: epochs over the prompt pool; the run stops at whichever of max_num_steps / max_num_epochs comes
+    # first (grpo.epochs_finished). None: no epoch limit.
+    max_num_epochs: Optional[PositiveInt] = None
     val_period: int = Field(ge=0)
     val_at_start: bool
     normalize_rewards: bool
@@ -251,6 +254,43 @@ class RefitConfig(_Strict):
     probe_batch_size: PositiveInt
 
 
+# ---- NeMo-RL parity (issue 18): dynamic batching / sequence packing -------------------------------------------------
+class DynamicBatchingConfig(_Strict):
+    """``policy.dynamic_batching`` (NeMo-RL's keys; :mod:`nemo_rl_spec.models.policy.dynamic_batching`). Each worker
+    sorts its rows by length, fills micro-batches up to a token budget (rows x padded length, the padded length being
+    the micro-batch's longest row rounded up to ``sequence_length_round``) and restores the row order of the outputs.
+    ``train_mb_tokens`` replaces ``train_micro_batch_size`` in ``train``, ``logprob_mb_tokens`` replaces
+    ``logprob_batch_size`` in the log-prob passes (policy and reference). The loss is normalised by global counts as
+    without it, so a step equals the padded one to fp32 rounding."""
+
+    enabled: bool = False
+    train_mb_tokens: PositiveInt = 1536
+    logprob_mb_tokens: PositiveInt = 3072
+    sequence_length_round: PositiveInt = 64
+
+
+class SequencePackingConfig(_Strict):
+    """``policy.sequence_packing`` (NeMo-RL's keys). Accepted only with ``enabled: false``: packing rows into one THD
+    sequence needs megatron-core's ``PackedSeqParams`` (cu_seqlens), which its local attention
+    (``DotProductAttention``, the only one without Transformer Engine, so the only one on CPU) refuses; use
+    ``policy.dynamic_batching``."""
+
+    enabled: bool = False
+    train_mb_tokens: Optional[PositiveInt] = None
+    logprob_mb_tokens: Optional[PositiveInt] = None
+    algorithm: Optional[str] = None
+    sequence_length_round: Optional[PositiveInt] = None
+
+    @model_validator(mode="after")
+    def _not_enabled(self) -> "SequencePackingConfig":
+        if self.enabled:
+            raise ValueError("policy.sequence_packing.enabled=true is not supported: packed (THD, cu_seqlens) "
+                             "sequences need Transformer Engine's attention; megatron-core's local DotProductAttention "
+                             "asserts packed_seq_params is None. Use policy.dynamic_batching.enabled=true instead "
+                             "(length-sorted micro-batches by token budget, same results)")
+        return self
+
+
 class PolicyConfig(_Strict):
     model_name: str = Field(min_length=1)
     train_global_batch_size: PositiveInt
@@ -263,6 +303,8 @@ class PolicyConfig(_Strict):
     generation: GenerationConfig
     refit: RefitConfig
     draft: Optional[DraftConfig] = None
+    dynamic_batching: Optional[DynamicBatchingConfig] = None  # NeMo-RL parity; None: fixed-size micro-batches
+    sequence_packing: Optional[SequencePackingConfig] = None  # NeMo-RL parity; refused when enabled (see class)
 
     @model_validator(mode="after")
     def _batch_divisible(self) -> "PolicyConfig":
@@ -271,6 +313,17 @@ class PolicyConfig(_Strict):
                 f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of "
                 f"policy.train_micro_batch_size={self.train_micro_batch_size}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_batching_budgets(self) -> "PolicyConfig":
+        """Each token budget must hold one row of ``max_total_sequence_length`` tokens."""
+        dyn = self.dynamic_batching
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            if dyn is not None and dyn.enabled and getattr(dyn, key) < self.max_total_sequence_length:
+                raise ValueError(f"policy.dynamic_batching.{key}={getattr(dyn, key)} is below policy."
+                                 f"max_total_sequence_length={self.max_total_sequence_length}: a micro-batch must "
+                                 "hold at least one full-length row")
         return self
 
     @model_validator(mode="after")
