@@ -355,7 +355,8 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     def val() -> dict[str, float]:
         with gate.exclusive():
             return validate(s.generation, s.tokenizer, s.env, s.val_problems, s.val_prompt_ids,
-                            cfg.policy.generation.max_new_tokens, cfg.grpo.non_finite_reward)
+                            cfg.policy.generation.max_new_tokens, cfg.grpo.non_finite_reward,
+                            batch_size=cfg.grpo.val_batch_size)
 
     if cfg.grpo.val_at_start and s.start_step == 0:
         s.logger.log_metrics(val(), step=0)

@@ -71,7 +71,8 @@ def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     """Run steps ``start_step .. max_num_steps - 1``; returns every step's metrics."""
     cfg, timer, history = s.cfg, Timer(), []
     val = lambda: validate(s.generation, s.tokenizer, s.env, s.val_problems, s.val_prompt_ids,  # noqa: E731
-                           cfg.policy.generation.max_new_tokens, cfg.grpo.non_finite_reward)
+                           cfg.policy.generation.max_new_tokens, cfg.grpo.non_finite_reward,
+                           batch_size=cfg.grpo.val_batch_size)
     if cfg.grpo.val_at_start and s.start_step == 0:
         s.logger.log_metrics(val(), step=0)
     steps = range(s.start_step, cfg.grpo.max_num_steps)

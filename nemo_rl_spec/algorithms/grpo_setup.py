@@ -98,7 +98,7 @@ def load_datasets(cfg: MasterConfig) -> tuple[list[dict], list[dict]]:
                 val.append(p)
     else:
         val = hub_datasets.LOADERS[v.source](v.path, max_samples=v.max_samples)
-    return train, val
+    return train, val[: cfg.grpo.max_val_samples]  # NeMo-RL's cap on the problems validated (None: all)
 
 
 def init_ray(cfg: MasterConfig) -> None:

@@ -41,6 +41,10 @@ class GRPOConfig(_Strict):
     # NeMo-RL: epochs over the prompt pool; the run stops at whichever of max_num_steps / max_num_epochs comes
     # first (grpo.epochs_finished). None: no epoch limit.
     max_num_epochs: Optional[PositiveInt] = None
+    # NeMo-RL's validation keys: validate the first max_val_samples of the data.validation set (None: all of it),
+    # in generate calls of val_batch_size prompts (None: one call); checked against data.validation.max_samples
+    max_val_samples: Optional[PositiveInt] = None
+    val_batch_size: Optional[PositiveInt] = None
     val_period: int = Field(ge=0)
     val_at_start: bool
     normalize_rewards: bool
@@ -473,6 +477,19 @@ class MasterConfig(_Strict):
     logger: LoggerConfig
     checkpointing: CheckpointingConfig
     cluster: ClusterConfig
+
+    @model_validator(mode="after")
+    def _validation_sizes(self) -> "MasterConfig":
+        """NeMo-RL's ``grpo.max_val_samples`` / ``val_batch_size`` against the loaded ``data.validation`` set."""
+        g, loaded = self.grpo, self.data.validation.max_samples
+        if g.max_val_samples is not None and g.max_val_samples > loaded:
+            raise ValueError(f"grpo.max_val_samples={g.max_val_samples} exceeds data.validation.max_samples={loaded} "
+                             "(the problems loaded); raise data.validation.max_samples or lower grpo.max_val_samples")
+        if g.max_val_samples is not None and g.val_batch_size is not None and g.max_val_samples % g.val_batch_size:
+            raise ValueError(f"grpo.max_val_samples={g.max_val_samples} is not a multiple of grpo.val_batch_size="
+                             f"{g.val_batch_size}: NeMo-RL validates whole batches only (max_val_samples // "
+                             "val_batch_size of them); make it a multiple")
+        return self
 
     @model_validator(mode="after")
     def _off_policy_needs_correction(self) -> "MasterConfig":
