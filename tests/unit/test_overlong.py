@@ -31,3 +31,15 @@ def test_truncated_rows_and_mask():
     metrics = apply_overlong_filtering(data, truncated)
     assert data["sample_mask"].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert metrics == {"train/overlong_filtered": 3.0, "train/overlong_fraction": 0.5}
+
+
+def test_stop_tokens_and_stop_strings_end_a_response_normally():
+    """policy.generation.stop_token_ids / stop_strings: row 0 ends with stop token 10 at the limit (complete); row 4
+    (cut at max_model_len) decodes to "7 8 9 10", which contains the stop string "8 9" (complete); row 5 decodes to
+    "7 8 9": no stop string "9 10" in it, still cut."""
+    data = _batch()
+    decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
+    ends = [EOS, 10]
+    assert truncated_rows(data, 4, 7, ends).tolist() == [False, False, False, False, False, True]
+    assert truncated_rows(data, 4, 7, EOS, ["8 9"], decode).tolist() == [False, False, False, False, False, False]
+    assert truncated_rows(data, 4, 7, EOS, ["9 10"], decode).tolist() == [False, False, False, False, False, True]

@@ -281,7 +281,21 @@ class VllmGenerationWorker(GenerationInterface):
             max_tokens=min(int(max_new_tokens), self.max_model_len - prompt_len),
             logprobs=0,  # the sampled token's log-prob only
             seed=row_seed,
+            **self._stop_kwargs(temperature),
         )
+
+    def _stop_kwargs(self, temperature: float) -> dict[str, Any]:
+        """NeMo-RL's ``top_k`` (sampling only), ``stop_token_ids`` and ``stop_strings`` as SamplingParams keys. The
+        token that ends generation stays in the response (vLLM drops only the text of a stop string, and the
+        tokens after it when speculation accepted several at once)."""
+        cfg, out = self.cfg, {}
+        if cfg.top_k is not None and temperature > 0:
+            out["top_k"] = int(cfg.top_k)
+        if cfg.stop_token_ids:
+            out["stop_token_ids"] = [int(t) for t in cfg.stop_token_ids]
+        if cfg.stop_strings:
+            out["stop"] = list(cfg.stop_strings)
+        return out
 
     def generate(self, data: GenerationDatumSpec, n: int, seed: int, temperature: float | None = None,
                  max_new_tokens: int | None = None, row_offset: int = 0) -> GenerationOutputSpec:
