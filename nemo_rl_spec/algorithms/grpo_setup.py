@@ -25,6 +25,7 @@ from nemo_rl_spec.distributed.placement import PlacementPlan, plan_placement
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl_spec.models.generation.vllm_generation import VllmGeneration
 from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.models.hf_export import write_consolidated_hf
 from nemo_rl_spec.models.policy.lm_policy import Policy
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import to_yaml
@@ -349,13 +350,17 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
 
 
 def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path | None:
-    """Write ``step_<step>`` atomically: policy (model + optimizer), rollout-allocator state (prompt stream,
-    Pilot-Commit pool and replay buffer), info."""
+    """Write ``step_<step>`` atomically: policy (model + optimizer; with ``checkpointing.save_consolidated`` also
+    ``policy/consolidated``, an HF checkpoint), rollout-allocator state (prompt stream, Pilot-Commit pool and
+    replay buffer), info."""
     if s.checkpoints is None:
         return None
     tmp = s.checkpoints.begin(step)
     (tmp / "policy").mkdir()
     s.policy.save_checkpoint(str(tmp / "policy"))
+    if s.cfg.checkpointing.save_consolidated:  # NeMo-RL: also an HF checkpoint (transformers / vLLM / model_name)
+        write_consolidated_hf(ray.get(s.policy.export_hf_weights()), resolve_model(s.cfg.policy.model_name),
+                              tmp / "policy" / "consolidated")
     state = dict(s.extra_state)
     if "allocator" not in state:  # async GRPO passes the allocator state of its last buffered batch instead
         state["allocator"] = s.allocator.state_dict()

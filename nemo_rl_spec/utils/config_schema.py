@@ -463,6 +463,7 @@ class CheckpointingConfig(_Strict):
     # NeMo-RL parity: keep the keep_top_k best by this logged metric (and the newest); None: the newest
     metric_name: Optional[str] = Field(default=None, min_length=1)
     higher_is_better: bool = True
+    save_consolidated: bool = False  # NeMo-RL: also write step_N/policy/consolidated, an HF checkpoint (hf_export.py)
 
 
 class ClusterConfig(_Strict):

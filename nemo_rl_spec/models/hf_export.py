@@ -1,0 +1,44 @@
+"""Consolidated HF checkpoints of the policy (NeMo-RL's ``checkpointing.save_consolidated``): the full HF-named
+weights in one ``model.safetensors`` next to the policy model's ``config.json``, generation config and tokenizer
+files, so ``transformers.AutoModelForCausalLM.from_pretrained``, vLLM and ``policy.model_name`` load it directly.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+# files of an HF model directory that describe the model (everything except weights and this project's markers)
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                "tokenizer.model")
+
+
+def write_consolidated_hf(weights: dict[str, torch.Tensor], model_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write ``weights`` (HF names, e.g. :meth:`MegatronPolicyWorker.export_hf_weights`) as an HF checkpoint.
+
+    Args:
+        weights: full (TP-gathered) tensors; ``lm_head.weight`` is left out when the model ties it to the embedding
+            (``tie_word_embeddings`` in ``model_dir/config.json``), as HF writes tied models.
+        model_dir: the policy's HF model directory (its config and tokenizer files are copied).
+        out_dir: created; receives ``model.safetensors`` and the copied files.
+
+    Returns ``out_dir``. Raises FileNotFoundError when ``model_dir`` has no ``config.json``; ValueError on an empty
+    ``weights``.
+    """
+    from safetensors.torch import save_file
+
+    model_dir, out = Path(model_dir), Path(out_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    if not weights:
+        raise ValueError("write_consolidated_hf: no weights (call it with rank 0's export)")
+    out.mkdir(parents=True, exist_ok=True)
+    tied = bool(config.get("tie_word_embeddings", False))
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items() if not (tied and k == "lm_head.weight")}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in _MODEL_FILES:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out / name)
+    return out
