@@ -12,6 +12,7 @@ typos are caught); ``+a.b=3`` adds a new key. Values are parsed as YAML scalars/
 """
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import ValidationError
 
 from nemo_rl_spec.utils.config_schema import MasterConfig
+from nemo_rl_spec.utils.nemo_rl_compat import SWITCH, adapt_nemo_rl_recipe, known_nemo_rl_keys
+
+# NeMo-RL recipes size token budgets with ${mul:a,b}
+OmegaConf.register_resolver("mul", lambda a, b: a * b, replace=True)
 
 
 class ConfigError(ValueError):
@@ -95,15 +100,31 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
             msg = "unknown key (misspelled? see configs/grpo_math_base.yaml for valid keys)"
         got = "" if err["type"] in ("missing", "extra_forbidden") else f" (got {err.get('input')!r})"
         lines.append(f"  {key}: {msg}{got}")
+    nemo_rl = known_nemo_rl_keys()
+    if any(".".join(map(str, e["loc"])) in nemo_rl for e in exc.errors() if e["type"] == "extra_forbidden"):
+        lines.append(f"  (a NeMo-RL recipe? `{SWITCH}: true` at its top, or +{SWITCH}=true, accepts NeMo-RL's names "
+                     "and ignores its unsupported-backend keys with one warning; docs/nemo_rl_compat.md)")
     return "\n".join(lines)
 
 
 def validate_config(raw: dict[str, Any], source: str = "<dict>") -> MasterConfig:
     """Validate a plain dict against :class:`MasterConfig` and check that the model exists.
 
+    ``nemo_rl_compat: true`` at the top adapts a NeMo-RL-layout recipe first
+    (:func:`~nemo_rl_spec.utils.nemo_rl_compat.adapt_nemo_rl_recipe`: one warning lists the ignored keys).
+
     Raises:
         ConfigError: with one line per invalid key (dotted path, expected, got).
     """
+    raw = copy.deepcopy(dict(raw))
+    compat = raw.pop(SWITCH, False)
+    if not isinstance(compat, bool):
+        raise ConfigError(f"invalid config ({source}): {SWITCH} must be true or false (got {compat!r})")
+    if compat:
+        try:
+            raw, _ = adapt_nemo_rl_recipe(raw)
+        except ValueError as exc:
+            raise ConfigError(f"invalid config ({source}): {exc}") from None
     try:
         cfg = MasterConfig.model_validate(raw)
     except ValidationError as exc:

@@ -1,0 +1,41 @@
+"""A recipe in NeMo-RL's layout (tests/fixtures/nemo_rl/grpo_math_1B_layout_tiny.yaml, ``nemo_rl_compat: true``) runs one
+GRPO step of the tiny recipe end to end (Ray + vLLM + Megatron, one subprocess): one warning lists the ignored
+keys, NeMo-RL's keys act (train_global_batch_size 4 of 8 rollouts: two optimizer steps; the scheduler's warmup lr;
+validation of max_val_samples problems), and save_consolidated writes an HF checkpoint of the trained policy."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "fixtures" / "nemo_rl" / "grpo_math_1B_layout_tiny.yaml"
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_nemo_rl_layout_recipe_runs_one_step(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from nemo_rl_spec.models.hf_assets import resolve_model
+
+    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(FIXTURE),
+           f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt", "logger.progress_bar=false"]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "NEMO_RL_SPEC_VERBOSE")}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert (proc.stdout + proc.stderr).count("NeMo-RL keys ignored") == 1
+    records = {r["step"]: r for r in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())}
+    step = records[1]
+    assert step["train/num_optimizer_steps"] == 2.0
+    assert step["train/lr"] == pytest.approx(1e-4 + (1e-3 - 1e-4) * 1 / 2, rel=1e-9)  # warmup step 1 of 2
+    assert "validation/accuracy" in step and "train/overlong_filtered" in step
+
+    consolidated = tmp_path / "ckpt" / "step_1" / "policy" / "consolidated"
+    trained = AutoModelForCausalLM.from_pretrained(str(consolidated), dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen3"), dtype=torch.float32).state_dict()
+    assert trained.keys() == initial.keys()
+    assert max(float((trained[k] - initial[k]).abs().max()) for k in initial) > 1e-5   # the trained weights
