@@ -29,6 +29,11 @@ hooks) in one process, while PP needs megatron's pipeline schedules (``get_forwa
 transfers between stages; the MTP block and the tied embedding would live on other stages than the trunk output
 they read, and on CPU the schedules also allocate on "cuda" and call ``torch.cuda.synchronize``.
 
+Micro-batches (:mod:`~.dynamic_batching`): consecutive chunks of ``train_micro_batch_size`` / ``logprob_batch_size``
+rows, each trimmed to its longest row; with ``policy.dynamic_batching.enabled`` (NeMo-RL's dynamic batching) each rank
+sorts its own shard by length and fills micro-batches up to ``train_mb_tokens`` / ``logprob_mb_tokens`` padded tokens
+(per-row outputs return in the caller's row order). The global-count normalisation makes both give the same step.
+
 Activation checkpointing (``megatron_cfg.activation_checkpointing``): megatron's full uniform recompute, one layer
 per chunk; the step is the same as without it.
 
@@ -71,6 +76,7 @@ from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.models.policy import megatron_model as mm
 from nemo_rl_spec.models.policy import mtp_loss as ml
 from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat, cuda_tensor_type_names
+from nemo_rl_spec.models.policy.dynamic_batching import MicroBatch, fixed_size_plan, select_rows, token_budget_plan
 from nemo_rl_spec.models.policy.interfaces import PolicyInterface
 from nemo_rl_spec.models.policy.occ import MTPCoefficient, occ_lambda, occ_proxies
 from nemo_rl_spec.models.policy.optimizer_state import (
@@ -121,18 +127,6 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, input_lengths:
 def _draft_loss_mask(data: TrainDatumSpec) -> torch.Tensor:
     """Tokens the online draft learns to predict: response tokens of valid samples. Shape: [B, S] bool."""
     return (data["token_mask"] * data["sample_mask"].unsqueeze(1)).bool()
-
-
-def _slice_batch(data: TrainDatumSpec, start: int, stop: int, seq_len: int) -> TrainDatumSpec:
-    """Rows [start, stop) of every tensor, trimmed to ``seq_len`` columns along dim 1 when it has one."""
-    out = {}
-    for key, value in data.items():
-        if not isinstance(value, torch.Tensor):
-            out[key] = value
-            continue
-        rows = value[start:stop]
-        out[key] = rows[:, :seq_len] if rows.dim() > 1 else rows
-    return out
 
 
 def _check_supported_layout(mcfg: MegatronConfig) -> None:
@@ -311,28 +305,37 @@ class MegatronPolicyWorker(PolicyInterface):
         logits = mm.gpt_logits(self.model, mb["input_ids"])
         return token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group)
 
-    def _micro_batches(self, data: TrainDatumSpec, size: int):
-        """Yield (start, stop, rows trimmed to their longest sequence, on the worker's device) for consecutive row
-        chunks."""
-        batch = data["input_ids"].shape[0]
-        for start in range(0, batch, size):
-            stop = min(start + size, batch)
-            seq_len = max(int(data["input_lengths"][start:stop].max()), 1)
-            mb = _slice_batch(data, start, stop, seq_len)
-            yield start, stop, {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+    def micro_batch_plan(self, data: TrainDatumSpec, phase: str) -> list[MicroBatch]:
+        """The micro-batches of ``phase`` ("train" or "logprob") for this rank's ``data``: fixed row chunks of
+        ``train_micro_batch_size`` / ``logprob_batch_size``, or with ``policy.dynamic_batching.enabled`` length-sorted
+        micro-batches of ``train_mb_tokens`` / ``logprob_mb_tokens`` (:mod:`~.dynamic_batching`)."""
+        dyn, lengths = self.cfg.dynamic_batching, data["input_lengths"]
+        if dyn is not None and dyn.enabled:
+            budget = dyn.train_mb_tokens if phase == "train" else dyn.logprob_mb_tokens
+            return token_budget_plan(lengths, budget, dyn.sequence_length_round, int(data["input_ids"].shape[1]))
+        return fixed_size_plan(lengths, self.cfg.train_micro_batch_size if phase == "train" else
+                               self.cfg.logprob_batch_size)
+
+    def _micro_batches(self, data: TrainDatumSpec, phase: str):
+        """Yield (row indices, rows trimmed to the micro-batch's padded length, on the worker's device) per entry of
+        :meth:`micro_batch_plan`."""
+        for plan_mb in self.micro_batch_plan(data, phase):
+            mb = select_rows(data, plan_mb)
+            yield plan_mb.rows, {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
     @torch.no_grad()
     def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
-        """See :meth:`PolicyInterface.get_logprobs`; batched by ``policy.logprob_batch_size``. Under DP, ``data`` is
-        this rank's shard; TP peers compute the same rows together.
+        """See :meth:`PolicyInterface.get_logprobs`; batched by ``policy.logprob_batch_size`` (or by
+        ``policy.dynamic_batching.logprob_mb_tokens``; rows come back in their order). Under DP, ``data`` is this
+        rank's shard; TP peers compute the same rows together.
 
         Shape: input_ids [B, S] -> [B, S] float32 (0 at position 0 and on padding).
         """
         self.model.eval()
         out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
-        for start, stop, mb in self._micro_batches(data, self.cfg.logprob_batch_size):
+        for rows, mb in self._micro_batches(data, "logprob"):
             lp = self._forward_logprobs(mb, temperature)
-            out[start:stop, : lp.shape[1]] = lp.cpu()
+            out[rows, : lp.shape[1]] = lp.cpu()
         return out
 
     @contextlib.contextmanager
@@ -373,7 +376,8 @@ class MegatronPolicyWorker(PolicyInterface):
 
     def train(self, data: TrainDatumSpec) -> dict[str, float]:
         """One optimizer step over all rows of ``data`` (this rank's DP shard; micro-batches of
-        ``train_micro_batch_size``); a collective over the whole worker group.
+        ``train_micro_batch_size`` rows, or of ``policy.dynamic_batching.train_mb_tokens`` tokens, each rank binning
+        its own shard); a collective over the whole worker group.
 
         Each micro-batch loss is already normalised by the global counts, so ``loss`` is the SUM of the
         micro-batch losses (over DP ranks too); loss metrics are combined by the loss contract (sum, ``*_max`` by
@@ -390,7 +394,7 @@ class MegatronPolicyWorker(PolicyInterface):
         if self.draft is not None:
             self.draft.begin(self._full_embedding(), _draft_loss_mask(data))
         losses, per_mb_metrics, mtp_stats = [], [], []
-        for _, _, mb in self._micro_batches(data, self.cfg.train_micro_batch_size):
+        for _, mb in self._micro_batches(data, "train"):
             if self.mtp_num_layers:
                 loss, metrics, stats = self._mtp_micro_batch(mb, global_toks, global_seqs, global_mtp)
                 mtp_stats.append(stats)
