@@ -1,7 +1,8 @@
-"""``policy.generation.stop_strings`` / ``stop_token_ids`` (NeMo-RL) on the real generation worker (tiny-qwen3, one
-spawned engine per phase): greedy decoding with them ends each row exactly where an independent scan of the
+"""``policy.generation.stop_strings`` / ``stop_token_ids`` (NeMo-RL) on the real generation worker (tiny-qwen3):
+greedy decoding with them ends each row exactly where an independent scan of the
 unstopped greedy output says (first token that is a stop token or whose prefix text contains a stop string; that
-token kept), and speculative decoding (a draft_model drafter, k=3) gives the same tokens (lossless).
+token kept), and speculative decoding (a draft_model drafter, k=3) gives the same tokens (lossless). Both
+engines run in one spawned process, one after the other.
 """
 from __future__ import annotations
 
@@ -34,26 +35,31 @@ def choose_stops(model: str, ref: list[list[int]]) -> dict:
     return {"stop_strings": [tok.decode(ref[0][8:10], skip_special_tokens=True)], "stop_token_ids": [ref[1][6]]}
 
 
-def stop_scenario(model: str, prompts: list[list[int]], spec: dict | None) -> dict:
-    """One engine: greedy rows without stops, then with :func:`choose_stops`' stops (set on the worker's config)."""
+def stop_scenario(model: str, prompts: list[list[int]], specs: list[dict | None]) -> list[dict]:
+    """One process, one engine per entry of ``specs`` (in turn): greedy rows without stops, then with the stops
+    :func:`choose_stops` picks from the first engine's rows (set on the worker's config)."""
     from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
     from nemo_rl_spec.utils.config_schema import GenerationConfig
 
-    raw = copy.deepcopy(yaml.safe_load(BASE.read_text())["policy"]["generation"])
-    raw.update(temperature=0.0, max_new_tokens=MAX_TOKENS, vllm_kwargs={"speculative_config": spec} if spec else {})
-    worker = VllmGenerationWorker(GenerationConfig.model_validate(raw), model, seed=0)
+    results, stops = [], None
+    for spec in specs:
+        raw = copy.deepcopy(yaml.safe_load(BASE.read_text())["policy"]["generation"])
+        raw.update(temperature=0.0, max_new_tokens=MAX_TOKENS,
+                   vllm_kwargs={"speculative_config": spec} if spec else {})
+        worker = VllmGenerationWorker(GenerationConfig.model_validate(raw), model, seed=0)
 
-    def rows() -> tuple[list[list[int]], object]:
-        out = worker.generate({"prompt_token_ids": prompts}, n=1, seed=0)
-        return [out["output_ids"][r, len(p):int(out["unpadded_sequence_lengths"][r])].tolist()
-                for r, p in enumerate(prompts)], out["spec_counters"]
+        def rows() -> tuple[list[list[int]], object]:
+            out = worker.generate({"prompt_token_ids": prompts}, n=1, seed=0)
+            return [out["output_ids"][r, len(p):int(out["unpadded_sequence_lengths"][r])].tolist()
+                    for r, p in enumerate(prompts)], out["spec_counters"]
 
-    ref, _ = rows()
-    stops = choose_stops(model, ref)
-    worker.cfg = worker.cfg.model_copy(update=stops)
-    stopped, counters = rows()
-    worker.shutdown()
-    return {"ref": ref, "stops": stops, "stopped": stopped, "counters": counters}
+        ref, _ = rows()
+        stops = stops or choose_stops(model, ref)
+        worker.cfg = worker.cfg.model_copy(update=stops)
+        stopped, counters = rows()
+        worker.shutdown()
+        results.append({"ref": ref, "stops": stops, "stopped": stopped, "counters": counters})
+    return results
 
 
 def expected_stop(tok, row: list[int], stops: dict) -> list[int]:
@@ -76,10 +82,9 @@ def test_stop_strings_and_tokens_end_generation_and_stay_lossless_with_speculati
     tok = AutoTokenizer.from_pretrained(model)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
                                        return_dict=True)["input_ids"] for q in QUESTIONS]
-    plain = checks.run_isolated(stop_scenario, model, prompts, None)
     draft = build_truncated_draft(model, tmp_path / "draft", num_layers=1)
-    spec = checks.run_isolated(stop_scenario, model, prompts,
-                               {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    plain, spec = checks.run_isolated(stop_scenario, model, prompts, [
+        None, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}])
     stops = plain["stops"]
     print(f"\nstops {stops}; lengths unstopped {[len(r) for r in plain['ref']]} -> "
           f"{[len(r) for r in plain['stopped']]}; texts {[tok.decode(r) for r in plain['stopped']]}")
