@@ -6,7 +6,6 @@ Nothing here needs a GPU or the hub: tiny checkpoints are built from a local tar
 """
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from collections.abc import Sequence
@@ -16,6 +15,22 @@ from pathlib import Path
 import torch
 
 SERVING_PROMPT = " ".join(["serving"] * 48)
+# a lossless check asserts at least this acceptance length before it asserts equality: with nothing accepted every
+# emitted token is the target's own, and equality proves nothing about verification (issue 16, item 7)
+MIN_ACCEPTANCE_LENGTH = 1.5
+
+
+def require_acceptance(counters, label: str, floor: float = MIN_ACCEPTANCE_LENGTH) -> None:
+    """Assert that a speculative decode accepted drafts: ``counters.acceptance_length`` (1 + accepted / drafts,
+    :class:`~nemo_rl_spec.speculative.metrics.SpecDecodeCounters`) >= ``floor``.
+
+    Raises:
+        AssertionError: naming ``label``, the measured acceptance length and the counts.
+    """
+    if not counters.num_drafts or counters.acceptance_length < floor:
+        raise AssertionError(f"{label}: acceptance length {counters.acceptance_length:.3f} < {floor} "
+                             f"({counters.num_accepted_tokens} accepted in {counters.num_drafts} drafts): the drafter "
+                             "barely accepts, so equality with plain decoding would prove nothing")
 
 
 # ----------------------------------------------------------------------------------------------- prompts
@@ -106,68 +121,6 @@ def build_tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, seed: int =
                  num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, tie_word_embeddings=True,
                  max_position_embeddings=2048, rms_norm_eps=1e-6)
     build_tiny_random(out, "Llama", sizes, seed, embed_std, linear_std, AutoTokenizer.from_pretrained(str(tokenizer_dir)))
-    return out
-
-
-def build_tiny_mimo(tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
-                    num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 1,
-                    intermediate_size: int = 128, embed_std: float = 0.25, linear_std: float = 0.02) -> Path:
-    """A tiny random MiMo checkpoint (``MiMoForCausalLM``: Qwen2 trunk + one MTP layer, the architecture
-    vLLM serves with ``speculative_config={"method": "mtp"}``), with the tokenizer of ``tokenizer_dir``.
-
-    MTP weights (``model.mtp_layers.0.*``): ``token_layernorm``, ``hidden_layernorm``, ``input_proj`` ([H, 2H],
-    input ``[hidden ; embedding]``), a Qwen2 decoder layer (``self_attn.*`` with q/k/v bias, ``mlp.*``,
-    ``input_layernorm``, ``post_attention_layernorm``) and ``final_layernorm``. Tied embeddings.
-    """
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer_dir, out = Path(tokenizer_dir), Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
-                      num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                      intermediate_size=intermediate_size, tie_word_embeddings=True, max_position_embeddings=2048,
-                      rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
-    model = Qwen2ForCausalLM(cfg).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-
-    def init(name: str, shape) -> torch.Tensor:
-        if name.endswith("norm.weight"):
-            return torch.ones(shape)
-        if name.endswith(".bias"):
-            return torch.randn(shape, generator=gen) * linear_std
-        if name.endswith("embed_tokens.weight"):
-            return torch.randn(shape, generator=gen) * embed_std
-        return torch.randn(shape, generator=gen) * linear_std
-
-    state = {}
-    for name, p in sorted(model.named_parameters()):
-        state[name] = init(name, p.shape)
-    H, I = hidden_size, intermediate_size
-    hd = H // num_heads
-    mtp = "model.mtp_layers.0."
-    shapes = {
-        "token_layernorm.weight": (H,), "hidden_layernorm.weight": (H,), "final_layernorm.weight": (H,),
-        "input_proj.weight": (H, 2 * H),
-        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-        "self_attn.q_proj.weight": (num_heads * hd, H), "self_attn.q_proj.bias": (num_heads * hd,),
-        "self_attn.k_proj.weight": (num_kv_heads * hd, H), "self_attn.k_proj.bias": (num_kv_heads * hd,),
-        "self_attn.v_proj.weight": (num_kv_heads * hd, H), "self_attn.v_proj.bias": (num_kv_heads * hd,),
-        "self_attn.o_proj.weight": (H, num_heads * hd),
-        "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
-    }
-    for name, shape in shapes.items():
-        state[mtp + name] = init(mtp + name, shape)
-    state.pop("lm_head.weight", None)  # tied
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
-    cfg_dict = cfg.to_dict()
-    cfg_dict.update({"architectures": ["MiMoForCausalLM"], "model_type": "qwen2", "num_nextn_predict_layers": 1,
-                     "torch_dtype": "float32", "head_dim": hd})
-    cfg_dict.pop("dtype", None)
-    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
-    tok.save_pretrained(str(out))
     return out
 
 

@@ -107,3 +107,100 @@ def replay_agreement(prompts, outputs, proposals, predictions) -> tuple[int, int
             total += 1
             t += 2 if guess == seq[t + 2] else 1
     return agree, total
+
+
+def train_mtp_on_sequences(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], steps: int = 150,
+                           lr: float = 1e-2, seed: int = 0, top_k: int = 64,
+                           mse_weight: float = 0.1) -> dict[str, object]:
+    """Train only the MTP layer 0 of a megatron GPTModel (trunk, embedding and output layer frozen, so the target's
+    outputs do not change) to draft the target's next token on ``sequences``: a drafter that accepts, for lossless
+    checks (a random MTP layer accepts nothing, so equality would prove nothing).
+
+    At every response position t the MTP layer's output hidden state h (after its final norm) is trained towards
+    the trunk's final-normed hidden state g at t + 1, whose logits W g give the target's token t + 2 (its greedy
+    choice on these sequences). No vocabulary-sized tensor is formed: the loss is the cross-entropy of h's logits
+    over the ``top_k`` tokens of W g (the target's token first, its closest rivals after it) for class 0, plus
+    ``mse_weight * ||h - g||^2``. Full-batch Adam, the token embedding zeroed at position 0 as vLLM's MiMo layer
+    does (see :func:`megatron_mtp_argmax`). Deterministic. Measured on the tiny Llama (16 prompts x 64 tokens):
+    100 steps, ~15 s on one busy core, full-vocabulary argmax accuracy 0.99.
+
+    Shape: sequences: B lists of token ids (prompt + the target's greedy response; right-padded here); prompt_lens: B
+    prompt lengths.
+
+    Returns:
+        {"losses": the loss at every step, "accuracy": fraction of the trained positions whose MTP argmax over the
+        full vocabulary equals the sequence's token t + 2 after training (what a k = 1 draft needs)}.
+    """
+    from nemo_rl_spec.models.policy import megatron_model as mm
+
+    torch.manual_seed(seed)
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([list(s) + [0] * (width - len(s)) for s in sequences])
+    mask = torch.zeros(ids.shape, dtype=torch.bool)  # [B, S]: positions t with a token t + 2 in the response
+    for b, (s, p) in enumerate(zip(sequences, prompt_lens)):
+        mask[b, max(p - 2, 0):len(s) - 2] = True
+    named = dict(model.named_parameters())
+    mtp = {n: p for n, p in named.items() if n.startswith(mm.MTP_PREFIX)}
+    frozen = {n: p.requires_grad for n, p in named.items() if n not in mtp}
+    for n in frozen:
+        named[n].requires_grad_(False)
+
+    def zero_first_position(**kwargs):
+        emb = model.embedding(**kwargs).clone()  # [S, B, H]
+        emb[0] = 0
+        return emb
+
+    opt = torch.optim.Adam(list(mtp.values()), lr=lr)
+    losses = []
+    try:
+        model.train()
+        with torch.no_grad():
+            trunk = mm.gpt_trunk_forward(model, ids)
+            # [N, H]: the trunk's hidden at t + 1 of each trained position t (the last two positions are masked out)
+            goal = torch.roll(trunk.hidden.transpose(0, 1), shifts=-1, dims=1)[mask]
+            weight = mm.output_weight(model).detach()  # [V, H]
+            top = (goal @ weight.T).topk(top_k, dim=-1).indices  # [N, top_k]: the target's token first, then rivals
+            rivals = weight[top]  # [N, top_k, H]
+        for _ in range(steps):
+            hidden = mm.mtp_hidden_states(model, ids, trunk, trunk.hidden, zero_first_position)[0]
+            h = hidden.transpose(0, 1)[mask]  # [N, H]
+            sub_logits = torch.einsum("nh,nkh->nk", h, rivals)
+            ce = torch.nn.functional.cross_entropy(sub_logits, torch.zeros(len(h), dtype=torch.long))
+            loss = ce + mse_weight * (h - goal).pow(2).sum(-1).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        model.eval()
+        with torch.no_grad():
+            hidden = mm.mtp_hidden_states(model, ids, trunk, trunk.hidden, zero_first_position)[0]
+            guess = mm.output_logits(model, hidden).argmax(-1)  # [B, S]
+            want = torch.roll(ids, shifts=-2, dims=1)
+            accuracy = float((guess[mask] == want[mask]).float().mean())
+    finally:
+        for n, flag in frozen.items():
+            named[n].requires_grad_(flag)
+        model.eval()
+    return {"losses": losses, "accuracy": accuracy}
+
+
+def export_trained_mimo(llama_dir: str, out_dir: str, sequences: Sequence[Sequence[int]],
+                        prompt_lens: Sequence[int], steps: int = 150, lr: float = 1e-2) -> dict[str, object]:
+    """Megatron policy for the HF Llama ``llama_dir`` with one MTP layer trained on ``sequences``
+    (:func:`train_mtp_on_sequences`), written to ``out_dir`` as the MiMo checkpoint vLLM serves with ``method: mtp``
+    (trunk unchanged). Needs its own process (it initialises torch.distributed): run it through
+    ``checks.run_isolated``. Returns :func:`train_mtp_on_sequences`'s result."""
+    import json
+    from pathlib import Path
+
+    from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
+    from nemo_rl_spec.models.policy.megatron_model import MTP_PREFIX, build_from_hf, megatron_param_state
+    from nemo_rl_spec.speculative.mtp_export import megatron_mtp_to_mimo, write_mimo_checkpoint
+
+    model, spec = build_from_hf(llama_dir, mtp_num_layers=1)
+    result = train_mtp_on_sequences(model, sequences, prompt_lens, steps, lr)
+    state = megatron_param_state(model)
+    trunk = megatron_to_hf({n: t for n, t in state.items() if not n.startswith(MTP_PREFIX)}, spec)
+    cfg = json.loads((Path(llama_dir) / "config.json").read_text())
+    write_mimo_checkpoint(trunk, cfg, megatron_mtp_to_mimo(state, spec), out_dir, tokenizer_dir=llama_dir)
+    return result

@@ -34,7 +34,7 @@ from nemo_rl_spec.speculative.lossless import (
 pytestmark = pytest.mark.timeout(2400)
 slow = pytest.mark.slow  # 20k samples x 4 engines: `make test-slow`
 
-NUM_SAMPLES, K, TOP = 20_000, 3, 64
+NUM_SAMPLES, TOP = 20_000, 64
 # CI size (`make test`): one engine, three phases of CI_SAMPLES; ALPHA separates "passes" from "detected".
 # CI_K = 5 drafts per round: positions 4-5 lift the acceptance length from 1.52 (k = 3) clear of 1.5 on this prompt.
 CI_SAMPLES, CI_K, ALPHA, MIN_ACCEPTANCE_LENGTH = 1000, 5, 1e-3, 1.5
@@ -61,7 +61,7 @@ def prompt(prompts) -> list[int]:
 def spec_config(target, prompts, tmp_path_factory) -> dict:
     res = checks.train_tiny_head(target, prompts, str(tmp_path_factory.mktemp("heads") / "t1"),
                                  cache_dir=checks.default_draft_cache())
-    return {"method": "eagle3", "model": res["path"], "num_speculative_tokens": K}
+    return {"method": "eagle3", "model": res["path"], "num_speculative_tokens": CI_K}  # k = 3: 1.52, too close
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +104,13 @@ def _summary(name, run, exact_fit, counts, plain_counts):
 def test_speculative_sampling_matches_plain_and_exact(target, prompt, spec_config, exact, plain):
     spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES,
                                 speculative_config=spec_config, seed=2)
+    assert spec["counters"].acceptance_length >= MIN_ACCEPTANCE_LENGTH  # speculation is exercised
     cp, cs = exact.counts(plain["samples"]), exact.counts(spec["samples"])
     fit_plain = chi_square_goodness_of_fit(cp, exact.probs)
     fit_spec = chi_square_goodness_of_fit(cs, exact.probs)
     _summary("plain", plain, fit_plain, cp, cp)
     _summary("eagle3", spec, fit_spec, cs, cp)
     assert spec["samples"].shape == (NUM_SAMPLES, 2)
-    assert spec["counters"].num_accepted_tokens > 0.1 * spec["counters"].num_drafts  # speculation is exercised
     assert fit_plain[2] > 0.01 and fit_spec[2] > 0.01
     assert chi_square_homogeneity(cp, cs)[2] > 0.01
     # sampled-token log-probs under speculation = exact autoregressive log-probs of the same tokens
@@ -127,10 +127,10 @@ def test_probabilistic_drafting_matches_exact(target, prompt, spec_config, exact
     cfg = dict(spec_config, draft_sample_method="probabilistic")
     spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES,
                                 speculative_config=cfg, seed=3)
+    assert spec["counters"].acceptance_length >= MIN_ACCEPTANCE_LENGTH
     cs, cp = exact.counts(spec["samples"]), exact.counts(plain["samples"])
     fit = chi_square_goodness_of_fit(cs, exact.probs)
     _summary("eagle3 probabilistic drafting", spec, fit, cs, cp)
-    assert spec["counters"].num_accepted_tokens > 0
     assert fit[2] > 0.01 and chi_square_homogeneity(cp, cs)[2] > 0.01
 
 

@@ -17,6 +17,7 @@ from nemo_rl_spec.speculative.lossless import (
     chi_square_goodness_of_fit,
     chi_square_homogeneity,
     first_mismatch,
+    require_acceptance,
     simulate_greedy_rounds,
     total_variation,
 )
@@ -173,3 +174,12 @@ def test_expand_kernel_fix_by_hand():
     out_k = torch.zeros(3, dtype=torch.int32)
     expand_kernel_impl(out_k, ks, torch.tensor([1, 3]), 0, 0)
     assert out_k.tolist() == [5, 0, 0]
+
+
+def test_require_acceptance_fails_near_one():
+    """The guard every lossless test runs before equality: 1 + accepted / drafts >= 1.5, else an error naming it."""
+    require_acceptance(SpecDecodeCounters(10, 30, 5), "half")  # 1 + 5/10 = 1.5 exactly: passes
+    for counters, shown in ((SpecDecodeCounters(10, 30, 4), "1.400"), (SpecDecodeCounters(100, 300, 0), "1.000"),
+                            (SpecDecodeCounters(), "nan")):
+        with pytest.raises(AssertionError, match=rf"mtp: acceptance length {shown} < 1.5"):
+            require_acceptance(counters, "mtp")
