@@ -25,7 +25,7 @@ from pydantic.fields import FieldInfo
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
 # tried in order for an Optional scalar that the recipe leaves null; the first the field's type accepts is used
-CANDIDATES = (2, 2.0, 0.5, "train/reward", [0], ["chain_sum"], [[1, 8, 1]])
+CANDIDATES = (2, 2.0, 0.5, "train/reward", [0], ["chain_sum"], [[1, 8, 1]], {})  # (a Literal: its first value)
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,10 @@ def _select(raw: dict, path: str):
 
 
 def _candidate(sw: Switch):
-    from typing import Annotated
+    from typing import Annotated, Literal
 
+    if typing.get_origin(sw.inner) is Literal:
+        return typing.get_args(sw.inner)[0]
     meta = tuple(sw.field.metadata)
     adapter = TypeAdapter(Annotated[(sw.inner, *meta)] if meta else sw.inner)
     for value in CANDIDATES:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import pytest
 from pydantic import BaseModel
@@ -49,6 +49,7 @@ def test_enumeration_walks_nested_and_optional_sections_by_hand():
         on: bool = True
         size: Optional[int] = None
         count: int = 3
+        mode: Optional[Literal["fast", "slow"]] = None
 
     class Outer(BaseModel):
         flag: bool
@@ -59,7 +60,8 @@ def test_enumeration_walks_nested_and_optional_sections_by_hand():
 
     got = [(s.path, s.kind) for s in ss.schema_switches(Outer)]
     assert got == [("flag", "bool"), ("limit", "optional"), ("inner", "section"), ("inner.on", "bool"),
-                   ("inner.size", "optional"), ("always.on", "bool"), ("always.size", "optional")]
+                   ("inner.size", "optional"), ("inner.mode", "optional"), ("always.on", "bool"),
+                   ("always.size", "optional"), ("always.mode", "optional")]
     sw = {s.path: s for s in ss.schema_switches(Outer)}
     raw = {"flag": True, "name": "x", "limit": 0.5}
     assert ss.variant(sw["flag"], raw) == ["flag=false"]
@@ -67,6 +69,7 @@ def test_enumeration_walks_nested_and_optional_sections_by_hand():
     assert ss.variant(sw["inner"], raw) == ["+inner={}"]
     assert ss.variant(sw["inner.on"], raw) == ["+inner.on=false"]        # default True, flipped
     assert ss.variant(sw["inner.size"], raw) == ["+inner.size=2"]       # first candidate an int accepts
+    assert ss.variant(sw["inner.mode"], raw) == ['+inner.mode="fast"']  # a Literal: its first value
 
 
 def test_the_schema_enumeration_reaches_known_switches():
