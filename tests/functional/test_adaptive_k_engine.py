@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.speculative import checks
 from nemo_rl_spec.speculative.adaptive_k import k_for_batch_size
-from nemo_rl_spec.speculative.lossless import first_mismatch, lossless_prompts
+from nemo_rl_spec.speculative.lossless import first_mismatch, lossless_prompts, require_acceptance
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # ~100 s on the shared 2-core machine
 
@@ -86,11 +86,13 @@ def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path):
     draft = checks.train_tiny_head(target, prompts[:16], str(tmp_path / "draft"),
                                    cache_dir=checks.default_draft_cache())["path"]
     test_prompts = prompts[:NUM_PROMPTS]
-    lengths = [16 * (i + 1) for i in range(NUM_PROMPTS)]
+    # at most the 64 tokens the head was trained on (16 * (i + 1) drafted mostly past them: acceptance 1.37)
+    lengths = [8 * (i + 1) for i in range(NUM_PROMPTS)]
     plain = checks.run_isolated(greedy_scenario, target, None, test_prompts, lengths)
     spec = checks.run_isolated(greedy_scenario, target, draft, test_prompts, lengths)
 
     assert [list(r) for r in spec["engine_schedule"]] == SCHEDULE
+    require_acceptance(spec["counters"], "dynamic speculation (trained EAGLE-3 head)")  # else equality is vacuous
     for i, (a, b) in enumerate(zip(plain["outputs"], spec["outputs"])):
         assert len(a) == len(b) == lengths[i]
         assert a == b, f"prompt {i}: first mismatch at {first_mismatch(a, b)}"
