@@ -1,7 +1,8 @@
 """Training and log-prob phase seconds, padded micro-batches vs dynamic batching, on one batch of the default recipe.
 
     python examples/bench_dynamic_batching.py --out results/bench_dynamic_batching.json
-        [--config configs/grpo_math_smollm2_135m.yaml] [--rounds 64 1] [--repeats 1] [--seed 0] [key=value ...]
+        [--config configs/grpo_math_smollm2_135m.yaml] [--rounds 64 1] [--budgets 768:1536 ...] [--repeats 1]
+        [--seed 0] [key=value ...]
 
 One :class:`~nemo_rl_spec.models.policy.megatron_worker.MegatronPolicyWorker` of the recipe's policy (its model,
 threads, micro-batch sizes) in this process, no Ray and no vLLM. The batch has the recipe's shape
@@ -12,7 +13,8 @@ tokens for 160; the default recipe's first step measured a mean response length 
 
 Variants, timed on the same batch and the same weights (restored after every ``train``): ``padded`` (the recipe's
 fixed micro-batches, each trimmed to its longest row) and ``dynamic_r<R>`` for each ``--rounds`` R
-(``policy.dynamic_batching`` on, the recipe's token budgets, ``sequence_length_round=R``). Phases: ``logprob_s``
+(``policy.dynamic_batching`` on, the recipe's token budgets, ``sequence_length_round=R``), or with ``--budgets
+T:L`` ``dynamic_t<T>_l<L>_r<R>`` (``train_mb_tokens=T``, ``logprob_mb_tokens=L``). Phases: ``logprob_s``
 (``get_logprobs``, the GRPO step's ``policy_and_reference_logprobs`` phase without a reference model) and
 ``train_s`` (one ``train`` call on all rows: the recipe's ``train_global_batch_size`` is the whole step), each
 the median over ``--repeats`` rounds (variants interleaved) after an untimed warm-up on two rows.
@@ -20,7 +22,7 @@ the median over ``--repeats`` rounds (variants interleaved) after an untimed war
 Written JSON::
 
     {"config", "overrides", "threads", "batch": {"rows", "seq_lengths", "prompt_lengths", "response_lengths"},
-     "variants": {"<name>": {"logprob_s", "train_s", "train_tokens", "logprob_tokens" (padded tokens computed),
+     "variants": {"<name>": {"dynamic_batching" (the section used, null: padded), "logprob_s", "train_s", "train_tokens", "logprob_tokens" (padded tokens computed),
                              "train_micro_batches", "logprob_micro_batches", "loss", "grad_norm",
                              "logprob_max_abs_diff" (vs padded, valid tokens)}},
      "ratios": {"<name>": {"logprob": padded / variant seconds, "train": ..., "both": ...}}}
@@ -71,18 +73,25 @@ def build_batch(cfg, tokenizer, seed: int) -> dict:
                 prompt_lengths=[len(p) for p, _ in rows], response_lengths=[len(r) for _, r in rows])
 
 
-def _variants(cfg, rounds: list[int]) -> dict:
-    """``{"padded": None, "dynamic_r<R>": DynamicBatchingConfig}`` with the recipe's budgets."""
+def _variants(cfg, rounds: list[int], budgets: list[str] | None = None) -> dict:
+    """``{"padded": None, "dynamic_r<R>": DynamicBatchingConfig}`` with the recipe's token budgets, or with
+    ``budgets`` ("<train_mb_tokens>:<logprob_mb_tokens>" each) ``"dynamic_t<T>_l<L>_r<R>"``."""
     from nemo_rl_spec.utils.config_schema import DynamicBatchingConfig
 
     base = cfg.policy.dynamic_batching or DynamicBatchingConfig()
     out = {"padded": None}
-    for r in rounds:
-        out[f"dynamic_r{r}"] = base.model_copy(update={"enabled": True, "sequence_length_round": r})
+    for pair in budgets or [None]:
+        update, tag = {"enabled": True}, ""
+        if pair is not None:
+            train, logprob = (int(x) for x in pair.split(":"))
+            update.update(train_mb_tokens=train, logprob_mb_tokens=logprob)
+            tag = f"_t{train}_l{logprob}"
+        for r in rounds:
+            out[f"dynamic{tag}_r{r}"] = base.model_copy(update={**update, "sequence_length_round": r})
     return out
 
 
-def run(cfg, rounds: list[int], repeats: int, seed: int) -> dict:
+def run(cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | None = None) -> dict:
     """Time both phases per variant (module docstring); returns the JSON body."""
     import torch
     from transformers import AutoTokenizer
@@ -97,7 +106,7 @@ def run(cfg, rounds: list[int], repeats: int, seed: int) -> dict:
     meta = {k: batch.pop(k) for k in ("prompt_lengths", "response_lengths")}
     worker = MegatronPolicyWorker(cfg.policy.model_copy(deep=True), ClippedPGLossFn(cfg.loss_fn.model_dump()), path,
                                   seed=0)
-    variants = _variants(cfg, rounds)
+    variants = _variants(cfg, rounds, budgets)
     weights = {k: v.detach().clone() for k, v in mm.megatron_param_state(worker.module).items()}
     mask = batch["token_mask"].bool()
     times = {name: {"logprob_s": [], "train_s": []} for name in variants}
@@ -123,6 +132,7 @@ def run(cfg, rounds: list[int], repeats: int, seed: int) -> dict:
             times[name]["train_s"].append(train_s)
             plans = {phase: worker.micro_batch_plan(batch, phase) for phase in ("train", "logprob")}
             results[name] = {
+                "dynamic_batching": None if dyn is None else dyn.model_dump(),
                 "train_tokens": sum(mb.num_tokens for mb in plans["train"]),
                 "logprob_tokens": sum(mb.num_tokens for mb in plans["logprob"]),
                 "train_micro_batches": len(plans["train"]), "logprob_micro_batches": len(plans["logprob"]),
@@ -161,11 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", nargs="+", type=int, default=[64, 1], help="sequence_length_round values")
     parser.add_argument("--repeats", type=int, default=1, help="timed rounds (after a two-row warm-up)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budgets", nargs="+", default=None,
+                        help="train_mb_tokens:logprob_mb_tokens pairs (default: the recipe's policy.dynamic_batching)")
     args, extra = parser.parse_known_args(argv)
     from nemo_rl_spec.utils.config import load_config
 
     cfg = load_config(args.config, extra)
-    result = {"config": args.config, "overrides": extra, **run(cfg, args.rounds, args.repeats, args.seed)}
+    result = {"config": args.config, "overrides": extra, **run(cfg, args.rounds, args.repeats, args.seed, args.budgets)}
     print_table(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

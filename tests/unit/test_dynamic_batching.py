@@ -70,7 +70,7 @@ def _load(*overrides):
 def test_config_keys():
     cfg = _load("policy.dynamic_batching.enabled=true")
     dyn = cfg.policy.dynamic_batching
-    assert (dyn.enabled, dyn.train_mb_tokens, dyn.logprob_mb_tokens, dyn.sequence_length_round) == (True, 1536, 3072, 64)
+    assert (dyn.enabled, dyn.train_mb_tokens, dyn.logprob_mb_tokens, dyn.sequence_length_round) == (True, 768, 1536, 1)
     assert _load().policy.dynamic_batching.enabled is False and _load().policy.sequence_packing is None
     with pytest.raises(ConfigError, match="policy.dynamic_batching.train_mb_tokens=100"):
         _load("policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=100")
