@@ -196,16 +196,18 @@ class TrajectoryProducer(threading.Thread):
         gate: shared with the trainer.
         version: policy version the generation actor holds at start.
         last_index: produce batches ``< last_index`` (``grpo.max_num_steps``), and none after the prompt stream
-            has handed out ``grpo.max_num_epochs`` epochs.
+            has handed out ``max_num_epochs`` epochs.
         carried_lag: see :func:`carried_lag`; the producer's lead shrinks by it so that carried pilot rollouts
             still meet the bound (with ``max_age = 1`` and bound pilots, generation no longer runs ahead).
+        max_num_epochs: ``grpo.max_num_epochs`` (None: no epoch limit).
     """
 
     def __init__(self, s: GRPOSetup, buffer: TrajectoryBuffer, gate: GenerationGate, version: int,
-                 last_index: int, carried_lag: int = 0) -> None:
+                 last_index: int, carried_lag: int = 0, max_num_epochs: int | None = None) -> None:
         super().__init__(name="trajectory-producer", daemon=True)
         self.s, self.buffer, self.gate = s, buffer, gate
         self.max_age, self.last_index = max(0, buffer.max_age - carried_lag), last_index
+        self.max_num_epochs = max_num_epochs
         self._cond = threading.Condition()
         self._version = version
         self._stop_requested = False
@@ -237,7 +239,7 @@ class TrajectoryProducer(threading.Thread):
     def run(self) -> None:
         try:
             index = self.buffer.next_index
-            epochs_done = lambda: epochs_finished(self.s.cfg, self.s.allocator.epochs_completed())  # noqa: E731
+            epochs_done = lambda: epochs_finished(self.max_num_epochs, self.s.allocator.epochs_completed())  # noqa: E731
             while index < self.last_index and not epochs_done() and self._wait_turn(index):
                 stats = {"generation_s": 0.0, "generated_tokens": 0, "draft_version": None}
                 selection = self.s.allocator.step(make_tagged_generate_fn(self.s, self.gate, stats))
@@ -361,7 +363,7 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     if cfg.grpo.val_at_start and s.start_step == 0:
         s.logger.log_metrics(val(), step=0)
     producer = TrajectoryProducer(s, buffer, gate, version=s.start_step, last_index=cfg.grpo.max_num_steps,
-                                  carried_lag=carried_lag(cfg))
+                                  carried_lag=carried_lag(cfg), max_num_epochs=cfg.grpo.max_num_epochs)
     producer.start()
     try:
         for step in tqdm(range(s.start_step, cfg.grpo.max_num_steps), desc="async GRPO",

@@ -80,7 +80,7 @@ def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     steps = range(s.start_step, cfg.grpo.max_num_steps)
     for step in tqdm(steps, desc="GRPO", disable=not cfg.logger.progress_bar, initial=s.start_step,
                      total=cfg.grpo.max_num_steps):
-        if epochs_finished(cfg, s.allocator.epochs_completed()):  # resumed after the last epoch's final step
+        if epochs_finished(cfg.grpo.max_num_epochs, s.allocator.epochs_completed()):  # resumed after the last epoch's final step
             break
         timer.reset()
         with timer.time("total_step_time"):
@@ -92,10 +92,10 @@ def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     return history
 
 
-def epochs_finished(cfg, epochs_completed: float) -> bool:
-    """True once ``grpo.max_num_epochs`` epochs over the prompt pool are handed out (None: no epoch limit). The run
-    stops at whichever of ``grpo.max_num_steps`` / ``grpo.max_num_epochs`` comes first, as NeMo-RL's loop does."""
-    limit = cfg.grpo.max_num_epochs
+def epochs_finished(limit: int | None, epochs_completed: float) -> bool:
+    """True once ``limit`` (``grpo.max_num_epochs``) epochs over the prompt pool are handed out (None: no epoch
+    limit). The run stops at whichever of ``grpo.max_num_steps`` / ``grpo.max_num_epochs`` comes first, as NeMo-RL's
+    loop does."""
     return limit is not None and epochs_completed >= limit
 
 
@@ -105,7 +105,7 @@ def end_step(s: GRPOSetup, step: int, metrics: dict[str, float], exhausted: bool
     Returns True when the run must stop: every prompt was evicted, or the last epoch (``grpo.max_num_epochs``)
     was handed out."""
     cfg = s.cfg
-    epochs_done = epochs_finished(cfg, metrics.get("rollout_alloc/epochs_completed", 0))
+    epochs_done = epochs_finished(cfg.grpo.max_num_epochs, metrics.get("rollout_alloc/epochs_completed", 0))
     last = exhausted or epochs_done or step + 1 == cfg.grpo.max_num_steps
     if last or (cfg.grpo.val_period and (step + 1) % cfg.grpo.val_period == 0):
         metrics.update(val())

@@ -29,7 +29,7 @@ def _run(allocator, run, start_step=0):
     """The driver's loop (grpo.grpo_train) without workers: returns (prompts of each step, checkpointed steps)."""
     steps, saved = [], []
     for step in range(start_step, run.cfg.grpo.max_num_steps):
-        if epochs_finished(run.cfg, allocator.epochs_completed()):
+        if epochs_finished(run.cfg.grpo.max_num_epochs, allocator.epochs_completed()):
             break
         sel = allocator.step(_generate)
         steps.append([g.prompt_id for g in sel.groups])
