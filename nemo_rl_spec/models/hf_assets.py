@@ -112,6 +112,18 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt")
+"""Files of an HF model directory that make up its tokenizer (whichever of them exist)."""
+
+
+def copy_tokenizer_files(src_dir: str | Path, out_dir: str | Path) -> None:
+    """Copy the :data:`TOKENIZER_FILES` that ``src_dir`` has into ``out_dir`` (which must exist)."""
+    for name in TOKENIZER_FILES:
+        if (Path(src_dir) / name).is_file():
+            shutil.copy2(Path(src_dir) / name, Path(out_dir) / name)
+
+
 def init_deterministic(model, seed: int, embed_std: float, linear_std: float) -> None:
     """Initialise ``model`` in place without transformers' init code or the global RNG: norms 1, the input
     embedding ~ N(0, embed_std), every other tensor ~ N(0, linear_std), drawn in sorted parameter-name order from one

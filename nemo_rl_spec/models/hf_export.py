@@ -10,10 +10,7 @@ from pathlib import Path
 
 import torch
 
-# files of an HF model directory that describe the model (everything except weights and this project's markers)
-_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
-                "tokenizer.model")
+from nemo_rl_spec.models.hf_assets import copy_tokenizer_files
 
 
 def write_consolidated_hf(weights: dict[str, torch.Tensor], model_dir: str | Path, out_dir: str | Path) -> Path:
@@ -38,7 +35,8 @@ def write_consolidated_hf(weights: dict[str, torch.Tensor], model_dir: str | Pat
     tied = bool(config.get("tie_word_embeddings", False))
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items() if not (tied and k == "lm_head.weight")}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for name in _MODEL_FILES:
+    for name in ("config.json", "generation_config.json"):
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out / name)
+    copy_tokenizer_files(model_dir, out)
     return out

@@ -28,14 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from pathlib import Path
 
 import torch
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt")
-
 
 MTP_POST_NORM_FLAG = "nemo_rl_spec_mtp_input_after_final_norm"  # config.json key of a megatron-core export
 MIMO_MTP_PREFIX = "model.mtp_layers."  # MiMo names of the MTP layers (the drafter's weights in vLLM)
@@ -156,10 +151,9 @@ def write_mimo_checkpoint(trunk_hf_state: dict[str, torch.Tensor], trunk_config:
     save_file(state, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
     if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / name
-            if src.is_file():
-                shutil.copy2(src, out / name)
+        from nemo_rl_spec.models.hf_assets import copy_tokenizer_files
+
+        copy_tokenizer_files(tokenizer_dir, out)
     return out
 
 
