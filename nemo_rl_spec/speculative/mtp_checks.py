@@ -1,10 +1,11 @@
 """Checks of the native MTP drafter on the running GRPO workers (``speculative_config.method: mtp``).
 
-The first three functions run *inside* the Ray actors through the controllers' ``run_function(fn, *args)`` (Ray's
+The first four functions run *inside* the Ray actors through the controllers' ``run_function(fn, *args)`` (Ray's
 ``__ray_call__``: ``fn(actor_instance, *args)`` on every worker), so no test-only method is needed on the workers::
 
     init = policy.run_function(mtp_params)[0]
-    outputs, proposals = generation.run_function(spec_greedy_with_proposals, prompts, 32)[0]
+    fit = policy.run_function(train_mtp_on_own_greedy, prompts, 32)[0]  # a drafter that accepts, before a refit
+    outputs, proposals, counters = generation.run_function(spec_greedy_with_proposals, prompts, 32)[0]
     preds = policy.run_function(megatron_mtp_argmax, [p + o for p, o in zip(prompts, outputs)])[0]
     agree, total = replay_agreement(prompts, outputs, proposals, preds)   # agree == total: the drafter is current
 
@@ -68,10 +69,48 @@ def megatron_mtp_argmax(worker, sequences: Sequence[Sequence[int]],
     return out
 
 
+def train_mtp_on_own_greedy(worker, prompts: Sequence[Sequence[int]], max_tokens: int,
+                            steps: int = 150) -> dict[str, object]:
+    """Train the policy worker's MTP layer 0 (trunk frozen: the policy's outputs do not change) on the policy's own
+    greedy continuations of ``prompts``, so the engine's MTP drafter accepts after the next refit: what a lossless
+    check needs (issue 16, item 7).
+
+    Each prompt is continued greedily by megatron's main head (``max_tokens + 1`` tokens, full forward per token,
+    no KV cache), then :func:`train_mtp_on_sequences` (``steps`` full-batch Adam steps) fits the MTP layer to
+    draft token t + 2 at every response position. The worker's own MTP AdamW state and CPU RNG state are left
+    untouched.
+
+    Raises:
+        ValueError: tensor parallelism > 1 (the training reads the full [V, H] output weight on one rank).
+    Returns:
+        :func:`train_mtp_on_sequences`'s result plus ``"sequences"`` (prompt + greedy continuation, token ids).
+    """
+    from nemo_rl_spec.models.policy import megatron_model as mm
+
+    if worker.layout.tp_size != 1:
+        raise ValueError(f"train_mtp_on_own_greedy needs tensor_model_parallel_size 1, got {worker.layout.tp_size}")
+    mod = worker.module
+    was_training = mod.training
+    mod.eval()
+    sequences = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(max_tokens + 1):
+                seq.append(int(mm.gpt_logits(mod, torch.tensor([seq]))[0, -1].argmax()))
+            sequences.append(seq)
+    with torch.random.fork_rng(devices=[]):  # its manual_seed must not move the worker's own RNG stream
+        result = train_mtp_on_sequences(mod, sequences, [len(p) for p in prompts], steps)
+    mod.train(was_training)
+    return {**result, "sequences": sequences}
+
+
 def spec_greedy_with_proposals(worker, prompts: Sequence[Sequence[int]], max_tokens: int):
     """Greedy decode (``ignore_eos``, ``max_tokens`` each) one prompt at a time on the generation worker's engine,
-    recording the drafter's proposals. Returns ``(outputs, proposals)``: per prompt, the generated ids and one
-    ``[1, k]`` list per engine step. Resets the prefix cache afterwards."""
+    recording the drafter's proposals. Returns ``(outputs, proposals, counters)``: per prompt, the generated ids
+    and one ``[1, k]`` list per engine step; the engine's spec-decode counts over the whole decode
+    (:class:`~nemo_rl_spec.speculative.metrics.SpecDecodeCounters`, e.g. for
+    :func:`~nemo_rl_spec.speculative.lossless.require_acceptance`). Resets the prefix cache afterwards."""
     from vllm import SamplingParams
 
     from nemo_rl_spec.speculative.checks import _generate
@@ -79,16 +118,19 @@ def spec_greedy_with_proposals(worker, prompts: Sequence[Sequence[int]], max_tok
         install_proposal_recorder,
         recorded_proposals,
     )
+    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 
     install_proposal_recorder(worker.llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs, proposals = [], []
+    before = read_spec_decode_counters(worker.llm)
     for p in prompts:
         recorded_proposals(worker.llm)  # clear
         outputs += _generate(worker.llm, [p], params)
         proposals.append([r.tolist() for r in recorded_proposals(worker.llm)])
+    counters = read_spec_decode_counters(worker.llm) - before
     worker.llm.reset_prefix_cache()
-    return outputs, proposals
+    return outputs, proposals, counters
 
 
 def replay_agreement(prompts, outputs, proposals, predictions) -> tuple[int, int]:

@@ -3,14 +3,18 @@ megatron-core MTP layer, vLLM ``method: mtp``, k = 1).
 
 Setup writes the policy as a MiMo checkpoint (``<logger.log_dir>/mimo_policy``) and the engine starts from it; every
 refit pushes the trunk (HF names; the zero q/k/v biases the Qwen2 layers need are added by the generation worker)
-and then the MTP layer through the versioned draft refit. After a few train + refit cycles on the real Ray workers:
+and then the MTP layer through the versioned draft refit. After a few train + refit cycles on the real Ray workers
+(before the last refit, the policy actor also trains its MTP layer for a few seconds on the policy's own greedy
+continuations, trunk frozen, so the drafter accepts: a near-random MTP layer accepts nothing and (b) would prove
+nothing; issue 16, item 7):
 
 (c) a draft refit whose policy version differs from the engine's is refused and loads nothing;
 (a) every MTP proposal the engine makes while decoding greedily equals megatron's MTP argmax of the *current* policy
     (computed in the policy actor, with MiMo's zeroed token embedding at position 0), and not that of the initial
     MTP layer (so a draft left un-refit would fail); the refit log-prob probe stays tiny;
-(b) the speculative greedy outputs equal plain greedy outputs of a separate vLLM engine (no speculation) loaded with
-    the current policy's HF weights.
+(b) the engine's acceptance length on that decode is >= 1.5 (``require_acceptance``), and its speculative greedy
+    outputs equal plain greedy outputs of a separate vLLM engine (no speculation) loaded with the current policy's
+    HF weights.
 """
 from __future__ import annotations
 
@@ -35,12 +39,13 @@ pytest.importorskip("megatron.core")
 from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
 from nemo_rl_spec.speculative import checks
 from nemo_rl_spec.speculative.draft_refit import DraftVersionMismatchError
-from nemo_rl_spec.speculative.lossless import first_mismatch, lossless_prompts
+from nemo_rl_spec.speculative.lossless import first_mismatch, lossless_prompts, require_acceptance
 from nemo_rl_spec.speculative.mtp_checks import (
     megatron_mtp_argmax,
     mtp_params,
     replay_agreement,
     spec_greedy_with_proposals,
+    train_mtp_on_own_greedy,
 )
 from nemo_rl_spec.utils.config import ConfigError, load_config
 
@@ -81,7 +86,7 @@ def test_mtp_drafter_needs_mtp_layers_and_a_mimo_compatible_model(tmp_path):
     check_mtp_drafter_model(load_config(RECIPE), resolve_model("tiny-llama"))
 
 
-@pytest.mark.slow  # ~2 min setup + 3 cycles alone on the shared 2-core machine, 4-5 min in all
+@pytest.mark.slow  # setup + 3 cycles (MTP fit included) 77 s, ~2 min in all, alone on the 2-core machine
 def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
     from transformers import AutoTokenizer
 
@@ -101,13 +106,16 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
             gen = s.generation.generate({"prompt_token_ids": prompts}, n=2, seed=step, max_new_tokens=MAX_TOKENS)
             train = s.policy.train(fm.train_data_from_generation(s, gen, step))
             mtp_acc.append(train["mtp/acceptance"])
+            if step == CYCLES - 1:  # the drafter the last refit pushes must accept, or (b) proves nothing
+                fit = s.policy.run_function(train_mtp_on_own_greedy, prompts, MAX_TOKENS)[0]
             refit = s.refitter.refit(version=step + 1)
             mismatches.append(refit["refit/logprob_mismatch"])
             assert refit["refit/draft_version"] == step + 1
         assert s.generation.get_versions() == [{"policy_version": CYCLES, "draft_version": CYCLES,
                                                  "draft_policy_version": CYCLES}]
         print(f"\nsetup+{CYCLES} cycles {time.perf_counter() - t0:.0f} s; refit mismatch {mismatches}; "
-              f"train mtp/acceptance {mtp_acc}")
+              f"train mtp/acceptance {mtp_acc}; MTP fit loss {fit['losses'][0]:.2f} -> {fit['losses'][-1]:.2f}, "
+              f"argmax accuracy {fit['accuracy']:.3f}")
         assert max(mismatches) < 1e-4
 
         # (c) a draft paired with another policy version is refused, and nothing is loaded
@@ -122,20 +130,23 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
         assert s.generation.get_versions()[0]["draft_version"] == CYCLES
 
         # (a) the engine's MTP proposals are the current policy's MTP argmax
-        outputs, proposals = s.generation.run_function(spec_greedy_with_proposals, prompts, MAX_TOKENS)[0]
+        outputs, proposals, counters = s.generation.run_function(spec_greedy_with_proposals, prompts, MAX_TOKENS)[0]
         sequences = [p + o for p, o in zip(prompts, outputs)]
         current = s.policy.run_function(megatron_mtp_argmax, sequences)[0]
         initial = s.policy.run_function(megatron_mtp_argmax, sequences, initial_mtp)[0]
         agree, total = replay_agreement(prompts, outputs, proposals, current)
         agree_initial, _ = replay_agreement(prompts, outputs, proposals, initial)
         print(f"MTP proposals == current megatron MTP argmax {agree}/{total}; == initial MTP layer's "
-              f"{agree_initial}/{total}")
+              f"{agree_initial}/{total}; engine acceptance length {counters.acceptance_length:.3f} "
+              f"({counters.num_accepted_tokens} accepted in {counters.num_drafts} drafts)")
         assert total >= NUM_PROMPTS * MAX_TOKENS // 2 and agree == total
         assert agree_initial < total  # a drafter left at the initial MTP layer would be caught
         hf_weights = ray.get(s.policy.export_hf_weights())
     finally:
         teardown(s)
-    # (b) lossless: speculative greedy == plain greedy of the same weights (separate engine, no speculation)
+    # (b) lossless: the drafter accepted, and speculative greedy == plain greedy of the same weights (separate engine,
+    # no speculation)
+    require_acceptance(counters, "mtp drafter after the refits (MTP layer trained in the policy actor)")
     from nemo_rl_spec.models.hf_assets import resolve_model
 
     plain_dir = _write_hf_dir(hf_weights, resolve_model(cfg.policy.model_name), tmp_path / "plain")
