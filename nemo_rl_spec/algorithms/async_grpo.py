@@ -58,7 +58,7 @@ from nemo_rl_spec.algorithms.trajectory_buffer import (
     TrajectoryBuffer,
     group_age,
 )
-from nemo_rl_spec.algorithms.validation import validate
+from nemo_rl_spec.algorithms.validation import run_validation
 from nemo_rl_spec.speculative.metrics import SpecDecodeCounters
 from nemo_rl_spec.utils.timer import Timer
 
@@ -356,9 +356,7 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
 
     def val() -> dict[str, float]:
         with gate.exclusive():
-            return validate(s.generation, s.tokenizer, s.env, s.val_problems, s.val_prompt_ids,
-                            cfg.policy.generation.max_new_tokens, cfg.grpo.non_finite_reward,
-                            batch_size=cfg.grpo.val_batch_size)
+            return run_validation(s)
 
     if cfg.grpo.val_at_start and s.start_step == 0:
         s.logger.log_metrics(val(), step=0)

@@ -13,7 +13,7 @@ from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
 from nemo_rl_spec.algorithms.overlong import apply_overlong_filtering, truncated_rows
 from nemo_rl_spec.algorithms.rollouts import (build_train_data, logprob_agreement_metrics, make_generate_fn,
                                              selection_reward_valid)
-from nemo_rl_spec.algorithms.validation import validate
+from nemo_rl_spec.algorithms.validation import run_validation
 from nemo_rl_spec.utils.timer import Timer
 
 
@@ -72,11 +72,8 @@ def overlong_metrics(s: GRPOSetup, data) -> dict[str, float]:
 def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     """Run steps ``start_step .. max_num_steps - 1``; returns every step's metrics."""
     cfg, timer, history = s.cfg, Timer(), []
-    val = lambda: validate(s.generation, s.tokenizer, s.env, s.val_problems, s.val_prompt_ids,  # noqa: E731
-                           cfg.policy.generation.max_new_tokens, cfg.grpo.non_finite_reward,
-                           batch_size=cfg.grpo.val_batch_size)
     if cfg.grpo.val_at_start and s.start_step == 0:
-        s.logger.log_metrics(val(), step=0)
+        s.logger.log_metrics(run_validation(s), step=0)
     steps = range(s.start_step, cfg.grpo.max_num_steps)
     for step in tqdm(steps, desc="GRPO", disable=not cfg.logger.progress_bar, initial=s.start_step,
                      total=cfg.grpo.max_num_steps):
@@ -87,7 +84,8 @@ def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
             metrics, exhausted = grpo_step(s, step, timer)
         metrics.update(timer.metrics("timing/train/"))
         history.append(metrics)
-        if end_step(s, step, metrics, exhausted, val, lambda m, done=step + 1: save_checkpoint(s, done, m)):
+        checkpoint = lambda m, done=step + 1: save_checkpoint(s, done, m)  # noqa: E731
+        if end_step(s, step, metrics, exhausted, lambda: run_validation(s), checkpoint):
             break
     return history
 

@@ -83,7 +83,13 @@ class GRPOSetup:
 
 
 def load_datasets(cfg: MasterConfig) -> tuple[list[dict], list[dict]]:
-    """Training and validation problems per ``data.train.source`` / ``data.validation.source``."""
+    """Training and validation problems per ``data.train.source`` / ``data.validation.source``.
+
+    A ``reasoning_gym`` validation set is ``data.validation.max_samples`` draws of its generators at its own seed,
+    exactly the generators' distribution (repeats kept), and it is held out by removing its questions from the
+    training pool, which therefore holds at most ``data.train.size`` problems. (Removing the training questions
+    from the validation draws instead would bias it: small families such as one-digit two-term sums, ~200
+    questions, are all in a 2,048-problem pool, so such a validation set keeps only the rarer, harder problems.)"""
     t, v = cfg.data.train, cfg.data.validation
     if t.source == "reasoning_gym":
         train = load_train_problems(t.generators, t.size, t.seed)
@@ -91,12 +97,10 @@ def load_datasets(cfg: MasterConfig) -> tuple[list[dict], list[dict]]:
         train = hub_datasets.LOADERS[t.source](t.path, max_samples=t.size)
     if v.source == "gsm8k_original":
         val = load_gsm8k_original(v.max_samples)
-    elif v.source == "reasoning_gym":   # held out: its own seed; training questions and repeats removed
-        seen, val = {p["question"] for p in train}, []
-        for p in load_train_problems(v.generators or t.generators, 2 * v.max_samples, v.seed):
-            if p["question"] not in seen and len(val) < v.max_samples:
-                seen.add(p["question"])
-                val.append(p)
+    elif v.source == "reasoning_gym":
+        val = load_train_problems(v.generators or t.generators, v.max_samples, v.seed)
+        held_out = {p["question"] for p in val}
+        train = [p for p in train if p["question"] not in held_out]
     else:
         val = hub_datasets.LOADERS[v.source](v.path, max_samples=v.max_samples)
     return train, val[: cfg.grpo.max_val_samples]  # NeMo-RL's cap on the problems validated (None: all)

@@ -47,6 +47,10 @@ class GRPOConfig(_Strict):
     val_batch_size: Optional[PositiveInt] = None
     val_period: int = Field(ge=0)
     val_at_start: bool
+    # validation sampling: 0 = greedy (default); None = the rollout temperature policy.generation.temperature
+    # (NeMo-RL validates with the generation config); val_num_generations answers per problem, accuracy = their mean
+    val_temperature: Optional[float] = Field(default=0.0, ge=0.0)
+    val_num_generations: PositiveInt = 1
     normalize_rewards: bool
     use_leave_one_out_baseline: bool
     seed: int
@@ -67,6 +71,14 @@ class GRPOConfig(_Strict):
             except ValueError as exc:
                 raise ValueError(f"grpo.pilot_commit (rollout_budget_per_step unset: grpo.num_prompts_per_step x "
                                  f"grpo.num_generations_per_prompt = {budget}): {exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _sampled_validation(self) -> "GRPOConfig":
+        if self.val_num_generations > 1 and self.val_temperature == 0.0:
+            raise ValueError(f"grpo.val_num_generations={self.val_num_generations} with grpo.val_temperature=0 "
+                             "(greedy) repeats one answer; set grpo.val_temperature > 0 (or null: the rollout "
+                             "temperature) or grpo.val_num_generations=1")
         return self
 
     @model_validator(mode="after")

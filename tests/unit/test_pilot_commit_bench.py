@@ -40,11 +40,27 @@ def test_held_out_reasoning_gym_validation():
 
     cfg = load_config(BENCH_RECIPE)
     train, val = load_datasets(cfg)
-    assert len(train) == cfg.data.train.size and len(val) == cfg.data.validation.max_samples
-    questions = [p["question"] for p in val]
-    assert len(set(questions)) == len(questions)                       # no repeats
-    assert not set(questions) & {p["question"] for p in train}         # disjoint from the training pool
-    assert {p["source"] for p in val} == set(cfg.data.train.generators)  # generators: null -> the training ones
+    v, t = cfg.data.validation, cfg.data.train
+    # validation = the generators' own draws at the validation seed (distribution-matched, repeats kept) ...
+    assert val == load_train_problems(t.generators, v.max_samples, v.seed)
+    questions = {p["question"] for p in val}
+    # ... and the training pool = its draws minus the held-out questions, in order
+    assert train == [p for p in load_train_problems(t.generators, t.size, t.seed) if p["question"] not in questions]
+    assert not questions & {p["question"] for p in train} and 0 < len(train) <= t.size
+    assert {p["source"] for p in val} == set(t.generators)  # generators: null -> the training ones
+
+
+def test_held_out_set_has_the_training_distribution_on_a_small_family():
+    """One-digit chain sums of 2-4 terms: the 2-term family (~200 questions) is nearly all inside a 2,048-problem
+    pool, so removing training questions from the validation draws left 5 of 128 two-term problems (measured);
+    the generator gives each term count about 1/3."""
+    from nemo_rl_spec.algorithms.grpo_setup import load_datasets
+
+    cfg = load_config(ROOT / "configs" / "grpo_math_testbed.yaml")
+    _, val = load_datasets(cfg)
+    terms = [len(re.findall(r"\d+", p["question"])) for p in val]
+    for k in (2, 3, 4):   # binomial(128, 1/3): mean 42.7, sd 5.3; 4 sd either side
+        assert abs(terms.count(k) - 128 / 3) < 4 * 5.34, (k, terms.count(k))
 
 
 def test_pilot_commit_budget_without_commit_slot_fails_at_config_time():

@@ -70,3 +70,41 @@ def test_max_val_samples_caps_the_validated_problems():
 def test_inconsistent_validation_sizes_are_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config("configs/grpo_math_tiny.yaml", overrides)
+
+
+class _SampledRows(_Rows):
+    """Like _Rows, with n rows per prompt, rewarded in the order of a fixed list; records each call's keywords."""
+
+    def __init__(self):
+        super().__init__()
+        self.kwargs = []
+
+    def generate(self, prompts, n, seed, **overrides):
+        self.kwargs.append(dict(n=n, seed=seed, **overrides))
+        ids = [p for p in prompts["prompt_token_ids"] for _ in range(n)]
+        out = super().generate({"prompt_token_ids": ids}, 1, seed)
+        out["prompt_index"] = torch.arange(len(prompts["prompt_token_ids"])).repeat_interleave(n)
+        return out
+
+
+@pytest.mark.parametrize("val_temperature, expected_t", [("0.7", 0.7), ("null", 1.0)])
+def test_sampled_validation_uses_the_keys_and_averages_pass_rates(val_temperature, expected_t):
+    from types import SimpleNamespace
+
+    from nemo_rl_spec.algorithms.validation import run_validation
+
+    cfg = load_config("configs/grpo_math_tiny.yaml", [f"grpo.val_temperature={val_temperature}",
+                                                      "grpo.val_num_generations=3", "policy.generation.temperature=1.0"])
+    gen = _SampledRows()
+    problems = [{"reward": 1.0}, {"reward": 0.0}]             # every answer of problem 0 right, of problem 1 wrong
+    s = SimpleNamespace(cfg=cfg, generation=gen, tokenizer=_Tok(), env=_Reward(), val_problems=problems,
+                        val_prompt_ids=[[1, 2], [1, 4]])
+    m = run_validation(s)
+    assert gen.kwargs == [dict(n=3, seed=0, temperature=expected_t, max_new_tokens=cfg.policy.generation.max_new_tokens)]
+    # hand: rows 2,2,2,4,4,4 tokens, pass rates 1 and 0
+    assert m["validation/accuracy"] == 0.5 and m["validation/mean_response_length"] == 3.0
+
+
+def test_greedy_validation_with_several_answers_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"grpo.val_num_generations=4 with grpo.val_temperature=0"):
+        load_config("configs/grpo_math_tiny.yaml", ["grpo.val_num_generations=4"])
