@@ -19,6 +19,11 @@ Build (deterministic, CPU, :data:`TESTBED.threads` torch threads):
    only, ``TESTBED.sft_steps`` steps of ``TESTBED.batch_size`` examples, stopped early on purpose: the step count
    was chosen by measurement (README, "Learning") so that the policy is partly competent, not solved.
 
+The demonstrations slip (``TESTBED.slip_rate``: a step's result off by one, the chain continued from it), so the
+policy learns to slip when it samples at T = 1 while its modal (greedy) answer is the right one: GRPO at T = 1 then
+has one direction shared by every prompt (slip less), as in RL that sharpens a model's sampling distribution.
+Measured on 128 held-out problems (``examples/eval_pass_rates.py --n 8``): greedy 0.445, T = 1 0.273.
+
 Usage: ``python -m nemo_rl_spec.models.testbed --out DIR [--steps N]`` (or ``make testbed``).
 """
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
 """The system prompt of the math recipes (``data.system_prompt`` in configs/grpo_math_base.yaml)."""
@@ -44,6 +50,8 @@ class TestbedRecipe:
 
     Attributes:
         generator: reasoning-gym generator spec of the SFT problems (the testbed recipe trains on the same family).
+        slip_rate: probability that a step of a demonstration is off by one (:func:`draw_slips`); the SFT policy
+            learns to slip at about this rate when it samples at T = 1, while its greedy (modal) answer stays right.
         seed: seed of the SFT problems, of the initial weights and of the batch order.
         sft_examples: corpus size (problems; repeats allowed, the family is small).
         vocab_size: BPE vocabulary of the tokenizer (specials included); the model's is rounded up to 128.
@@ -55,13 +63,14 @@ class TestbedRecipe:
     """
 
     generator: str = "chain_sum:min_terms=2,max_terms=4,min_digits=1,max_digits=1"
+    slip_rate: float = 0.3
     seed: int = 20261201
     sft_examples: int = 20000
     vocab_size: int = 384
     model: dict = field(default_factory=lambda: dict(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=768, tie_word_embeddings=True, max_position_embeddings=512, rms_norm_eps=1e-6))
-    sft_steps: int = 260
+    sft_steps: int = 300
     batch_size: int = 64
     lr: float = 2e-3
     warmup_steps: int = 30
@@ -74,38 +83,60 @@ class TestbedRecipe:
 TESTBED = TestbedRecipe()
 
 
-def chain_solution(expression: str) -> str:
+def chain_solution(expression: str, slips: Sequence[int] | None = None) -> str:
     """Step-by-step answer to a chain sum, left to right: ``"4 - 1 - 7"`` -> ``"4 - 1 = 3\\n3 - 7 = -4\\n\\boxed{-4}"``.
 
+    ``slips[i]`` (default all 0) is added to the result of step ``i`` and the chain goes on from the slipped value,
+    as a person who miscounts would: ``chain_solution("4 - 1 - 7", [1, 0])`` -> ``"4 - 1 = 4\\n4 - 7 = -3\\n
+    \\boxed{-3}"``. A demonstration with any non-zero slip has a wrong final answer.
+
     Raises:
-        ValueError: ``expression`` is not ``int (op int)+`` with op in ``+ -``.
+        ValueError: ``expression`` is not ``int (op int)+`` with op in ``+ -``, or ``slips`` has not one entry per step.
     """
     tokens = expression.split()
     if len(tokens) < 3 or len(tokens) % 2 == 0 or any(op not in "+-" for op in tokens[1::2]):
         raise ValueError(f"not a chain sum: {expression!r}")
+    slips = [0] * (len(tokens) // 2) if slips is None else list(slips)
+    if len(slips) != len(tokens) // 2:
+        raise ValueError(f"slips {slips} must have one entry per step of {expression!r}")
     total, lines = int(tokens[0]), []
-    for op, operand in zip(tokens[1::2], tokens[2::2]):
-        new = total + int(operand) if op == "+" else total - int(operand)
+    for op, operand, slip in zip(tokens[1::2], tokens[2::2], slips):
+        new = (total + int(operand) if op == "+" else total - int(operand)) + slip
         lines.append(f"{total} {op} {int(operand)} = {new}")
         total = new
     return "\n".join(lines) + f"\n\\boxed{{{total}}}"
 
 
-def sft_conversations(recipe: TestbedRecipe) -> list[tuple[str, str]]:
-    """(question, answer) pairs of the SFT corpus: ``recipe.sft_examples`` chain sums and their chains.
+def draw_slips(num_steps: int, rate: float, rng) -> list[int]:
+    """Per-step slips of one demonstration: each step independently slips with probability ``rate`` by +1 or -1
+    (equally likely), else 0. ``rng`` is a ``random.Random``; the draws are 2 per step in step order."""
+    out = []
+    for _ in range(num_steps):
+        slipped, sign = rng.random() < rate, rng.random() < 0.5
+        out.append((1 if sign else -1) if slipped else 0)
+    return out
 
-    The answer's final line equals reasoning-gym's ground truth (checked; a mismatch raises ValueError)."""
+
+def sft_conversations(recipe: TestbedRecipe) -> list[tuple[str, str]]:
+    """(question, answer) pairs of the SFT corpus: ``recipe.sft_examples`` chain sums and their chains, each step
+    slipping with probability ``recipe.slip_rate`` (:func:`draw_slips`, ``random.Random(recipe.seed)``).
+
+    Raises:
+        ValueError: the slip-free chain's final line disagrees with reasoning-gym's ground truth."""
+    import random
+
     import reasoning_gym
 
     from nemo_rl_spec.data.datasets import parse_generator
 
     name, settings = parse_generator(recipe.generator)
-    pairs = []
+    rng, pairs = random.Random(recipe.seed), []
     for item in reasoning_gym.create_dataset(name, size=recipe.sft_examples, seed=recipe.seed, **settings):
-        answer = chain_solution(item["metadata"]["expression"])
-        if not answer.endswith(f"\\boxed{{{item['answer']}}}"):
-            raise ValueError(f"chain {answer!r} disagrees with reasoning-gym's answer {item['answer']!r}")
-        pairs.append((item["question"], answer))
+        expression = item["metadata"]["expression"]
+        if not chain_solution(expression).endswith(f"\\boxed{{{item['answer']}}}"):
+            raise ValueError(f"chain of {expression!r} disagrees with reasoning-gym's answer {item['answer']!r}")
+        slips = draw_slips(len(expression.split()) // 2, recipe.slip_rate, rng)
+        pairs.append((item["question"], chain_solution(expression, slips)))
     return pairs
 
 

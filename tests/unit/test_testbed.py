@@ -11,7 +11,7 @@ import pytest
 from nemo_rl_spec.models import testbed as tb
 
 SMALL = dataclasses.replace(
-    tb.TESTBED, sft_examples=96, sft_steps=4, batch_size=8, warmup_steps=2,
+    tb.TESTBED, slip_rate=0.0, sft_examples=96, sft_steps=4, batch_size=8, warmup_steps=2,
     model=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=256, rms_norm_eps=1e-6))
 
@@ -23,6 +23,44 @@ def test_chain_solution_by_hand():
     for bad in ("4 * 2", "4 -", "4"):
         with pytest.raises(ValueError, match="not a chain sum"):
             tb.chain_solution(bad)
+
+
+def test_slipped_chain_by_hand():
+    assert tb.chain_solution("4 - 1 - 7", [1, 0]) == "4 - 1 = 4\n4 - 7 = -3\n\\boxed{-3}"
+    assert tb.chain_solution("4 - 1 - 7", [0, -1]) == "4 - 1 = 3\n3 - 7 = -5\n\\boxed{-5}"
+    assert tb.chain_solution("9 + 9", [0]) == tb.chain_solution("9 + 9")
+    with pytest.raises(ValueError, match="one entry per step"):
+        tb.chain_solution("4 - 1 - 7", [1])
+
+
+def test_slip_draws_follow_the_rate():
+    import random
+
+    rng = random.Random(7)
+    draws = [x for _ in range(4000) for x in tb.draw_slips(3, 0.3, rng)]
+    n = len(draws)
+    rate = sum(x != 0 for x in draws) / n
+    assert abs(rate - 0.3) < 4 * math.sqrt(0.3 * 0.7 / n)  # 4 standard errors
+    assert set(draws) == {-1, 0, 1} and abs(draws.count(1) - draws.count(-1)) < 4 * math.sqrt(0.3 * n)
+    assert tb.draw_slips(5, 0.0, random.Random(0)) == [0] * 5
+
+
+def test_slipped_corpus_answers_are_wrong_at_the_slip_rate():
+    from nemo_rl_spec.environments.math_env import score_response
+
+    import reasoning_gym
+
+    from nemo_rl_spec.data.datasets import parse_generator
+
+    r = dataclasses.replace(SMALL, slip_rate=0.3, sft_examples=400)
+    name, settings = parse_generator(r.generator)
+    items = list(reasoning_gym.create_dataset(name, size=r.sft_examples, seed=r.seed, **settings))
+    pairs = tb.sft_conversations(r)
+    right = [score_response(a, item["answer"], None) for (_, a), item in zip(pairs, items)]
+    # an independent expectation: a demonstration is right iff none of its steps slipped, P = 0.7 ** steps
+    expected = sum(0.7 ** (len(item["metadata"]["expression"].split()) // 2) for item in items)
+    assert abs(sum(right) - expected) < 4 * math.sqrt(expected * 0.5)
+    assert [q for q, _ in pairs] == [item["question"] for item in items]
 
 
 def test_corpus_answers_match_reasoning_gym_and_score_1():
