@@ -71,10 +71,12 @@ def first_mismatch(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> tu
 
 # ----------------------------------------------------------------------------------------------- checkpoints
 def _copy_tokenizer(src: Path, dst: Path) -> None:
-    for f in src.iterdir():
-        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "vocab.json", "merges.txt",
-                                                        "chat_template.jinja", "generation_config.json"):
-            shutil.copy2(f, dst / f.name)
+    """The tokenizer files (:data:`~nemo_rl_spec.models.hf_assets.TOKENIZER_FILES`) and generation config of ``src``."""
+    from nemo_rl_spec.models.hf_assets import copy_tokenizer_files
+
+    copy_tokenizer_files(src, dst)
+    if (src / "generation_config.json").is_file():
+        shutil.copy2(src / "generation_config.json", dst / "generation_config.json")
 
 
 def build_truncated_draft(target_dir: str | Path, out_dir: str | Path, num_layers: int = 1,
