@@ -3,6 +3,15 @@
 The math lives in :mod:`nemo_rl_spec.models.policy.occ` (the Megatron worker applies it inside its backward, and
 models must not import algorithms); this module re-exports it under its algorithmic name.
 """
-from nemo_rl_spec.models.policy.occ import MODES, MTPCoefficient, closed_form_lambda, occ_lambda, occ_proxies
+from nemo_rl_spec.models.policy.occ import (
+    MODES,
+    PROXIES,
+    MTPCoefficient,
+    closed_form_lambda,
+    logprob_delta_lambda,
+    occ_lambda,
+    occ_proxies,
+)
 
-__all__ = ["MODES", "MTPCoefficient", "closed_form_lambda", "occ_lambda", "occ_proxies"]
+__all__ = ["MODES", "PROXIES", "MTPCoefficient", "closed_form_lambda", "logprob_delta_lambda", "occ_lambda",
+           "occ_proxies"]

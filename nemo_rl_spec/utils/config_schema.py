@@ -9,6 +9,7 @@ Every model forbids unknown keys, so a misspelled key fails validation with its 
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
@@ -188,12 +189,23 @@ class MegatronConfig(_Strict):
     mtp_occ_lambda_max: Optional[float] = Field(default=None, ge=0.0)  # optional clamp of the OCC lambda_t
     # reference c, v2 from full parameter gradients (two extra trunk backwards per micro-batch; validation only)
     mtp_occ_reference: bool = False
+    # occ's proxy for c / v2: hidden-state gradients (this project's) or the paper's observed log-prob changes
+    # (RL-MTP; 0 on a step's first optimizer mini-batch); docs/occ.md section 3a
+    mtp_occ_proxy: Literal["hidden_grad", "logprob_delta"] = "hidden_grad"
     scheduler: Optional[SchedulerConfig] = None  # NeMo-RL parity; None: constant lr
 
     @model_validator(mode="after")
     def _scheduler(self) -> "MegatronConfig":
         if self.scheduler is not None:
             check_scheduler(self.scheduler, self.optimizer)
+        return self
+
+    @model_validator(mode="after")
+    def _occ_proxy_needs_occ(self) -> "MegatronConfig":
+        if self.mtp_occ_proxy != "hidden_grad" and (self.mtp_loss_mode != "occ" or self.mtp_num_layers < 1):
+            raise ValueError(f"policy.megatron_cfg.mtp_occ_proxy={self.mtp_occ_proxy!r} is OCC's coefficient proxy; "
+                             f"it needs mtp_loss_mode='occ' and mtp_num_layers >= 1 (got mtp_loss_mode="
+                             f"{self.mtp_loss_mode!r}, mtp_num_layers={self.mtp_num_layers})")
         return self
 
 
@@ -519,6 +531,20 @@ class MasterConfig(_Strict):
             raise ValueError(f"grpo.max_val_samples={g.max_val_samples} is not a multiple of grpo.val_batch_size="
                              f"{g.val_batch_size}: NeMo-RL validates whole batches only (max_val_samples // "
                              "val_batch_size of them); make it a multiple")
+        return self
+
+    @model_validator(mode="after")
+    def _logprob_delta_minibatches(self) -> "MasterConfig":
+        """``mtp_occ_proxy: logprob_delta`` is 0 on a step's first optimizer mini-batch; warn when the usual step
+        (num_prompts_per_step x num_generations_per_prompt rows) fits in one. A warning, not a refusal: a step's
+        rows are not fixed by these keys alone (pilot-commit budgets, dynamic sampling)."""
+        rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        gbs = self.policy.train_global_batch_size
+        if self.policy.megatron_cfg.mtp_occ_proxy == "logprob_delta" and gbs >= rows:
+            warnings.warn(f"policy.megatron_cfg.mtp_occ_proxy='logprob_delta' with policy.train_global_batch_size="
+                          f"{gbs} >= grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows}: one "
+                          "optimizer step per GRPO step, on which the observed log-prob change and so OCC's lambda "
+                          "are 0; set train_global_batch_size to a fraction of the rows", stacklevel=2)
         return self
 
     @model_validator(mode="after")

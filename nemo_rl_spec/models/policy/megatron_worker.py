@@ -43,7 +43,8 @@ sharded over DP, gradients reduce-scattered, parameters all-gathered), on CPU th
 
 MTP co-training (``megatron_cfg.mtp_num_layers`` > 0; docs/occ.md) also reads ``mtp_loss_mode`` (detach | ce |
 policy | occ), ``mtp_loss_scaling_factor`` (the fixed coefficient, or lambda_plus for occ), ``mtp_occ_eps``,
-``mtp_occ_lambda_max`` and ``mtp_occ_reference`` (also report c and v2 from full parameter gradients, to validate
+``mtp_occ_lambda_max``, ``mtp_occ_proxy`` (occ's lambda from hidden-state gradients, or the paper's observed
+log-prob changes) and ``mtp_occ_reference`` (also report c and v2 from full parameter gradients, to validate
 the proxies; costs two extra trunk backwards). The MTP block's parameters are kept out of Megatron's DDP buffer and
 optimizer and get their own torch AdamW (same hyper-parameters, own grad clipping), so the trunk's grad-norm
 clipping never sees them (needed for detach to leave the trunk bitwise unchanged); their gradients are summed over
@@ -78,7 +79,7 @@ from nemo_rl_spec.models.policy import mtp_loss as ml
 from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat, cuda_tensor_type_names
 from nemo_rl_spec.models.policy.dynamic_batching import MicroBatch, fixed_size_plan, select_rows, token_budget_plan
 from nemo_rl_spec.models.policy.interfaces import PolicyInterface
-from nemo_rl_spec.models.policy.occ import MTPCoefficient, occ_lambda, occ_proxies
+from nemo_rl_spec.models.policy.occ import MTPCoefficient, logprob_delta_lambda, occ_lambda, occ_proxies
 from nemo_rl_spec.models.policy.optimizer_state import (
     load_named_adam_state,
     named_adam_state,
@@ -188,6 +189,7 @@ class MegatronPolicyWorker(PolicyInterface):
         self.mtp_coef = MTPCoefficient(mcfg.mtp_loss_mode, mcfg.mtp_loss_scaling_factor, mcfg.mtp_occ_eps,
                                        mcfg.mtp_occ_lambda_max)
         self.mtp_occ_reference = mcfg.mtp_occ_reference
+        self.mtp_occ_proxy = mcfg.mtp_occ_proxy
         self.draft = self._online_draft(seed)
         self.step = 0
         self.weight_version = 0
@@ -449,7 +451,10 @@ class MegatronPolicyWorker(PolicyInterface):
              ``g_RL + lambda * dL_MTP/dh`` into the trunk (g_RL unchanged when lambda = 0).
           3. if lambda != 0: lambda * dL_MTP/dE and lambda * dL_MTP/dW into the embedding table / output weight.
         The trunk backward runs once; with lambda = 0 (detach) the trunk sees exactly the no-MTP gradients.
-        MTP loss per head: CE for detach / ce; the clipped PG loss (``loss_fn`` on the MTP log-probs, MTP mask,
+        With ``mtp_occ_proxy: logprob_delta`` the heads' lambda_k come from the forward's log-probs before step 1
+        (:meth:`_logprob_delta_lambdas`; lambda = sum_k lambda_k, or, when they differ, the copies' trunk-bound
+        gradients are those of sum_k lambda_k L_k from one extra MTP-block backward); the hook only applies it and
+        still reports c_hat / v2_hat. MTP loss per head: CE for detach / ce; the clipped PG loss (``loss_fn`` on the MTP log-probs, MTP mask,
         same advantages and ``prev_logprobs``) for policy / occ; heads averaged. Under TP, h and its gradients are
         full (replicated) on every TP rank, W and dL/dW are this rank's vocabulary rows.
         """
@@ -470,11 +475,17 @@ class MegatronPolicyWorker(PolicyInterface):
         curr = token_logprobs(main_logits, ids, mb["input_lengths"], temp, self.tp_group)
         rl_loss, metrics = self.loss_fn(curr, mb, global_toks, global_seqs)
         mtp_loss, stats = self._mtp_losses(mb, trunk, h_copy, w_copy, embed_copy, main_logits, global_seqs, global_mtp)
-        stats.update(c_hat=0.0, v2_hat=0.0, lam=0.0)  # the hook on h overwrites them
+        head_lams = self._logprob_delta_lambdas(curr, mb, stats["heads"])
+        stats.update(c_hat=0.0, v2_hat=0.0, lam=0.0 if head_lams is None else sum(head_lams))  # hook may overwrite
+        copies = [h_copy, w_copy, *(c for _, c in emb_pairs)]
+        # MTP-loss gradients of the copies meant for the trunk: per-head weighted when the heads' lambdas differ
+        per_head = self._per_head_trunk_grads(stats["heads"], head_lams, copies)
         self.optimizer.scale_loss(mtp_loss).backward()  # 1. MTP params + the detached copies
+        trunk_grads = [c.grad for c in copies] if per_head is None else per_head
+        coef = lambda: stats["lam"] if per_head is None else 1.0  # noqa: E731  (per_head is already weighted)
         if self.mtp_occ_reference:
             stats.update(self._occ_reference(rl_loss, [h, weight, *(o for o, _ in emb_pairs)],
-                                             [h_copy.grad, w_copy.grad, *(c.grad for _, c in emb_pairs)]))
+                                             [c.grad for c in copies]))
 
         valid = (torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < mb["input_lengths"].unsqueeze(1)).float()
         valid = (valid * mb["sample_mask"].float().unsqueeze(1)).t()  # [S, B] like h
@@ -482,18 +493,43 @@ class MegatronPolicyWorker(PolicyInterface):
 
         def combine(rl_grad_h):
             c_hat, v2_hat = occ_proxies(rl_grad_h, mtp_grad_h, valid)
-            stats.update(c_hat=float(c_hat), v2_hat=float(v2_hat), lam=self.mtp_coef(float(c_hat), float(v2_hat)))
-            return None if stats["lam"] == 0.0 else rl_grad_h + stats["lam"] * mtp_grad_h
+            lam_hidden = self.mtp_coef(float(c_hat), float(v2_hat))
+            stats.update(c_hat=float(c_hat), v2_hat=float(v2_hat), lam_hidden_grad=lam_hidden)
+            if head_lams is None:
+                stats["lam"] = lam_hidden
+            return None if stats["lam"] == 0.0 else rl_grad_h + coef() * trunk_grads[0]
 
         h.register_hook(combine)
         self.optimizer.scale_loss(rl_loss).backward()  # 2. main head + trunk (hook adds lambda * MTP part)
         if stats["lam"] != 0.0:  # 3. shared embedding table / output weight
-            shared = [(weight, w_copy.grad)] + [(o, c.grad) for o, c in emb_pairs if c.grad is not None]
-            torch.autograd.backward([t for t, _ in shared], [stats["lam"] * g for _, g in shared])
+            shared = [(o, g) for o, g in zip([weight, *(o for o, _ in emb_pairs)], trunk_grads[1:]) if g is not None]
+            torch.autograd.backward([t for t, _ in shared], [coef() * g for _, g in shared])
         mask = mb["token_mask"].float() * mb["sample_mask"].float().unsqueeze(1)
         stats["delta_abs_sum"] = float(((curr.detach() - mb["prev_logprobs"]).abs() * mask).sum())
         stats["num_valid_tokens"] = float(mask.sum())
         return rl_loss, metrics, stats
+
+    def _logprob_delta_lambdas(self, curr: torch.Tensor, mb: TrainDatumSpec, heads: list[dict]) -> list[float] | None:
+        """Per-head lambda_k of the paper's proxy (``mtp_occ_proxy: logprob_delta``, :func:`logprob_delta_lambda`)
+        from the main head's current log-probs ``curr`` [B, S], the heads' ``lp`` / ``valid`` [B, S] and
+        ``prev_logprobs``; None for the hidden-state proxy or another mode. Pops the heads' tensors either way."""
+        tensors = [(head.pop("lp"), head.pop("valid")) for head in heads]
+        if self.mtp_coef.mode != "occ" or self.mtp_occ_proxy != "logprob_delta":
+            return None
+        coef, prev = self.mtp_coef, mb["prev_logprobs"]
+        return [logprob_delta_lambda(lp, curr.detach(), prev, valid, coef.scaling_factor, len(heads), coef.eps,
+                                     coef.lambda_max) for lp, valid in tensors]
+
+    def _per_head_trunk_grads(self, heads: list[dict], head_lams: list[float] | None,
+                              copies: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+        """``d(sum_k lambda_k * L_k) / d copies`` (L_k head k's loss, un-averaged) when the heads' lambdas differ, else
+        None (then ``sum_k lambda_k`` times the head-averaged gradient is the same thing). One extra backward through
+        the MTP block; pops the heads' loss tensors."""
+        losses = [head.pop("loss_t") for head in heads]
+        if head_lams is None or all(lam == head_lams[0] for lam in head_lams):
+            return None
+        weighted = self.optimizer.scale_loss(sum(lam * loss for lam, loss in zip(head_lams, losses)))
+        return list(torch.autograd.grad(weighted, copies, retain_graph=True, allow_unused=True))
 
     def _occ_reference(self, rl_loss: torch.Tensor, shared_outputs: list[torch.Tensor],
                        mtp_grads: list[torch.Tensor | None]) -> dict[str, float]:
@@ -551,7 +587,7 @@ class MegatronPolicyWorker(PolicyInterface):
             total = total + head_loss / k_heads
             agree, count = ml.mtp_acceptance_counts(logits.detach(), main_logits.detach(), valid, k, self.tp_group)
             stats["heads"].append({"loss": float(head_loss.detach()), "ce": float(ce.detach()), "agree": agree,
-                                   "count": count})
+                                   "count": count, "loss_t": head_loss, "lp": lp.detach(), "valid": valid})
         return total, stats
 
     _REFERENCE_KEYS = ("c_ref", "v2_ref", "c_ref_decoder", "v2_ref_decoder")
@@ -563,6 +599,8 @@ class MegatronPolicyWorker(PolicyInterface):
                 "toks": sum(s["num_valid_tokens"] for s in mtp_stats),
                 "c_hat": sum(s["c_hat"] for s in mtp_stats), "v2_hat": sum(s["v2_hat"] for s in mtp_stats),
                 "delta_abs_sum": sum(s["delta_abs_sum"] for s in mtp_stats)}
+        if self.mtp_occ_proxy == "logprob_delta":  # the hidden-state rule on the same micro-batches, not applied
+            sums["lam_hidden_grad_toks"] = sum(s["lam_hidden_grad"] * s["num_valid_tokens"] for s in mtp_stats)
         if self.mtp_occ_reference:
             sums.update({k: sum(s[k] for s in mtp_stats) for k in self._REFERENCE_KEYS})
             sums["lam_ref_toks"] = sum(s["lam_ref"] * s["num_valid_tokens"] for s in mtp_stats)
@@ -575,7 +613,9 @@ class MegatronPolicyWorker(PolicyInterface):
         """Sum the MTP gradients over DP, clip (TP-aware norm) and apply the MTP AdamW step; combine the
         micro-batch stats of all DP ranks into ``mtp/*`` metrics.
 
-        ``mtp/lambda`` is the valid-token-weighted mean of the micro-batch coefficients (one per micro-batch);
+        ``mtp/lambda`` is the valid-token-weighted mean of the micro-batch coefficients (one per micro-batch; with
+        ``mtp_occ_proxy: logprob_delta`` the sum over heads of lambda_k, and ``mtp/lambda_hidden_grad`` the
+        hidden-state rule on the same micro-batches, for comparison, not applied);
         ``mtp/c_hat`` and ``mtp/v2_hat`` (and the reference ``mtp/c_ref``, ``mtp/v2_ref``, ``mtp/c_ref_decoder``,
         ``mtp/v2_ref_decoder``) are sums over micro-batches, ``mtp/lambda_ref`` is weighted like ``mtp/lambda``;
         ``mtp/loss_<k>`` and ``mtp/ce_<k>`` are sums of globally normalised micro-batch values; ``mtp/acceptance_<k>``
@@ -590,6 +630,8 @@ class MegatronPolicyWorker(PolicyInterface):
         toks = max(total["toks"], 1.0)
         out = {"mtp/lambda": total["lam_toks"] / toks, "mtp/c_hat": total["c_hat"], "mtp/v2_hat": total["v2_hat"],
                "mtp/grad_norm": float(mtp_grad_norm), "mtp/delta_abs_mean": total["delta_abs_sum"] / toks}
+        if self.mtp_occ_proxy == "logprob_delta":
+            out["mtp/lambda_hidden_grad"] = total["lam_hidden_grad_toks"] / toks
         if self.mtp_occ_reference:
             out.update({f"mtp/{k}": total[k] for k in self._REFERENCE_KEYS})
             out["mtp/lambda_ref"] = total["lam_ref_toks"] / toks

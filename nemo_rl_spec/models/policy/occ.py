@@ -30,6 +30,10 @@ Zero delta. In the sync driver every ``train`` call is one optimizer step on fre
 so the observed ``delta = curr - prev`` is exactly 0 on every (first, on-policy) minibatch. The proxies never
 divide by delta: at delta = 0 the PG loss has ratio 1 and no clipping, dL_RL/dh is the on-policy gradient and
 lambda_t is finite; lambda_t = 0 exactly when c_hat <= 0 (e.g. all advantages 0, or v2_hat = 0 with c_hat = 0).
+
+The paper's own proxy, from observed log-prob changes (``policy.megatron_cfg.mtp_occ_proxy: logprob_delta``), is
+:func:`logprob_delta_lambda`; it is 0 on the first mini-batch of a step and needs several optimizer mini-batches
+per GRPO step (``policy.train_global_batch_size`` below the step's rows) to be anything else.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("detach", "ce", "policy", "occ")
+PROXIES = ("hidden_grad", "logprob_delta")  # ``policy.megatron_cfg.mtp_occ_proxy`` (docs/occ.md section 3a)
 
 
 def occ_proxies(rl_hidden_grad: torch.Tensor, mtp_hidden_grad: torch.Tensor,
@@ -73,6 +78,47 @@ def occ_lambda(c_hat: float, v2_hat: float, lambda_plus: float, eps: float,
                          f"{v2_hat}, {lambda_max}")
     lam = lambda_plus * max(float(c_hat), 0.0) / (float(v2_hat) + eps)
     return lam if lambda_max is None else min(lam, lambda_max)
+
+
+def logprob_delta_lambda(mtp_logprobs: torch.Tensor, logprobs: torch.Tensor, prev_logprobs: torch.Tensor,
+                         valid: torch.Tensor, lambda_plus: float, num_heads: int, eps: float,
+                         lambda_max: float | None = None) -> float:
+    """The paper's published OCC proxy for MTP head k (RL-MTP reference implementation; docs/occ.md section 3a).
+
+    With ``d_mtp = mtp_logprobs - prev_logprobs`` and ``d = logprobs - prev_logprobs`` (all log-probs of the same
+    target token ``input_ids[b, s]``; ``prev_logprobs`` the main head's at the start of the GRPO step, as in the
+    reference, which subtracts the main head's old log-prob from both heads):
+
+        m_k      = sum_{valid} d_mtp * d / (d_mtp^2 + eps) / sum(valid)        (0 without valid tokens)
+        lambda_k = min(lambda_plus * max(m_k, 0), lambda_max) / num_heads
+
+    ``lambda_k`` multiplies head k's (un-averaged) MTP loss gradient in the trunk update; the coefficient of the
+    head-averaged gradient is ``sum_k lambda_k``. The reference takes ``max(., 0)`` nowhere and clamps nowhere; here
+    lambda >= 0 as in OCC's rule (a negative coefficient trains the trunk against the MTP head) and ``lambda_max``
+    bounds ``num_heads * lambda_k``. On the first (on-policy) mini-batch of a step ``d = 0`` and lambda_k = 0 (up
+    to the ~1e-7 recomputation noise of ``logprobs``).
+
+    Shape: mtp_logprobs, logprobs, prev_logprobs, valid [B, S] (valid 1 on the head's MTP targets, else 0) ->
+    float (float64 accumulation), dimensionless.
+
+    Raises:
+        ValueError: shapes disagree, lambda_plus < 0, num_heads < 1, eps <= 0 or lambda_max < 0.
+    """
+    if not mtp_logprobs.shape == logprobs.shape == prev_logprobs.shape == valid.shape:
+        raise ValueError(f"shapes {tuple(mtp_logprobs.shape)}, {tuple(logprobs.shape)}, {tuple(prev_logprobs.shape)}, "
+                         f"valid {tuple(valid.shape)} disagree")
+    if lambda_plus < 0 or num_heads < 1 or eps <= 0 or (lambda_max is not None and lambda_max < 0):
+        raise ValueError(f"need lambda_plus >= 0, num_heads >= 1, eps > 0, lambda_max >= 0; got {lambda_plus}, "
+                         f"{num_heads}, {eps}, {lambda_max}")
+    weight = valid.to(torch.float64)
+    count = float(weight.sum())
+    if count == 0.0:
+        return 0.0
+    old = prev_logprobs.to(torch.float64)
+    d_mtp, d = mtp_logprobs.to(torch.float64) - old, logprobs.to(torch.float64) - old
+    mean = float((weight * d_mtp * d / (d_mtp * d_mtp + eps)).sum()) / count
+    lam = lambda_plus * max(mean, 0.0)
+    return (lam if lambda_max is None else min(lam, lambda_max)) / num_heads
 
 
 def closed_form_lambda(c: float, v2: float, smoothness: float, lr: float) -> float:
