@@ -6,7 +6,10 @@
 ``--steps 0 --overhead-repeats N`` only times ``train()`` per mode in one process (the overhead check);
 ``--proxy-steps N`` runs N occ+ref steps of one worker on random batches with random advantages and writes
 ``proxy_validation_random_batches`` (in a recipe whose model never earns reward every advantage, c and v2 are 0).
-Mode ``occ+ref`` is occ with ``mtp_occ_reference`` on: every step also reports c and v2 from full parameter
+Mode flags: ``+lpd`` selects the paper's proxy (``policy.megatron_cfg.mtp_occ_proxy=logprob_delta``, docs/occ.md
+section 3a; give ``policy.train_global_batch_size`` below the step's rows, or its lambda is 0), e.g. ``occ+lpd`` or
+``occ+lpd+ref`` (its proxy validation is written as ``proxy_validation_occ+lpd+ref``). Mode ``occ+ref`` is occ with
+``mtp_occ_reference`` on: every step also reports c and v2 from full parameter
 gradients, and the JSON gets ``proxy_validation`` (correlation of the proxies with them over steps and seeds) and,
 with ``--overhead-repeats``, the reference's cost as ``occ+ref`` vs ``occ`` train() time.
 
@@ -39,16 +42,28 @@ from pathlib import Path
 SERIES = {"reward": "train/reward", "lambda": "train/mtp/lambda", "c_hat": "train/mtp/c_hat",
           "v2_hat": "train/mtp/v2_hat", "mtp_ce": "train/mtp/ce_0", "mtp_acceptance": "train/mtp/acceptance",
           "c_ref": "train/mtp/c_ref", "v2_ref": "train/mtp/v2_ref", "lambda_ref": "train/mtp/lambda_ref",
-          "c_ref_decoder": "train/mtp/c_ref_decoder", "v2_ref_decoder": "train/mtp/v2_ref_decoder"}
+          "c_ref_decoder": "train/mtp/c_ref_decoder", "v2_ref_decoder": "train/mtp/v2_ref_decoder",
+          "lambda_hidden_grad": "train/mtp/lambda_hidden_grad"}
 PROXY_SERIES = ("c_hat", "c_ref", "v2_hat", "v2_ref", "lambda", "lambda_ref", "c_ref_decoder", "v2_ref_decoder")
 REFERENCE = "+ref"  # mode suffix: also compute the full-gradient reference (policy.megatron_cfg.mtp_occ_reference)
+FLAGS = {"ref": "mtp_occ_reference", "lpd": "mtp_occ_proxy"}  # mode flags -> policy.megatron_cfg keys
+
+
+def parse_mode(mode: str) -> tuple[str, bool, str]:
+    """``occ+lpd+ref`` -> (loss mode "occ", reference on, proxy "logprob_delta"); plain ``occ`` -> ("occ", False,
+    "hidden_grad"). Raises ValueError for an unknown flag."""
+    base, *flags = mode.split("+")
+    if set(flags) - set(FLAGS):
+        raise ValueError(f"mode {mode!r}: unknown flag(s) {sorted(set(flags) - set(FLAGS))}; known: {sorted(FLAGS)}")
+    return base, "ref" in flags, "logprob_delta" if "lpd" in flags else "hidden_grad"
 
 
 def mode_overrides(mode: str) -> list[str]:
-    """``occ`` -> the loss mode; ``occ+ref`` -> the loss mode plus the full-gradient reference."""
-    base = mode.removesuffix(REFERENCE)
+    """``occ`` -> the loss mode; ``+ref`` adds the full-gradient reference, ``+lpd`` the paper's proxy."""
+    base, reference, proxy = parse_mode(mode)
     return [f"policy.megatron_cfg.mtp_loss_mode={base}"] + \
-        (["+policy.megatron_cfg.mtp_occ_reference=true"] if mode.endswith(REFERENCE) else [])
+        (["+policy.megatron_cfg.mtp_occ_reference=true"] if reference else []) + \
+        ([f"+policy.megatron_cfg.mtp_occ_proxy={proxy}"] if proxy != "hidden_grad" else [])
 
 
 def run_one(config: str, mode: str, seed: int, steps: int, extra: list[str], log_dir: Path) -> list[dict]:
@@ -134,8 +149,9 @@ def _workers(config: str, modes: list[str], extra: list[str]) -> dict:
     workers = {}
     for mode in modes:
         pcfg = cfg.policy.model_copy(deep=True)
-        pcfg.megatron_cfg.mtp_loss_mode = mode.removesuffix(REFERENCE)
-        pcfg.megatron_cfg.mtp_occ_reference = mode.endswith(REFERENCE)
+        base, reference, proxy = parse_mode(mode)
+        pcfg.megatron_cfg.mtp_loss_mode, pcfg.megatron_cfg.mtp_occ_reference = base, reference
+        pcfg.megatron_cfg.mtp_occ_proxy = proxy
         workers[mode] = MegatronPolicyWorker(pcfg, ClippedPGLossFn(cfg.loss_fn.model_dump()), path, seed=0)
     return workers
 
@@ -228,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     if "occ" + REFERENCE in runs:
         result["proxy_validation"] = proxy_validation(runs["occ" + REFERENCE])
         print("proxy validation:", json.dumps(result["proxy_validation"]), flush=True)
+    for mode in [m for m in runs if m != "occ" + REFERENCE and parse_mode(m)[1]]:
+        result[f"proxy_validation_{mode}"] = proxy_validation(runs[mode])
+        print(f"proxy validation {mode}:", json.dumps(result[f"proxy_validation_{mode}"]), flush=True)
     if "occ" in runs and "detach" in runs:
         mean = lambda mode, key: sum(s[key] for s in runs[mode].values()) / len(runs[mode])  # noqa: E731
         result["overhead"] = {f"occ_vs_detach_{k}": mean("occ", f"{k}_s") / mean("detach", f"{k}_s")
