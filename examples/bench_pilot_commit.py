@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from nemo_rl_spec.utils.bench_runs import ROOT, read_metrics, run_grpo_subprocess
+
 METHODS = {
     "uniform": [],
     "dapo": ["grpo.dynamic_sampling.enabled=true"],
@@ -57,10 +54,6 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
 def curve(records: list[dict]) -> list[tuple[int, float, float]]:
     """(step, cumulative rollouts, validation accuracy) of every validated step (step 0: no rollouts yet)."""
     cum, out = 0.0, []
@@ -79,26 +72,10 @@ def rollouts_to(points: list[tuple[int, float, float]], target: float) -> float 
 def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> dict:
     """Run one (method, seed) subprocess unless ``--reuse`` finds it complete; returns its record."""
     metrics = run_dir / "logs" / "metrics.jsonl"
-    info_path = run_dir / "run.json"
-    if args.reuse and info_path.is_file() and json.loads(info_path.read_text()).get("returncode") == 0:
-        info = json.loads(info_path.read_text())
-    else:
-        shutil.rmtree(run_dir, ignore_errors=True)
-        run_dir.mkdir(parents=True)
-        cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", args.config, *METHODS[method],
-               f"grpo.seed={seed}", f"logger.log_dir={run_dir}/logs", f"checkpointing.checkpoint_dir={run_dir}/ckpt",
-               "logger.progress_bar=false", *([f"grpo.max_num_steps={args.steps}"] if args.steps else []), *extra]
-        print(f"[bench] {method} seed {seed}: {' '.join(cmd[2:])}", flush=True)
-        t0 = time.time()
-        with open(run_dir / "stdout.log", "w") as log:
-            try:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        info = {"command": cmd, "returncode": rc, "wall_s": round(time.time() - t0, 1)}
-        info_path.write_text(json.dumps(info, indent=1))
-        print(f"[bench] {method} seed {seed}: rc={rc} in {info['wall_s']:.0f} s", flush=True)
+    overrides = [*METHODS[method], f"grpo.seed={seed}", *([f"grpo.max_num_steps={args.steps}"] if args.steps else []),
+                 *extra]
+    info = run_grpo_subprocess(args.config, overrides, run_dir, label=f"{method} seed {seed}",
+                               timeout_s=args.run_timeout, reuse=args.reuse)
     records = read_metrics(metrics)
     steps = [r for r in records if r["step"] > 0]
     mean = lambda key: statistics.fmean(r[key] for r in steps if key in r) if any(key in r for r in steps) else None  # noqa: E731

@@ -1,0 +1,130 @@
+"""Does a recipe learn? Held-out validation accuracy before and after GRPO, over seeds, with an interval.
+
+``python examples/bench_learning.py --out docs/learning_smollm2.json [--config RECIPE] [--seeds 42 1 2]
+[--reuse] [key=value ...]``
+
+Each seed is one subprocess of ``examples/run_grpo.py`` (the same command ``make run`` runs, plus
+``grpo.seed=S`` and its own log dir ``<out stem>_runs/seed<S>/``); extra ``key=value`` arguments go to every run.
+``--reuse`` keeps seeds whose run finished (their ``run.json`` says return code 0), so an interrupted benchmark
+resumes. Per seed: validation accuracy at step 0 and at the last step, the gain, the mean ``train/reward`` of the
+first and last third of the steps, seconds per step. Over seeds: mean gain and a percentile-bootstrap 90% interval
+(``nemo_rl_spec.utils.bench_runs.bootstrap_interval``). Writes ``--out`` (JSON), ``<out stem>.png`` (every seed's
+``train/reward`` and ``validation/accuracy`` against step, the README's ``training_curves.png``) and a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from nemo_rl_spec.utils.bench_runs import bootstrap_interval, read_metrics, run_grpo_subprocess
+
+ACC, REWARD = "validation/accuracy", "train/reward"
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="result JSON (the plot is written next to it as <stem>.png)")
+    p.add_argument("--config", default="configs/grpo_math_smollm2_135m.yaml", help="recipe")
+    p.add_argument("--seeds", nargs="+", type=int, default=[42, 1, 2], help="grpo.seed of each run (42: make run's)")
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
+    p.add_argument("--reuse", action="store_true", help="skip seeds whose run finished (resume / re-analysis)")
+    return p.parse_known_args(argv)
+
+
+def third_means(values: list[float]) -> tuple[float | None, float | None]:
+    """Mean of the first and of the last ceil(n/3) values (None, None when empty)."""
+    if not values:
+        return None, None
+    k = -(-len(values) // 3)
+    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
+
+
+def seed_summary(records: list[dict]) -> dict:
+    """Start/final validation accuracy, gain, reward trend and step time of one run's ``metrics.jsonl`` records."""
+    val = [(int(r["step"]), float(r[ACC])) for r in records if ACC in r]
+    steps = [r for r in records if r["step"] > 0 and REWARD in r]
+    first, last = third_means([float(r[REWARD]) for r in steps])
+    start = val[0][1] if val and val[0][0] == 0 else None
+    final = val[-1][1] if val and val[-1][0] > 0 else None
+    times = [r["timing/train/total_step_time"] for r in steps if "timing/train/total_step_time" in r]
+    return {"validation": val, "start_accuracy": start, "final_accuracy": final,
+            "gain": None if start is None or final is None else final - start,
+            "train_reward": [float(r[REWARD]) for r in steps], "reward_first_third": first, "reward_last_third": last,
+            "steps_run": len(steps), "mean_step_time_s": statistics.fmean(times) if times else None}
+
+
+def summarize(per_seed: dict[str, dict]) -> dict:
+    """Mean gain over the seeds that finished, its bootstrap 90% interval, and the per-seed summaries."""
+    gains = [s["gain"] for s in per_seed.values() if s["gain"] is not None]
+    trend = [s["reward_last_third"] - s["reward_first_third"] for s in per_seed.values()
+             if s["reward_first_third"] is not None]
+    return {"mean_gain": statistics.fmean(gains) if gains else None, "gain_interval_90": bootstrap_interval(gains),
+            "mean_reward_trend": statistics.fmean(trend) if trend else None, "seeds": per_seed}
+
+
+def plot(per_seed: dict[str, dict], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (seed, s) in enumerate(per_seed.items()):
+        color = f"C{i}"
+        ax.plot(range(1, len(s["train_reward"]) + 1), s["train_reward"], "-", color=color, alpha=0.5,
+                label=f"train/reward seed {seed}")
+        if s["validation"]:
+            ax.plot(*zip(*s["validation"]), "--s", color=color, label=f"held-out accuracy seed {seed}")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("reward / accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def table(result: dict) -> str:
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    lines = [f"{'seed':>5}{'start':>8}{'final':>8}{'gain':>8}{'reward 1st/3':>14}{'last/3':>8}{'steps':>6}{'s/step':>8}"]
+    for seed, s in result["seeds"].items():
+        lines.append(f"{seed:>5}{fmt(s['start_accuracy']):>8}{fmt(s['final_accuracy']):>8}{fmt(s['gain']):>8}"
+                     f"{fmt(s['reward_first_third']):>14}{fmt(s['reward_last_third']):>8}{s['steps_run']:>6}"
+                     f"{fmt(s['mean_step_time_s']):>8}")
+    ci = result["gain_interval_90"]
+    lines.append(f"mean gain {fmt(result['mean_gain'])}, bootstrap 90% interval "
+                 f"{'-' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'}; mean reward trend (last - first third) "
+                 f"{fmt(result['mean_reward_trend'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args, extra = parse_args(argv)
+    out = Path(args.out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.with_name(out.stem + "_runs")
+    from nemo_rl_spec.utils.config import load_config  # fail fast on a bad recipe / override, before any run
+
+    load_config(args.config, extra)
+    t0, per_seed, infos = time.time(), {}, {}
+    for seed in args.seeds:
+        run_dir = work / f"seed{seed}"
+        infos[str(seed)] = run_grpo_subprocess(args.config, [f"grpo.seed={seed}", *extra], run_dir,
+                                               label=f"seed {seed}", timeout_s=args.run_timeout, reuse=args.reuse)
+        per_seed[str(seed)] = {**seed_summary(read_metrics(run_dir / "logs" / "metrics.jsonl")),
+                               "returncode": infos[str(seed)]["returncode"], "wall_s": infos[str(seed)]["wall_s"]}
+        result = {**summarize(per_seed), "meta": {"config": args.config, "overrides": extra, "seeds": args.seeds,
+                                                 "total_wall_s": round(time.time() - t0)}}
+        out.write_text(json.dumps(result, indent=1))
+    plot(per_seed, out.with_suffix(".png"))
+    print(table(result))
+    print(json.dumps({"json": str(out), "plot": str(out.with_suffix(".png"))}))
+    return 0 if all(i["returncode"] == 0 for i in infos.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
