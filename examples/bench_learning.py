@@ -1,12 +1,12 @@
 """Does a recipe learn? Held-out validation accuracy before and after GRPO, over seeds, with an interval.
 
-``python examples/bench_learning.py --out docs/learning_smollm2.json [--config RECIPE] [--seeds 42 1 2]
-[--reuse] [key=value ...]``
+``python examples/bench_learning.py --out docs/training_curves.json [--config RECIPE] [--seeds 42 1 2]
+[--work-dir DIR] [--reuse] [key=value ...]``
 
 Each seed is one subprocess of ``examples/run_grpo.py`` (the same command ``make run`` runs, plus
-``grpo.seed=S`` and its own log dir ``<out stem>_runs/seed<S>/``); extra ``key=value`` arguments go to every run.
-``--reuse`` keeps seeds whose run finished (their ``run.json`` says return code 0), so an interrupted benchmark
-resumes. Per seed: validation accuracy at step 0 and at the last step, the gain, the mean ``train/reward`` of the
+``grpo.seed=S`` and its own run dir ``--work-dir/seed<S>/``, default ``<out stem>_runs/``); extra ``key=value``
+arguments go to every run. ``--reuse`` keeps seeds whose run finished (their ``run.json`` says return code 0), so an
+interrupted benchmark resumes. Per seed: validation accuracy at step 0 and at the last step, the gain, the mean ``train/reward`` of the
 first and last third of the steps, seconds per step. Over seeds: mean gain and a percentile-bootstrap 90% interval
 (``nemo_rl_spec.utils.bench_runs.bootstrap_interval``). Writes ``--out`` (JSON), ``<out stem>.png`` (every seed's
 ``train/reward`` and ``validation/accuracy`` against step, the README's ``training_curves.png``) and a table.
@@ -30,6 +30,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", required=True, help="result JSON (the plot is written next to it as <stem>.png)")
     p.add_argument("--config", default="configs/grpo_math_smollm2_135m.yaml", help="recipe")
     p.add_argument("--seeds", nargs="+", type=int, default=[42, 1, 2], help="grpo.seed of each run (42: make run's)")
+    p.add_argument("--work-dir", default=None, help="per-seed run dirs (default: <out stem>_runs/ next to --out)")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     p.add_argument("--reuse", action="store_true", help="skip seeds whose run finished (resume / re-analysis)")
     return p.parse_known_args(argv)
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
     args, extra = parse_args(argv)
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = out.with_name(out.stem + "_runs")
+    work = Path(args.work_dir).resolve() if args.work_dir else out.with_name(out.stem + "_runs")
     from nemo_rl_spec.utils.config import load_config  # fail fast on a bad recipe / override, before any run
 
     load_config(args.config, extra)
