@@ -99,7 +99,8 @@ def test_lambda_zero_then_equal_to_independent_recomputation(model_dir):
 def test_two_heads_trunk_gradient_is_rl_plus_weighted_heads(model_dir):
     worker = _worker(model_dir, heads=2)
     data = fm.on_policy(worker, fm.train_batch(seed=20))  # mean terms on the second mini-batch: 0.70, 0.22
-    first, second = ({k: v[a:b] if isinstance(v, torch.Tensor) else v for k, v in data.items()} for a, b in ((0, 2), (2, 4)))
+    first, second = ({k: v[a:b] if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+                     for a, b in ((0, 2), (2, 4)))
     worker.train(first)  # moves the weights: the second mini-batch sees delta != 0
     lams = _expected_lambdas(worker.module, second)
     assert all(lam > 0 for lam in lams) and lams[0] != pytest.approx(lams[1], rel=1e-3), lams

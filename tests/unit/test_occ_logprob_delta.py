@@ -71,7 +71,8 @@ def test_config_selects_and_refuses():
             load_config(RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta",
                                  f"policy.megatron_cfg.mtp_loss_mode={mode}"])
     with pytest.raises(ConfigError, match="mtp_occ_proxy"):
-        load_config(RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta", "policy.megatron_cfg.mtp_num_layers=0"])
+        load_config(RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta",
+                             "policy.megatron_cfg.mtp_num_layers=0"])
     # one optimizer mini-batch per step (8 rows, train_global_batch_size 8): lambda is 0 on every step -> warned
     with pytest.warns(UserWarning, match="train_global_batch_size=8"):
         load_config(RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta"])

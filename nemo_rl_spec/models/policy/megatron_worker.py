@@ -454,7 +454,8 @@ class MegatronPolicyWorker(PolicyInterface):
         With ``mtp_occ_proxy: logprob_delta`` the heads' lambda_k come from the forward's log-probs before step 1
         (:meth:`_logprob_delta_lambdas`; lambda = sum_k lambda_k, or, when they differ, the copies' trunk-bound
         gradients are those of sum_k lambda_k L_k from one extra MTP-block backward); the hook only applies it and
-        still reports c_hat / v2_hat. MTP loss per head: CE for detach / ce; the clipped PG loss (``loss_fn`` on the MTP log-probs, MTP mask,
+        still reports c_hat / v2_hat.
+        MTP loss per head: CE for detach / ce; the clipped PG loss (``loss_fn`` on the MTP log-probs, MTP mask,
         same advantages and ``prev_logprobs``) for policy / occ; heads averaged. Under TP, h and its gradients are
         full (replicated) on every TP rank, W and dL/dW are this rank's vocabulary rows.
         """
