@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_rl_spec.utils.bench_runs import bootstrap_interval, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.bench_runs import bootstrap_interval, finish_plot, read_metrics, run_grpo_subprocess
 
 ACC, REWARD = "validation/accuracy", "train/reward"
 
@@ -80,13 +80,7 @@ def plot(per_seed: dict[str, dict], png: Path) -> None:
                 label=f"train/reward seed {seed}")
         if s["validation"]:
             ax.plot(*zip(*s["validation"]), "--s", color=color, label=f"held-out accuracy seed {seed}")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("reward / accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    finish_plot(fig, ax, png, "GRPO step", "reward / accuracy")
 
 
 def table(result: dict) -> str:

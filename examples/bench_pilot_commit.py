@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_rl_spec.utils.bench_runs import ROOT, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.bench_runs import ROOT, finish_plot, read_metrics, run_grpo_subprocess
 
 METHODS = {
     "uniform": [],
@@ -139,13 +139,7 @@ def plot(result: dict, png: Path) -> None:
                 ax.plot(xs, ys, styles[i % len(styles)], color=colors.get(m), label=f"{m} seed {s}", alpha=0.85)
     if result["target_accuracy"] is not None:
         ax.axhline(result["target_accuracy"], color="gray", lw=1, ls="--", label="target")
-    ax.set_xlabel("cumulative rollouts")
-    ax.set_ylabel("validation accuracy (greedy)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    finish_plot(fig, ax, png, "cumulative rollouts", "validation accuracy (greedy)")
 
 
 def table(result: dict) -> str:

@@ -74,3 +74,16 @@ def bootstrap_interval(values: list[float], *, level: float = 0.9, resamples: in
     lo_idx = int((1.0 - level) / 2.0 * resamples)
     hi_idx = min(resamples - 1, int((1.0 + level) / 2.0 * resamples))
     return means[lo_idx], means[hi_idx]
+
+
+def finish_plot(fig, ax, png: Path, xlabel: str, ylabel: str) -> None:
+    """Label, grid and legend ``ax`` (a matplotlib Axes), write ``fig`` to ``png`` (110 dpi) and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)

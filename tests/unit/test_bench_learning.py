@@ -42,3 +42,18 @@ def test_seed_summary_and_mean_gain_by_hand():
     result = bench.summarize({"0": s, "1": {**s, "gain": 0.05}, "2": no_final})
     assert result["mean_gain"] == pytest.approx(0.15)  # seeds without a final validation are left out
     assert result["mean_reward_trend"] == pytest.approx(0.6 - 0.2)
+
+
+def test_plots_the_committed_result(tmp_path):
+    """docs/training_curves.json (the README's numbers) re-summarises to its own mean gain and plots."""
+    import json
+    from pathlib import Path
+
+    bench = load_example("bench_learning")
+    saved = json.loads((Path(__file__).resolve().parents[2] / "docs" / "training_curves.json").read_text())
+    seeds = {s: {k: v for k, v in r.items() if k not in ("returncode", "wall_s")} for s, r in saved["seeds"].items()}
+    assert bench.summarize(seeds)["mean_gain"] == pytest.approx(saved["mean_gain"], abs=1e-12)
+    for s in seeds.values():
+        assert s["gain"] == pytest.approx(s["final_accuracy"] - s["start_accuracy"], abs=1e-12)
+    bench.plot(seeds, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
