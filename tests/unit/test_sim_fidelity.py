@@ -207,7 +207,11 @@ def test_cli_fidelity_writes_report(tmp_path, capsys):
     path = tmp_path / "ar.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in synthetic_run(scn, [100, 70, 90, 130, 60])))
     out = tmp_path / "fid.json"
-    assert run_sim_main()(["fidelity", "--metrics", str(path), "--out", str(out)]) == 0
+    w = scn.workload  # the recipe of the synthetic run: the scenario's sizes (the default recipe's may differ)
+    sizes = [f"grpo.num_prompts_per_step={w.num_prompts}", f"grpo.num_generations_per_prompt={w.generations_per_prompt}",
+             f"policy.generation.max_new_tokens={w.response.max_tokens}"]
+    overrides = [arg for size in sizes for arg in ("--override", size)]
+    assert run_sim_main()(["fidelity", "--metrics", str(path), "--out", str(out), *overrides]) == 0
     rep = json.loads(out.read_text())
     assert rep["fit"]["steps"] == [2, 3] and rep["ar_holdout"]["steps"] == [4, 5]
     assert abs(rep["ar_holdout"]["phases"]["generation"]["error"]) < 1e-9
