@@ -17,12 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+from nemo_rl_spec.utils import logger
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Records of a ``metrics.jsonl`` (empty when the file does not exist)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """Records of a ``metrics.jsonl`` (:func:`nemo_rl_spec.utils.logger.read_metrics`); empty when a run wrote none."""
+    return logger.read_metrics(path) if path.is_file() else []
 
 
 def run_grpo_subprocess(config: str, overrides: list[str], run_dir: Path, *, label: str, timeout_s: float,
