@@ -3,8 +3,10 @@
 ``python examples/bench_sync_vs_async.py --out bench.json [--config configs/grpo_math_tiny.yaml] [--steps 8]``
 ``python examples/bench_sync_vs_async.py --merge first.json rerun.json --out bench.json`` (combine re-run modes)
 
-Runs {sync, async age 1, async age 2} x {autoregressive, speculative} one after another in this process (each mode
-gets fresh Ray actors from the same initial weights, seeds and prompt stream), then writes:
+Runs {sync, async age 1, async age 2} x {autoregressive, speculative} in this process (each mode gets fresh Ray
+actors from the same initial weights, seeds and prompt stream). ``--repeats R`` runs the list R times, every other
+pass in reverse order (A B, B A, A B, ...: :func:`schedule`), so slow drift of the machine does not favour the mode
+that ran first; a mode's numbers are then means over its repeats, each repeat kept under ``repeats``. Writes:
 
 - ``--out`` JSON: ``{"modes": {name: {step_time_s, exposed_generation_s, tokens_per_s, acceptance_length,
   final_reward, ...}}, "settings": {...}}``;
@@ -22,6 +24,9 @@ Definitions (seconds are wall clock, means over steps 2..N, the first step being
   (autoregressive: 1.0 by definition).
 - ``final_reward`` / ``final_accuracy``: ``train/reward`` of the last step / greedy validation accuracy after the
   last step.
+- ``overlap_bound`` (async rows): the most async can gain by hiding generation behind training, sync step time /
+  (sync step time - sync exposed generation), from the same decoding's sync row; ``speedup_vs_sync`` is the gain
+  measured.
 
 Speculative mode uses vLLM ``speculative_config`` (``--spec-config`` JSON; default: ``draft_model`` with a
 1-layer truncation of the target, k = 3; the draft is not refit, so acceptance may fall as the policy moves --
@@ -61,9 +66,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="only combine the modes of earlier outputs into --out (a later file's mode replaces an "
                         "earlier one: for re-running single modes), recompute speedup_vs_sync, rewrite table and plot")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="passes over the modes, alternating forward and reverse order (interleaved modes)")
     p.add_argument("--attempts", type=int, default=3, help="tries per mode (Ray startup can time out under load)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides applied to every mode")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
 
 
 def _mean(values: list[float]) -> float:
@@ -123,6 +133,28 @@ def summarize(history: list[dict], is_async: bool) -> dict:
         "is_weight_max": max((m.get("train/is_weight_max", float("nan")) for m in history), default=float("nan")),
         "steps": len(history),
     }
+
+
+def schedule(keys: list[str], repeats: int) -> list[tuple[int, str]]:
+    """Run order of ``repeats`` passes over ``keys``: (repeat index, key), even passes forward, odd ones reversed
+    (``["a", "b"]``, 2 -> ``[(0, "a"), (0, "b"), (1, "b"), (1, "a")]``).
+
+    Raises:
+        ValueError: ``repeats < 1``."""
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    return [(r, k) for r in range(repeats) for k in (keys if r % 2 == 0 else keys[::-1])]
+
+
+def combine_repeats(runs: list[dict]) -> dict:
+    """One mode's result from its repeats: every numeric field the mean over the repeats that ran (errors
+    skipped), the repeats themselves under ``repeats``; a mode whose every repeat failed keeps the last error."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {**runs[-1], "repeats": runs}
+    out = {k: _mean([r.get(k) for r in ok]) for k, v in ok[0].items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {**out, "repeats": runs}
 
 
 def start_ray(cfg, attempts: int = 5) -> None:
@@ -205,7 +237,7 @@ def mode_overrides(name: str, age: int, decoding: str, spec: dict | None, steps:
 def table(results: dict) -> str:
     cols = ["step_time_s", "exposed_generation_s", "logprobs_s", "training_s", "weight_sync_s",
             "buffer_starvation_s", "refit_bubble_s", "tokens_per_s", "acceptance_length", "final_reward", "mean_reward",
-            "final_accuracy", "max_trajectory_age", "speedup_vs_sync"]
+            "final_accuracy", "max_trajectory_age", "speedup_vs_sync", "overlap_bound"]
     lines = ["| mode | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for name, r in results.items():
         if "error" in r:
@@ -254,13 +286,17 @@ def write_reports(out: Path, results: dict) -> str:
 
 
 def add_speedups(results: dict) -> None:
-    """``speedup_vs_sync`` = sync step time / the mode's step time, per decoding, in place."""
+    """In place, per decoding: ``speedup_vs_sync`` = sync step time / the mode's step time, and on async rows
+    ``overlap_bound`` = sync step time / (sync step time - sync exposed generation)."""
     for decoding in ("autoregressive", "speculative"):
-        ref = results.get(f"sync/{decoding}", {}).get("step_time_s")
-        for name, _ in MODES:
+        sync = results.get(f"sync/{decoding}", {})
+        ref, gen = sync.get("step_time_s"), sync.get("exposed_generation_s")
+        for name, age in MODES:
             r = results.get(f"{name}/{decoding}")
             if r and "error" not in r and ref:
                 r["speedup_vs_sync"] = ref / r["step_time_s"]
+                if age and gen is not None and ref > gen:
+                    r["overlap_bound"] = ref / (ref - gen)
 
 
 def merge(paths: list[str], out: Path) -> str:
@@ -274,6 +310,30 @@ def merge(paths: list[str], out: Path) -> str:
     add_speedups(results)
     out.write_text(json.dumps({"modes": results, "settings": {"sources": sources}}, indent=2, default=str))
     return write_reports(out, results)
+
+
+def run_with_attempts(args: argparse.Namespace, key: str, spec: dict | None, spec_error: str | None,
+                      workdir: Path) -> dict:
+    """One run of mode ``key`` ("<name>/<decoding>"), retried up to ``--attempts`` times (Ray's startup can time out
+    on a loaded machine); a mode that keeps failing returns ``{"error": traceback}`` so the others still run."""
+    name, decoding = key.split("/")
+    if decoding == "speculative" and spec_error:
+        return {"error": spec_error}
+    age = dict(MODES)[name]
+    overrides = [*args.overrides, *mode_overrides(name, age, decoding, spec, args.steps, workdir)]
+    config = args.spec_recipe if decoding == "speculative" and args.spec_recipe else args.config
+    result: dict = {}
+    for attempt in range(1, args.attempts + 1):
+        print(f"=== {key} (attempt {attempt})", flush=True)
+        try:
+            result = run_mode(config, overrides, is_async=age > 0, speculative=decoding == "speculative")
+            result["attempts"] = attempt
+            return result
+        except KeyboardInterrupt:
+            raise
+        except Exception:  # noqa: BLE001 - one failed mode must not lose the others
+            result = {"error": traceback.format_exc(), "attempts": attempt}
+    return result
 
 
 def main(argv=None) -> int:
@@ -296,32 +356,17 @@ def main(argv=None) -> int:
             spec = speculative_config(args, base.policy.model_name, workdir)
         except Exception:  # noqa: BLE001 - reported per mode
             spec_error = traceback.format_exc()
+    keys = [f"{name}/{decoding}" for decoding in args.decoding for name, _ in MODES if name in args.modes]
+    runs: dict[str, list[dict]] = {k: [] for k in keys}
     results: dict[str, dict] = {}
-    for decoding in args.decoding:
-        for name, age in MODES:
-            if name not in args.modes:
-                continue
-            key = f"{name}/{decoding}"
-            if decoding == "speculative" and spec_error:
-                results[key] = {"error": spec_error}
-                continue
-            overrides = [*args.overrides, *mode_overrides(name, age, decoding, spec, args.steps, workdir)]
-            for attempt in range(1, args.attempts + 1):  # a loaded machine can time out Ray's startup
-                print(f"=== {key} (attempt {attempt})", flush=True)
-                try:
-                    config = args.spec_recipe if decoding == "speculative" and args.spec_recipe else args.config
-                    results[key] = run_mode(config, overrides, is_async=age > 0,
-                                            speculative=decoding == "speculative")
-                    results[key]["attempts"] = attempt
-                    break
-                except KeyboardInterrupt:
-                    raise
-                except Exception:  # noqa: BLE001 - one failed mode must not lose the others
-                    results[key] = {"error": traceback.format_exc(), "attempts": attempt}
-            print(json.dumps({key: results[key]}, default=str), flush=True)
-            out.write_text(json.dumps({"modes": results}, indent=2, default=str))
+    for repeat, key in schedule(keys, args.repeats):
+        runs[key].append(run_with_attempts(args, key, spec, spec_error, workdir / f"repeat{repeat}"))
+        results[key] = combine_repeats(runs[key]) if args.repeats > 1 else runs[key][-1]
+        print(json.dumps({key: runs[key][-1]}, default=str), flush=True)
+        out.write_text(json.dumps({"modes": results}, indent=2, default=str))
     add_speedups(results)
     settings = {"config": args.config, "spec_recipe": args.spec_recipe, "steps": args.steps, "overrides": args.overrides,
+                "repeats": args.repeats, "order": [k for _, k in schedule(keys, args.repeats)],
                 "speculative_config": spec, "note": "means over steps 2..N; see examples/bench_sync_vs_async.py"}
     out.write_text(json.dumps({"modes": results, "settings": settings}, indent=2, default=str))
     print(write_reports(out, results))

@@ -1,4 +1,5 @@
-"""The sync-vs-async benchmark's bookkeeping without a model: merging re-run modes and the speedup column."""
+"""The sync-vs-async benchmark's bookkeeping without a model: merging re-run modes, the speedup and overlap-bound
+columns, the interleaved run order and the mean over repeats."""
 import json
 
 import pytest
@@ -31,3 +32,37 @@ def test_merge_later_file_wins_and_speedups_by_hand(tmp_path):
     assert out.with_suffix(".png").is_file() and out.with_suffix(".md").read_text().strip() == table
     sources = json.loads(out.read_text())["settings"]["sources"]
     assert [s["file"] for s in sources] == [str(first), str(rerun)]
+
+
+def test_overlap_bound_on_async_rows_by_hand():
+    bench = load_example("bench_sync_vs_async")
+    results = {"sync/autoregressive": {"step_time_s": 74.3, "exposed_generation_s": 19.3},
+               "async_age1/autoregressive": {"step_time_s": 57.8},
+               "async_age2/autoregressive": {"error": "x"}}
+    bench.add_speedups(results)
+    assert results["async_age1/autoregressive"]["overlap_bound"] == pytest.approx(74.3 / 55.0)
+    assert results["async_age1/autoregressive"]["speedup_vs_sync"] == pytest.approx(74.3 / 57.8)
+    assert "overlap_bound" not in results["sync/autoregressive"]
+    assert "overlap_bound" not in results["async_age2/autoregressive"]
+
+
+def test_interleaved_schedule_and_mean_over_repeats():
+    bench = load_example("bench_sync_vs_async")
+    assert bench.schedule(["a", "b"], 3) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+    assert bench.schedule(["a"], 1) == [(0, "a")]
+    with pytest.raises(ValueError, match="repeats"):
+        bench.schedule(["a"], 0)
+    runs = [{"step_time_s": 70.0, "exposed_generation_s": 20.0, "buffer_starvation_s": None, "steps": 4},
+            {"error": "Traceback\nboom"},
+            {"step_time_s": 80.0, "exposed_generation_s": 10.0, "buffer_starvation_s": None, "steps": 4}]
+    combined = bench.combine_repeats(runs)
+    assert combined["step_time_s"] == 75.0 and combined["exposed_generation_s"] == 15.0
+    assert combined["steps"] == 4.0 and "buffer_starvation_s" not in combined and combined["repeats"] == runs
+    failed = bench.combine_repeats([{"error": "e1"}, {"error": "e2"}])
+    assert failed["error"] == "e2"
+
+
+def test_repeats_below_one_is_refused_before_any_run():
+    bench = load_example("bench_sync_vs_async")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "x.json", "--repeats", "0"])
