@@ -357,16 +357,17 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 - reported per mode
             spec_error = traceback.format_exc()
     keys = [f"{name}/{decoding}" for decoding in args.decoding for name, _ in MODES if name in args.modes]
+    order = schedule(keys, args.repeats)
     runs: dict[str, list[dict]] = {k: [] for k in keys}
     results: dict[str, dict] = {}
-    for repeat, key in schedule(keys, args.repeats):
+    for repeat, key in order:
         runs[key].append(run_with_attempts(args, key, spec, spec_error, workdir / f"repeat{repeat}"))
         results[key] = combine_repeats(runs[key]) if args.repeats > 1 else runs[key][-1]
         print(json.dumps({key: runs[key][-1]}, default=str), flush=True)
         out.write_text(json.dumps({"modes": results}, indent=2, default=str))
     add_speedups(results)
     settings = {"config": args.config, "spec_recipe": args.spec_recipe, "steps": args.steps, "overrides": args.overrides,
-                "repeats": args.repeats, "order": [k for _, k in schedule(keys, args.repeats)],
+                "repeats": args.repeats, "order": [k for _, k in order],
                 "speculative_config": spec, "note": "means over steps 2..N; see examples/bench_sync_vs_async.py"}
     out.write_text(json.dumps({"modes": results, "settings": settings}, indent=2, default=str))
     print(write_reports(out, results))
