@@ -11,7 +11,7 @@ import pytest
 from nemo_rl_spec.models import testbed as tb
 
 SMALL = dataclasses.replace(
-    tb.TESTBED, slip_rate=0.0, sft_examples=96, sft_steps=4, batch_size=8, warmup_steps=2,
+    tb.TESTBED, slip_rate=0.0, sft_examples=96, sft_steps=4, batch_size=8, warmup_steps=2, direct_steps=2,
     model=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=256, rms_norm_eps=1e-6))
 
@@ -77,6 +77,24 @@ def test_corpus_answers_match_reasoning_gym_and_score_1():
     assert [score_response(a, g, None) for (_, a), g in zip(pairs, truth)] == [1.0] * 8
 
 
+def test_direct_answers_at_their_rate_and_right():
+    """Stage 2's corpus: a bare ``\\boxed{truth}`` with probability direct_rate, else the chain of the same problem."""
+    import reasoning_gym
+
+    from nemo_rl_spec.data.datasets import parse_generator
+
+    name, settings = parse_generator(SMALL.generator)
+    n, rate = 600, 0.7
+    items = list(reasoning_gym.create_dataset(name, size=n, seed=SMALL.seed + 2, **settings))
+    pairs = tb.sft_conversations(SMALL, rate, SMALL.seed + 2, n)
+    direct = [a == f"\\boxed{{{item['answer']}}}" for (_, a), item in zip(pairs, items)]
+    chains = [a == tb.chain_solution(item["metadata"]["expression"]) for (_, a), item in zip(pairs, items)]
+    assert all(d != c for d, c in zip(direct, chains))  # each answer is exactly one of the two forms
+    assert abs(sum(direct) / n - rate) < 4 * math.sqrt(rate * (1 - rate) / n)
+    assert [q for q, _ in pairs] == [item["question"] for item in items]
+    assert tb.sft_conversations(SMALL, 0.0) == tb.sft_conversations(SMALL)  # rate 0: no extra random draws
+
+
 def test_lr_schedule_by_hand():
     r = dataclasses.replace(tb.TESTBED, lr=1.0, warmup_steps=4, sft_steps=14, min_lr_ratio=0.1)
     assert [tb.lr_at(s, r) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -113,7 +131,7 @@ def test_two_builds_bitwise_equal_and_loss_falls(tmp_path):
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
     assert a[-1] < a[0]
     record = json.loads((tmp_path / "a" / "sft.json").read_text())
-    assert record["steps"] == SMALL.sft_steps and record["recipe"]["seed"] == SMALL.seed
+    assert record["steps"] == SMALL.sft_steps + SMALL.direct_steps and record["recipe"]["seed"] == SMALL.seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
