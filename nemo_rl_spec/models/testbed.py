@@ -269,18 +269,17 @@ def sft(model, examples, pad_id: int, recipe: TestbedRecipe, steps: int | None =
     return losses
 
 
-def build_testbed(out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | None = None,
-                  progress: bool = True) -> list[float]:
-    """Build the testbed checkpoint into ``out_dir`` (HF safetensors, tokenizer with chat template, ``sft.json``
-    with the recipe and per-step losses). Returns the SFT losses. Deterministic: two builds are bitwise equal.
+def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, progress: bool = True,
+                  on_step=None):
+    """Both SFT stages from scratch (stage 1: ``steps`` or ``recipe.sft_steps`` steps on chains; stage 2:
+    ``recipe.direct_steps`` steps on the direct-answer mix, skipped when that or ``direct_rate`` is 0), with
+    ``recipe.threads`` torch threads. ``on_step(step, model, tokenizer)`` is called after every optimizer step,
+    ``step`` counted over both stages from 0 (examples/testbed_sft_sweep.py evaluates there). Returns ``(model, tokenizer, losses)``; losses in nats per response token.
 
     Raises:
         ValueError: a chain answer disagrees with reasoning-gym's ground truth.
     """
-    import json
-
     import torch
-    from transformers import GenerationConfig
 
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
@@ -288,16 +287,36 @@ def build_testbed(out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | N
         pairs = sft_conversations(recipe)
         corpus = [f"{SYSTEM_PROMPT}\n{q}\n{a}" for q, a in pairs]
         tokenizer = train_tokenizer(corpus, recipe.vocab_size)
-        examples = encode_examples(tokenizer, pairs)
         model = build_model(tokenizer, recipe)
-        losses = sft(model, examples, tokenizer.pad_token_id, recipe, steps, progress)
+        def hook(offset: int):
+            return None if on_step is None else (lambda step, m: on_step(offset + step, m, tokenizer))
+
+        losses = sft(model, encode_examples(tokenizer, pairs), tokenizer.pad_token_id, recipe, steps, progress,
+                     hook(0))
         if recipe.direct_rate > 0 and recipe.direct_steps > 0:
             mixed = sft_conversations(recipe, recipe.direct_rate, recipe.seed + 2,
                                       recipe.direct_steps * recipe.batch_size)
             losses += sft(model, encode_examples(tokenizer, mixed), tokenizer.pad_token_id, recipe,
-                          recipe.direct_steps, progress, lr_fn=lambda _step: recipe.direct_lr)
+                          recipe.direct_steps, progress, hook(len(losses)), lr_fn=lambda _step: recipe.direct_lr)
     finally:
         torch.set_num_threads(threads)
+    return model, tokenizer, losses
+
+
+def build_testbed(out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | None = None,
+                  progress: bool = True) -> list[float]:
+    """Build the testbed checkpoint into ``out_dir`` (HF safetensors, tokenizer with chat template, ``sft.json``
+    with the recipe and per-step losses) by :func:`train_testbed`. Returns the SFT losses. Deterministic: two
+    builds are bitwise equal.
+
+    Raises:
+        ValueError: a chain answer disagrees with reasoning-gym's ground truth.
+    """
+    import json
+
+    from transformers import GenerationConfig
+
+    model, tokenizer, losses = train_testbed(recipe, steps, progress)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     out_dir = Path(out_dir)
