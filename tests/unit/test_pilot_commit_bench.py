@@ -70,14 +70,26 @@ def test_pilot_commit_budget_without_commit_slot_fails_at_config_time():
     load_config(tiny, ["+grpo.pilot_commit.pilot_batch_size=2", "loss_fn.use_importance_sampling_correction=true"])
 
 
-def test_bench_recipe_methods_differ_only_in_the_allocator():
-    base = load_config(BENCH_RECIPE).model_dump()
+@pytest.mark.parametrize("recipe", [BENCH_RECIPE, ROOT / "configs" / "grpo_math_testbed_pilot_commit.yaml"])
+def test_bench_recipe_methods_differ_only_in_the_allocator(recipe):
+    base = load_config(recipe).model_dump()
     for override in ("grpo.pilot_commit.enabled=true", "grpo.dynamic_sampling.enabled=true"):
-        other = load_config(BENCH_RECIPE, [override]).model_dump()
+        other = load_config(recipe, [override]).model_dump()
         key = override.split(".")[1]
         assert other["grpo"].pop(key) != base["grpo"][key]
         assert {**base["grpo"], key: None} == {**other["grpo"], key: None} and \
             {k: v for k, v in base.items() if k != "grpo"} == {k: v for k, v in other.items() if k != "grpo"}
+
+
+def test_testbed_bench_budget_matches_uniform_grpo():
+    """Pilot-Commit on the testbed spends uniform GRPO's 8 x 8 = 64 rollouts: 8 x 2 pilots + K x 6 commits, K = 8,
+    and each committed group (2 + 6) is as large as a uniform group."""
+    cfg = load_config(ROOT / "configs" / "grpo_math_testbed_pilot_commit.yaml", ["grpo.pilot_commit.enabled=true"])
+    pc, g = cfg.grpo.pilot_commit, cfg.grpo
+    budget = g.num_prompts_per_step * g.num_generations_per_prompt
+    assert budget == 64 and pc.commit_slots(budget) == 8
+    assert pc.pilot_batch_size * pc.n_pilot + pc.commit_slots(budget) * pc.n_commit == budget
+    assert pc.n_pilot + pc.n_commit == g.num_generations_per_prompt
 
 
 def test_bench_rollouts_to_target_and_auto_target():
