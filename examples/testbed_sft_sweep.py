@@ -1,7 +1,7 @@
 """Held-out accuracy of a testbed build against SFT steps: how the testbed recipe (nemo_rl_spec/models/testbed.py)
 was chosen.
 
-``python examples/testbed_sft_sweep.py --out results/testbed_sweep.jsonl --at 200 350 500 600 [field=value ...]``
+``python examples/testbed_sft_sweep.py --out results/testbed_sweep.jsonl --at 200,350,500,600 [field=value ...]``
 
 Trains the testbed from scratch with :data:`TESTBED` changed by the ``field=value`` arguments (values parsed as
 JSON when they parse, e.g. ``lr=2e-3 sft_steps=300 direct_steps=0``), and after each step in ``--at`` (counted over
@@ -9,7 +9,8 @@ both SFT stages from 1) samples answers to ``--problems`` held-out chain sums (r
 recipe's validation seed) with HF ``generate``: one greedy and ``--n`` at T = 1. Scored with the math environment's
 ``score_response``. Per evaluation it prints and appends one JSON line: accuracy, the share of direct answers
 (responses that start with ``\\boxed``), accuracy of chains and of direct answers, share of prompts neither always
-nor never solved at T = 1. ``--save DIR`` writes the final model and tokenizer (an HF checkpoint).
+nor never solved at T = 1. ``--save DIR`` writes the final model as the build does (``testbed.save_testbed``: an
+HF checkpoint and ``sft.json``).
 """
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def parse_overrides(pairs: list[str]) -> dict:
     """``["lr=1e-3", "model.hidden_size=128"]`` -> ``{"lr": 0.001, "model": {"hidden_size": 128}}``.
 
     Raises:
-        SystemExit(2): an argument without ``=`` or a field :class:`TestbedRecipe` does not have."""
+        SystemExit: an argument without ``=`` or a field :class:`TestbedRecipe` does not have (message names it)."""
     from nemo_rl_spec.models.testbed import TESTBED
+
+    names = {f.name for f in dataclasses.fields(TESTBED)}
 
     out: dict = {}
     for pair in pairs:
@@ -38,13 +41,29 @@ def parse_overrides(pairs: list[str]) -> dict:
         except json.JSONDecodeError:
             value = raw
         head, _, sub = key.partition(".")
-        if not hasattr(TESTBED, head) or (sub and head != "model"):
+        if head not in names or (sub and head != "model"):
             sys.exit(f"error: TestbedRecipe has no field {key!r}")
         if sub:
             out.setdefault("model", dict(TESTBED.model))[sub] = value
         else:
             out[head] = value
     return out
+
+
+def eval_steps(spec: str, recipe) -> set[int]:
+    """``"200,350"`` -> ``{200, 350}``, checked against the recipe's SFT steps (stage 1 + stage 2).
+
+    Raises:
+        SystemExit: a value that is not a positive integer, or beyond the last SFT step."""
+    total = recipe.sft_steps + (recipe.direct_steps if recipe.direct_rate > 0 else 0)
+    try:
+        steps = {int(x) for x in spec.split(",")}
+    except ValueError:
+        sys.exit(f"error: --at expects comma-separated step numbers, got {spec!r}")
+    bad = sorted(x for x in steps if not 1 <= x <= total)
+    if bad:
+        sys.exit(f"error: --at {bad} outside the recipe's SFT steps 1..{total}")
+    return steps
 
 
 def sample(model, tokenizer, prompts: list[list[int]], n: int, greedy: bool, seed: int) -> list[str]:
@@ -83,7 +102,7 @@ def score(texts: list[str], answers: list[str], n: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSONL file the evaluations are appended to")
-    parser.add_argument("--at", nargs="+", type=int, required=True, help="evaluate after these SFT steps")
+    parser.add_argument("--at", required=True, help="evaluate after these SFT steps (comma-separated, from 1)")
     parser.add_argument("--problems", type=int, default=96)
     parser.add_argument("--n", type=int, default=4, help="T = 1 answers per problem")
     parser.add_argument("--save", default=None, help="write the final model here")
@@ -97,13 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl_spec.models import testbed as tb
 
     recipe = dataclasses.replace(tb.TESTBED, **overrides)
+    at = eval_steps(args.at, recipe)
     name, settings = parse_generator(recipe.generator)
     problems = list(reasoning_gym.create_dataset(name, size=args.problems, seed=100000, **settings))
     answers = [p["answer"] for p in problems]
     t0 = time.time()
 
     def on_step(step: int, model, tok) -> None:
-        if step + 1 not in args.at:
+        if step + 1 not in at:
             return
         model.eval()
         prompts = [format_prompt(tok, tb.SYSTEM_PROMPT, p["question"]) for p in problems]
@@ -118,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model, tokenizer, losses = tb.train_testbed(recipe, progress=False, on_step=on_step)
     if args.save:
-        model.save_pretrained(args.save, safe_serialization=True)
-        tokenizer.save_pretrained(args.save)
+        tb.save_testbed(Path(args.save), model, tokenizer, recipe, losses)
     print(f"{len(losses)} SFT steps in {time.time() - t0:.0f} s, final loss {losses[-1]:.4f}")
     return 0
 

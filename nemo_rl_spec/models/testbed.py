@@ -2,7 +2,7 @@
 
 Why: a random tiny model solves nothing (every GRPO advantage is 0) and accepts no draft, so the method
 benchmarks and the speculative tests need a policy that is *partly* competent: per-prompt success rates spread
-over (0, 1) at the sampling temperature, and a greedy accuracy that GRPO can raise. Built-in name
+over (0, 1) at the sampling temperature, and an accuracy at that temperature that GRPO can raise. Built-in name
 ``testbed-llama`` (``policy.model_name``); :func:`build_testbed` makes it, ``resolve_model`` caches it.
 
 Build (deterministic, CPU, :data:`TESTBED.threads` torch threads):
@@ -27,11 +27,17 @@ What GRPO can learn: the first response token chooses between writing the chain 
 T = 1) and answering directly (right about 1 time in 6). That choice is shared by every prompt, so every group's
 advantages push the same few logits, and the reward gap is large: GRPO raises accuracy by choosing to reason, as
 in RL that teaches a model to use its chain of thought. Measured on 96 held-out problems x 4 answers at T = 1
-(HF sampling, the build's own numbers, README "Learning"): accuracy 0.37, P(direct) 0.65, chain accuracy 0.76,
-direct accuracy 0.16, 62% of prompts neither always nor never solved.
-``TESTBED.slip_rate`` (demonstration steps off by one) is 0 here; earlier builds used 0.3 (README, "Known gap").
+(``examples/testbed_sft_sweep.py``, HF sampling): accuracy 0.37, P(direct) 0.65, chain accuracy 0.76, direct
+accuracy 0.16, 62% of prompts neither always nor never solved. On the recipe's own validation set (vLLM, 128
+problems; README, testbed policy): 0.333 at T = 1 with 8 answers each, 0.342 with 4; greedy 0.305.
+``TESTBED.slip_rate`` (demonstration steps off by one) is 0 here; earlier builds used 0.3 and did not learn (README,
+testbed policy).
 
-Usage: ``python -m nemo_rl_spec.models.testbed --out DIR [--steps N]`` (or ``make testbed``).
+Usage: ``python -m nemo_rl_spec.models.testbed --out DIR [--steps N]`` (or ``make testbed``; ``--steps``: stage 1).
+
+Stage-2 choices fixed in code (corpus seed ``seed + 2``, size ``direct_steps * batch_size``, a fresh AdamW, the
+shuffle seed ``seed + 1``) are not recipe fields: changing one must bump ``hf_assets.ASSET_FORMAT_VERSION`` so that
+cached builds are rebuilt.
 """
 from __future__ import annotations
 
@@ -57,8 +63,8 @@ class TestbedRecipe:
 
     Attributes:
         generator: reasoning-gym generator spec of the SFT problems (the testbed recipe trains on the same family).
-        slip_rate: probability that a step of a demonstration is off by one (:func:`draw_slips`); the SFT policy
-            learns to slip at about this rate when it samples at T = 1, while its greedy (modal) answer stays right.
+        slip_rate: probability that a step of a demonstration is off by one (:func:`draw_slips`; 0 in this
+            recipe); the SFT policy learns to slip at about this rate when it samples at T = 1.
         direct_rate, direct_steps, direct_lr: SFT stage 2 (:func:`build_testbed`): ``direct_steps`` steps at the
             constant ``direct_lr`` on a corpus whose answers are a bare ``\\boxed{answer}`` with probability
             ``direct_rate`` (0 steps: no stage 2).
@@ -238,7 +244,8 @@ def sft(model, examples, pad_id: int, recipe: TestbedRecipe, steps: int | None =
     """Supervised fine-tuning of ``model`` in place; returns the loss (mean nats per response token) of each step.
 
     Batches: a seeded permutation of ``examples``, ``recipe.batch_size`` per step, reshuffled each epoch.
-    ``on_step(step, model)``, if given, is called after each optimizer step (used to measure accuracy vs steps)."""
+    ``on_step(step, model)``, if given, is called after each optimizer step (used to measure accuracy vs steps).
+    ``lr_fn(step)`` replaces the warmup + cosine schedule :func:`lr_at` when given (stage 2: a constant)."""
     import torch
     from tqdm import tqdm
 
@@ -303,20 +310,13 @@ def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, pro
     return model, tokenizer, losses
 
 
-def build_testbed(out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | None = None,
-                  progress: bool = True) -> list[float]:
-    """Build the testbed checkpoint into ``out_dir`` (HF safetensors, tokenizer with chat template, ``sft.json``
-    with the recipe and per-step losses) by :func:`train_testbed`. Returns the SFT losses. Deterministic: two
-    builds are bitwise equal.
-
-    Raises:
-        ValueError: a chain answer disagrees with reasoning-gym's ground truth.
-    """
+def save_testbed(out_dir: Path, model, tokenizer, recipe: TestbedRecipe, losses: list[float]) -> None:
+    """Write ``model`` and ``tokenizer`` into ``out_dir`` as an HF checkpoint (safetensors, chat template, a generation
+    config with the tokenizer's eos / pad) and ``sft.json`` (the recipe and the per-step losses)."""
     import json
 
     from transformers import GenerationConfig
 
-    model, tokenizer, losses = train_testbed(recipe, steps, progress)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     out_dir = Path(out_dir)
@@ -325,13 +325,26 @@ def build_testbed(out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | N
     tokenizer.save_pretrained(str(out_dir))
     (out_dir / "sft.json").write_text(json.dumps({"recipe": asdict(recipe), "steps": len(losses),
                                                   "losses": [round(x, 6) for x in losses]}, indent=1) + "\n")
+
+
+def build_testbed(out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | None = None,
+                  progress: bool = True) -> list[float]:
+    """Build the testbed checkpoint into ``out_dir`` (:func:`train_testbed`, then :func:`save_testbed`). Returns the
+    SFT losses. Deterministic: two builds are bitwise equal.
+
+    Raises:
+        ValueError: a chain answer disagrees with reasoning-gym's ground truth.
+    """
+    model, tokenizer, losses = train_testbed(recipe, steps, progress)
+    save_testbed(out_dir, model, tokenizer, recipe, losses)
     return losses
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build the testbed policy (SFT on chain sums) into --out.")
     parser.add_argument("--out", required=True, help="output directory (an HF checkpoint)")
-    parser.add_argument("--steps", type=int, default=None, help=f"SFT steps (default {TESTBED.sft_steps})")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"stage-1 SFT steps (default {TESTBED.sft_steps}; stage 2 adds {TESTBED.direct_steps})")
     args = parser.parse_args(argv)
     losses = build_testbed(Path(args.out), steps=args.steps)
     print(f"testbed written to {args.out}: {len(losses)} SFT steps, final loss {losses[-1]:.4f}")

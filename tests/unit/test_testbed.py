@@ -92,7 +92,32 @@ def test_direct_answers_at_their_rate_and_right():
     assert all(d != c for d, c in zip(direct, chains))  # each answer is exactly one of the two forms
     assert abs(sum(direct) / n - rate) < 4 * math.sqrt(rate * (1 - rate) / n)
     assert [q for q, _ in pairs] == [item["question"] for item in items]
-    assert tb.sft_conversations(SMALL, 0.0) == tb.sft_conversations(SMALL)  # rate 0: no extra random draws
+
+
+def test_direct_rate_0_draws_only_the_slips():
+    """At direct_rate 0 the corpus is the slipped chains with the slips drawn in order from Random(seed), as before
+    stage 2 existed: the direct-answer coin is not tossed."""
+    import random
+
+    import reasoning_gym
+
+    from nemo_rl_spec.data.datasets import parse_generator
+
+    r = dataclasses.replace(SMALL, slip_rate=0.3, sft_examples=200)
+    name, settings = parse_generator(r.generator)
+    rng = random.Random(r.seed)
+    expected = [tb.chain_solution(e, tb.draw_slips(len(e.split()) // 2, 0.3, rng))
+                for e in (item["metadata"]["expression"]
+                          for item in reasoning_gym.create_dataset(name, size=200, seed=r.seed, **settings))]
+    assert [a for _, a in tb.sft_conversations(r, 0.0)] == expected
+
+
+def test_on_step_counts_over_both_stages():
+    seen = []
+    model, tok, losses = tb.train_testbed(SMALL, progress=False,
+                                          on_step=lambda step, m, t: seen.append((step, t.eos_token)))
+    assert seen == [(s, "<|im_end|>") for s in range(SMALL.sft_steps + SMALL.direct_steps)]
+    assert len(losses) == SMALL.sft_steps + SMALL.direct_steps
 
 
 def test_lr_schedule_by_hand():
