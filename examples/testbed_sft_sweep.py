@@ -55,7 +55,7 @@ def eval_steps(spec: str, recipe) -> set[int]:
 
     Raises:
         SystemExit: a value that is not a positive integer, or beyond the last SFT step."""
-    total = recipe.sft_steps + (recipe.direct_steps if recipe.direct_rate > 0 else 0)
+    total = recipe.sft_steps + recipe.stage2_steps
     try:
         steps = {int(x) for x in spec.split(",")}
     except ValueError:

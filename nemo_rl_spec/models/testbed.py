@@ -98,6 +98,11 @@ class TestbedRecipe:
     init_std: float = 0.02
     threads: int = 2
 
+    @property
+    def stage2_steps(self) -> int:
+        """SFT steps of stage 2: ``direct_steps``, or 0 when ``direct_rate`` is 0 (no stage 2)."""
+        return self.direct_steps if self.direct_rate > 0 else 0
+
 
 TESTBED = TestbedRecipe()
 
@@ -157,11 +162,12 @@ def sft_conversations(recipe: TestbedRecipe, direct_rate: float = 0.0, seed: int
     rng, pairs = random.Random(seed), []
     for item in reasoning_gym.create_dataset(name, size=size, seed=seed, **settings):
         expression = item["metadata"]["expression"]
-        if not chain_solution(expression).endswith(f"\\boxed{{{item['answer']}}}"):
+        boxed = f"\\boxed{{{item['answer']}}}"
+        if not chain_solution(expression).endswith(boxed):
             raise ValueError(f"chain of {expression!r} disagrees with reasoning-gym's answer {item['answer']!r}")
         slips = draw_slips(len(expression.split()) // 2, recipe.slip_rate, rng)
         direct = direct_rate > 0 and rng.random() < direct_rate
-        answer = f"\\boxed{{{item['answer']}}}" if direct else chain_solution(expression, slips)
+        answer = boxed if direct else chain_solution(expression, slips)
         pairs.append((item["question"], answer))
     return pairs
 
@@ -279,9 +285,10 @@ def sft(model, examples, pad_id: int, recipe: TestbedRecipe, steps: int | None =
 def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, progress: bool = True,
                   on_step=None):
     """Both SFT stages from scratch (stage 1: ``steps`` or ``recipe.sft_steps`` steps on chains; stage 2:
-    ``recipe.direct_steps`` steps on the direct-answer mix, skipped when that or ``direct_rate`` is 0), with
-    ``recipe.threads`` torch threads. ``on_step(step, model, tokenizer)`` is called after every optimizer step,
-    ``step`` counted over both stages from 0 (examples/testbed_sft_sweep.py evaluates there). Returns ``(model, tokenizer, losses)``; losses in nats per response token.
+    ``recipe.stage2_steps`` steps on the direct-answer mix), with ``recipe.threads`` torch threads.
+    ``on_step(step, model, tokenizer)`` is called after every optimizer step, ``step`` counted over both stages
+    from 0 (examples/testbed_sft_sweep.py evaluates there). Returns ``(model, tokenizer, losses)``; losses in nats
+    per response token.
 
     Raises:
         ValueError: a chain answer disagrees with reasoning-gym's ground truth.
@@ -295,16 +302,17 @@ def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, pro
         corpus = [f"{SYSTEM_PROMPT}\n{q}\n{a}" for q, a in pairs]
         tokenizer = train_tokenizer(corpus, recipe.vocab_size)
         model = build_model(tokenizer, recipe)
+
         def hook(offset: int):
             return None if on_step is None else (lambda step, m: on_step(offset + step, m, tokenizer))
 
         losses = sft(model, encode_examples(tokenizer, pairs), tokenizer.pad_token_id, recipe, steps, progress,
                      hook(0))
-        if recipe.direct_rate > 0 and recipe.direct_steps > 0:
+        if recipe.stage2_steps > 0:
             mixed = sft_conversations(recipe, recipe.direct_rate, recipe.seed + 2,
-                                      recipe.direct_steps * recipe.batch_size)
+                                      recipe.stage2_steps * recipe.batch_size)
             losses += sft(model, encode_examples(tokenizer, mixed), tokenizer.pad_token_id, recipe,
-                          recipe.direct_steps, progress, hook(len(losses)), lr_fn=lambda _step: recipe.direct_lr)
+                          recipe.stage2_steps, progress, hook(len(losses)), lr_fn=lambda _step: recipe.direct_lr)
     finally:
         torch.set_num_threads(threads)
     return model, tokenizer, losses
