@@ -14,7 +14,7 @@ OUT ?= results/drafts/$(basename $(notdir $(RECIPE)))
 draft: install
 	$(PY) examples/init_draft.py --config $(RECIPE) --out $(OUT) $(ARGS)
 
-# The testbed policy (built-in testbed-llama: SFT on chain sums, ~13 min on 2 cores, cached): make testbed
+# The testbed policy (built-in testbed-llama: SFT on chain sums, ~6 min on 2 cores, cached): make testbed
 testbed: install
 	$(PY) -c "from nemo_rl_spec.models.hf_assets import resolve_model; print(resolve_model('testbed-llama'))"
 

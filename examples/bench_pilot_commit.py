@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_rl_spec.utils.bench_runs import ROOT, finish_plot, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.bench_runs import ROOT, bootstrap_interval, finish_plot, read_metrics, run_grpo_subprocess
 
 METHODS = {
     "uniform": [],
@@ -38,6 +38,10 @@ METHODS = {
 }
 CUM = "rollout_alloc/cumulative_rollouts"
 ACC = "validation/accuracy"
+VAR = "rollout_alloc/mean_group_reward_var"
+GAIN_FRACTIONS = (0.5, 0.75, 0.9, 1.0)
+"""Secondary targets: start + f * (target - start) for each f (f = 1 is the target itself), so that a comparison
+does not hinge on one threshold that about half the uniform seeds themselves never reach."""
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -81,7 +85,8 @@ def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> di
     mean = lambda key: statistics.fmean(r[key] for r in steps if key in r) if any(key in r for r in steps) else None  # noqa: E731
     return {"returncode": info["returncode"], "wall_s": info["wall_s"], "steps_run": len(steps),
             "curve": curve(records), "mean_step_time_s": mean("timing/train/total_step_time"),
-            "mean_group_reward_var": mean("rollout_alloc/mean_group_reward_var"),
+            "mean_group_reward_var": mean(VAR),
+            "group_reward_var_curve": [(int(r["step"]), r[VAR]) for r in steps if VAR in r],
             "zero_adv_group_frac": mean("rollout_alloc/zero_adv_group_frac"),
             "mean_train_reward": mean("train/reward"),
             "cumulative_rollouts": [(int(r["step"]), r[CUM]) for r in steps if CUM in r],
@@ -108,19 +113,68 @@ def summarize(runs: dict, target_spec: str, n_val: int) -> dict:
            for m, by in runs.items()}
     final = {m: {str(s): (r["curve"][-1][2] if r["curve"] and r["curve"][-1][0] > 0 else None) for s, r in by.items()}
              for m, by in runs.items()}
-    ratios = {}
-    pc = rtt.get("pilot_commit", {})
-    for base in ("uniform", "dapo"):
-        per_seed = {s: rtt[base][s] / pc[s] for s in pc if s in rtt.get(base, {}) and rtt[base][s] and pc[s]}
-        ratios[f"{base}_over_pilot_commit"] = {
-            "per_seed": per_seed, "mean": statistics.fmean(per_seed.values()) if per_seed else None,
-            "note": "ratio of rollouts to target (>1: Pilot-Commit needed fewer); seeds where both reached it"}
+    ratios = {f"{base}_over_pilot_commit": ratio_stats(rtt.get(base, {}), rtt.get("pilot_commit", {}))
+              for base in ("uniform", "dapo")}
     cumulative = {m: {str(s): r["cumulative_rollouts"] for s, r in by.items()} for m, by in runs.items()}
     accuracy = {m: {str(s): [[c, a] for _, c, a in r["curve"]] for s, r in by.items()} for m, by in runs.items()}
     return {"target_accuracy": target, "target_rule": how, "rollouts_to_target": rtt, "final_accuracy": final,
             "cumulative_rollouts": cumulative, "accuracy_vs_cumulative_rollouts": accuracy,
             "ratios": ratios, "paper_goal": {"uniform_over_pilot_commit": 1.5, "dapo_over_pilot_commit": 2.3},
+            "gain_fraction_targets": gain_fraction_targets(runs, target),
+            "per_method": {m: per_method_stats(by) for m, by in runs.items()},
             "runs": {m: {str(s): r for s, r in by.items()} for m, by in runs.items()}}
+
+
+def ratio_stats(base: dict, pc: dict) -> dict:
+    """Paired-by-seed ratios ``base[s] / pc[s]`` of rollouts to target (>1: Pilot-Commit needed fewer).
+
+    Seeds where both reached the target give a ratio; where only one did, the seed is *censored* and listed with
+    the side that missed (the ratio is then only bounded, so it is left out of the mean, median and interval).
+    The interval is :func:`bootstrap_interval` at 90% over the uncensored seeds (None below 2)."""
+    per_seed = {s: base[s] / pc[s] for s in pc if base.get(s) and pc[s]}
+    censored = {s: ("pilot_commit missed" if base.get(s) else "both missed" if not pc[s] else "base missed")
+                for s in pc if s in base and not (base.get(s) and pc[s])}
+    values = list(per_seed.values())
+    return {"per_seed": per_seed, "censored": censored, "n": len(values),
+            "mean": statistics.fmean(values) if values else None,
+            "median": statistics.median(values) if values else None,
+            "interval90": bootstrap_interval(values) if values else None,
+            "note": "rollouts to target, base / pilot_commit per seed (>1: Pilot-Commit needed fewer)"}
+
+
+def gain_fraction_targets(runs: dict, target: float | None) -> dict:
+    """For each f in :data:`GAIN_FRACTIONS`: the accuracy start + f * (target - start), every run's rollouts to it,
+    and the paired ratios (:func:`ratio_stats`). Empty without a target or a start accuracy."""
+    starts = [pts[0][2] for by in runs.values() for r in by.values() if (pts := r["curve"]) and pts[0][0] == 0]
+    if target is None or not starts:
+        return {}
+    out = {}
+    for f in GAIN_FRACTIONS:
+        acc = max(starts) + f * (target - max(starts))
+        rtt = {m: {str(s): rollouts_to(r["curve"], acc) for s, r in by.items()} for m, by in runs.items()}
+        out[f"{f:g}"] = {"accuracy": acc, "rollouts_to_target": rtt,
+                         "ratios": {f"{b}_over_pilot_commit": ratio_stats(rtt.get(b, {}), rtt.get("pilot_commit", {}))
+                                    for b in ("uniform", "dapo") if b in rtt and "pilot_commit" in rtt}}
+    return out
+
+
+def per_method_stats(by_seed: dict) -> dict:
+    """Mean over seeds, with a 90% bootstrap interval, of each run's mean step time (s), mean within-group reward
+    variance, zero-advantage group fraction and final accuracy; and the per-step group reward variance averaged
+    over the seeds that logged that step."""
+    out = {}
+    for key in ("mean_step_time_s", "mean_group_reward_var", "zero_adv_group_frac"):
+        vals = [r[key] for r in by_seed.values() if r.get(key) is not None]
+        out[key] = {"mean": statistics.fmean(vals) if vals else None, "interval90": bootstrap_interval(vals)}
+    finals = [r["curve"][-1][2] for r in by_seed.values() if r["curve"] and r["curve"][-1][0] > 0]
+    out["final_accuracy"] = {"mean": statistics.fmean(finals) if finals else None,
+                             "interval90": bootstrap_interval(finals)}
+    per_step: dict[int, list[float]] = {}
+    for r in by_seed.values():
+        for step, v in r.get("group_reward_var_curve", []):
+            per_step.setdefault(step, []).append(v)
+    out["group_reward_var_per_step"] = [(s, statistics.fmean(v)) for s, v in sorted(per_step.items())]
+    return out
 
 
 def plot(result: dict, png: Path) -> None:
@@ -156,7 +210,16 @@ def table(result: dict) -> str:
                          f"{fmt(r['zero_adv_group_frac'], 2):>9}{fmt(r['mean_group_reward_var'], 3):>8}"
                          f"{fmt(r['mean_step_time_s'], 0):>8}{fmt(r['wall_s'], 0):>8}")
     for k, v in result["ratios"].items():
-        lines.append(f"{k}: mean {fmt(v['mean'], 2)} per seed {json.dumps({s: round(x, 2) for s, x in v['per_seed'].items()})}")
+        ci = v.get("interval90")
+        lines.append(f"{k}: mean {fmt(v['mean'], 2)} median {fmt(v.get('median'), 2)} 90% CI "
+                     f"{'-' if ci is None else f'[{ci[0]:.2f}, {ci[1]:.2f}]'} over {v.get('n', 0)} seeds; per seed "
+                     f"{json.dumps({s: round(x, 2) for s, x in v['per_seed'].items()})}; censored "
+                     f"{json.dumps(v.get('censored', {}))}")
+    for f, g in result.get("gain_fraction_targets", {}).items():
+        parts = [f"{k} {fmt(v['mean'], 2)} (n={v['n']})" for k, v in g["ratios"].items()]
+        lines.append(f"gain fraction {f} (accuracy {g['accuracy']:.3f}): mean ratio " + ", ".join(parts))
+    for m, st in result.get("per_method", {}).items():
+        lines.append(f"{m}: " + ", ".join(f"{k} {fmt(v['mean'], 3)}" for k, v in st.items() if isinstance(v, dict)))
     return "\n".join(lines)
 
 

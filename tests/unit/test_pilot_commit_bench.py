@@ -108,3 +108,34 @@ def test_bench_rollouts_to_target_and_auto_target():
     target, _ = bench.choose_target("auto", {"uniform": {0: run(0.25)}}, n_val=40)   # no gain: one problem above
     assert target == pytest.approx(0.275)
     assert bench.choose_target("0.5", {}, n_val=40)[0] == 0.5
+
+
+def test_bench_ratio_stats_pairs_seeds_and_lists_censored_ones():
+    bench = _bench_module()
+    base = {"0": 1200.0, "1": 900.0, "2": 640.0, "3": None, "4": 512.0}
+    pc = {"0": 600.0, "1": 450.0, "2": None, "3": 300.0, "4": 512.0}
+    st = bench.ratio_stats(base, pc)
+    assert st["per_seed"] == {"0": 2.0, "1": 2.0, "4": 1.0} and st["n"] == 3
+    assert st["censored"] == {"2": "pilot_commit missed", "3": "base missed"}
+    assert st["mean"] == pytest.approx(5 / 3) and st["median"] == 2.0
+    lo, hi = st["interval90"]   # resample means of {2, 2, 1}: between 1 and 2, the interval inside
+    assert 1.0 <= lo <= st["mean"] <= hi <= 2.0
+    empty = bench.ratio_stats({"0": None}, {"0": None})
+    assert empty["n"] == 0 and empty["mean"] is None and empty["censored"] == {"0": "both missed"}
+
+
+def test_bench_gain_fraction_targets_and_per_method_stats():
+    bench = _bench_module()
+    run = lambda pts, var: {"curve": pts, "group_reward_var_curve": var, "mean_step_time_s": 2.0,  # noqa: E731
+                            "mean_group_reward_var": 0.1, "zero_adv_group_frac": 0.5}
+    runs = {"uniform": {0: run([(0, 0.0, 0.2), (2, 128.0, 0.5), (4, 256.0, 0.6)], [(1, 0.2), (2, 0.1)])},
+            "pilot_commit": {0: run([(0, 0.0, 0.2), (2, 64.0, 0.45), (4, 128.0, 0.55)], [(1, 0.3)])}}
+    g = bench.gain_fraction_targets(runs, 0.6)
+    assert g["0.5"]["accuracy"] == pytest.approx(0.4) and g["1"]["accuracy"] == pytest.approx(0.6)
+    assert g["0.5"]["rollouts_to_target"] == {"uniform": {"0": 128.0}, "pilot_commit": {"0": 64.0}}
+    assert g["0.5"]["ratios"]["uniform_over_pilot_commit"]["per_seed"] == {"0": 2.0}
+    assert g["1"]["ratios"]["uniform_over_pilot_commit"]["censored"] == {"0": "pilot_commit missed"}
+    assert bench.gain_fraction_targets(runs, None) == {}
+    st = bench.per_method_stats(runs["uniform"])
+    assert st["final_accuracy"]["mean"] == 0.6 and st["mean_step_time_s"]["interval90"] is None   # one seed
+    assert st["group_reward_var_per_step"] == [(1, 0.2), (2, 0.1)]
