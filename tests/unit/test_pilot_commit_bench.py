@@ -82,13 +82,13 @@ def test_bench_recipe_methods_differ_only_in_the_allocator(recipe):
 
 
 def test_testbed_bench_budget_matches_uniform_grpo():
-    """Pilot-Commit on the testbed spends uniform GRPO's 8 x 8 = 64 rollouts: 8 x 2 pilots + K x 6 commits, K = 8,
-    and each committed group (2 + 6) is as large as a uniform group."""
+    """Pilot-Commit on the testbed spends at most uniform GRPO's 8 x 8 = 64 rollouts: 16 x 2 pilots + K x 6
+    commits, K = (64 - 32) // 6 = 5, i.e. 62; each committed group (2 + 6) is as large as a uniform group."""
     cfg = load_config(ROOT / "configs" / "grpo_math_testbed_pilot_commit.yaml", ["grpo.pilot_commit.enabled=true"])
     pc, g = cfg.grpo.pilot_commit, cfg.grpo
     budget = g.num_prompts_per_step * g.num_generations_per_prompt
-    assert budget == 64 and pc.commit_slots(budget) == 8
-    assert pc.pilot_batch_size * pc.n_pilot + pc.commit_slots(budget) * pc.n_commit == budget
+    assert budget == 64 and pc.commit_slots(budget) == 5
+    assert pc.pilot_batch_size * pc.n_pilot + pc.commit_slots(budget) * pc.n_commit == 62
     assert pc.n_pilot + pc.n_commit == g.num_generations_per_prompt
 
 
