@@ -178,22 +178,33 @@ def per_method_stats(by_seed: dict) -> dict:
 
 
 def plot(result: dict, png: Path) -> None:
+    """Left: validation accuracy vs cumulative rollouts, every run. Right: mean within-group reward variance per
+    step, each method averaged over its seeds (``per_method``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     colors = {"uniform": "tab:blue", "dapo": "tab:orange", "pilot_commit": "tab:green"}
-    styles = ["-o", "--s", ":^", "-.d"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = ["-o", "--s", ":^", "-.d", "-x"]
+    fig, (ax, ax_var) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     for m, by in result["runs"].items():
         for i, (s, r) in enumerate(by.items()):
             if r["curve"]:
                 _, xs, ys = zip(*r["curve"])
-                ax.plot(xs, ys, styles[i % len(styles)], color=colors.get(m), label=f"{m} seed {s}", alpha=0.85)
+                ax.plot(xs, ys, styles[i % len(styles)], color=colors.get(m), label=f"{m} seed {s}", alpha=0.85,
+                        ms=3)
+    for m, st in result.get("per_method", {}).items():
+        if st["group_reward_var_per_step"]:
+            steps, var = zip(*st["group_reward_var_per_step"])
+            ax_var.plot(steps, var, "-o", color=colors.get(m), label=m, ms=3)
+    ax_var.set_xlabel("step")
+    ax_var.set_ylabel("mean within-group reward variance (train batch)")
+    ax_var.grid(alpha=0.3)
+    ax_var.legend(fontsize=7)
     if result["target_accuracy"] is not None:
         ax.axhline(result["target_accuracy"], color="gray", lw=1, ls="--", label="target")
-    finish_plot(fig, ax, png, "cumulative rollouts", "validation accuracy (greedy)")
+    finish_plot(fig, ax, png, "cumulative rollouts", "validation accuracy")
 
 
 def table(result: dict) -> str:

@@ -139,3 +139,40 @@ def test_bench_gain_fraction_targets_and_per_method_stats():
     st = bench.per_method_stats(runs["uniform"])
     assert st["final_accuracy"]["mean"] == 0.6 and st["mean_step_time_s"]["interval90"] is None   # one seed
     assert st["group_reward_var_per_step"] == [(1, 0.2), (2, 0.1)]
+
+
+def test_bench_reanalysis_of_finished_runs_writes_json_table_and_plot(tmp_path, capsys):
+    """``--reuse`` on finished run dirs (hand-written metrics): the JSON carries the paired ratios worked by hand,
+    the per-step group variance averaged over seeds, and the two-panel plot is written."""
+    import json
+
+    bench = _bench_module()
+
+    def write(method, seed, cum_acc, var):
+        d = tmp_path / "runs" / f"{method}_seed{seed}"
+        (d / "logs").mkdir(parents=True)
+        (d / "run.json").write_text(json.dumps({"returncode": 0, "wall_s": 1.0}))
+        rows = [{"step": 0, "validation/accuracy": 0.3}] + [
+            {"step": i + 1, "rollout_alloc/cumulative_rollouts": c, "validation/accuracy": a,
+             "rollout_alloc/mean_group_reward_var": v, "timing/train/total_step_time": 2.0}
+            for i, ((c, a), v) in enumerate(zip(cum_acc, var))]
+        (d / "logs" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+    write("uniform", 0, [(64, 0.5), (128, 0.7)], [0.1, 0.2])
+    write("uniform", 1, [(64, 0.6), (128, 0.7)], [0.3, 0.2])
+    write("pilot_commit", 0, [(40, 0.7), (80, 0.7)], [0.2, 0.2])
+    write("pilot_commit", 1, [(32, 0.6), (64, 0.75)], [0.2, 0.2])
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--out", str(out), "--config", "configs/grpo_math_testbed_pilot_commit.yaml", "--methods",
+                     "uniform", "pilot_commit", "--seeds", "0", "1", "--work-dir", str(tmp_path / "runs"), "--reuse"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["target_accuracy"] == pytest.approx(0.7)      # uniform's mean final accuracy
+    assert result["rollouts_to_target"] == {"uniform": {"0": 128.0, "1": 128.0},
+                                            "pilot_commit": {"0": 40.0, "1": 64.0}}
+    ratio = result["ratios"]["uniform_over_pilot_commit"]
+    assert ratio["per_seed"] == {"0": 3.2, "1": 2.0} and ratio["median"] == pytest.approx(2.6)
+    assert result["per_method"]["uniform"]["group_reward_var_per_step"] == [[1, pytest.approx(0.2)],
+                                                                           [2, pytest.approx(0.2)]]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert "uniform_over_pilot_commit: mean 2.60 median 2.60" in capsys.readouterr().out
