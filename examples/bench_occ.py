@@ -1,7 +1,8 @@
 """Compare MTP co-training modes (detach, ce, policy, occ) on a GRPO recipe over several seeds.
 
     python examples/bench_occ.py --out results/bench_occ.json [--config configs/grpo_math_tiny_mtp.yaml]
-        [--modes detach ce policy occ] [--seeds 0 1] [--steps 4] [--overhead-repeats N] [key=value ...]
+        [--modes detach ce policy occ] [--seeds 0 1] [--steps 4] [--overhead-repeats N] [--work-dir DIR] [--reuse]
+        [key=value ...]
 
 ``--steps 0 --overhead-repeats N`` only times ``train()`` per mode in one process (the overhead check);
 ``--proxy-steps N`` runs N occ+ref steps of one worker on random batches with random advantages and writes
@@ -14,7 +15,10 @@ gradients, and the JSON gets ``proxy_validation`` (correlation of the proxies wi
 with ``--overhead-repeats``, the reference's cost as ``occ+ref`` vs ``occ`` train() time.
 
 Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh process: Ray + vLLM + Megatron), with
-``policy.megatron_cfg.mtp_loss_mode=<mode>`` and ``grpo.seed=<seed>``. Written JSON::
+``policy.megatron_cfg.mtp_loss_mode=<mode>`` and ``grpo.seed=<seed>``, its logs in ``<work-dir>/<mode>_seed<seed>/``
+(default work dir: ``<out stem>_runs`` next to ``--out``). The JSON is rewritten after every run; ``--reuse`` reads
+finished runs back instead of rerunning them (resume, re-analysis). A failed run is listed in ``failed_runs`` and
+the exit code is 1. Written JSON::
 
     {"config": ..., "steps": N, "runs": {"<mode>": {"<seed>": {
         "final_accuracy": validation/accuracy at the last step (fraction),
@@ -23,6 +27,9 @@ Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh proc
         "train_time_s": mean timing/train/policy_training over steps after the first (seconds),
         "series": {metric: [per step]} for reward, lambda, c_hat, v2_hat, MTP CE, acceptance (+ c_ref, v2_ref,
                    lambda_ref, c_ref_decoder, v2_ref_decoder for occ+ref)}}},
+     "per_mode": {"<mode>": {"final_accuracy" | "mtp_acceptance" | "step_time_s" | "train_time_s":
+                  {"per_seed", "mean", "interval90": bootstrap 90% interval over seeds}}},
+     "failed_runs": ["<mode> seed <seed>", ...],
      "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...},
      "proxy_validation": {"pearson_c", "pearson_v2", "pearson_lambda", "sign_agreement_c", "n"}}
 
@@ -34,10 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import statistics
 import sys
-import tempfile
 from pathlib import Path
+
+from nemo_rl_spec.utils.bench_runs import bootstrap_interval, read_metrics, run_grpo_subprocess
 
 SERIES = {"reward": "train/reward", "lambda": "train/mtp/lambda", "c_hat": "train/mtp/c_hat",
           "v2_hat": "train/mtp/v2_hat", "mtp_ce": "train/mtp/ce_0", "mtp_acceptance": "train/mtp/acceptance",
@@ -66,15 +74,25 @@ def mode_overrides(mode: str) -> list[str]:
         ([f"+policy.megatron_cfg.mtp_occ_proxy={proxy}"] if proxy != "hidden_grad" else [])
 
 
-def run_one(config: str, mode: str, seed: int, steps: int, extra: list[str], log_dir: Path) -> list[dict]:
-    """One GRPO run in a subprocess; returns its JSONL records (one per step, plus step 0 validation if any)."""
-    cmd = [sys.executable, "examples/run_grpo.py", "--config", config, *mode_overrides(mode),
-           f"grpo.seed={seed}", f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}",
-           "checkpointing.enabled=false", "logger.progress_bar=false", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+def run_one(args, mode: str, seed: int, extra: list[str], run_dir: Path) -> tuple[dict, list[dict]]:
+    """One GRPO run (``examples/run_grpo.py`` in a subprocess, logs in ``run_dir``; with ``--reuse`` a finished run is
+    read back, not rerun). Returns its ``run.json`` record and its JSONL records (one per step, plus step 0)."""
+    overrides = [*mode_overrides(mode), f"grpo.seed={seed}", f"grpo.max_num_steps={args.steps}",
+                 "checkpointing.enabled=false", *extra]
+    info = run_grpo_subprocess(args.config, overrides, run_dir, label=f"{mode} seed {seed}",
+                               timeout_s=args.run_timeout, reuse=args.reuse)
+    return info, read_metrics(run_dir / "logs" / "metrics.jsonl")
+
+
+def mode_stats(seeds: dict) -> dict:
+    """Per mode, over its seeds: mean and bootstrap 90% interval (:func:`bootstrap_interval`, None below 2 seeds) of
+    the final accuracy, the MTP acceptance and the step time."""
+    out = {}
+    for key in ("final_accuracy", "mtp_acceptance", "step_time_s", "train_time_s"):
+        vals = [r[key] for r in seeds.values() if r.get(key) is not None and r[key] == r[key]]   # drop NaN
+        out[key] = {"per_seed": {s: r.get(key) for s, r in seeds.items()},
+                    "mean": statistics.fmean(vals) if vals else None, "interval90": bootstrap_interval(vals)}
+    return out
 
 
 def summarise(records: list[dict]) -> dict:
@@ -215,7 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["detach", "ce", "policy", "occ"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--work-dir", default=None, help="per-run log dirs (default: <out stem>_runs/ next to --out)")
+    parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
+    parser.add_argument("--reuse", action="store_true", help="skip runs that finished (re-analysis, resume)")
     args, extra = parser.parse_known_args(argv)
+    out = Path(args.out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work_dir).resolve() if args.work_dir else out.with_name(out.stem + "_runs")
     result = {"config": args.config, "steps": args.steps, "overrides": extra, "runs": {}}
     if args.overhead_repeats:
         med = train_overhead(args.config, args.modes, args.overhead_repeats, extra)
@@ -230,16 +254,20 @@ def main(argv: list[str] | None = None) -> int:
         result["proxy_validation_random_batches"] = proxy_validation(result["proxy_steps"])
         print("proxy validation (random batches):", json.dumps(result["proxy_validation_random_batches"]), flush=True)
     if args.steps == 0:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        out.write_text(json.dumps(result, indent=1))
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes:
-            for seed in args.seeds:
-                records = run_one(args.config, mode, seed, args.steps, extra, Path(tmp) / f"{mode}_{seed}")
-                result["runs"].setdefault(mode, {})[str(seed)] = summarise(records)
-                r = result["runs"][mode][str(seed)]
-                print(f"{mode:7s} seed {seed}: acc {r['final_accuracy']:.3f}  mtp_acc {r['mtp_acceptance']:.3f}  "
-                      f"step {r['step_time_s']:.2f}s  train {r['train_time_s']:.2f}s", flush=True)
+    failed = []
+    for mode in args.modes:
+        for seed in args.seeds:
+            info, records = run_one(args, mode, seed, extra, work / f"{mode}_seed{seed}")
+            if info["returncode"] != 0:
+                failed.append(f"{mode} seed {seed}")
+                continue
+            result["runs"].setdefault(mode, {})[str(seed)] = r = summarise(records)
+            result["per_mode"] = {m: mode_stats(by) for m, by in result["runs"].items()}
+            out.write_text(json.dumps(result, indent=1))   # after every run: an interrupted benchmark keeps them
+            print(f"{mode:7s} seed {seed}: acc {r['final_accuracy']:.3f}  mtp_acc {r['mtp_acceptance']:.3f}  "
+                  f"step {r['step_time_s']:.2f}s  train {r['train_time_s']:.2f}s", flush=True)
     runs = result["runs"]
     if "occ" + REFERENCE in runs:
         result["proxy_validation"] = proxy_validation(runs["occ" + REFERENCE])
@@ -256,12 +284,18 @@ def main(argv: list[str] | None = None) -> int:
         for seed, r in seeds.items():
             print(f"{mode:8s} {seed:>4s} {r['final_accuracy']:9.3f} {r['mtp_acceptance']:10.3f} "
                   f"{r['step_time_s']:7.2f} {r['train_time_s']:7.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    for mode, st in result.get("per_mode", {}).items():
+        acc = st["final_accuracy"]
+        ci = acc["interval90"]
+        print(f"{mode}: final accuracy mean {acc['mean']:.3f}, 90% CI "
+              f"{'-' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'}")
+    result["failed_runs"] = failed
     out.write_text(json.dumps(result, indent=1))
-    plot(result, out.with_suffix(".png"))
-    print(json.dumps({"out": str(out), "plot": str(out.with_suffix(".png")), **result.get("overhead", {})}))
-    return 0
+    if runs:
+        plot(result, out.with_suffix(".png"))
+    print(json.dumps({"out": str(out), "plot": str(out.with_suffix(".png")), **result.get("overhead", {}),
+                      "failed_runs": failed}))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -144,3 +144,36 @@ def test_bench_occ_reference_mode_overrides_and_proxy_validation():
     seeds["1"]["series"]["c_ref_decoder"] = [-7.0]
     out = bench.proxy_validation(seeds)
     assert out["pearson_c_decoder"] == pytest.approx(-1.0, abs=1e-12) and out["sign_agreement_c_decoder"] == 0.0
+
+
+def test_bench_occ_resumes_finished_runs_and_reports_intervals(tmp_path):
+    """``--reuse`` on hand-written finished run dirs: no run starts, the JSON has each mode's per-seed final
+    accuracy, its mean and a bootstrap interval inside the per-seed range, and the occ / detach step-time ratio."""
+    import json
+
+    bench = load_example("bench_occ")
+
+    def write(mode, seed, acc, step_s):
+        d = tmp_path / "runs" / f"{mode}_seed{seed}"
+        (d / "logs").mkdir(parents=True)
+        (d / "run.json").write_text(json.dumps({"returncode": 0, "wall_s": 1.0}))
+        rows = [{"step": 0, "validation/accuracy": 0.3}] + [
+            {"step": i, "timing/train/total_step_time": step_s, "timing/train/policy_training": step_s / 2,
+             "train/reward": 0.5, "train/mtp/acceptance": 0.4} for i in (1, 2)]
+        rows[-1]["validation/accuracy"] = acc
+        (d / "logs" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+    for seed, (a_detach, a_occ) in enumerate([(0.6, 0.7), (0.8, 0.7), (0.7, 0.9)]):
+        write("detach", seed, a_detach, 2.0)
+        write("occ", seed, a_occ, 2.2)
+    out = tmp_path / "occ.json"
+    rc = bench.main(["--out", str(out), "--config", "configs/grpo_math_testbed_mtp.yaml", "--modes", "detach", "occ",
+                     "--seeds", "0", "1", "2", "--steps", "2", "--work-dir", str(tmp_path / "runs"), "--reuse"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    acc = result["per_mode"]["occ"]["final_accuracy"]
+    assert acc["per_seed"] == {"0": 0.7, "1": 0.7, "2": 0.9} and acc["mean"] == pytest.approx(2.3 / 3)
+    assert 0.7 - 1e-12 <= acc["interval90"][0] <= acc["mean"] <= acc["interval90"][1] <= 0.9 + 1e-12   # fmean rounding
+    assert result["per_mode"]["detach"]["mtp_acceptance"]["mean"] == pytest.approx(0.4)
+    assert result["overhead"]["occ_vs_detach_step_time"] == pytest.approx(1.1)
+    assert result["failed_runs"] == [] and out.with_suffix(".png").is_file()
