@@ -16,9 +16,11 @@ Measured per run (from its ``metrics.jsonl``): the validation accuracy after eac
 ``rollouts_to_target[method][seed]`` = cumulative rollouts at the first validation whose accuracy reaches the
 target (null if never). Target: ``--target`` as a number, or ``auto`` (default) = the paper's protocol, the
 final accuracy of uniform GRPO (mean over seeds), but at least one validation problem above the start accuracy
-(the start is the same for every run: same weights, greedy decoding).
+(the start is the same for every run: same weights, and validation decodes greedily or samples with its own
+seed). Lower targets and paired ratios with intervals: :func:`gain_fraction_targets`, :func:`ratio_stats`.
 
-Output: ``--out`` JSON, a PNG of accuracy vs cumulative rollouts next to it (same stem), and a table on stdout.
+Output: ``--out`` JSON, a PNG next to it (same stem: accuracy vs cumulative rollouts, and the group reward variance
+per step), and a table on stdout.
 """
 from __future__ import annotations
 
