@@ -41,11 +41,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
-from nemo_rl_spec.utils.bench_runs import bootstrap_interval, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.bench_runs import mean_and_interval, read_metrics, run_grpo_subprocess
 
 SERIES = {"reward": "train/reward", "lambda": "train/mtp/lambda", "c_hat": "train/mtp/c_hat",
           "v2_hat": "train/mtp/v2_hat", "mtp_ce": "train/mtp/ce_0", "mtp_acceptance": "train/mtp/acceptance",
@@ -85,13 +84,12 @@ def run_one(args, mode: str, seed: int, extra: list[str], run_dir: Path) -> tupl
 
 
 def mode_stats(seeds: dict) -> dict:
-    """Per mode, over its seeds: mean and bootstrap 90% interval (:func:`bootstrap_interval`, None below 2 seeds) of
+    """Per mode, over its seeds: mean and bootstrap 90% interval (:func:`mean_and_interval`, None below 2 seeds) of
     the final accuracy, the MTP acceptance and the step time."""
     out = {}
     for key in ("final_accuracy", "mtp_acceptance", "step_time_s", "train_time_s"):
         vals = [r[key] for r in seeds.values() if r.get(key) is not None and r[key] == r[key]]   # drop NaN
-        out[key] = {"per_seed": {s: r.get(key) for s, r in seeds.items()},
-                    "mean": statistics.fmean(vals) if vals else None, "interval90": bootstrap_interval(vals)}
+        out[key] = {"per_seed": {s: r.get(key) for s, r in seeds.items()}, **mean_and_interval(vals)}
     return out
 
 

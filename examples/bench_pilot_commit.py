@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_rl_spec.utils.bench_runs import ROOT, bootstrap_interval, finish_plot, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.bench_runs import ROOT, finish_plot, mean_and_interval, read_metrics, run_grpo_subprocess
 
 METHODS = {
     "uniform": [],
@@ -96,11 +96,21 @@ def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> di
             "log_dir": str(run_dir / "logs")}
 
 
+def start_accuracies(runs: dict) -> list[float]:
+    """The step-0 validation accuracy of every run that has one (``runs[method][seed]`` records)."""
+    return [pts[0][2] for by in runs.values() for r in by.values() if (pts := r["curve"]) and pts[0][0] == 0]
+
+
+def final_accuracy(run: dict) -> float | None:
+    """Validation accuracy at a run's last validated step, None if it never validated after step 0."""
+    return run["curve"][-1][2] if run["curve"] and run["curve"][-1][0] > 0 else None
+
+
 def choose_target(spec: str, runs: dict, n_val: int) -> tuple[float | None, str]:
     if spec != "auto":
         return float(spec), "given"
-    starts = [pts[0][2] for m in runs.values() for r in m.values() if (pts := r["curve"]) and pts[0][0] == 0]
-    finals = [r["curve"][-1][2] for r in runs.get("uniform", {}).values() if r["curve"] and r["curve"][-1][0] > 0]
+    starts = start_accuracies(runs)
+    finals = [a for r in runs.get("uniform", {}).values() if (a := final_accuracy(r)) is not None]
     if not starts or not finals:
         return None, "auto: missing start or uniform final accuracy"
     floor = max(starts) + 1.0 / n_val
@@ -113,8 +123,7 @@ def summarize(runs: dict, target_spec: str, n_val: int) -> dict:
     target, how = choose_target(target_spec, runs, n_val)
     rtt = {m: {str(s): (rollouts_to(r["curve"], target) if target is not None else None) for s, r in by.items()}
            for m, by in runs.items()}
-    final = {m: {str(s): (r["curve"][-1][2] if r["curve"] and r["curve"][-1][0] > 0 else None) for s, r in by.items()}
-             for m, by in runs.items()}
+    final = {m: {str(s): final_accuracy(r) for s, r in by.items()} for m, by in runs.items()}
     ratios = {f"{base}_over_pilot_commit": ratio_stats(rtt.get(base, {}), rtt.get("pilot_commit", {}))
               for base in ("uniform", "dapo")}
     cumulative = {m: {str(s): r["cumulative_rollouts"] for s, r in by.items()} for m, by in runs.items()}
@@ -132,22 +141,20 @@ def ratio_stats(base: dict, pc: dict) -> dict:
 
     Seeds where both reached the target give a ratio; where only one did, the seed is *censored* and listed with
     the side that missed (the ratio is then only bounded, so it is left out of the mean, median and interval).
-    The interval is :func:`bootstrap_interval` at 90% over the uncensored seeds (None below 2)."""
+    The interval is :func:`mean_and_interval`'s bootstrap 90% over the uncensored seeds (None below 2)."""
     per_seed = {s: base[s] / pc[s] for s in pc if base.get(s) and pc[s]}
     censored = {s: ("pilot_commit missed" if base.get(s) else "both missed" if not pc[s] else "base missed")
                 for s in pc if s in base and not (base.get(s) and pc[s])}
     values = list(per_seed.values())
-    return {"per_seed": per_seed, "censored": censored, "n": len(values),
-            "mean": statistics.fmean(values) if values else None,
+    return {"per_seed": per_seed, "censored": censored, "n": len(values), **mean_and_interval(values),
             "median": statistics.median(values) if values else None,
-            "interval90": bootstrap_interval(values) if values else None,
             "note": "rollouts to target, base / pilot_commit per seed (>1: Pilot-Commit needed fewer)"}
 
 
 def gain_fraction_targets(runs: dict, target: float | None) -> dict:
     """For each f in :data:`GAIN_FRACTIONS`: the accuracy start + f * (target - start), every run's rollouts to it,
     and the paired ratios (:func:`ratio_stats`). Empty without a target or a start accuracy."""
-    starts = [pts[0][2] for by in runs.values() for r in by.values() if (pts := r["curve"]) and pts[0][0] == 0]
+    starts = start_accuracies(runs)
     if target is None or not starts:
         return {}
     out = {}
@@ -166,11 +173,8 @@ def per_method_stats(by_seed: dict) -> dict:
     over the seeds that logged that step."""
     out = {}
     for key in ("mean_step_time_s", "mean_group_reward_var", "zero_adv_group_frac"):
-        vals = [r[key] for r in by_seed.values() if r.get(key) is not None]
-        out[key] = {"mean": statistics.fmean(vals) if vals else None, "interval90": bootstrap_interval(vals)}
-    finals = [r["curve"][-1][2] for r in by_seed.values() if r["curve"] and r["curve"][-1][0] > 0]
-    out["final_accuracy"] = {"mean": statistics.fmean(finals) if finals else None,
-                             "interval90": bootstrap_interval(finals)}
+        out[key] = mean_and_interval([r[key] for r in by_seed.values() if r.get(key) is not None])
+    out["final_accuracy"] = mean_and_interval([a for r in by_seed.values() if (a := final_accuracy(r)) is not None])
     per_step: dict[int, list[float]] = {}
     for r in by_seed.values():
         for step, v in r.get("group_reward_var_curve", []):

@@ -78,6 +78,12 @@ def bootstrap_interval(values: list[float], *, level: float = 0.9, resamples: in
     return means[lo_idx], means[hi_idx]
 
 
+def mean_and_interval(values: list[float]) -> dict:
+    """``{"mean": mean of values (None if empty), "interval90": bootstrap_interval(values) (None below 2)}``: the
+    per-method / per-mode summary over seeds of the benchmarks."""
+    return {"mean": statistics.fmean(values) if values else None, "interval90": bootstrap_interval(values)}
+
+
 def finish_plot(fig, ax, png: Path, xlabel: str, ylabel: str) -> None:
     """Label, grid and legend ``ax`` (a matplotlib Axes), write ``fig`` to ``png`` (110 dpi) and close it."""
     import matplotlib.pyplot as plt
