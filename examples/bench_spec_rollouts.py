@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--step-cost-repeats", type=int, default=3,
                    help="interleaved AR / speculative step-cost runs per (k, batch); the quietest counts (default 3)")
     p.add_argument("--rollout-repeats", type=int, default=2, help="prompt groups of the rollout phase (default 2)")
+    p.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"), default="greedy",
+                   help="vLLM's speculative_config.draft_sample_method (default greedy; probabilistic: the draft "
+                        "samples from its own distribution at the request's temperature)")
+    p.add_argument("--no-skip-k0", action="store_true",
+                   help="do not measure batch-aware speculation with the drafter pass skipped at k = 0")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--quick", action="store_true", help="smoke test: ks 1 3, batches 1 4, 32 tokens, 1 group")
     return p.parse_known_args(argv)
@@ -227,7 +232,8 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     rollout_runs: dict[str, list[dict]] = {"ar": []}
     rollout_pairs: dict[str, list[tuple[float, float]]] = {}
     for k in ks:
-        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
+                "draft_sample_method": opts["draft_sample_method"]}
         w = build_worker(gen_cfg, model_path, seed, spec)
         refit_drafter(w.llm, bad_w)
         spec_step[k] = {}
@@ -285,38 +291,51 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
                                max_k=max(ks))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump({"step_costs": step_costs}, fh)
-    aware_spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": max(ks)}
-    w = build_worker(gen_cfg, model_path, seed, aware_spec,
-                     {"step_costs": fh.name, "max_batch_size": max(batches)})
-    engine_schedule = w.llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
-    if [list(x) for x in engine_schedule] != [list(x) for x in schedule]:
-        raise RuntimeError(f"engine schedule {engine_schedule} != derived {schedule}")
-    aware: dict[str, Any] = {"schedule": [list(x) for x in engine_schedule], "acceptance_rate": a_by_k}
-    for b in batches:
-        a_run, s_run = throughput(ar, b), throughput(w, b)
-        aware[f"b{b}"] = {"batch": b, "tokens_per_s": s_run["tokens"] / s_run["seconds"],
-                          "ar_tokens_per_s": a_run["tokens"] / a_run["seconds"],
-                          "acceptance_length": s_run["counters"].acceptance_length}
-        aware[f"b{b}"]["speedup"] = aware[f"b{b}"]["tokens_per_s"] / aware[f"b{b}"]["ar_tokens_per_s"]
-        log(f"batch-aware b={b}: speedup {aware[f'b{b}']['speedup']:.2f}")
-    pairs = []
-    for r in range(len(groups)):
-        a_roll, s_roll = rollout(ar, r), rollout(w, r)
-        rollout_runs["ar"].append(a_roll)
-        rollout_runs.setdefault("batch_aware", []).append(s_roll)
-        pairs.append((a_roll["seconds"], s_roll["seconds"]))
-    rollout_pairs["batch_aware"] = pairs
-    w.shutdown()
+    aware_spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": max(ks),
+                  "draft_sample_method": opts["draft_sample_method"]}
+
+    def measure_aware(name: str, drafter_pass_at_k0: bool) -> dict[str, Any]:
+        w = build_worker(gen_cfg, model_path, seed, aware_spec,
+                         {"step_costs": fh.name, "max_batch_size": max(batches),
+                          "drafter_pass_at_k0": drafter_pass_at_k0})
+        engine_schedule = w.llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+        if [list(x) for x in engine_schedule] != [list(x) for x in schedule]:
+            raise RuntimeError(f"engine schedule {engine_schedule} != derived {schedule}")
+        res: dict[str, Any] = {"schedule": [list(x) for x in engine_schedule], "acceptance_rate": a_by_k,
+                               "drafter_pass_at_k0": drafter_pass_at_k0}
+        for b in batches:
+            a_run, s_run = throughput(ar, b), throughput(w, b)
+            row = {"batch": b, "tokens_per_s": s_run["tokens"] / s_run["seconds"],
+                   "ar_tokens_per_s": a_run["tokens"] / a_run["seconds"],
+                   "acceptance_length": s_run["counters"].acceptance_length}
+            row["speedup"] = row["tokens_per_s"] / row["ar_tokens_per_s"]
+            res[f"b{b}"] = row
+            log(f"{name} b={b}: speedup {row['speedup']:.2f}")
+        pairs = []
+        for r in range(len(groups)):
+            a_roll, s_roll = rollout(ar, r), rollout(w, r)
+            rollout_runs["ar"].append(a_roll)
+            rollout_runs.setdefault(name, []).append(s_roll)
+            pairs.append((a_roll["seconds"], s_roll["seconds"]))
+        rollout_pairs[name] = pairs
+        log(f"{name} rollout phase: AR {sum(p[0] for p in pairs):.1f} s, spec {sum(p[1] for p in pairs):.1f} s")
+        w.shutdown()
+        return res
+
+    aware = measure_aware("batch_aware", True)
+    aware_skip = measure_aware("batch_aware_skip_k0", False) if opts.get("skip_k0", True) else None
     ar.shutdown()
 
     phase = {name: sum(p[0] for p in v) / sum(p[1] for p in v) for name, v in rollout_pairs.items()}
-    fixed = {n: s for n, s in phase.items() if n != "batch_aware"}
+    fixed = {n: s for n, s in phase.items() if not n.startswith("batch_aware")}
     best_fixed = max(fixed, key=fixed.get)
     return {
-        "rows": rows, "batch_aware": aware, "step_costs": step_costs,
+        "rows": rows, "batch_aware": aware, "batch_aware_skip_k0": aware_skip, "step_costs": step_costs,
         "rollout_phase": {"speedup": phase, "runs": rollout_runs, "pairs_s": rollout_pairs,
                           "rollout_batch": rollout_batch},
-        "rollout_phase_speedup": {"with_batch_aware": phase["batch_aware"], "without_batch_aware": fixed[best_fixed],
+        "rollout_phase_speedup": {"with_batch_aware": phase["batch_aware"],
+                                  "with_batch_aware_skip_k0": phase.get("batch_aware_skip_k0"),
+                                  "without_batch_aware": fixed[best_fixed],
                                   "without_batch_aware_best_k": best_fixed},
         "bench_seconds": time.perf_counter() - t_start,
     }
@@ -335,11 +354,18 @@ def format_table(res: dict[str, Any]) -> str:
     lines.append("")
     a_txt = ", ".join(f"k={k}: {a:.2f}" for k, a in aware["acceptance_rate"].items())
     lines.append(f"batch-aware schedule [first, last, k]: {aware['schedule']} (per-token acceptance {a_txt})")
-    lines.append("| batch | AR tok/s | batch-aware tok/s | speedup |")
-    lines.append("|---|---|---|---|")
+    skip = res.get("batch_aware_skip_k0")
+    lines.append("| batch | AR tok/s | batch-aware tok/s | speedup | acc. length L |"
+                 + (" skip-k0 tok/s | skip-k0 speedup | skip-k0 L |" if skip else ""))
+    lines.append("|---|---|---|---|---|" + ("---|---|---|" if skip else ""))
     for key, v in aware.items():
         if key.startswith("b") and isinstance(v, dict):
-            lines.append(f"| {v['batch']} | {v['ar_tokens_per_s']:.1f} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f} |")
+            line = (f"| {v['batch']} | {v['ar_tokens_per_s']:.1f} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f} | "
+                    f"{v['acceptance_length']:.2f} |")
+            if skip:
+                w = skip[key]
+                line += f" {w['tokens_per_s']:.1f} | {w['speedup']:.2f} | {w['acceptance_length']:.2f} |"
+            lines.append(line)
     rp = res["rollout_phase"]
     lines.append("")
     lines.append(f"rollout phase ({rp['rollout_batch']} rows per GRPO step, natural lengths), speedup over AR: "
@@ -396,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             "batches": batches, "temperature": cfg.policy.generation.temperature, "max_new_tokens": max_new,
             "step_cost_tokens": 6 if quick else args.step_cost_tokens, "seed": args.seed, "draft": str(draft),
             "step_cost_repeats": 1 if quick else args.step_cost_repeats,
+            "draft_sample_method": args.draft_sample_method, "skip_k0": not args.no_skip_k0,
             "quick": quick}
     res = checks.run_isolated(run_bench, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
     res["meta"] = {"command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else
@@ -403,13 +430,16 @@ def main(argv: list[str] | None = None) -> int:
                    "config": args.config, "model": cfg.policy.model_name, "draft": str(draft), "ks": ks,
                    "batches": batches, "rollout_batch": R, "temperature": cfg.policy.generation.temperature,
                    "max_new_tokens": max_new, "rollout_repeats": repeats, "seed": args.seed,
+                   "draft_sample_method": args.draft_sample_method,
                    "prompt_tokens_mean": sum(len(p) for p in pool) / len(pool),
                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     draft_summary = Path(draft) / "init_draft.json"
     if draft_summary.is_file():
         d = json.loads(draft_summary.read_text())
         res["meta"]["draft_training"] = {k: d.get(k) for k in ("num_prompts", "steps", "ttt_steps",
-                                                                "draft_vocab_size", "temperature", "start", "end")}
+                                                                "draft_vocab_size", "temperature", "start", "end",
+                                                                "samples_per_prompt", "train_sequences",
+                                                                "acceptance_vs_steps")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=float) + "\n")

@@ -1,11 +1,16 @@
 """Offline EAGLE-3 draft initialisation: ``python examples/init_draft.py --config RECIPE.yaml --out DIR``.
 
-Samples responses from the recipe's policy (vLLM, the recipe's temperature and max_new_tokens, natural lengths)
-on in-domain prompts (the first ``--num-prompts`` problems of the recipe's training set, chat-formatted as the
-GRPO loop formats them), trains an EAGLE-3 head on them (transformers model of the policy, soft targets:
-:func:`nemo_rl_spec.speculative.offline.train_draft_on_sequences`) and writes ``DIR`` with
-``DraftTrainer.save_checkpoint`` (``config.json`` + ``model.safetensors`` in vLLM's eagle3 format, plus
-``draft_trainer.pt``) and ``init_draft.json`` (arguments, sampled sequences, metrics). Start GRPO from it with::
+Samples ``--samples-per-prompt`` responses from the recipe's policy (vLLM, the recipe's temperature and
+max_new_tokens, natural lengths) to each of the first ``--num-prompts`` problems of the recipe's training set
+(chat-formatted as the GRPO loop formats them), trains an EAGLE-3 head on them with the full training-time-test
+unroll (transformers model of the policy, soft targets), and writes ``DIR`` with ``DraftTrainer.save_checkpoint``
+(``config.json`` + ``model.safetensors`` in vLLM's eagle3 format, plus ``draft_trainer.pt``) and ``init_draft.json``
+(arguments, the measured draft vocabulary, the held-out acceptance-vs-steps curve and, with ``--data-sizes``, the
+acceptance-vs-data curve). The last ``--eval-prompts`` prompts are held out for the curves.
+
+Progress bars for every stage; interrupted runs resume from ``DIR/work/`` (samples already written, the last
+training checkpoint): rerun the same command. Stages: :mod:`nemo_rl_spec.speculative.draft_init`. Start GRPO from
+the result with::
 
     policy.draft.model_name: DIR
     policy.generation.vllm_kwargs.speculative_config: {method: eagle3, model: DIR, num_speculative_tokens: 3}
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 SUMMARY_FILE = "init_draft.json"
-MAX_ROWS_PER_CALL = 16  # keeps each vLLM prefill under its token budget (seeded requests + chunked prefill crash)
+PROMPTS_PER_CALL = 16  # prompts per vLLM generate call while sampling (x --samples-per-prompt rows)
 
 
 class UsageError(ValueError):
@@ -36,18 +41,30 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--config", required=True, help="recipe YAML (as for examples/run_grpo.py)")
     parser.add_argument("--out", required=True, help="output directory of the draft checkpoint")
     parser.add_argument("--num-prompts", type=int, default=64, help="training-set prompts to sample (default 64)")
+    parser.add_argument("--samples-per-prompt", type=int, default=1, help="responses per prompt (default 1)")
+    parser.add_argument("--eval-prompts", type=int, default=0,
+                        help="of --num-prompts, the last N are held out for the acceptance curves (default 0: none)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="response cap (default: policy.generation.max_new_tokens)")
     parser.add_argument("--steps", type=int, default=100, help="draft optimizer steps (default 100)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per draft step (default 8)")
     parser.add_argument("--lr", type=float, default=3e-3, help="draft AdamW learning rate (default 3e-3)")
     parser.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll length (default 3)")
-    parser.add_argument("--draft-vocab-size", type=int, default=2048,
-                        help="reduced draft vocabulary (most frequent response tokens + EOS); 0: full vocabulary")
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="reduced draft vocabulary: this many most frequent response tokens + EOS; 0: full "
+                             "vocabulary (default: sized by --vocab-coverage)")
+    parser.add_argument("--vocab-coverage", type=float, default=0.999,
+                        help="without --draft-vocab-size: the smallest vocabulary covering this fraction of the "
+                             "sampled response tokens (default 0.999)")
+    parser.add_argument("--eval-every", type=int, default=50, help="held-out acceptance every N steps (default 50)")
+    parser.add_argument("--save-every", type=int, default=50, help="training checkpoint every N steps (default 50)")
+    parser.add_argument("--data-sizes", type=int, nargs="*", default=[],
+                        help="also train heads on the first N training sequences (same steps) for the "
+                             "acceptance-vs-data curve")
     parser.add_argument("--seed", type=int, default=None, help="sampling / init seed (default: grpo.seed)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for training (default 1: on this shared 2-core machine 2 threads ran "
-                             "up to 30x slower than 1)")
+                             "up to 30x slower than 1; alone, use 2)")
     return parser.parse_known_args(argv)
 
 
@@ -56,11 +73,19 @@ def validate_args(args: argparse.Namespace) -> None:
     for flag, value, low in (("--num-prompts", args.num_prompts, 1), ("--steps", args.steps, 1),
                              ("--batch-size", args.batch_size, 1), ("--ttt-steps", args.ttt_steps, 1),
                              ("--draft-vocab-size", args.draft_vocab_size, 0),
-                             ("--max-new-tokens", args.max_new_tokens, 1), ("--threads", args.threads, 1)):
+                             ("--samples-per-prompt", args.samples_per_prompt, 1),
+                             ("--eval-prompts", args.eval_prompts, 0), ("--eval-every", args.eval_every, 1),
+                             ("--save-every", args.save_every, 1),
+                             ("--max-new-tokens", args.max_new_tokens, 1), ("--threads", args.threads, 1),
+                             *(("--data-sizes", n, 1) for n in args.data_sizes)):
         if value is not None and value < low:
             raise UsageError(f"{flag}={value}: must be >= {low}")
     if not args.lr > 0:
         raise UsageError(f"--lr={args.lr}: must be > 0")
+    if not 0 < args.vocab_coverage <= 1:
+        raise UsageError(f"--vocab-coverage={args.vocab_coverage}: must be in (0, 1]")
+    if args.eval_prompts >= args.num_prompts:
+        raise UsageError(f"--eval-prompts={args.eval_prompts}: must be < --num-prompts={args.num_prompts}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a directory")
@@ -83,37 +108,44 @@ def in_domain_prompts(cfg, tokenizer, num_prompts: int) -> list[list[int]]:
     return [format_prompt(tokenizer, cfg.data.system_prompt, p["question"], **kwargs) for p in train[:num_prompts]]
 
 
-def sample_responses(gen_cfg: dict[str, Any], model_path: str, prompts: list[list[int]], seed: int,
-                     max_new_tokens: int) -> dict[str, Any]:
-    """Sample one response per prompt with the rollout engine (:class:`VllmGenerationWorker`, no speculation).
-
-    Runs in the calling process (use ``checks.run_isolated`` for a fresh engine process). Rows go in calls of at
-    most ``MAX_ROWS_PER_CALL`` prompts, each with seed ``seed + call index``.
-
-    Returns {"responses": list of token-id lists (EOS included when the model stopped), "generate_s": seconds}.
-    """
-    from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
-
-    worker = VllmGenerationWorker(gen_cfg, model_path, seed)
-    responses: list[list[int]] = []
-    start = time.perf_counter()
-    try:
-        for call, lo in enumerate(range(0, len(prompts), MAX_ROWS_PER_CALL)):
-            chunk = prompts[lo:lo + MAX_ROWS_PER_CALL]
-            out = worker.generate({"prompt_token_ids": chunk}, n=1, seed=seed + call, max_new_tokens=max_new_tokens)
-            for r in range(len(chunk)):
-                p, e = int(out["input_lengths"][r]), int(out["unpadded_sequence_lengths"][r])
-                responses.append(out["output_ids"][r, p:e].tolist())
-    finally:
-        worker.shutdown()
-    return {"responses": responses, "generate_s": time.perf_counter() - start}
-
-
 def _eos_ids(tokenizer, hf_config) -> list[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos = getattr(hf_config, "eos_token_id", None)
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return sorted(int(i) for i in ids)
+
+
+def _load(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """Recipe, tokenizer, prompts and sampling settings; raises UsageError / ConfigError before any engine starts."""
+    from transformers import AutoTokenizer
+
+    from nemo_rl_spec.models.hf_assets import resolve_model
+    from nemo_rl_spec.utils.config import load_config
+
+    validate_args(args)
+    cfg = load_config(args.config, overrides)
+    model_path = resolve_model(cfg.policy.model_name)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = in_domain_prompts(cfg, tokenizer, args.num_prompts)
+    gen_cfg = cfg.policy.generation.model_dump()
+    gen_cfg["vllm_kwargs"] = {k: v for k, v in gen_cfg["vllm_kwargs"].items() if k != "speculative_config"}
+    gen_cfg["dynamic_speculation"] = None
+    max_new = args.max_new_tokens or gen_cfg["max_new_tokens"]
+    longest = max(len(p) for p in prompts) + max_new
+    if longest > gen_cfg["vllm_cfg"]["max_model_len"]:
+        raise UsageError(f"--max-new-tokens={max_new}: the longest prompt ({longest - max_new} tokens) plus the "
+                         f"response exceeds policy.generation.vllm_cfg.max_model_len={gen_cfg['vllm_cfg']['max_model_len']}")
+    seed = cfg.grpo.seed if args.seed is None else args.seed
+    return {"cfg": cfg, "model_path": model_path, "tokenizer": tokenizer, "prompts": prompts, "gen_cfg": gen_cfg, "max_new": max_new,
+            "seed": seed}
+
+
+def _make_trainer(args, policy, vocab, aux, seed):
+    from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
+    from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
+
+    head = Eagle3DraftHead.from_target(policy, aux_layer_ids=aux, draft_vocab=vocab, seed=seed)
+    return DraftTrainer(head, lr=args.lr, ttt_steps=args.ttt_steps)
 
 
 def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
@@ -123,74 +155,98 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
         UsageError, ConfigError: bad flags, recipe or overrides.
     """
     import torch
+    from tqdm import tqdm
 
-    from nemo_rl_spec.models.hf_assets import resolve_model
-    from nemo_rl_spec.speculative import checks
-    from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
-    from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead, draft_vocab_from_counts
-    from nemo_rl_spec.speculative.offline import pad_sequences, train_draft_on_sequences
-    from nemo_rl_spec.utils.config import load_config
+    from nemo_rl_spec.speculative import checks, draft_init
+    from nemo_rl_spec.speculative.offline import build_policy_cache
 
-    validate_args(args)
-    cfg = load_config(args.config, overrides)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    run = _load(args, overrides)
+    from transformers import AutoModelForCausalLM
 
-    model_path = resolve_model(cfg.policy.model_name)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = in_domain_prompts(cfg, tokenizer, args.num_prompts)
-    seed = cfg.grpo.seed if args.seed is None else args.seed
-    gen_cfg = cfg.policy.generation.model_dump()
-    gen_cfg["vllm_kwargs"] = {k: v for k, v in gen_cfg["vllm_kwargs"].items() if k != "speculative_config"}
-    gen_cfg.pop("speculative_batch_schedule", None)
-    max_new = args.max_new_tokens or gen_cfg["max_new_tokens"]
-    longest = max(len(p) for p in prompts) + max_new
-    if longest > gen_cfg["vllm_cfg"]["max_model_len"]:
-        raise UsageError(f"--max-new-tokens={max_new}: the longest prompt ({longest - max_new} tokens) plus the "
-                         f"response exceeds policy.generation.vllm_cfg.max_model_len={gen_cfg['vllm_cfg']['max_model_len']}")
-    sampled = checks.run_isolated(sample_responses, gen_cfg, model_path, prompts, seed, max_new,
-                                  threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
-    responses = sampled["responses"]
-    sequences = [p + r for p, r in zip(prompts, responses)]
-    prompt_lengths = [len(p) for p in prompts]
+    out, seed = Path(args.out), run["seed"]
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    samples_file = str(work / draft_init.SAMPLES_FILE)
+    t0 = time.perf_counter()
+    checks.run_isolated(draft_init.sample_to_file, run["gen_cfg"], run["model_path"], run["prompts"],
+                        args.samples_per_prompt, seed, run["max_new"], PROMPTS_PER_CALL, samples_file,
+                        threads=int(run["gen_cfg"]["vllm_cfg"]["num_threads"]))
+    generate_s = time.perf_counter() - t0
+    samples = draft_init.read_samples(samples_file)
+    n_train_prompts = args.num_prompts - args.eval_prompts
+    train_rows = [i for i, p in enumerate(samples.prompt_index) if p < n_train_prompts]
+    eval_rows = [i for i, p in enumerate(samples.prompt_index) if p >= n_train_prompts]
 
     torch.set_num_threads(args.threads)
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    draft_cfg = cfg.policy.draft
+    policy = AutoModelForCausalLM.from_pretrained(run["model_path"], dtype=torch.float32).eval()
+    vocab, vocab_info = draft_init.measured_vocab(
+        [samples.sequences[i] for i in train_rows], [samples.prompt_lengths[i] for i in train_rows],
+        policy.config.vocab_size, _eos_ids(run["tokenizer"], policy.config), args.vocab_coverage,
+        args.draft_vocab_size)
+    if args.draft_vocab_size == 0:
+        vocab, vocab_info["draft_vocab_size"], vocab_info["coverage"] = None, policy.config.vocab_size, 1.0
+    draft_cfg = run["cfg"].policy.draft
     aux = draft_cfg.aux_layer_ids if draft_cfg is not None and draft_cfg.aux_layer_ids else None
-    vocab = None
-    if args.draft_vocab_size and args.draft_vocab_size < policy.config.vocab_size:
-        ids, mask = pad_sequences(sequences, prompt_lengths)
-        counts = torch.bincount(ids[mask], minlength=policy.config.vocab_size).float()
-        vocab = draft_vocab_from_counts(counts, args.draft_vocab_size, _eos_ids(tokenizer, policy.config))
-    head = Eagle3DraftHead.from_target(policy, aux_layer_ids=aux, draft_vocab=vocab, seed=seed)
-    trainer = DraftTrainer(head, lr=args.lr, ttt_steps=args.ttt_steps)
-    t0 = time.perf_counter()
-    _, history = train_draft_on_sequences(policy, sequences, prompt_lengths, trainer=trainer, steps=args.steps,
-                                          batch_size=args.batch_size, seed=seed, cache_policy_outputs=True)
-    train_s = time.perf_counter() - t0
-    out = Path(args.out)
+    trainer = _make_trainer(args, policy, vocab, aux, seed)
+    temperature = run["gen_cfg"]["temperature"]
+    bar = tqdm(total=len(samples.sequences), desc="policy outputs", unit="seq")
+    cache = build_policy_cache(policy, trainer.head, samples.sequences, args.batch_size, True,
+                               temperature if temperature > 0 else 1.0, on_batch=bar.update)
+    bar.close()
+    state = draft_init.load_state(work / draft_init.STATE_FILE, trainer)
+    t1 = time.perf_counter()
+    state = draft_init.train(trainer, cache, samples, train_rows, eval_rows or train_rows[:64], args.steps,
+                             args.batch_size, seed, args.eval_every, state,
+                             lambda st: draft_init.save_state(work / draft_init.STATE_FILE, trainer, st),
+                             args.save_every)
+    train_s = time.perf_counter() - t1
     trainer.save_checkpoint(out)
+    data_curve = _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval_rows, work, state)
+    history = state["history"]
 
     def window(rows: list[dict[str, float]]) -> dict[str, float]:
         keys = ("train/draft_loss", "train/draft_acc_step0", f"train/draft_acc_step{args.ttt_steps - 1}")
         return {k: sum(r.get(k, float("nan")) for r in rows) / len(rows) for k in keys}
 
     n = max(1, min(5, len(history) // 4))
-    resp_lens = [len(r) for r in responses]
+    resp_lens = [len(q) - p for q, p in zip(samples.sequences, samples.prompt_lengths)]
     summary = {
-        "config": str(args.config), "overrides": overrides, "model": cfg.policy.model_name, "out": str(out),
-        "num_prompts": len(prompts), "seed": seed, "temperature": gen_cfg["temperature"],
-        "max_new_tokens": max_new, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
-        "ttt_steps": args.ttt_steps, "draft_vocab_size": head.cfg.draft_vocab_size,
-        "aux_layer_ids": list(head.cfg.aux_layer_ids),
+        "config": str(args.config), "overrides": overrides, "model": run["cfg"].policy.model_name, "out": str(out),
+        "num_prompts": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
+        "eval_prompts": args.eval_prompts, "train_sequences": len(train_rows), "eval_sequences": len(eval_rows),
+        "seed": seed, "temperature": temperature, "max_new_tokens": run["max_new"], "steps": args.steps,
+        "batch_size": args.batch_size, "lr": args.lr, "ttt_steps": args.ttt_steps, **vocab_info,
+        "aux_layer_ids": list(trainer.head.cfg.aux_layer_ids),
         "response_tokens_mean": sum(resp_lens) / len(resp_lens), "response_tokens_max": max(resp_lens),
-        "generate_s": sampled["generate_s"], "train_s": train_s,
+        "generate_s": generate_s, "train_s": train_s,
         "start": window(history[:n]), "end": window(history[-n:]),
-        "prompt_lengths": prompt_lengths, "sequences": sequences,
+        "acceptance_vs_steps": state["curve"], "acceptance_vs_data": data_curve,
+        "prompt_lengths": samples.prompt_lengths, "sequences": samples.sequences,
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary) + "\n")
     return summary
+
+
+def _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval_rows, work, full_state):
+    """Held-out acceptance of heads trained on the first N training sequences (same steps); the full set's point
+    is the main head's. Each finished point is kept in ``work/data_curve.json`` (resume skips it)."""
+    from nemo_rl_spec.speculative import draft_init
+
+    path = work / "data_curve.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    for n in sorted(set(args.data_sizes)):
+        if n >= len(train_rows) or str(n) in done:
+            continue
+        trainer = _make_trainer(args, policy, vocab, aux, seed)
+        st = draft_init.train(trainer, cache, samples, train_rows[:n], eval_rows or train_rows[:64], args.steps,
+                              args.batch_size, seed, args.steps, {"step": 0, "history": [], "curve": []},
+                              desc=f"data curve: {n} sequences")
+        done[str(n)] = st["curve"][-1]
+        path.write_text(json.dumps(done))
+    points = [{"train_sequences": int(n), **v} for n, v in done.items()]
+    points.append({"train_sequences": len(train_rows), **full_state["curve"][-1]})
+    return sorted(points, key=lambda p: p["train_sequences"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,12 +260,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     st, en = s["start"], s["end"]
     last = f"train/draft_acc_step{s['ttt_steps'] - 1}"
-    print(f"sampled {s['num_prompts']} responses (mean {s['response_tokens_mean']:.0f}, max "
+    print(f"sampled {s['train_sequences'] + s['eval_sequences']} responses (mean {s['response_tokens_mean']:.0f}, max "
           f"{s['response_tokens_max']} tokens, T={s['temperature']}) in {s['generate_s']:.0f} s; "
           f"trained {s['steps']} steps in {s['train_s']:.0f} s")
     print(f"draft loss {st['train/draft_loss']:.3f} -> {en['train/draft_loss']:.3f}; "
           f"acc step0 {st['train/draft_acc_step0']:.3f} -> {en['train/draft_acc_step0']:.3f}; "
           f"acc step{s['ttt_steps'] - 1} {st[last]:.3f} -> {en[last]:.3f}")
+    print(f"draft vocabulary {s['draft_vocab_size']} (covers {s['coverage']:.4f} of the sampled response tokens)")
+    for p in s["acceptance_vs_data"]:
+        print(f"{p['train_sequences']} training sequences: held-out acceptance length (k={s['ttt_steps']}) greedy "
+              f"{p['greedy/acceptance_length']:.3f}, probabilistic {p['probabilistic/acceptance_length']:.3f} "
+              f"(greedy oracle {p['oracle_greedy/acceptance_length']:.3f})")
     print(f"wrote {s['out']} (vLLM eagle3: config.json, model.safetensors; draft_trainer.pt; {SUMMARY_FILE})")
     return 0
 

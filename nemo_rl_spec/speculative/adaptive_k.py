@@ -189,3 +189,37 @@ def apply_batch_size_schedule(engine_kwargs: dict[str, Any], generation_cfg: Map
                        schedule, max_k)
     logger.info("dynamic speculation: k per running batch size %s", schedule)
     return {**engine_kwargs, "speculative_config": {**spec, VLLM_KEY: [list(r) for r in schedule]}}
+
+
+def _skip_drafter_at_k0(worker) -> None:
+    import torch
+
+    drafter = worker.model_runner.drafter
+    if getattr(drafter, "_nemo_rl_spec_skip_k0", False):
+        return
+    propose = drafter.propose
+
+    def propose_or_skip(num_speculative_tokens, *args, **kwargs):
+        if num_speculative_tokens == 0:
+            cad = kwargs["common_attn_metadata"]
+            return torch.empty(cad.batch_size(), 0, dtype=torch.int64, device=kwargs["target_positions"].device)
+        return propose(num_speculative_tokens, *args, **kwargs)
+
+    drafter.propose = propose_or_skip
+    drafter._nemo_rl_spec_skip_k0 = True
+
+
+def install_drafter_skip_at_k0(llm) -> None:
+    """Skip the EAGLE drafter's forward pass on engine steps where the schedule gives k = 0.
+
+    vLLM runs the drafter's first pass at k = 0 so that its KV cache holds every position when drafting resumes
+    (``EagleProposer.propose``). Skipped, those positions' drafter KV slots are never written: when the batch
+    shrinks and drafting resumes, the drafter attends to stale slots for them, which can only lower acceptance.
+    Verification is untouched, so outputs stay lossless (the target decides every token). Trade measured by
+    ``examples/bench_spec_rollouts.py`` (``batch_aware_skip_k0``); turned on by
+    ``policy.generation.dynamic_speculation.drafter_pass_at_k0: false``.
+
+    Raises:
+        AttributeError: the engine has no drafter (no model-based ``speculative_config``).
+    """
+    llm.collective_rpc(_skip_drafter_at_k0)

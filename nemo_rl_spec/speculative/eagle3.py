@@ -452,7 +452,8 @@ class Eagle3DraftHead(nn.Module):
 
         Shape: aux_hidden [B, S, n_aux * H_t] (already detached from the policy), input_ids [B, S],
         loss_mask [B, S] (bool / 0-1), target_logprobs [B, S, V] (log-probs of the policy's next-token
-        distribution at each position) -> scalar loss, metrics ``draft_loss_step{j}``, ``draft_acc_step{j}``
+        distribution at each position; or [B, S, draft_vocab_size], already restricted to the draft vocabulary's
+        ids, as :func:`~nemo_rl_spec.speculative.offline.train_draft_on_sequences` caches them) -> scalar loss, metrics ``draft_loss_step{j}``, ``draft_acc_step{j}``
         (top-1 agreement with the token, a proxy of per-position acceptance at temperature 0).
         """
         if aux_hidden.requires_grad:
@@ -475,7 +476,7 @@ class Eagle3DraftHead(nn.Module):
             logq = torch.log_softmax(logits, dim=-1)
             if target_logprobs is not None:
                 target = target_logprobs[:, shift - 1:S - 1].float()
-                if self.cfg.draft_vocab_size != self.cfg.vocab_size:
+                if target.shape[-1] != self.cfg.draft_vocab_size:
                     target = target.index_select(-1, draft_ids)
                 per_tok = -(target.exp() * logq).sum(-1)
             else:

@@ -53,9 +53,9 @@ def train_draft_on_sequences(policy: torch.nn.Module, sequences: Sequence[Sequen
         trainer: a :class:`DraftTrainer` to use (its head is trained, ``head`` and ``lr`` are ignored), e.g. to
             save its optimizer state with ``trainer.save_checkpoint`` afterwards; else a new one.
         cache_policy_outputs: run the policy once per sequence and keep its aux hidden states and (soft targets)
-            its log-probs restricted to the draft vocabulary, instead of a policy forward every step. Same loss
-            (``ttt_loss`` drops policy mass outside the draft vocabulary anyway); memory
-            ``N * S * (n_aux * H + draft_vocab_size) * 4`` bytes.
+            its log-probs restricted to the draft vocabulary (:class:`PolicyOutputCache`), instead of a policy
+            forward every step. Same loss (``ttt_loss`` drops policy mass outside the draft vocabulary anyway);
+            memory ``total tokens * (n_aux * H + draft_vocab_size + 1) * 4`` bytes.
 
     Returns:
         (head, per-step metrics).
@@ -75,7 +75,8 @@ def train_draft_on_sequences(policy: torch.nn.Module, sequences: Sequence[Sequen
         head = Eagle3DraftHead.from_target(policy, aux_layer_ids=aux_layer_ids, draft_vocab=vocab, seed=seed)
     if trainer is None:
         trainer = DraftTrainer(head, lr=lr, ttt_steps=ttt_steps)
-    cache = _policy_cache(policy, head, ids, batch_size, soft_targets) if cache_policy_outputs else None
+    lengths = [len(q) for q in sequences]
+    cache = _policy_cache(policy, head, ids, batch_size, soft_targets, lengths) if cache_policy_outputs else None
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(ids), generator=gen)
     pos, history = 0, []
@@ -87,6 +88,7 @@ def train_draft_on_sequences(policy: torch.nn.Module, sequences: Sequence[Sequen
         batch_ids, batch_mask = ids[rows], mask[rows]
         if cache is not None:
             aux, target = cache.batch(rows)
+            batch_ids, batch_mask = batch_ids[:, :aux.shape[1]], batch_mask[:, :aux.shape[1]]
         else:
             aux, target = _policy_outputs(policy, head, batch_ids, soft_targets)
         metrics = trainer.step(aux, batch_ids, batch_mask, target)
@@ -105,39 +107,93 @@ def _policy_outputs(policy: torch.nn.Module, head: Eagle3DraftHead, batch_ids: t
     return cap.aux_hidden(), (torch.log_softmax(logits.float(), -1) if soft_targets else None)
 
 
-class _PolicyCache:
-    """Per-sequence policy outputs: aux [N, S, n_aux * H], draft-vocabulary log-probs [N, S, Vd] (or None)."""
+class PolicyOutputCache:
+    """The policy's outputs for draft training, one unpadded entry per sequence.
 
-    def __init__(self, aux: torch.Tensor, draft_logprobs: torch.Tensor | None, draft_ids: torch.Tensor,
-                 vocab_size: int) -> None:
-        self.aux, self.draft_logprobs, self.draft_ids, self.vocab_size = aux, draft_logprobs, draft_ids, vocab_size
+    Per sequence i of length L_i: ``aux[i]`` [L_i, n_aux * H] (detached aux hidden states), ``logprobs[i]``
+    [L_i, Vd] (the policy's next-token log-probs at temperature 1, normalised over the full vocabulary, restricted to
+    the draft vocabulary's ids; absent for hard targets) and ``shift[i]`` [L_i] with
+    ``log p_T(v) = log p_1(v) / T + shift`` at the cache's ``temperature`` T (for acceptance estimates).
+    Memory ``sum_i L_i * (n_aux * H + Vd + 1) * 4`` bytes.
+    """
 
-    def batch(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Shape: rows [B] -> aux [B, S, n_aux * H], log-probs [B, S, V] (-inf outside the draft vocabulary)."""
-        if self.draft_logprobs is None:
-            return self.aux[rows], None
-        part = self.draft_logprobs[rows]
-        if part.shape[-1] == self.vocab_size:
-            return self.aux[rows], part
-        full = part.new_full((*part.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.draft_ids] = part
-        return self.aux[rows], full
+    def __init__(self, aux: list[torch.Tensor], logprobs: list[torch.Tensor] | None, shift: list[torch.Tensor],
+                 temperature: float) -> None:
+        self.aux, self.logprobs, self.shift, self.temperature = aux, logprobs, shift, float(temperature)
+
+    def __len__(self) -> int:
+        return len(self.aux)
+
+    def nbytes(self) -> int:
+        parts = [*self.aux, *self.shift, *(self.logprobs or [])]
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def batch(self, rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Right-padded (zeros) batch. Shape: rows [B] -> aux [B, S, n_aux * H], log-probs [B, S, Vd] or None
+        (S = the longest of the rows; pair with :func:`pad_sequences` of the same rows, which masks the padding)."""
+        rows = [int(r) for r in rows]
+        aux = torch.nn.utils.rnn.pad_sequence([self.aux[r] for r in rows], batch_first=True)
+        if self.logprobs is None:
+            return aux, None
+        return aux, torch.nn.utils.rnn.pad_sequence([self.logprobs[r] for r in rows], batch_first=True)
+
+    def tempered_logprobs(self, rows: Sequence[int]) -> torch.Tensor:
+        """log p_T restricted to the draft vocabulary, right-padded. Shape: rows [B] -> [B, S, Vd].
+
+        Raises:
+            ValueError: the cache holds no log-probs (hard targets).
+        """
+        if self.logprobs is None:
+            raise ValueError("this cache was built without soft targets: no log-probs to temper")
+        parts = [self.logprobs[int(r)] / self.temperature + self.shift[int(r)].unsqueeze(-1) for r in rows]
+        return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
+
+
+@torch.no_grad()
+def build_policy_cache(policy: torch.nn.Module, head: Eagle3DraftHead, sequences: Sequence[Sequence[int]],
+                       batch_size: int = 8, soft_targets: bool = True, temperature: float = 1.0,
+                       on_batch=None) -> PolicyOutputCache:
+    """Run the policy once over ``sequences`` (batches of ``batch_size``, right-padded; causal attention makes
+    the padding irrelevant to the kept positions) and keep what draft training and acceptance estimates need.
+
+    ``on_batch(n)`` is called with the number of sequences done after each batch (a progress bar).
+    """
+    draft_ids = head.draft_ids.clone()
+    full = head.cfg.draft_vocab_size == head.cfg.vocab_size
+    n_seq = len(sequences)
+    aux_out: list = [None] * n_seq
+    shift_out: list = [None] * n_seq
+    lp_out: list | None = [None] * n_seq if soft_targets else None
+    order = sorted(range(n_seq), key=lambda i: len(sequences[i]))  # similar lengths together: less padding
+    for start in range(0, n_seq, batch_size):
+        idx = order[start:start + batch_size]
+        chunk = [sequences[i] for i in idx]
+        ids, _ = pad_sequences(chunk, [len(c) for c in chunk])
+        with capture_hidden_states(policy, head.cfg.aux_layer_ids) as cap:
+            out = policy(ids)
+        logits = (out.logits if hasattr(out, "logits") else out).float()
+        aux = cap.aux_hidden()
+        lse = torch.logsumexp(logits, -1)
+        shift = lse / temperature - torch.logsumexp(logits / temperature, -1)
+        for i, (row, seq) in enumerate(zip(idx, chunk)):
+            n = len(seq)
+            aux_out[row] = aux[i, :n].clone()
+            shift_out[row] = shift[i, :n].clone()
+            if lp_out is not None:
+                lp = logits[i, :n] - lse[i, :n].unsqueeze(-1)
+                lp_out[row] = lp.clone() if full else lp.index_select(-1, draft_ids)
+        if on_batch is not None:
+            on_batch(len(chunk))
+    return PolicyOutputCache(aux_out, lp_out, shift_out, temperature)
 
 
 def _policy_cache(policy: torch.nn.Module, head: Eagle3DraftHead, ids: torch.Tensor, batch_size: int,
-                  soft_targets: bool) -> _PolicyCache:
-    N, S = ids.shape
+                  soft_targets: bool, lengths: Sequence[int]) -> PolicyOutputCache:
     cfg = head.cfg
-    nbytes = N * S * (cfg.num_aux * cfg.target_hidden_size + (cfg.draft_vocab_size if soft_targets else 0)) * 4
+    nbytes = sum(lengths) * (cfg.num_aux * cfg.target_hidden_size + (cfg.draft_vocab_size if soft_targets else 0)) * 4
     if nbytes > 4 * (1 << 30):
-        raise ValueError(f"cache_policy_outputs would hold {nbytes / (1 << 30):.1f} GiB ({N} sequences x {S} "
-                         f"tokens, draft vocabulary {cfg.draft_vocab_size}): use a reduced draft_vocab_size or "
-                         "fewer sequences")
-    draft_ids = head.draft_ids.clone()
-    aux_parts, lp_parts = [], []
-    for start in range(0, N, batch_size):
-        aux, target = _policy_outputs(policy, head, ids[start:start + batch_size], soft_targets)
-        aux_parts.append(aux.float())
-        if target is not None:
-            lp_parts.append(target if cfg.draft_vocab_size == cfg.vocab_size else target.index_select(-1, draft_ids))
-    return _PolicyCache(torch.cat(aux_parts), torch.cat(lp_parts) if lp_parts else None, draft_ids, cfg.vocab_size)
+        raise ValueError(f"cache_policy_outputs would hold {nbytes / (1 << 30):.1f} GiB ({len(lengths)} sequences, "
+                         f"{sum(lengths)} tokens, draft vocabulary {cfg.draft_vocab_size}): use a reduced "
+                         "draft_vocab_size or fewer sequences")
+    seqs = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    return build_policy_cache(policy, head, seqs, batch_size, soft_targets)

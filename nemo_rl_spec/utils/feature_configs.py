@@ -111,6 +111,9 @@ class DynamicSpeculationConfig(BaseModel):
       of it, with ``acceptance_rate`` (per-token acceptance a; None: the file's) and ``min_speedup``.
 
     ``max_batch_size``: largest running batch the derived schedule covers (larger ones keep the last k).
+    ``drafter_pass_at_k0``: keep vLLM's drafter forward pass on k = 0 steps (its KV cache stays complete); false
+    skips it (:func:`~nemo_rl_spec.speculative.adaptive_k.install_drafter_skip_at_k0`: cheaper k = 0 steps, stale
+    drafter KV for those positions once drafting resumes; lossless either way).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -121,6 +124,7 @@ class DynamicSpeculationConfig(BaseModel):
     acceptance_rate: float | None = Field(default=None, ge=0.0, le=1.0)
     min_speedup: float = Field(default=1.0, gt=0.0)
     max_batch_size: PositiveInt = 256
+    drafter_pass_at_k0: bool = True
 
     @model_validator(mode="after")
     def _one_source(self) -> DynamicSpeculationConfig:

@@ -28,7 +28,7 @@ K_MAX = 3
 NUM_PROMPTS = 8
 
 
-def _generation_cfg(draft: str | None):
+def _generation_cfg(draft: str | None, drafter_pass_at_k0: bool = True):
     """The tiny recipe's typed ``policy.generation`` (max_model_len 1024); speculative, with the schedule, if
     ``draft``."""
     from nemo_rl_spec.utils.config import load_config
@@ -38,13 +38,23 @@ def _generation_cfg(draft: str | None):
     gen.vllm_cfg.max_model_len = 1024
     if draft is not None:
         gen.vllm_kwargs = {"speculative_config": {"method": "eagle3", "model": draft, "num_speculative_tokens": K_MAX}}
-        gen.dynamic_speculation = {"num_speculative_tokens_per_batch_size": SCHEDULE}
+        gen.dynamic_speculation = {"num_speculative_tokens_per_batch_size": SCHEDULE,
+                                   "drafter_pass_at_k0": drafter_pass_at_k0}
     return gen
 
 
-def greedy_scenario(model: str, draft: str | None, prompts: list[list[int]], lengths: list[int]) -> dict:
+DRAFTER_FORWARDS: list[int] = []
+
+
+def _count_drafter_forwards(worker) -> None:
+    worker.model_runner.drafter.model.register_forward_hook(lambda *_: DRAFTER_FORWARDS.append(1))
+
+
+def greedy_scenario(model: str, draft: str | None, prompts: list[list[int]], lengths: list[int],
+                    drafter_pass_at_k0: bool = True) -> dict:
     """Worker engine (speculative with the schedule, or plain), greedy decode with per-request lengths; records
-    (running batch size, k scheduled) of every engine step from vLLM's scheduler."""
+    (running batch size, k scheduled) of every engine step from vLLM's scheduler and the drafter's forward
+    passes."""
     from vllm import SamplingParams, TokensPrompt
 
     from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
@@ -53,8 +63,10 @@ def greedy_scenario(model: str, draft: str | None, prompts: list[list[int]], len
         read_spec_decode_counters,
     )
 
-    worker = VllmGenerationWorker(_generation_cfg(draft), model, seed=0)
+    worker = VllmGenerationWorker(_generation_cfg(draft, drafter_pass_at_k0), model, seed=0)
     llm = worker.llm
+    if draft is not None:
+        llm.collective_rpc(_count_drafter_forwards)  # in-process engine: the hook appends to this module's list
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     steps: list[tuple[int, int]] = []
     schedule_fn = scheduler.schedule
@@ -73,12 +85,14 @@ def greedy_scenario(model: str, draft: str | None, prompts: list[list[int]], len
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     counters = read(llm) - before
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "steps": steps, "counters": counters,
-              "engine_schedule": None if spec_cfg is None else spec_cfg.num_speculative_tokens_per_batch_size}
+              "engine_schedule": None if spec_cfg is None else spec_cfg.num_speculative_tokens_per_batch_size,
+              "drafter_forwards": len(DRAFTER_FORWARDS)}
     worker.shutdown()
     return result
 
 
-def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path):
+@pytest.mark.parametrize("drafter_pass_at_k0", [True, False])
+def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path, drafter_pass_at_k0):
     from transformers import AutoTokenizer
 
     target = resolve_model("tiny-qwen3")
@@ -89,7 +103,7 @@ def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path):
     # at most the 64 tokens the head was trained on (16 * (i + 1) drafted mostly past them: acceptance 1.37)
     lengths = [8 * (i + 1) for i in range(NUM_PROMPTS)]
     plain = checks.run_isolated(greedy_scenario, target, None, test_prompts, lengths)
-    spec = checks.run_isolated(greedy_scenario, target, draft, test_prompts, lengths)
+    spec = checks.run_isolated(greedy_scenario, target, draft, test_prompts, lengths, drafter_pass_at_k0)
 
     assert [list(r) for r in spec["engine_schedule"]] == SCHEDULE
     require_acceptance(spec["counters"], "dynamic speculation (trained EAGLE-3 head)")  # else equality is vacuous
@@ -110,3 +124,7 @@ def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path):
     assert c.num_draft_tokens <= expected_draft_tokens
     assert c.num_drafts > 0 and c.num_accepted_tokens > 0
     assert all(k == 0 for b, k in decode_steps if b >= 6)
+    # drafter forward passes per engine step: k of them (the first pass, then k - 1 more), and at k = 0 one
+    # KV-keeping pass with vLLM's default or none with drafter_pass_at_k0: false
+    per_step = [k if (k or not drafter_pass_at_k0) else 1 for _, k in decode_steps]
+    assert spec["drafter_forwards"] == sum(per_step), (spec["drafter_forwards"], sum(per_step))

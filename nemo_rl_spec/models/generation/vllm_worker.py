@@ -207,6 +207,11 @@ class VllmGenerationWorker(GenerationInterface):
             engine_kwargs = self._speculative_kwargs(engine_kwargs)
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
+        dyn = self.cfg.dynamic_speculation
+        if self.speculative and dyn is not None and dyn.enabled and not dyn.drafter_pass_at_k0:
+            from nemo_rl_spec.speculative.adaptive_k import install_drafter_skip_at_k0
+
+            install_drafter_skip_at_k0(self.llm)
         self._warm_up()
         self.engine_start_s = time.perf_counter() - start
         self.engine_dtype = engine_kwargs["dtype"]
