@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--data-sizes", type=int, nargs="*", default=[],
                         help="also train heads on the first N training sequences (same steps) for the "
                              "acceptance-vs-data curve")
+    parser.add_argument("--data-curve-steps", type=int, default=None,
+                        help="steps of each --data-sizes head (default --steps; a multiple of --eval-every, so the "
+                             "full set's point is the main curve's at that step)")
     parser.add_argument("--seed", type=int, default=None, help="sampling / init seed (default: grpo.seed)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for training (default 1: on this shared 2-core machine 2 threads ran "
@@ -84,6 +87,10 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--lr={args.lr}: must be > 0")
     if not 0 < args.vocab_coverage <= 1:
         raise UsageError(f"--vocab-coverage={args.vocab_coverage}: must be in (0, 1]")
+    curve_steps = args.data_curve_steps or args.steps
+    if args.data_sizes and (curve_steps > args.steps or (curve_steps != args.steps and curve_steps % args.eval_every)):
+        raise UsageError(f"--data-curve-steps={curve_steps}: must be --steps or a multiple of --eval-every="
+                         f"{args.eval_every} up to --steps={args.steps}")
     if args.eval_prompts >= args.num_prompts:
         raise UsageError(f"--eval-prompts={args.eval_prompts}: must be < --num-prompts={args.num_prompts}")
     out = Path(args.out)
@@ -225,27 +232,31 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
         "prompt_lengths": samples.prompt_lengths, "sequences": samples.sequences,
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary) + "\n")
+    draft_init.plot_curves(summary, out / "acceptance_curves.png")
     return summary
 
 
 def _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval_rows, work, full_state):
-    """Held-out acceptance of heads trained on the first N training sequences (same steps); the full set's point
-    is the main head's. Each finished point is kept in ``work/data_curve.json`` (resume skips it)."""
+    """Held-out acceptance of heads trained on the first N training sequences for ``--data-curve-steps`` steps;
+    the full set's point is the main run's at that step. Each finished point is kept in
+    ``work/data_curve.json`` (resume skips it)."""
     from nemo_rl_spec.speculative import draft_init
 
+    steps = args.data_curve_steps or args.steps
     path = work / "data_curve.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
     for n in sorted(set(args.data_sizes)):
-        if n >= len(train_rows) or str(n) in done:
+        key = f"{n}@{steps}"
+        if n >= len(train_rows) or key in done:
             continue
         trainer = _make_trainer(args, policy, vocab, aux, seed)
-        st = draft_init.train(trainer, cache, samples, train_rows[:n], eval_rows or train_rows[:64], args.steps,
-                              args.batch_size, seed, args.steps, {"step": 0, "history": [], "curve": []},
+        st = draft_init.train(trainer, cache, samples, train_rows[:n], eval_rows or train_rows[:64], steps,
+                              args.batch_size, seed, steps, {"step": 0, "history": [], "curve": []},
                               desc=f"data curve: {n} sequences")
-        done[str(n)] = st["curve"][-1]
+        done[key] = st["curve"][-1]
         path.write_text(json.dumps(done))
-    points = [{"train_sequences": int(n), **v} for n, v in done.items()]
-    points.append({"train_sequences": len(train_rows), **full_state["curve"][-1]})
+    points = [{"train_sequences": int(k.split("@")[0]), **v} for k, v in done.items() if k.endswith(f"@{steps}")]
+    points += [{"train_sequences": len(train_rows), **p} for p in full_state["curve"] if p["step"] == steps]
     return sorted(points, key=lambda p: p["train_sequences"])
 
 
@@ -271,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{p['train_sequences']} training sequences: held-out acceptance length (k={s['ttt_steps']}) greedy "
               f"{p['greedy/acceptance_length']:.3f}, probabilistic {p['probabilistic/acceptance_length']:.3f} "
               f"(greedy oracle {p['oracle_greedy/acceptance_length']:.3f})")
-    print(f"wrote {s['out']} (vLLM eagle3: config.json, model.safetensors; draft_trainer.pt; {SUMMARY_FILE})")
+    print(f"wrote {s['out']} (vLLM eagle3: config.json, model.safetensors; draft_trainer.pt; {SUMMARY_FILE}; "
+          "acceptance_curves.png)")
     return 0
 
 

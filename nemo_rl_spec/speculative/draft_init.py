@@ -190,3 +190,32 @@ def load_state(path: str | Path, trainer: DraftTrainer) -> dict[str, Any]:
     saved = torch.load(path, weights_only=False)
     trainer.load_state_dict(saved.pop("trainer"))
     return saved
+
+
+def plot_curves(summary: dict[str, Any], path: str | Path) -> None:
+    """Two panels: held-out estimated acceptance length vs optimizer steps, and vs training sequences (greedy and
+    probabilistic drafting, with the greedy oracle), from an ``init_draft.json`` summary. Writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = summary["ttt_steps"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, points, x_key, x_label in ((axes[0], summary["acceptance_vs_steps"], "step", "draft optimizer steps"),
+                                       (axes[1], summary["acceptance_vs_data"], "train_sequences",
+                                        "training sequences (policy samples)")):
+        xs = [p[x_key] for p in points]
+        for key, label in (("probabilistic", "probabilistic drafting"), ("greedy", "greedy drafting"),
+                           ("oracle_greedy", "greedy oracle (target's mode)")):
+            ax.plot(xs, [p[f"{key}/acceptance_length"] for p in points], marker="o", label=label,
+                    linestyle="--" if key.startswith("oracle") else "-")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(f"held-out acceptance length, k = {k}")
+        ax.grid(alpha=0.3)
+    axes[1].set_xscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{summary['model']}, T = {summary['temperature']}: estimated acceptance (teacher-forced)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

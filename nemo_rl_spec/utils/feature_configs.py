@@ -126,6 +126,20 @@ class DynamicSpeculationConfig(BaseModel):
     max_batch_size: PositiveInt = 256
     drafter_pass_at_k0: bool = True
 
+    @field_validator("step_costs")
+    @classmethod
+    def _step_costs_file(cls, value: str | None) -> str | None:
+        """An existing file, made absolute here (Ray actors may run elsewhere than the driver's directory)."""
+        if value is None:
+            return None
+        from pathlib import Path
+
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"policy.generation.dynamic_speculation.step_costs: no file {value} (write one with "
+                             "examples/bench_spec_rollouts.py --out FILE)")
+        return str(path.resolve())
+
     @model_validator(mode="after")
     def _one_source(self) -> DynamicSpeculationConfig:
         given = [self.num_speculative_tokens_per_batch_size is not None, self.step_costs is not None]

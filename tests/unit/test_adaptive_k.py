@@ -92,8 +92,10 @@ def test_validate_schedule_rejects(bad):
 def test_config_needs_exactly_one_source(tmp_path):
     with pytest.raises(ValueError, match="exactly one"):
         DynamicSpeculationConfig()
+    costs = tmp_path / "x.json"
+    costs.write_text("{}")
     with pytest.raises(ValueError, match="exactly one"):
-        DynamicSpeculationConfig(num_speculative_tokens_per_batch_size=[(1, 4, 1)], step_costs="x.json")
+        DynamicSpeculationConfig(num_speculative_tokens_per_batch_size=[(1, 4, 1)], step_costs=str(costs))
     assert DynamicSpeculationConfig(enabled=False).enabled is False
 
 
@@ -106,7 +108,7 @@ def test_schedule_from_step_cost_file(tmp_path):
     cfg = {"step_costs": str(path), "min_speedup": 1.05, "max_batch_size": 32}
     assert schedule_from_config(cfg) == [(1, 1, 3), (2, 10, 1), (11, 32, 0)]
     assert schedule_from_config({**cfg, "acceptance_rate": 0.0}) == [(1, 32, 0)]
-    with pytest.raises(FileNotFoundError, match="step_costs"):
+    with pytest.raises(ValueError, match="step_costs: no file .*missing.json"):  # refused when the config is read
         schedule_from_config({"step_costs": str(tmp_path / "missing.json")})
 
 

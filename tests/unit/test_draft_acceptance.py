@@ -148,3 +148,13 @@ def test_samples_file_roundtrip_and_state_resume(tmp_path):
         assert torch.equal(t, resumed[name]), name
     assert math.isclose(st_full["curve"][-1]["greedy/acceptance_length"],
                         st_res["curve"][-1]["greedy/acceptance_length"])
+
+
+def test_plot_curves_writes_a_png(tmp_path):
+    point = {"greedy/acceptance_length": 1.5, "probabilistic/acceptance_length": 1.7,
+             "oracle_greedy/acceptance_length": 2.4}
+    summary = {"ttt_steps": 3, "model": "m", "temperature": 0.7,
+               "acceptance_vs_steps": [{"step": 50, **point}, {"step": 100, **point}],
+               "acceptance_vs_data": [{"train_sequences": 10, **point}, {"train_sequences": 40, **point}]}
+    draft_init.plot_curves(summary, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
