@@ -9,10 +9,13 @@ install:
 run: install
 	$(PY) examples/run_grpo.py --config $(RECIPE) $(ARGS)
 
-# Offline EAGLE-3 draft for RECIPE (in-domain prompts, policy samples): make draft [RECIPE=...] [OUT=...] [ARGS=...]
+# Offline EAGLE-3 draft for RECIPE (in-domain prompts, policy samples; resumable: rerun after an interruption):
+# make draft [RECIPE=...] [OUT=...] [ARGS=...]. DRAFT_ARGS: the setting measured for the default recipe
+# (docs/speculative.md: 1,152 samples, 400 steps, ~25 min on 2 cores).
 OUT ?= results/drafts/$(basename $(notdir $(RECIPE)))
+DRAFT_ARGS ?= --num-prompts 320 --samples-per-prompt 4 --eval-prompts 32 --steps 400 --batch-size 16 --threads 2
 draft: install
-	$(PY) examples/init_draft.py --config $(RECIPE) --out $(OUT) $(ARGS)
+	$(PY) examples/init_draft.py --config $(RECIPE) --out $(OUT) $(DRAFT_ARGS) $(ARGS)
 
 # The testbed policy (built-in testbed-llama: SFT on chain sums, ~6 min on 2 cores, cached): make testbed
 testbed: install
