@@ -187,12 +187,13 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
 
     torch.set_num_threads(args.threads)
     policy = AutoModelForCausalLM.from_pretrained(run["model_path"], dtype=torch.float32).eval()
-    vocab, vocab_info = draft_init.measured_vocab(
-        [samples.sequences[i] for i in train_rows], [samples.prompt_lengths[i] for i in train_rows],
-        policy.config.vocab_size, _eos_ids(run["tokenizer"], policy.config), args.vocab_coverage,
-        args.draft_vocab_size)
-    if args.draft_vocab_size == 0:
-        vocab, vocab_info["draft_vocab_size"], vocab_info["coverage"] = None, policy.config.vocab_size, 1.0
+    if args.draft_vocab_size == 0:  # the full vocabulary
+        vocab, vocab_info = None, {"draft_vocab_size": policy.config.vocab_size, "coverage": 1.0}
+    else:
+        vocab, vocab_info = draft_init.measured_vocab(
+            [samples.sequences[i] for i in train_rows], [samples.prompt_lengths[i] for i in train_rows],
+            policy.config.vocab_size, _eos_ids(run["tokenizer"], policy.config), args.vocab_coverage,
+            args.draft_vocab_size)
     draft_cfg = run["cfg"].policy.draft
     aux = draft_cfg.aux_layer_ids if draft_cfg is not None and draft_cfg.aux_layer_ids else None
     trainer = _make_trainer(args, policy, vocab, aux, seed)

@@ -29,7 +29,7 @@ import torch
 from nemo_rl_spec.speculative.acceptance import expected_acceptance
 from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead, draft_vocab_from_counts
-from nemo_rl_spec.speculative.offline import PolicyOutputCache, pad_sequences
+from nemo_rl_spec.speculative.offline import PolicyOutputCache, pad_sequences, response_token_counts
 
 SAMPLES_FILE = "samples.jsonl"
 STATE_FILE = "train_state.pt"
@@ -100,8 +100,7 @@ def measured_vocab(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[
     ids reaching ``coverage``, plus EOS.
     Returns (ids [Vd] int64, {"draft_vocab_size", "coverage", "distinct_response_tokens"}).
     """
-    ids, mask = pad_sequences(sequences, prompt_lengths)
-    counts = torch.bincount(ids[mask], minlength=vocab_size).double()
+    counts = response_token_counts(sequences, prompt_lengths, vocab_size)
     ordered = counts.sort(descending=True).values
     cum = ordered.cumsum(0) / ordered.sum()
     n = size if size else int((cum < coverage).sum()) + 1 + len(eos_ids)
@@ -111,6 +110,13 @@ def measured_vocab(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[
     return vocab, {"draft_vocab_size": n, "coverage": covered, "distinct_response_tokens": int((counts > 0).sum())}
 
 
+def _padded_batch(cache: PolicyOutputCache, samples: Samples, rows: Sequence[int]):
+    """(aux [B, S, n_aux * H], log-probs [B, S, Vd], input_ids [B, S], response mask [B, S]) of ``rows``."""
+    aux, target = cache.batch(rows)
+    ids, mask = pad_sequences([samples.sequences[r] for r in rows], [samples.prompt_lengths[r] for r in rows])
+    return aux, target, ids[:, :aux.shape[1]], mask[:, :aux.shape[1]]
+
+
 def evaluate(head: Eagle3DraftHead, cache: PolicyOutputCache, samples: Samples, rows: Sequence[int], num_steps: int,
              batch_size: int = 16) -> dict[str, float]:
     """Chain-weighted mean of :func:`expected_acceptance` over ``rows`` at the cache's temperature."""
@@ -118,10 +124,8 @@ def evaluate(head: Eagle3DraftHead, cache: PolicyOutputCache, samples: Samples, 
     total = 0.0
     for lo in range(0, len(rows), batch_size):
         part = list(rows[lo:lo + batch_size])
-        aux, _ = cache.batch(part)
-        ids, mask = pad_sequences([samples.sequences[r] for r in part], [samples.prompt_lengths[r] for r in part])
-        res = expected_acceptance(head, aux, ids[:, :aux.shape[1]], mask[:, :aux.shape[1]],
-                                  cache.tempered_logprobs(part), cache.temperature, num_steps)
+        aux, _, ids, mask = _padded_batch(cache, samples, part)
+        res = expected_acceptance(head, aux, ids, mask, cache.tempered_logprobs(part), cache.temperature, num_steps)
         n = res.pop("chains")
         total += n
         for k, v in res.items():
@@ -155,9 +159,8 @@ def train(trainer: DraftTrainer, cache: PolicyOutputCache, samples: Samples, tra
     bar = tqdm(total=steps, initial=state["step"], desc=desc, unit="step")
     while state["step"] < steps:
         rows = batch_rows(train_rows, batch_size, seed, state["step"])
-        aux, target = cache.batch(rows)
-        ids, mask = pad_sequences([samples.sequences[r] for r in rows], [samples.prompt_lengths[r] for r in rows])
-        metrics = trainer.step(aux, ids[:, :aux.shape[1]], mask[:, :aux.shape[1]], target)
+        aux, target, ids, mask = _padded_batch(cache, samples, rows)
+        metrics = trainer.step(aux, ids, mask, target)
         state["step"] += 1
         state["history"].append(metrics)
         bar.update(1)

@@ -33,6 +33,13 @@ def pad_sequences(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[i
     return ids, mask
 
 
+def response_token_counts(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
+                          vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs in the responses (``seq[prompt_length:]``). Shape: -> [vocab_size] float64."""
+    tokens = [t for seq, p in zip(sequences, prompt_lengths) for t in seq[p:]]
+    return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab_size).double()
+
+
 def train_draft_on_sequences(policy: torch.nn.Module, sequences: Sequence[Sequence[int]],
                              prompt_lengths: Sequence[int], *, head: Eagle3DraftHead | None = None,
                              aux_layer_ids: Sequence[int] | None = None, draft_vocab_size: int | None = None,
@@ -70,13 +77,12 @@ def train_draft_on_sequences(policy: torch.nn.Module, sequences: Sequence[Sequen
     if head is None:
         vocab = None
         if draft_vocab_size is not None:
-            counts = torch.bincount(ids[mask], minlength=policy.config.vocab_size).float()
+            counts = response_token_counts(sequences, prompt_lengths, policy.config.vocab_size)
             vocab = draft_vocab_from_counts(counts, draft_vocab_size, always_include)
         head = Eagle3DraftHead.from_target(policy, aux_layer_ids=aux_layer_ids, draft_vocab=vocab, seed=seed)
     if trainer is None:
         trainer = DraftTrainer(head, lr=lr, ttt_steps=ttt_steps)
-    lengths = [len(q) for q in sequences]
-    cache = _policy_cache(policy, head, ids, batch_size, soft_targets, lengths) if cache_policy_outputs else None
+    cache = _policy_cache(policy, head, sequences, batch_size, soft_targets) if cache_policy_outputs else None
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(ids), generator=gen)
     pos, history = 0, []
@@ -187,13 +193,13 @@ def build_policy_cache(policy: torch.nn.Module, head: Eagle3DraftHead, sequences
     return PolicyOutputCache(aux_out, lp_out, shift_out, temperature)
 
 
-def _policy_cache(policy: torch.nn.Module, head: Eagle3DraftHead, ids: torch.Tensor, batch_size: int,
-                  soft_targets: bool, lengths: Sequence[int]) -> PolicyOutputCache:
+def _policy_cache(policy: torch.nn.Module, head: Eagle3DraftHead, sequences: Sequence[Sequence[int]],
+                  batch_size: int, soft_targets: bool) -> PolicyOutputCache:
     cfg = head.cfg
-    nbytes = sum(lengths) * (cfg.num_aux * cfg.target_hidden_size + (cfg.draft_vocab_size if soft_targets else 0)) * 4
+    tokens = sum(len(q) for q in sequences)
+    nbytes = tokens * (cfg.num_aux * cfg.target_hidden_size + (cfg.draft_vocab_size if soft_targets else 0)) * 4
     if nbytes > 4 * (1 << 30):
-        raise ValueError(f"cache_policy_outputs would hold {nbytes / (1 << 30):.1f} GiB ({len(lengths)} sequences, "
-                         f"{sum(lengths)} tokens, draft vocabulary {cfg.draft_vocab_size}): use a reduced "
+        raise ValueError(f"cache_policy_outputs would hold {nbytes / (1 << 30):.1f} GiB ({len(sequences)} sequences, "
+                         f"{tokens} tokens, draft vocabulary {cfg.draft_vocab_size}): use a reduced "
                          "draft_vocab_size or fewer sequences")
-    seqs = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
-    return build_policy_cache(policy, head, seqs, batch_size, soft_targets)
+    return build_policy_cache(policy, head, sequences, batch_size, soft_targets)
