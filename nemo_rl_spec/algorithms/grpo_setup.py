@@ -20,7 +20,8 @@ from nemo_rl_spec.algorithms.rollout_allocation import build_rollout_allocator
 from nemo_rl_spec.data import hub_datasets
 from nemo_rl_spec.data.datasets import load_gsm8k_original, load_train_problems
 from nemo_rl_spec.data.prompts import format_prompt
-from nemo_rl_spec.environments.math_env import MathEnvironment
+from nemo_rl_spec.environments.char_fraction_env import build_environment
+from nemo_rl_spec.environments.interfaces import EnvironmentInterface
 from nemo_rl_spec.distributed.placement import PlacementPlan, plan_placement
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl_spec.models.generation.vllm_generation import VllmGeneration
@@ -45,7 +46,7 @@ class GRPOSetup:
     generation: VllmGeneration
     refitter: WeightRefitter
     tokenizer: Any
-    env: MathEnvironment
+    env: EnvironmentInterface
     train_problems: list[dict]
     allocator: RolloutAllocator
     val_problems: list[dict]
@@ -333,7 +334,7 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
     policy, generation = workers.policy, workers.generation
     s = GRPOSetup(
         cfg=cfg, policy=policy, generation=generation, refitter=None, tokenizer=tokenizer, workers=workers,
-        env=MathEnvironment(cfg.env.math.model_dump()),
+        env=build_environment(cfg.env),
         train_problems=train, allocator=build_allocator(cfg, len(train)),
         val_problems=val, val_prompt_ids=[], logger=Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled,
                                                               console=True),

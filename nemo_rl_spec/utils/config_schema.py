@@ -465,8 +465,17 @@ class MathEnvConfig(_Strict):
     num_workers: PositiveInt
 
 
+class CharFractionEnvConfig(_Strict):
+    """``env.char_fraction``: the character class of the scripted reward (environments/char_fraction_env.py)."""
+    characters: str = Field(default="abcdefghijklmnopqrstuvwxyz", min_length=1)
+
+
 class EnvConfig(_Strict):
+    """``env``: ``reward`` picks the reward (``math``: math-verify correctness; ``char_fraction``: the scripted,
+    learnable fraction of response characters in ``char_fraction.characters``, for loop tests on random models)."""
+    reward: Literal["math", "char_fraction"] = "math"
     math: MathEnvConfig
+    char_fraction: CharFractionEnvConfig = CharFractionEnvConfig()
 
 
 class LoggerConfig(_Strict):

@@ -1,0 +1,70 @@
+"""Scripted, learnable reward for tests on random models: the fraction of a response's characters in a class.
+
+Reward of a response r (a string of n characters) for the character class C (``env.char_fraction.characters``)::
+
+    reward(r) = |{i : r[i] in C}| / n      if n > 0
+    reward(r) = 0.0                        if n == 0
+
+It is deterministic, lies in [0, 1], and is smooth in the policy's token distribution (the expected reward rises
+as probability moves to tokens with more characters in C), so a policy can learn it. On a random model the
+responses of one prompt differ, so their fractions differ too: every group gets a reward spread and non-zero
+advantages, which the math reward (always 0 on a random model) never gives. The ground truth is not used.
+Selected by ``env.reward: char_fraction`` (default ``math``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nemo_rl_spec.environments.interfaces import EnvironmentInterface
+
+if TYPE_CHECKING:
+    import torch
+
+
+def char_fraction(response: str, characters: frozenset[str]) -> float:
+    """Fraction of ``response``'s characters that are in ``characters`` (0.0 for an empty response)."""
+    if not response:
+        return 0.0
+    return sum(c in characters for c in response) / len(response)
+
+
+class CharFractionEnvironment(EnvironmentInterface):
+    """Reward = fraction of response characters in a class (formula in the module docstring).
+
+    Args:
+        cfg: the ``env.char_fraction`` config section: ``characters`` (non-empty str; the class C, each character
+            of the string a member).
+
+    Raises:
+        ValueError: ``characters`` is empty.
+    """
+
+    def __init__(self, cfg: dict):
+        if not cfg["characters"]:
+            raise ValueError("env.char_fraction.characters must not be empty")
+        self.characters = frozenset(cfg["characters"])
+
+    def step(self, responses: list[str], metadata: list[dict]) -> torch.Tensor:
+        """Rewards in [0, 1]. Shape: N responses (N metadata dicts, unused) -> [N] float32.
+
+        Raises:
+            ValueError: len(responses) != len(metadata).
+        """
+        import torch
+
+        if len(responses) != len(metadata):
+            raise ValueError(f"{len(responses)} responses but {len(metadata)} metadata dicts")
+        return torch.tensor([char_fraction(r, self.characters) for r in responses], dtype=torch.float32)
+
+
+def build_environment(env_cfg) -> EnvironmentInterface:
+    """The reward environment the recipe's ``env`` section selects (``env.reward``: ``math`` | ``char_fraction``).
+
+    Args:
+        env_cfg: the validated ``env`` section (config_schema.EnvConfig).
+    """
+    if env_cfg.reward == "char_fraction":
+        return CharFractionEnvironment(env_cfg.char_fraction.model_dump())
+    from nemo_rl_spec.environments.math_env import MathEnvironment
+
+    return MathEnvironment(env_cfg.math.model_dump())
