@@ -6,15 +6,21 @@ The thresholds p_lower=0, p_upper=1 select every piloted prompt (the tiny model 
 drive the filter); the filter itself is tested on synthetic pools in tests/unit/test_pilot_commit.py. With
 pilot_batch_size=2, n_pilot=2, n_commit=4 and the tiny budget 2 x 4 = 8 there is K=1 commit slot per step, so one
 selected prompt per pilot goes to the replay buffer, and max_off_steps=1 makes the oldest entry expire in step 3.
+
+Every run selects the scripted reward (``env.reward=char_fraction``) so the policy trains and the resume comparison
+covers the optimizer state. Start-ups: one uninterrupted 3-step run serves the plan test (its steps 1-2 and step_2
+checkpoint) and the resume test's reference; the resume restarts from a copy of its step_2 (2 start-ups, was 3).
 """
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from loop_training_checks import TRAINS, assert_trained, policy_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
@@ -22,7 +28,7 @@ PC = ("+grpo.pilot_commit.n_pilot=2", "+grpo.pilot_commit.pilot_batch_size=2", "
       "+grpo.pilot_commit.p_lower=0.0", "+grpo.pilot_commit.p_upper=1.0",
       "+grpo.pilot_commit.evict_after_consecutive_solved=1000", "+grpo.pilot_commit.max_off_steps=1",
       "loss_fn.use_importance_sampling_correction=true", "checkpointing.save_period=1", "grpo.val_at_start=false",
-      "data.validation.max_samples=2", "logger.progress_bar=false", "logger.tensorboard_enabled=false")
+      "data.validation.max_samples=2", "logger.progress_bar=false", "logger.tensorboard_enabled=false", *TRAINS)
 COUNT_KEYS = ("rollout_alloc/step_rollouts", "rollout_alloc/cumulative_rollouts", "rollout_alloc/gen_rounds",
               "rollout_alloc/train_groups", "rollout_alloc/train_rollouts", "rollout_alloc/max_policy_lag",
               "pilot_commit/pilot_rollouts", "pilot_commit/commit_rollouts", "pilot_commit/piloted",
@@ -42,7 +48,9 @@ def run_grpo(tmp: Path, steps: int, recipe: Path = TINY, extra: tuple[str, ...] 
 
 def offline_plan(steps: int) -> tuple[list[dict], dict]:
     """The allocator the loop builds from the same recipe, stepped with made-up rewards (its decisions do not
-    depend on rewards under p_lower=0 / p_upper=1). Returns its per-step metrics and final state."""
+    depend on rewards under p_lower=0 / p_upper=1). The made-up rewards (0, 1/n, ..., (n-1)/n) spread within every
+    group, as the scripted reward's do, so the useful-rollout counts agree too. Returns its per-step metrics and
+    final state."""
     from nemo_rl_spec.algorithms.grpo_setup import build_allocator
     from nemo_rl_spec.utils.config import load_config
 
@@ -50,7 +58,7 @@ def offline_plan(steps: int) -> tuple[list[dict], dict]:
     alloc = build_allocator(cfg, cfg.data.train.size)
     metrics = []
     for step in range(steps):
-        sel = alloc.step(lambda reqs, v=step: [r.result(torch.zeros(r.n), v) for r in reqs])
+        sel = alloc.step(lambda reqs, v=step: [r.result(torch.arange(r.n) / r.n, v) for r in reqs])
         metrics.append(sel.metrics)
     return metrics, alloc.state_dict()
 
@@ -71,15 +79,21 @@ def plan_view(state: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pilot_commit_loop")
-    cut = run_grpo(tmp / "cut", 2)
-    resumed = run_grpo(tmp / "cut", 3)        # resumes from step_2
     full = run_grpo(tmp / "full", 3)
-    return {"tmp": tmp, "cut": cut, "resumed": resumed, "full": full}
+    return {"tmp": tmp, "full": full}
+
+
+@pytest.fixture(scope="module")
+def resumed(runs):
+    """Run 3 steps in a fresh directory holding only a copy of the uninterrupted run's step_2 checkpoint."""
+    shutil.copytree(runs["tmp"] / "full" / "ckpt" / "step_2", runs["tmp"] / "cut" / "ckpt" / "step_2")
+    return run_grpo(runs["tmp"] / "cut", 3)
 
 
 def test_counts_equal_the_allocators_plan(runs):
-    by_step = {r["step"]: r for r in runs["cut"]}
+    by_step = {r["step"]: r for r in runs["full"] if r["step"] in (1, 2)}
     assert sorted(by_step) == [1, 2]
+    assert_trained(runs["full"], runs["tmp"] / "full" / "ckpt", steps=[1, 2, 3])
     expected, expected_state = offline_plan(2)
     for step in (1, 2):
         m, e = by_step[step], expected[step - 1]
@@ -94,12 +108,12 @@ def test_counts_equal_the_allocators_plan(runs):
     assert [by_step[s]["pilot_commit/pilot_rollouts"] for s in (1, 2)] == [8, 4]
     assert [by_step[s]["rollout_alloc/step_rollouts"] for s in (1, 2)] == [12, 8]
     assert [by_step[s]["rollout_alloc/max_policy_lag"] for s in (1, 2)] == [0, 1]   # step 2 trains on v1 pilots
-    assert plan_view(allocator_state(runs["tmp"] / "cut" / "ckpt" / "step_2")) == plan_view(expected_state)
+    assert plan_view(allocator_state(runs["tmp"] / "full" / "ckpt" / "step_2")) == plan_view(expected_state)
 
 
-def test_resume_in_the_middle_continues_exactly(runs):
-    resumed, full = runs["resumed"], runs["full"]
-    assert [r["step"] for r in resumed] == [1, 2, 3]
+def test_resume_in_the_middle_continues_exactly(runs, resumed):
+    full = runs["full"]
+    assert [r["step"] for r in resumed] == [3]
     expected, expected_state = offline_plan(3)
     last, ref = resumed[-1], full[-1]
     assert {k: last[k] for k in COUNT_KEYS} == {k: expected[2][k] for k in COUNT_KEYS}
@@ -117,6 +131,10 @@ def test_resume_in_the_middle_continues_exactly(runs):
                 assert torch.equal(ra["rewards"], rb["rewards"])
                 for name, tensor in ra["payload"].items():
                     assert torch.allclose(tensor.float(), rb["payload"][name].float(), rtol=1e-6, atol=1e-7), name
+    # the step-3 update used the restored optimizer state: the step_3 weights equal the uninterrupted run's
+    want, have = (policy_weights(runs["tmp"] / d / "ckpt" / "step_3") for d in ("full", "cut"))
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 ASYNC = ("+grpo.async_grpo.enabled=true", "+grpo.async_grpo.max_trajectory_age_steps=1",
@@ -140,6 +158,7 @@ def test_pilot_commit_with_speculative_rollouts_sync_and_async(tmp_path, mode):
         assert m["train/num_valid_seqs"] == m["rollout_alloc/train_rollouts"] == m["pilot_commit/committed"] * 6
         assert m["vllm/spec_num_drafts"] > 0 and m["vllm/spec_acceptance_length"] >= 1.0
         assert m["refit/draft_version"] == m["refit/weight_version"] == m["step"]
+        assert m["train/grad_norm"] > 1e-6 and m["rollout_alloc/mean_group_reward_var"] > 0, m  # it trains
     if mode == "sync":
         expected, _ = offline_plan(2)
         for m, e in zip(metrics, expected):
