@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 RECIPE ?= configs/grpo_math_smollm2_135m.yaml
 
-.PHONY: install run draft testbed test test-slow test-unit test-functional
+.PHONY: install slurm run draft testbed test test-slow test-unit test-functional test-slurm test-times
 install:
 	bash scripts/install_cpu.sh
 
@@ -21,14 +21,40 @@ draft: install
 testbed: install
 	$(PY) -c "from nemo_rl_spec.models.hf_assets import resolve_model; print(resolve_model('testbed-llama'))"
 
-test: install
-	$(PY) -m pytest tests -x -q --durations=25 -m "not slow"
+# Tests (docs/testing.md). Tiers: unit (tests/unit), functional (tests/functional), slurm (test_slurm.py's jobs on
+# the local Slurm that `make slurm` starts), slow (explicit marker, not in CI). `make test` is the CI test phase:
+# every tier but slow, the unit tier first, stopping at the first failure; it leaves the JUnit XML and per-phase
+# durations in $(TEST_RESULTS) for `make test-times` (docs/test_times.md) and .ci/run's summary.
+TEST_RESULTS ?= results/test
+# extra pytest arguments for the test targets, e.g. make test PYTEST_ARGS="-k grpo_loop"
+PYTEST_ARGS ?=
+# $(call pytest_recorded,DIR): pytest writing DIR/junit.xml and DIR/phases.json (tests/conftest.py) for the time table
+pytest_recorded = mkdir -p $(1) && rm -f $(1)/junit.xml $(1)/phases.json && \
+  TEST_PHASES_JSON=$(1)/phases.json $(PY) -m pytest --junitxml=$(1)/junit.xml
 
-test-slow: install
-	$(PY) -m pytest tests -q --durations=25 -m slow
+test: install
+	$(call pytest_recorded,$(TEST_RESULTS)) tests/unit tests/functional -x -q -m "not slow" $(PYTEST_ARGS)
 
 test-unit: install
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/unit -x -q $(PYTEST_ARGS)
 
 test-functional: install
-	$(PY) -m pytest tests/functional -x -q
+	$(PY) -m pytest tests/functional -x -q -m "functional and not slow" $(PYTEST_ARGS)
+
+# needs the daemons `make slurm` starts; fails (instead of skipping) when Slurm is not there
+test-slurm: install
+	REQUIRE_SLURM=1 $(PY) -m pytest tests/functional/test_slurm.py -x -q -m "slurm and not slow" $(PYTEST_ARGS)
+
+# results in $(TEST_RESULTS)/slow (time table: make test-times TEST_RESULTS=results/test/slow)
+test-slow: install
+	$(call pytest_recorded,$(TEST_RESULTS)/slow) tests -q --durations=25 -m slow $(PYTEST_ARGS)
+
+# Refresh docs/test_times.md/.json from the last `make test` (run it first; the table is of the machine it ran on).
+test-times:
+	$(PY) scripts/test_times.py table --junit $(TEST_RESULTS)/junit.xml --phases $(TEST_RESULTS)/phases.json \
+	  --out docs/test_times --title "Per-test times of the CI test phase (make test)"
+
+# Slurm for the slurm tier: apt-get install slurm-wlm + munge (first time, about 5 min) and start munged, slurmctld
+# and two slurmd on this host. Needs root (sudo make slurm); idempotent. .ci/run runs it before `make test`.
+slurm:
+	bash scripts/start_local_slurm.sh

@@ -2,8 +2,9 @@
 
 The local cluster has two slurmd daemons on localhost (nodes <host>n1, <host>n2), so a 2-node job really starts
 the Ray head on one node and a worker on the other through srun. The jobs run with this venv on PATH (no
-container: there is no container runtime here). Skips, with the reason, when Slurm is not installed and cannot
-be (not root, no apt-get, no network); set REQUIRE_SLURM=1 to make that a failure instead.
+container: there is no container runtime here). The install step starts that cluster (`make slurm`, which .ci/run
+runs as root before `make test`); the tests that need it (the ``slurm`` tier: those taking ``slurm_nodes``) skip
+with the reason when no Slurm node is idle, and fail instead under REQUIRE_SLURM=1 (.ci/run sets it).
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY_SUB = ROOT / "slurm" / "ray.sub"
-START = ROOT / "scripts" / "start_local_slurm.sh"
 RUN_GRPO = ROOT / "examples" / "run_grpo.py"
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
             "DEADLINE"}
@@ -45,20 +45,16 @@ def _idle_nodes() -> list[str]:
 
 @pytest.fixture(scope="module")
 def slurm_nodes() -> list[str]:
-    """Start (or reuse) the local Slurm; the list of usable node names."""
-    if os.geteuid() == 0:
-        t0 = time.monotonic()
-        proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=900)
-        print(f"start_local_slurm.sh: {time.monotonic() - t0:.1f}s\n{proc.stdout}{proc.stderr}")
-        if proc.returncode != 0:
-            _unavailable(f"scripts/start_local_slurm.sh failed (exit {proc.returncode}): "
-                         f"{(proc.stderr or proc.stdout).strip()[-600:]}")
+    """The idle nodes of the running local Slurm. Installing and starting it is the install step's job
+    (`make slurm`, run by .ci/run before the tests), not a test's: with none running this skips with the reason,
+    or fails under REQUIRE_SLURM=1 (as .ci/run sets)."""
+    if shutil.which("sinfo") is None:
+        _unavailable("Slurm is not installed: run `sudo make slurm` (scripts/start_local_slurm.sh: apt-get install "
+                     "slurm-wlm munge, starts the daemons), then rerun")
     nodes = _idle_nodes()
     if not nodes:
-        if os.geteuid() != 0:
-            _unavailable("no running Slurm with an idle node, and not root (cannot apt-get install slurm-wlm "
-                         "or start its daemons): run `sudo scripts/start_local_slurm.sh` first")
-        _unavailable("scripts/start_local_slurm.sh succeeded but sinfo shows no idle node")
+        _unavailable("no idle Slurm node (sinfo): start the local cluster with `sudo make slurm` "
+                     "(scripts/start_local_slurm.sh), then rerun")
     return nodes
 
 
