@@ -2,9 +2,9 @@
 importance weights within the cap while the policy really moves, a crash mid-run (refit raising) that tears down
 every actor and leaves the last checkpoint usable, resume restoring the buffer and versions, and Ctrl-C.
 
-The tiny random model never solves a math problem (reward 0, zero advantages, no gradient), so these tests swap
-in a scripted reward (response length parity) that gives every group a spread: the weights then change each step
-and one-step-old rollouts are measurably off-policy.
+The tiny random model never solves a math problem (reward 0, zero advantages, no gradient), so these tests select
+the scripted reward from the recipe (``env.reward=char_fraction``, environments/char_fraction_env.py) that gives
+every group a spread: the weights then change each step and one-step-old rollouts are measurably off-policy.
 """
 from __future__ import annotations
 
@@ -30,16 +30,9 @@ ASYNC = ROOT / "configs" / "grpo_math_tiny_async.yaml"
 CAP = 2.0
 
 
-class ParityReward:
-    """1.0 for responses with an even number of characters: a deterministic reward with a spread."""
-
-    def step(self, responses: list[str], metadata: list[dict]) -> torch.Tensor:
-        return torch.tensor([float(len(r) % 2 == 0) for r in responses])
-
-
 def _cfg(tmp: Path, *overrides: str):
     return load_config(ASYNC, [f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt",
-                               "logger.progress_bar=false", "grpo.val_at_start=false",
+                               "logger.progress_bar=false", "grpo.val_at_start=false", "env.reward=char_fraction",
                                f"loss_fn.truncated_importance_sampling_ratio={CAP}", *overrides])
 
 
@@ -57,17 +50,29 @@ def _wait_gone(pids: set[int], timeout: float = 30.0) -> set[int]:
 
 
 def _run(cfg, crash_at_version: int | None = None):
+    """Set up, run async GRPO, tear down; returns (history, pids spawned by setup). With ``crash_at_version`` the
+    refit to that version raises, and the refit before it waits until the producer has finished batch
+    ``crash_at_version - 1`` (so the checkpoint before the crash holds a non-empty buffer)."""
     s = setup(cfg)
-    s.env = ParityReward()
     if crash_at_version is not None:
-        refit = s.refitter.refit
+        refit, allocator_step, done = s.refitter.refit, s.allocator.step, []
+
+        def counted_step(*args, **kwargs):
+            out = allocator_step(*args, **kwargs)
+            done.append(1)
+            return out
 
         def failing_refit(version):
             if version == crash_at_version:
                 raise RuntimeError(f"injected refit failure at version {version}")
+            if version == crash_at_version - 1:  # batch `version` may be generated at version - 1 (age bound 1)
+                deadline = time.time() + 120
+                while len(done) < version + 1 and time.time() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.5)  # the producer puts the batch right after its allocator step returns
             return refit(version)
 
-        s.refitter.refit = failing_refit
+        s.allocator.step, s.refitter.refit = counted_step, failing_refit
     spawned = _descendants()
     try:
         return async_grpo_train(s), spawned
@@ -110,7 +115,7 @@ def test_age_bound_is_correction_crash_and_resume(tmp_path):
     assert saved["allocator"]["step"] == state["next_index"]  # allocator state of the last buffered batch
     buffered = [(b["index"], min(r["policy_version"] for g in b["selection"]["groups"] for r in g["results"]))
                 for b in state["batches"]]
-    assert [i for i, _ in buffered] == list(range(2, state["next_index"]))
+    assert [i for i, _ in buffered] == list(range(2, state["next_index"])) and buffered, state["next_index"]
     assert all(2 - v <= 1 for _, v in buffered)
 
     # 2. resume: the buffered batches train first with their original versions, then generation continues
@@ -119,9 +124,8 @@ def test_age_bound_is_correction_crash_and_resume(tmp_path):
     by_step = {r["step"]: r for r in records}
     assert sorted(by_step) == [1, 2, 3, 4] and len(history) == 2
     resumed = by_step[3]
-    if buffered:
-        assert resumed["async/batch_index"] == buffered[0][0]
-        assert resumed["async/batch_policy_version"] == buffered[0][1]
+    assert resumed["async/batch_index"] == buffered[0][0]
+    assert resumed["async/batch_policy_version"] == buffered[0][1]
     assert resumed["refit/weight_version"] == 3 and by_step[4]["refit/weight_version"] == 4
     assert max(by_step[s]["async/trajectory_age_max"] for s in (3, 4)) <= 1
     assert by_step[4]["train/is_weight_max"] <= CAP + 1e-6
