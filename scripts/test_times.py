@@ -30,7 +30,7 @@ DURATION_LINE = re.compile(r"^\s*([0-9.]+)s\s+(setup|call|teardown)\s+(\S.*?)\s*
 
 
 @dataclass
-class TestTime:
+class TimedTest:
     """One test of the run: seconds per phase (None when unknown) and the JUnit total (seconds)."""
 
     nodeid: str
@@ -40,10 +40,13 @@ class TestTime:
     phases: dict[str, float | None] = field(default_factory=lambda: dict.fromkeys(PHASES))
 
 
-def _key(nodeid_or_junit: str) -> str:
-    """A form shared by a pytest node id (tests/a/b.py::t[p]) and JUnit's classname.name (tests.a.b.t[p])."""
-    head, sep, param = nodeid_or_junit.partition("[")
-    return head.replace(".py::", ".").replace("::", ".").replace("/", ".") + sep + param
+def _nodeid(classname: str, name: str) -> str:
+    """pytest's node id from JUnit's classname and name: tests.unit.test_a.TestB + t -> tests/unit/test_a.py::TestB::t
+    (the module is the last dotted part named test_*; the parts after it are classes)."""
+    parts = classname.split(".")
+    modules = [i for i, part in enumerate(parts) if part.startswith("test_")]
+    split = modules[-1] + 1 if modules else len(parts)
+    return "::".join(["/".join(parts[:split]) + ".py", *parts[split:], name])
 
 
 def _fallback_tier(nodeid: str) -> str:
@@ -60,17 +63,24 @@ def _outcome(case: ET.Element) -> str:
     return "passed"
 
 
-def read_junit(path: Path) -> list[TestTime]:
+def read_junit(path: Path) -> list[TimedTest]:
     """The tests of a JUnit XML written by pytest, in file order. Raises FileNotFoundError, ET.ParseError."""
     tests = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        module, name = case.get("classname", ""), case.get("name", "")
-        parts = module.split(".")
-        nodeid = "/".join(parts) + ".py::" + name if parts[0] == "tests" else f"{module}::{name}"
+        nodeid = _nodeid(case.get("classname", ""), case.get("name", ""))
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        tests.append(TestTime(nodeid=nodeid, tier=props.get("tier") or _fallback_tier(nodeid),
+        tests.append(TimedTest(nodeid=nodeid, tier=props.get("tier") or _fallback_tier(nodeid),
                               outcome=_outcome(case), total=float(case.get("time", 0.0))))
     return tests
+
+
+def junit_run_info(path: Path) -> str:
+    """'started <timestamp> on <host>, pytest's own total <s> s' from the XML's first testsuite ('' when absent)."""
+    suite = next(ET.parse(path).getroot().iter("testsuite"), None)
+    if suite is None:
+        return ""
+    return (f"started {suite.get('timestamp', '?')} on {suite.get('hostname', '?')}, "
+            f"pytest's own total {float(suite.get('time', 0.0)):.0f} s")
 
 
 def read_phases_json(path: Path) -> dict[str, dict[str, float]]:
@@ -89,15 +99,14 @@ def read_durations_log(path: Path) -> dict[str, dict[str, float]]:
     return phases
 
 
-def attach_phases(tests: list[TestTime], phases: dict[str, dict[str, float]]) -> None:
+def attach_phases(tests: list[TimedTest], phases: dict[str, dict[str, float]]) -> None:
     """Fill each test's phase seconds from `phases` (phases a --durations log hid count as 0.0)."""
-    by_key = {_key(nodeid): value for nodeid, value in phases.items()}
     for test in tests:
-        found = by_key.get(_key(test.nodeid), {})
+        found = phases.get(test.nodeid, {})
         test.phases = {phase: float(found.get(phase, 0.0)) for phase in PHASES}
 
 
-def tier_totals(tests: list[TestTime]) -> dict[str, dict[str, float]]:
+def tier_totals(tests: list[TimedTest]) -> dict[str, dict[str, float]]:
     """{tier: {"tests": count, "seconds": sum of totals, "setup"/"call"/"teardown": sums}}, tiers in run order."""
     totals: dict[str, dict[str, float]] = {}
     for test in tests:
@@ -118,7 +127,7 @@ def _hms(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s"
 
 
-def render_markdown(tests: list[TestTime], title: str, source: str) -> str:
+def render_markdown(tests: list[TimedTest], title: str, source: str) -> str:
     """The time table as Markdown: per-tier totals, then every test, slowest first."""
     totals = tier_totals(tests)
     lines = [f"# {title}", "", f"Source: {source}. Seconds; total = setup + call + teardown (JUnit). "
@@ -137,7 +146,7 @@ def render_markdown(tests: list[TestTime], title: str, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_summary(tests: list[TestTime], top: int, wall: float | None) -> str:
+def render_summary(tests: list[TimedTest], top: int, wall: float | None) -> str:
     """Plain-text summary for the end of a CI log: wall time, per-tier totals, the `top` slowest tests."""
     lines = ["==== test phase summary ===="]
     if wall is not None:
@@ -151,7 +160,7 @@ def render_summary(tests: list[TestTime], top: int, wall: float | None) -> str:
     return "\n".join(lines)
 
 
-def load(args: argparse.Namespace) -> list[TestTime]:
+def load(args: argparse.Namespace) -> list[TimedTest]:
     """The tests of the run named by --junit, with phases from --phases or --durations-log when given."""
     tests = read_junit(Path(args.junit))
     if args.phases and Path(args.phases).is_file():
@@ -182,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.out:
         parser.error("table needs --out")
     source = f"{args.junit}" + (f" + {args.phases or args.durations_log}" if args.phases or args.durations_log else "")
+    source += f" ({junit_run_info(Path(args.junit))})"
     out = Path(args.out)
     out.with_suffix(".md").write_text(render_markdown(tests, args.title, source))
     out.with_suffix(".json").write_text(json.dumps(
