@@ -24,7 +24,8 @@ DP2 = ROOT / "configs" / "grpo_math_tiny_dp2.yaml"
 DP2_ASYNC = ROOT / "configs" / "grpo_math_tiny_dp2_async.yaml"
 pytestmark = pytest.mark.timeout(1800)
 COMMON = ("grpo.max_num_steps=3", "grpo.val_at_start=false", "data.validation.max_samples=2",
-          "logger.progress_bar=false", "checkpointing.enabled=false")
+          "logger.progress_bar=false", "checkpointing.enabled=false",
+          "env.reward=char_fraction")  # scripted reward: real advantages, so the policy loss and refits carry the checks
 
 
 def run_grpo(recipe: Path, tmp: Path, *overrides: str) -> tuple[list[dict], str]:
@@ -46,14 +47,15 @@ def _check_scaled_run(records: list[dict], stdout: str, engines: int) -> None:
         for e in range(engines):
             assert m[f"refit/logprob_mismatch_engine_{e}"] < 1e-3, (step, e)
         assert m["refit/draft_version"] == step
+        assert m["train/grad_norm"] > 1e-6 and m["rollout_alloc/mean_group_reward_var"] > 0, (step, m)  # it trains
     assert stdout.count("[placement] policy rank") == 2 and stdout.count("[placement] generation engine") == engines
 
 
 def _assert_first_step_equal(scaled: dict, single: dict) -> None:
-    """Rewards and response lengths equal (the engines sampled the same tokens), losses within fp32 rounding. On the
-    random tiny model every reward is 0, so the policy-gradient loss is 0 on both sides; the online EAGLE-3 loss is
-    what carries the check (it depends on every sampled token and on DP's global normalisation, and is > 0)."""
-    assert single["train/draft_loss"] > 1.0
+    """Rewards and response lengths equal (the engines sampled the same tokens), losses within fp32 rounding. The
+    scripted reward (env.reward=char_fraction) gives a non-zero policy-gradient loss and gradient, and the online
+    EAGLE-3 loss depends on every sampled token and on DP's global normalisation: all three carry the check."""
+    assert single["train/draft_loss"] > 1.0 and single["train/grad_norm"] > 1e-6 and single["train/loss"] != 0.0
     for key in ("train/reward", "train/mean_response_length"):
         assert scaled[key] == single[key], key
     for key in ("train/loss", "train/grad_norm", "train/draft_loss"):
@@ -97,13 +99,15 @@ def test_tp2_refit_reaches_every_engine_and_a_skipped_engine_is_named(tmp_path):
 
     cfg = load_config(DP2, ["policy.megatron_cfg.tensor_model_parallel_size=2", f"logger.log_dir={tmp_path}/logs",
                             "checkpointing.enabled=false", "logger.progress_bar=false",
-                            "loss_fn.reference_policy_kl_penalty=0.01"])  # reference log-probs through the loop
+                            "loss_fn.reference_policy_kl_penalty=0.01",  # reference log-probs through the loop
+                            "env.reward=char_fraction"])  # a real gradient: a stale engine's probe would show it
     s = setup(cfg)
     try:
         assert (s.policy.dp_size, s.policy.tp_size, s.generation.num_engines) == (1, 2, 2)
         timer = Timer()
         metrics, _ = grpo_step(s, 0, timer)
         assert metrics["train/kl_penalty"] == 0.0  # step 0: the policy is the reference
+        assert metrics["train/grad_norm"] > 1e-6  # the weights move: the version-1 probes test a real refit
         assert "policy_and_reference_logprobs" in timer.metrics("")
         assert metrics["refit/logprob_mismatch_engine_0"] < 1e-3 and metrics["refit/logprob_mismatch_engine_1"] < 1e-3
         assert s.generation.get_versions() == [{"policy_version": 1, "draft_version": 1, "draft_policy_version": 1}] * 2
