@@ -180,18 +180,19 @@ def test_checkpoint_resume_is_bitwise(tiny_model, tmp_path):
     first = _worker(_policy_cfg(), path, seed=0)
     first.train(_batch(seed=1))
     first.save_checkpoint(str(ckpt))
+    saved_rng = torch.get_rng_state()
     torch.manual_seed(1234)  # RNG state must come from the checkpoint, not from here
     expected = first.train(_batch(seed=2))
     expected_weights = first.export_hf_weights()
 
-    resumed = _worker(_policy_cfg(), path, seed=7)
+    resumed = _worker(_policy_cfg(), path, seed=7)  # seeds its own RNG: loading must restore the saved state
     resumed.load_checkpoint(str(ckpt))
+    assert torch.equal(torch.get_rng_state(), saved_rng)
     got = resumed.train(_batch(seed=2))
     got_weights = resumed.export_hf_weights()
     assert got["loss"] == expected["loss"] and got["grad_norm"] == expected["grad_norm"]
     assert resumed.step == first.step == 2
     assert all(torch.equal(got_weights[k], expected_weights[k]) for k in expected_weights)
-    assert torch.equal(torch.get_rng_state(), torch.get_rng_state())
 
 
 def test_get_model_config_reports_architecture(tiny_model):

@@ -99,7 +99,8 @@ def test_detach_trunk_bitwise_equal_to_no_mtp_and_mtp_moves(model_dir):
 
 @pytest.mark.parametrize("mode", ["ce", "policy", "occ"])
 def test_every_mode_moves_mtp_and_trunk_and_reports(model_dir, mode):
-    worker = _worker(model_dir, mode=mode, factor=0.5)
+    # occ: one micro-batch of the 4 rows, so mtp/lambda is the rule applied to this call's reported proxies
+    worker = _worker(model_dir, mode=mode, factor=0.5, micro=4 if mode == "occ" else 2)
     trunk0, mtp0 = _split(worker)
     data = fm.on_policy(worker, fm.train_batch())
     m = worker.train(data)
@@ -111,8 +112,9 @@ def test_every_mode_moves_mtp_and_trunk_and_reports(model_dir, mode):
         assert key in m and m[key] == m[key], key
     assert m["mtp/delta_abs_mean"] < 1e-5  # first on-policy minibatch: delta = 0
     assert 0.0 <= m["mtp/acceptance"] <= 1.0 and m["mtp/ce_0"] > 0.0
-    if mode == "occ":  # one micro-batch per call below would give the exact rule; here 2 micro-batches
-        assert m["mtp/lambda"] >= 0.0
+    if mode == "occ":  # lambda_plus * max(c_hat, 0) / (v2_hat + eps), eps 1e-8 (the schema default), written out
+        assert m["mtp/c_hat"] > 0.0  # so the rule is not trivially 0 = 0 on this batch
+        assert m["mtp/lambda"] == pytest.approx(0.5 * m["mtp/c_hat"] / (m["mtp/v2_hat"] + 1e-8), rel=1e-9)
     else:
         assert m["mtp/lambda"] == pytest.approx(0.5, abs=0)
 

@@ -86,7 +86,9 @@ def test_lambda_zero_then_equal_to_independent_recomputation(model_dir):
         data = fm.on_policy(worker, fm.train_batch(seed=10 + grpo_step))
         assert len(train_minibatches(step, data, worker.cfg.train_global_batch_size)) == 2
     for i, (expected, m) in enumerate(seen):
-        assert "mtp/lambda_hidden_grad" in m and m["mtp/lambda_hidden_grad"] >= 0.0
+        # one micro-batch per call: the hidden-state rule on this call's reported proxies, written out here
+        hidden_rule = LAMBDA_PLUS * max(m["mtp/c_hat"], 0.0) / (m["mtp/v2_hat"] + EPS)
+        assert m["mtp/lambda_hidden_grad"] == pytest.approx(hidden_rule, rel=1e-9, abs=1e-15)
         if i % 2 == 0:  # first mini-batch of a step: on-policy, delta = 0 up to recomputation noise
             assert m["mtp/delta_abs_mean"] < 1e-5 and abs(m["mtp/lambda"]) < 1e-5 and abs(expected) < 1e-5
         else:
@@ -94,6 +96,7 @@ def test_lambda_zero_then_equal_to_independent_recomputation(model_dir):
             assert m["mtp/lambda"] == pytest.approx(expected, rel=1e-4, abs=1e-12)
     assert seen[1][1]["mtp/lambda"] == 0.0 and seen[1][0] == 0.0  # step 1: negative mean, max(., 0)
     assert seen[3][1]["mtp/lambda"] > 0.1  # step 2: nonzero
+    assert any(m["mtp/lambda_hidden_grad"] > 0.0 for _, m in seen)  # the hidden rule is not 0 = 0 on every call
 
 
 def test_two_heads_trunk_gradient_is_rl_plus_weighted_heads(model_dir):
