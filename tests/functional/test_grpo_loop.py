@@ -88,12 +88,16 @@ def _comparable(record: dict) -> dict:
 
 
 def test_resume_reproduces_uninterrupted_run(trained_run, tmp_path):
-    """Resume from a copy of the uninterrupted run's step_2: step 3's metrics and the step_3 weights (which
-    depend on the restored optimizer state) equal the uninterrupted run's."""
+    """Resume from a copy of the uninterrupted run's step_2 and its metrics log (steps 0-3: as after a crash
+    that logged step 3 but never checkpointed it): the log is cut back to step 2 and continued, and step 3's
+    metrics and the step_3 weights (which depend on the restored optimizer state) equal the uninterrupted run's."""
     full_dir, full, _ = trained_run
     shutil.copytree(full_dir / "ckpt" / "step_2", tmp_path / "ckpt" / "step_2")
+    (tmp_path / "logs").mkdir()
+    shutil.copy(full_dir / "logs" / "metrics.jsonl", tmp_path / "logs" / "metrics.jsonl")
     resumed = run_grpo(tmp_path, "grpo.max_num_steps=3", "policy.generation.temperature=0.6", *TRAINS)
-    assert [r["step"] for r in resumed] == [3]
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    assert resumed[:3] == full[:3]  # the records before the checkpoint are kept as they were
     expected, got = _comparable(full[-1]), _comparable(resumed[-1])
     assert got.keys() == expected.keys()
     for key in expected:
