@@ -158,3 +158,80 @@ def names_key(message: str, path: str) -> bool:
         return True
     parent = path.rpartition(".")[0]
     return parent.count(".") >= 1 and re.search(rf"(?<![\w.]){re.escape(parent)}(?!\w)", message) is not None
+
+
+# The keys whose variant on the tiny recipe is refused before Ray on this CPU build, each with a fragment of the
+# refusal it must print. Written by hand on purpose: every key not listed here must pass the pre-Ray checks (and, in
+# tests/functional/test_schema_sections_run.py, complete a GRPO step), so a new schema key defaults to "must pass",
+# and a key that starts or stops being refused fails the tests until this table is edited.
+REFUSED_BEFORE_RAY: dict[str, str] = {
+    "grpo.pilot_commit": "rollout_budget_per_step=8 leaves no commit slot",
+    "grpo.pilot_commit.rollout_budget_per_step": "rollout_budget_per_step=2 leaves no commit slot",
+    "grpo.pilot_commit.bind_pilot_to_commit": "rollout_budget_per_step=8 leaves no commit slot",
+    "grpo.async_grpo.enabled": "set loss_fn.use_importance_sampling_correction=true",
+    "loss_fn.sequence_level_importance_ratios": "(GSPO) needs loss_fn.token_level_loss=false",
+    "policy.megatron_cfg.scheduler.start_weight_decay": "start_weight_decay=2.0 / end_weight_decay=0.0 must satisfy",
+    "policy.megatron_cfg.scheduler.end_weight_decay": "start_weight_decay=0.0 / end_weight_decay=2.0 must satisfy",
+    "policy.generation.colocated.enabled": "split placement on one node needs the slots given to generation",
+    "policy.generation.dynamic_speculation": "set exactly one of num_speculative_tokens_per_batch_size",
+    "policy.generation.dynamic_speculation.num_speculative_tokens_per_batch_size":
+        "dynamic_speculation needs policy.generation.vllm_kwargs.speculative_config",
+    "policy.generation.dynamic_speculation.step_costs": "step_costs: no file train/reward",
+    "policy.generation.dynamic_speculation.acceptance_rate": "set exactly one of num_speculative_tokens_per_batch_size",
+    "policy.generation.dynamic_speculation.drafter_pass_at_k0":
+        "set exactly one of num_speculative_tokens_per_batch_size",
+    "policy.draft.model_name": "no draft there (config.json missing)",
+    "policy.draft.online": "needs policy.generation.vllm_kwargs.speculative_config.method=eagle3",
+    "policy.sequence_packing.enabled": "policy.sequence_packing.enabled=true is not supported",
+    "logger.wandb_enabled": "no W&B client is installed",
+    "logger.mlflow_enabled": "no MLflow client is installed",
+    "cluster.ray_address": "expected null, auto, host:port or ray://host:port",
+}
+
+
+def expected_refusal(path: str) -> str | None:
+    """The message fragment the tiny recipe's variant of ``path`` must be refused with, or None: it must pass."""
+    return REFUSED_BEFORE_RAY.get(path)
+
+
+def _scope(sw: Switch) -> str:
+    """The part of the config a switch's variant governs: a section switch (on/off) or an ``enabled`` flag governs
+    the whole section (turning it off disables every key under it); any other switch only its own key."""
+    if sw.kind == "section":
+        return sw.path
+    if sw.kind == "bool" and sw.path.endswith(".enabled"):
+        return sw.path.rpartition(".")[0]
+    return sw.path
+
+
+def _under(path: str, scope: str) -> bool:
+    return path == scope or path.startswith(scope + ".")
+
+
+def conflicts(a: Switch, b: Switch) -> bool:
+    """True when one switch's variant could disable (or redefine) the path the other's variant exercises, so they
+    must not share one packed run: e.g. ``checkpointing.enabled=false`` with ``checkpointing.save_consolidated=true``,
+    ``+grpo.dynamic_sampling={}`` with ``+grpo.dynamic_sampling.enabled=false``."""
+    return _under(b.path, _scope(a)) or _under(a.path, _scope(b))
+
+
+def packed_groups(variants: list[tuple[Switch, list[str]]], outcome=pre_ray_outcome) -> list[
+        list[tuple[Switch, list[str]]]]:
+    """The expected-to-pass switches packed greedily into groups for one run each. In schema order, a switch joins
+    the first group whose switches it does not :func:`conflict <conflicts>` with and whose combined overrides plus
+    its own still pass ``outcome`` (the pre-Ray checks); otherwise it opens a new group. A switch that fails
+    ``outcome`` alone raises AssertionError (it belongs in :data:`REFUSED_BEFORE_RAY` or is a bug)."""
+    groups: list[list[tuple[Switch, list[str]]]] = []
+    for sw, overrides in variants:
+        if expected_refusal(sw.path) is not None:
+            continue
+        for group in groups:
+            if any(conflicts(sw, other) for other, _ in group):
+                continue
+            if outcome([o for _, os_ in group for o in os_] + overrides)[0] == "ok":
+                group.append((sw, overrides))
+                break
+        else:
+            assert outcome(overrides)[0] == "ok", f"{sw.path}: {overrides} is refused alone"
+            groups.append([(sw, overrides)])
+    return groups

@@ -1,5 +1,6 @@
 """Every boolean / optional key of the schema, set one at a time on the tiny recipe, either passes every check the
-CLI makes before Ray starts, or is refused there with the key (or its section) named (issue 14, item 4).
+CLI makes before Ray starts, or is refused there with the key (or its section) named (issue 14, item 4). Which of
+the two is declared per key (ss.REFUSED_BEFORE_RAY, issue 30): a key is never allowed either outcome.
 
 The keys are enumerated from the pydantic models (tests/schema_sections.py), so a new key is covered without
 editing this file. The path under test is the CLI's own: ``load_config`` -> ``check_runtime_support`` ->
@@ -36,12 +37,48 @@ def cached_tokenizers():
 
 
 @pytest.mark.parametrize("switch, overrides", VARIANTS, ids=[sw.path for sw, _ in VARIANTS])
-def test_switch_passes_preflight_or_is_refused_naming_its_key(switch, overrides, cached_tokenizers):
+def test_switch_passes_preflight_or_is_refused_as_the_table_says(switch, overrides, cached_tokenizers):
+    """Each key has one expected outcome: refused with the fragment in ss.REFUSED_BEFORE_RAY (and the key or its
+    section named), or, for every key not in that table (a new key included), passing the pre-Ray checks."""
     outcome, message = ss.pre_ray_outcome(overrides)
-    if outcome == "refused":
-        assert ss.names_key(message, switch.path), f"{overrides}: refused without naming the key: {message}"
+    fragment = ss.expected_refusal(switch.path)
+    if fragment is None:
+        assert (outcome, message) == ("ok", None), f"{overrides}: expected to pass (not in REFUSED_BEFORE_RAY)"
     else:
-        assert outcome == "ok" and message is None
+        assert outcome == "refused", f"{overrides}: expected refused with {fragment!r}, but it passes"
+        assert fragment in message, f"{overrides}: refused, but not with {fragment!r}: {message}"
+        assert ss.names_key(message, switch.path), f"{overrides}: refused without naming the key: {message}"
+
+
+def test_the_refusal_table_names_only_schema_keys():
+    """A table entry for a key that left the schema would silently expect nothing."""
+    assert set(ss.REFUSED_BEFORE_RAY) <= {sw.path for sw, _ in VARIANTS}
+
+
+def test_packing_conflicts_by_hand():
+    """A section switch or an ``enabled`` flag conflicts with every key under its section; siblings do not."""
+    sw = {s.path: s for s in ss.schema_switches()}
+    assert ss.conflicts(sw["checkpointing.enabled"], sw["checkpointing.save_consolidated"])
+    assert ss.conflicts(sw["grpo.dynamic_sampling.enabled"], sw["grpo.dynamic_sampling"])
+    assert ss.conflicts(sw["policy.dynamic_batching"], sw["policy.dynamic_batching.enabled"])
+    assert not ss.conflicts(sw["checkpointing.resume"], sw["checkpointing.save_consolidated"])
+    assert not ss.conflicts(sw["grpo.val_at_start"], sw["grpo.normalize_rewards"])
+
+
+def test_packed_groups_greedy_by_hand():
+    """With a fake pre-Ray outcome that refuses "b" with "c": a, b, d share group 1 (no conflicts), c opens group 2;
+    refused-by-table keys are left out; a key refused alone is an error."""
+    def fake(path):
+        return ss.Switch(path, "bool", None, bool)
+
+    def outcome(overrides):
+        return ("refused", "x") if {"b=1", "c=1"} <= set(overrides) or overrides == ["e=1"] else ("ok", None)
+
+    variants = [(fake(p), [f"{p}=1"]) for p in ("a", "b", "c", "d", "logger.wandb_enabled")]
+    got = [[s.path for s, _ in g] for g in ss.packed_groups(variants, outcome)]
+    assert got == [["a", "b", "d"], ["c"]]
+    with pytest.raises(AssertionError, match="e: .* is refused alone"):
+        ss.packed_groups([(fake("e"), ["e=1"])], outcome)
 
 
 def test_enumeration_walks_nested_and_optional_sections_by_hand():
