@@ -16,10 +16,29 @@ def test_recipes_exist():
     assert {"grpo_math_base.yaml", "grpo_math_tiny.yaml", "grpo_math_smollm2_135m.yaml"} <= names
 
 
+def _leaves(tree, prefix=""):
+    """Flatten a nested mapping to {"a.b.c": value} (lists and scalars are leaves)."""
+    if not isinstance(tree, dict):
+        return {prefix.rstrip("."): tree}
+    return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()} if tree else {
+        prefix.rstrip("."): {}}
+
+
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_shipped_recipe_validates(path):
-    cfg = load_config(path)
-    assert cfg.grpo.max_num_steps >= 1
+    """Every value the recipe (with its defaults chain) writes survives validation unchanged: read back from the
+    validated model, key by key, it equals the merged YAML's (a key dropped, renamed or coerced fails here). The one
+    rewrite expected: a relative file path (step_costs) is resolved against the repository root."""
+    from omegaconf import OmegaConf
+
+    written = _leaves(OmegaConf.to_container(load_yaml_with_defaults(path), resolve=True))
+    written.pop("defaults", None)
+    dumped = _leaves(load_config(path).model_dump(mode="json"))
+    assert written, path
+    resolved = {k: str(CONFIGS.parent / v) for k, v in written.items() if k.endswith(".step_costs") and v}
+    changed = {k: (v, dumped.get(k, "<missing>")) for k, v in written.items()
+               if dumped.get(k, "<missing>") != resolved.get(k, v)}
+    assert not changed, f"{path.name}: YAML value -> validated value: {changed}"
 
 
 def test_defaults_inheritance_and_override_precedence():
