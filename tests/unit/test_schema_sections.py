@@ -63,6 +63,7 @@ def test_packing_conflicts_by_hand():
     assert ss.conflicts(sw["policy.dynamic_batching"], sw["policy.dynamic_batching.enabled"])
     assert not ss.conflicts(sw["checkpointing.resume"], sw["checkpointing.save_consolidated"])
     assert not ss.conflicts(sw["grpo.val_at_start"], sw["grpo.normalize_rewards"])
+    assert ss.conflicts(sw["loss_fn.token_level_loss"], sw["grpo.dynamic_sampling"])  # ss.HIDES: trains on nothing
 
 
 def test_packed_groups_greedy_by_hand():
