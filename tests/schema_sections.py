@@ -184,6 +184,7 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
     "policy.draft.online": "needs policy.generation.vllm_kwargs.speculative_config.method=eagle3",
     "policy.sequence_packing.enabled": "policy.sequence_packing.enabled=true is not supported",
     "logger.wandb_enabled": "no W&B client is installed",
+    "logger.mlflow_enabled": "no MLflow client is installed",
     "cluster.ray_address": "expected null, auto, host:port or ray://host:port",
 }
 
