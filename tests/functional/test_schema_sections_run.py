@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(900)
 
 # representative keys for CI (~1 min each): a section turned on with its defaults (a new code path in the step),
 # and a loss switch that changes what the trainer computes
-CI_KEYS = ("grpo.dynamic_sampling", "loss_fn.token_level_loss")
+CI_KEYS: tuple[str, ...] = ()  # every passing key runs in CI packed (test_packed_switch_groups_complete_one_step)
 VARIANTS = ss.recipe_variants()
 
 
@@ -62,12 +62,11 @@ def assert_one_step(proc: subprocess.CompletedProcess, tmp_path: Path, tail: str
     assert [r for r in records if r["step"] == 1] and '"steps_run": 1' in proc.stdout, tail
 
 
-@pytest.mark.slow
 def test_packed_switch_groups_complete_one_step(tmp_path):
     """Every expected-to-pass switch, packed greedily (ss.packed_groups: no two switches of a group where one's
     section or enabled flag governs the other's key; the combined overrides pass the pre-Ray checks) into a handful
-    of one-step runs. A failing group's message lists its switches; each can then be run alone above. Not yet in CI:
-    its cost is unmeasured (issue 30)."""
+    of one-step runs. A failing group's message lists its switches; each can then be run alone above (slow tier).
+    CI tier: 265 s measured here for all groups, packing included (was 2 keys alone, ~140 s)."""
     groups = ss.packed_groups(VARIANTS)
     for i, group in enumerate(groups):
         overrides = [o for _, os_ in group for o in os_]
