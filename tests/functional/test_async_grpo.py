@@ -83,10 +83,13 @@ def _run(cfg, crash_at_version: int | None = None):
 def test_age_bound_is_correction_crash_and_resume(tmp_path):
     # 1. crash mid-run: the refit to version 3 (end of step index 2) raises; step_2 is the last checkpoint
     cfg = _cfg(tmp_path, "grpo.max_num_steps=4", "checkpointing.save_period=1")
+    # children this process had before the run (e.g. multiprocessing's resource tracker, started by an earlier test
+    # in the session and alive until pytest exits) are not the run's
+    before = _descendants()
     with pytest.raises(RuntimeError, match="injected refit failure"):
         _run(cfg, crash_at_version=3)
     assert not ray.is_initialized()
-    leftovers = _wait_gone(_descendants())
+    leftovers = _wait_gone(_descendants() - before)
     assert not leftovers, f"processes left after teardown: {leftovers}"
 
     records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
