@@ -63,3 +63,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if path and _PHASES and not hasattr(session.config, "workerinput"):   # pytest-xdist: the controller writes
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(_PHASES, indent=0, sort_keys=True))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session, for tests that do not need a Ray of their own.
+
+    Starts ``ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)`` unless Ray is already
+    initialised (then the running one is used and left running); yields the ``ray`` module; shuts down at the end
+    of the session only the Ray it started. Tests that call ``ray.shutdown()`` themselves must not take it.
+    Not yet taken by any test (modules adopt it one by one; see docs/testing.md).
+    """
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started and ray.is_initialized():
+        ray.shutdown()
