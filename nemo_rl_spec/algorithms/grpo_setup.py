@@ -20,7 +20,7 @@ from nemo_rl_spec.algorithms.rollout_allocation import build_rollout_allocator
 from nemo_rl_spec.data import hub_datasets
 from nemo_rl_spec.data.datasets import load_gsm8k_original, load_train_problems
 from nemo_rl_spec.data.prompts import format_prompt
-from nemo_rl_spec.environments.char_fraction_env import build_environment
+from nemo_rl_spec.environments import build_environment
 from nemo_rl_spec.environments.interfaces import EnvironmentInterface
 from nemo_rl_spec.distributed.placement import PlacementPlan, plan_placement
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster

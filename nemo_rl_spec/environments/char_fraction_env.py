@@ -56,15 +56,3 @@ class CharFractionEnvironment(EnvironmentInterface):
             raise ValueError(f"{len(responses)} responses but {len(metadata)} metadata dicts")
         return torch.tensor([char_fraction(r, self.characters) for r in responses], dtype=torch.float32)
 
-
-def build_environment(env_cfg) -> EnvironmentInterface:
-    """The reward environment the recipe's ``env`` section selects (``env.reward``: ``math`` | ``char_fraction``).
-
-    Args:
-        env_cfg: the validated ``env`` section (config_schema.EnvConfig).
-    """
-    if env_cfg.reward == "char_fraction":
-        return CharFractionEnvironment(env_cfg.char_fraction.model_dump())
-    from nemo_rl_spec.environments.math_env import MathEnvironment
-
-    return MathEnvironment(env_cfg.math.model_dump())

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from nemo_rl_spec.environments.char_fraction_env import CharFractionEnvironment, build_environment, char_fraction
+from nemo_rl_spec.environments import build_environment
+from nemo_rl_spec.environments.char_fraction_env import CharFractionEnvironment, char_fraction
 from nemo_rl_spec.environments.math_env import MathEnvironment
 from nemo_rl_spec.utils.config import load_config
 from pathlib import Path
