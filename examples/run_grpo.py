@@ -30,6 +30,9 @@ def dry_run(cfg, config: str) -> int:
     mode = "async" if cfg.grpo.async_grpo is not None and cfg.grpo.async_grpo.enabled else "sync"
     print(f"recipe {config}: valid, runs on this build ({mode} GRPO, model {cfg.policy.model_name})")
     print(plan.table())
+    from nemo_rl_spec.utils.precision import precision_line
+
+    print(precision_line(cfg.policy))
     print("not checked by --dry-run: model, draft and data files; the Ray cluster's nodes and resources")
     return 0
 

@@ -33,6 +33,7 @@ from nemo_rl_spec.utils.config import to_yaml
 from nemo_rl_spec.utils.console import configure_console, ray_logging_level, worker_log_env
 from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
 from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
+from nemo_rl_spec.utils.precision import precision_line
 from nemo_rl_spec.utils.logger import Logger
 
 
@@ -278,7 +279,7 @@ def _start_controllers(cfg: MasterConfig, model_path: str, plan: PlacementPlan, 
                                     _engine_model_path(cfg, policy, model_path), cfg.grpo.seed,
                                     num_cpus=plan.generation_num_cpus, num_gpus=plan.generation_num_gpus,
                                     allow_stale_draft=draft is not None and draft.allow_stale_draft,
-                                    draft_dir=_engine_draft_dir(cfg, policy), precision=cfg.policy.precision,
+                                    draft_dir=_engine_draft_dir(cfg, policy), precision=cfg.policy.engine_precision,
                                     engine_env=lambda e: plan.visible_devices_env("generation", e))
     except BaseException:
         policy.shutdown()
@@ -321,6 +322,7 @@ def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], Plac
 def setup(cfg: MasterConfig) -> GRPOSetup:
     """Resolve the model, load data, start Ray and the workers, and resume from the latest checkpoint if any."""
     model_path, tokenizer, train, val, plan = preflight(cfg)
+    print(precision_line(cfg.policy), flush=True)
     init_ray(cfg)
     workers = start_workers(cfg, model_path, plan)
     try:
@@ -347,7 +349,7 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
         s.spec_alarm = LowAcceptanceAlarm((cfg.policy.draft or DraftConfig()).acceptance_alarm_floor)
     draft = enabled_draft(cfg)
     s.refitter = WeightRefitter(policy, generation, s.val_prompt_ids[: cfg.policy.refit.probe_batch_size],
-                                cfg.policy.refit.logprob_mismatch_threshold, s.pad_token_id,
+                                cfg.policy.refit_threshold, s.pad_token_id, engine_dtype=cfg.policy.engine_precision,
                                 sync_draft=(draft is not None and draft.online) or serves_policy_mtp(cfg))
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         resume(s)
@@ -364,7 +366,8 @@ def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path 
     (tmp / "policy").mkdir()
     s.policy.save_checkpoint(str(tmp / "policy"))
     if s.cfg.checkpointing.save_consolidated:  # NeMo-RL: also an HF checkpoint (transformers / vLLM / model_name)
-        write_consolidated_hf(ray.get(s.policy.export_hf_weights()), resolve_model(s.cfg.policy.model_name),
+        write_consolidated_hf(ray.get(s.policy.export_hf_weights(None, s.cfg.checkpointing.consolidated_dtype)),
+                              resolve_model(s.cfg.policy.model_name),
                               tmp / "policy" / "consolidated")
     state = dict(s.extra_state)
     if "allocator" not in state:  # async GRPO passes the allocator state of its last buffered batch instead

@@ -32,11 +32,14 @@ class WeightRefitter:
         threshold: raise :class:`RefitMismatchError` above this mismatch (None: only log).
         pad_token_id: padding id of the probe batch.
         sync_draft: also refit the drafter (online EAGLE-3 head or MTP layers) right after the policy, as the same pair.
+        engine_dtype: the engines' dtype (``float32`` | ``bfloat16``; ``policy.engine_precision``): the trainer casts
+            the weights to it once before sending (bf16 engines get half the bytes).
     """
 
     def __init__(self, policy, generation, probe_sequences: list[list[int]], threshold: float | None,
-                 pad_token_id: int, sync_draft: bool = False) -> None:
+                 pad_token_id: int, sync_draft: bool = False, engine_dtype: str = "float32") -> None:
         self.policy, self.generation, self.threshold = policy, generation, threshold
+        self.engine_dtype = engine_dtype
         self.sync_draft = sync_draft
         self.probe_lengths = torch.tensor([len(q) for q in probe_sequences])
         self.probe_ids = torch.full((len(probe_sequences), int(self.probe_lengths.max())), pad_token_id)
@@ -54,7 +57,7 @@ class WeightRefitter:
             RefitMismatchError: mismatch above the threshold.
             DraftVersionMismatchError: the draft offered is not paired with ``version`` (from the generation worker).
         """
-        self.generation.update_weights(self.policy.export_hf_weights(version), version)
+        self.generation.update_weights(self.policy.export_hf_weights(version, self.engine_dtype), version)
         draft = self.refit_draft() if self.sync_draft else {}
         self.check_versions(version)
         per_engine = self.probe()
@@ -72,7 +75,7 @@ class WeightRefitter:
 
     def refit_draft(self) -> dict[str, float]:
         """Push the policy workers' drafter into every engine's drafter (after the policy refit)."""
-        outs = self.generation.update_draft_weights(self.policy.export_draft_weights())
+        outs = self.generation.update_draft_weights(self.policy.export_draft_weights(self.engine_dtype))
         return {"refit/draft_version": float(min(int(o["draft_version"]) for o in outs))}
 
     def check_versions(self, version: int) -> None:

@@ -19,7 +19,8 @@ def write_consolidated_hf(weights: dict[str, torch.Tensor], model_dir: str | Pat
     Args:
         weights: full (TP-gathered) tensors; ``lm_head.weight`` is left out when the model ties it to the embedding
             (``tie_word_embeddings`` in ``model_dir/config.json``), as HF writes tied models.
-        model_dir: the policy's HF model directory (its config and tokenizer files are copied).
+        model_dir: the policy's HF model directory (its config and tokenizer files are copied; ``torch_dtype`` in the
+            copied config.json is set to the tensors' dtype).
         out_dir: created; receives ``model.safetensors`` and the copied files.
 
     Returns ``out_dir``. Raises FileNotFoundError when ``model_dir`` has no ``config.json``; ValueError on an empty
@@ -35,8 +36,11 @@ def write_consolidated_hf(weights: dict[str, torch.Tensor], model_dir: str | Pat
     tied = bool(config.get("tie_word_embeddings", False))
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items() if not (tied and k == "lm_head.weight")}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    for name in ("config.json", "generation_config.json"):
-        if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, out / name)
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
+    if len(dtypes) == 1:  # config.json says the dtype the tensors are in (transformers' torch_dtype / dtype)
+        config["torch_dtype"] = dtypes.pop()
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if (model_dir / "generation_config.json").is_file():
+        shutil.copy2(model_dir / "generation_config.json", out / "generation_config.json")
     copy_tokenizer_files(model_dir, out)
     return out

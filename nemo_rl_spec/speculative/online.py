@@ -117,10 +117,15 @@ class OnlineDraft:
         ``draft_acc_step{j}``, ``draft_version``, ...), which the driver logs as ``train/draft_*``."""
         return {k.removeprefix("train/"): v for k, v in self.trainer.apply(self.sync).items()}
 
-    def export(self) -> dict[str, Any]:
+    def export(self, dtype: str | None = None) -> dict[str, Any]:
         """``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}`` for
-        :meth:`VllmGenerationWorker.update_draft_weights`."""
-        return {"weights": self.trainer.export_weights(), "draft_version": self.trainer.draft_version,
+        :meth:`VllmGenerationWorker.update_draft_weights`; floating-point weights cast to ``dtype`` (the engine's,
+        ``float32`` | ``bfloat16``; None: as trained, fp32). The head trains in fp32 whatever the policy's dtype."""
+        weights = self.trainer.export_weights()
+        if dtype is not None:
+            target = getattr(torch, dtype)
+            weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
+        return {"weights": weights, "draft_version": self.trainer.draft_version,
                 "policy_version": self.policy_version}
 
     def state_dict(self) -> dict[str, Any]:

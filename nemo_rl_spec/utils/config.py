@@ -215,11 +215,6 @@ RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
                "TP=1, refit included), but speculative decoding and the drafter's refit through its spawned TP "
                "workers are not shown; use several TP=1 engines with speculation",
         platforms=("cpu",), used=_vllm_tp_with_speculation),
-    "half_precision_cpu": RuntimeRefusal(
-        key="policy.precision=bfloat16 on CPU (cluster.gpus_per_node=0)",
-        reason="Megatron's mixed-precision optimizer type-checks for torch.cuda tensors and the CPU path is verified "
-               "in float32 only; use policy.precision=float32 on CPU",
-        platforms=("cpu",), used=lambda cfg: cfg.policy.precision != "float32"),
     "wandb": RuntimeRefusal(
         key="logger.wandb_enabled=true",
         reason="this build logs to TensorBoard (logger.tensorboard_enabled) and metrics.jsonl only; no W&B client "

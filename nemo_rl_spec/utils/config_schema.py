@@ -12,9 +12,10 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, model_validator
 
 from nemo_rl_spec.utils.feature_configs import DynamicSamplingConfig, DynamicSpeculationConfig, PilotCommitConfig
+from nemo_rl_spec.utils.precision import choose_precision, refit_tolerance
 
 NonNegFloat = Field(ge=0.0)
 
@@ -216,6 +217,8 @@ class VllmConfig(_Strict):
     kv_cache_space_gb: PositiveFloat
     num_threads: PositiveInt
     enforce_eager: bool
+    # NeMo-RL's engine dtype; None: follow policy.precision (PolicyConfig.engine_precision). docs/precision.md
+    precision: Optional[Literal["float32", "bfloat16"]] = None
 
 
 class ResourcesConfig(_Strict):
@@ -295,7 +298,8 @@ class DraftConfig(_Strict):
 
 
 class RefitConfig(_Strict):
-    logprob_mismatch_threshold: Optional[PositiveFloat]
+    # nats; "auto": a function of the trainer and engine dtypes (utils/precision.py, REFIT_TOLERANCE); None: only log
+    logprob_mismatch_threshold: Optional[PositiveFloat | Literal["auto"]]
     probe_batch_size: PositiveInt
 
 
@@ -342,7 +346,8 @@ class PolicyConfig(_Strict):
     train_micro_batch_size: PositiveInt
     logprob_batch_size: PositiveInt
     max_total_sequence_length: PositiveInt
-    precision: Literal["float32", "bfloat16"]
+    # auto: bfloat16 on a GPU or a CPU with native bf16, else float32 (resolved by MasterConfig; utils/precision.py)
+    precision: Literal["float32", "bfloat16", "auto"]
     tokenizer: TokenizerConfig
     megatron_cfg: MegatronConfig
     generation: GenerationConfig
@@ -350,6 +355,24 @@ class PolicyConfig(_Strict):
     draft: Optional[DraftConfig] = None
     dynamic_batching: Optional[DynamicBatchingConfig] = None  # NeMo-RL parity; None: fixed-size micro-batches
     sequence_packing: Optional[SequencePackingConfig] = None  # NeMo-RL parity; refused when enabled (see class)
+    _precision_reason: str = PrivateAttr(default="set in the recipe")  # why policy.precision is what it is
+
+    @property
+    def engine_precision(self) -> str:
+        """The vLLM engines' dtype: ``generation.vllm_cfg.precision``, unset: ``precision``."""
+        return self.generation.vllm_cfg.precision or self.precision
+
+    @property
+    def refit_threshold(self) -> float | None:
+        """``refit.logprob_mismatch_threshold`` in nats, ``auto`` resolved for the trainer / engine dtypes
+        (:func:`~nemo_rl_spec.utils.precision.refit_tolerance`); None: only log."""
+        value = self.refit.logprob_mismatch_threshold
+        return refit_tolerance(self.precision, self.engine_precision) if value == "auto" else value
+
+    @property
+    def precision_reason(self) -> str:
+        """One line: why ``precision`` is what it is (``auto`` resolved, or set in the recipe)."""
+        return self._precision_reason
 
     @model_validator(mode="after")
     def _batch_divisible(self) -> "PolicyConfig":
@@ -497,6 +520,8 @@ class CheckpointingConfig(_Strict):
     metric_name: Optional[str] = Field(default=None, min_length=1)
     higher_is_better: bool = True
     save_consolidated: bool = False  # NeMo-RL: also write step_N/policy/consolidated, an HF checkpoint (hf_export.py)
+    # dtype of the consolidated HF checkpoint's tensors (and its config.json torch_dtype); None: policy.precision
+    consolidated_dtype: Optional[Literal["float32", "bfloat16"]] = None
 
 
 class ClusterConfig(_Strict):
@@ -528,6 +553,16 @@ class MasterConfig(_Strict):
     logger: LoggerConfig
     checkpointing: CheckpointingConfig
     cluster: ClusterConfig
+
+    @model_validator(mode="after")
+    def _resolve_precision(self) -> "MasterConfig":
+        """``policy.precision: auto`` -> the dtype this machine runs fastest (:func:`choose_precision`); the reason
+        is kept for the driver's console line. Warns for an explicit bfloat16 on a CPU without native bf16."""
+        dtype, reason = choose_precision(self.policy.precision, self.cluster.gpus_per_node > 0)
+        if dtype != self.policy.precision:
+            self.policy.precision = dtype
+        self.policy._precision_reason = reason
+        return self
 
     @model_validator(mode="after")
     def _validation_sizes(self) -> "MasterConfig":

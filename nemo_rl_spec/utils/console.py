@@ -70,6 +70,10 @@ def _is_rotary(args) -> bool:
     return str(args[0]).endswith("RotaryEmbedding")
 
 
+def _is_fp32_into_bf16(args) -> bool:
+    return len(args) >= 3 and str(args[1]) == "torch.float32" and str(args[2]) == "torch.bfloat16"
+
+
 HARMLESS_VLLM_WARNINGS: dict[str, list[tuple[str, Callable[[tuple], bool] | None]]] = {
     # Every refit: see HarmlessVllmWarnings (a rotary layer has no checkpoint weight; its cache is put back).
     REFIT_LOGGER: [("%s: Failed to load weights", _is_rotary)],
@@ -81,6 +85,9 @@ HARMLESS_VLLM_WARNINGS: dict[str, list[tuple[str, Callable[[tuple], bool] | None
     "vllm.config.vllm": [("Enforce eager set", None), ("Inductor compilation was disabled", None),
                          ("Model Runner V2 requires Triton", None)],
     "vllm.platforms.cpu": [("Triton is not installed", None)],
+    # A bf16 engine loading an fp32 checkpoint (the tiny models and SmolLM2 are stored in fp32): vLLM casts each
+    # 1-D weight into its bf16 parameter, as it does silently for the matrices (docs/precision.md).
+    "vllm.model_executor.models.utils": [("Attempted to load weight %s with dtype %s into", _is_fp32_into_bf16)],
     "vllm.v1.worker.cpu_worker": [("%s is not found in LD_PRELOAD", lambda args: args[0] == "libtcmalloc"),
                                   ("CPU backend doesn't allow to use `torch.set_num_threads`", None)],
 }

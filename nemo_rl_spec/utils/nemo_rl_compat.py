@@ -32,7 +32,6 @@ RENAMED: dict[str, str] = {
 #: NeMo-RL key -> (a key whose value it must equal, or None) and the fixed value it must have otherwise
 MUST_MATCH: dict[str, tuple[str | None, Any]] = {
     "policy.tokenizer.name": ("policy.model_name", None),            # the policy's own tokenizer only
-    "policy.generation.vllm_cfg.precision": ("policy.precision", None),
     "policy.megatron_cfg.pipeline_dtype": ("policy.precision", None),
     "policy.megatron_cfg.optimizer.optimizer": (None, "adam"),
     "grpo.max_rollout_turns": (None, 1),                             # single-turn math environment

@@ -120,7 +120,6 @@ def test_every_shipped_recipe_runs_on_this_build(path):
     (SPEC, ["policy.generation.vllm_cfg.tensor_parallel_size=2"], "tensor_parallel_size > 1 with policy"),
     (CONFIGS / "grpo_math_tiny_async.yaml", ["grpo.async_grpo.in_flight_weight_updates=true"],
      "grpo.async_grpo.in_flight_weight_updates=true"),
-    (TINY, ["policy.precision=bfloat16"], "policy.precision=bfloat16 on CPU"),
 ])
 def test_refused_features_name_key_reason_and_platform(recipe, overrides, key):
     from nemo_rl_spec.utils.config import RUNTIME_REFUSALS, check_runtime_support
@@ -141,7 +140,7 @@ def test_refusals_depend_on_the_platform():
                                                                          "cluster.workers_per_node=8"])
     assert [r.key for r in runtime_refusals(cpu)] == [
         "policy.generation.vllm_cfg.tensor_parallel_size > 1 with policy.generation.vllm_kwargs.speculative_config "
-        "on CPU (cluster.gpus_per_node=0)", "policy.precision=bfloat16 on CPU (cluster.gpus_per_node=0)"]
+        "on CPU (cluster.gpus_per_node=0)"]
     for lifted in ("policy.megatron_cfg.tensor_model_parallel_size=2",
                    "policy.generation.vllm_cfg.tensor_parallel_size=2",
                    "policy.megatron_cfg.activation_checkpointing=true",

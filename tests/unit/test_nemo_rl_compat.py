@@ -70,7 +70,6 @@ def test_under_the_switch_it_loads_with_one_warning_and_nemo_rl_meanings():
     assert len(compat) == 1
     text = str(compat[0].message)
     ignored = _unknown(MasterConfig, _merged()) - {"policy.max_grad_norm", "policy.tokenizer.name",
-                                                    "policy.generation.vllm_cfg.precision",
                                                     "policy.megatron_cfg.pipeline_dtype",
                                                     "policy.megatron_cfg.optimizer.optimizer", "grpo.max_rollout_turns"}
     assert f"{len(ignored)} NeMo-RL keys ignored" in text and all(f"\n  {k}=" in text for k in ignored)
@@ -87,7 +86,6 @@ def test_under_the_switch_it_loads_with_one_warning_and_nemo_rl_meanings():
     ("policy.megatron_cfg.optimizer.clip_grad=0.5", r"policy.max_grad_norm=1.0 \(NeMo-RL's name of policy.megatron_cfg."
                                                     r"optimizer.clip_grad\) conflicts with policy.megatron_cfg.optimizer."
                                                     r"clip_grad=0.5"),
-    ("policy.generation.vllm_cfg.precision=bfloat16", r"vllm_cfg.precision='bfloat16' must equal policy.precision"),
     ("grpo.max_rollout_turns=2", r"grpo.max_rollout_turns=2 must equal 1"),
     ("+policy.megatron_cfg.optimizer.lr_typo=1", r"policy.megatron_cfg.optimizer.lr_typo: unknown key"),
     ("nemo_rl_compat=maybe", r"nemo_rl_compat must be true or false"),

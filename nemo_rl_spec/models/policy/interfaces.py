@@ -24,16 +24,18 @@ class PolicyInterface(ABC):
         (``loss``, ``grad_norm``, ``lr``, loss-specific keys)."""
 
     @abstractmethod
-    def export_hf_weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
-        """Current weights under Hugging Face names (incl. ``lm_head.weight`` when embeddings are tied); ``version``
+    def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> dict[str, torch.Tensor]:
+        """Current weights under Hugging Face names (incl. ``lm_head.weight`` when embeddings are tied), cast once to
+        ``dtype`` (``float32`` | ``bfloat16``; None: the parameters' dtype); ``version``
         is the weight version they will be loaded as (a drafter exported next is paired with it). In a worker group
         every rank calls it (a collective that gathers tensor-parallel slices) and only rank 0 returns the tensors;
         the others return an empty dict."""
 
     @abstractmethod
-    def export_draft_weights(self) -> dict:
+    def export_draft_weights(self, dtype: str | None = None) -> dict:
         """The drafter trained with the policy (online EAGLE-3 head or MTP layers):
-        ``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}``."""
+        ``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}``; the weights in
+        ``dtype`` (the engines' dtype; None: float32)."""
 
     @abstractmethod
     def save_checkpoint(self, path: str) -> None:

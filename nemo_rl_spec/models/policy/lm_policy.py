@@ -189,14 +189,15 @@ class Policy:
         ray.wait(refs[:1])
         return refs[0]
 
-    def export_hf_weights(self, version: int | None = None) -> ray.ObjectRef:
-        """Object ref of the full HF-named weights (``dict[str, Tensor]``, TP slices gathered, CPU fp32); every rank
-        takes part and records ``version``."""
-        return self._rank_zero_ref("export_hf_weights", version)
+    def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> ray.ObjectRef:
+        """Object ref of the full HF-named weights (``dict[str, Tensor]``, TP slices gathered, CPU, in ``dtype``:
+        ``float32`` | ``bfloat16``, None: the policy's); every rank takes part and records ``version``."""
+        return self._rank_zero_ref("export_hf_weights", version, dtype)
 
-    def export_draft_weights(self) -> ray.ObjectRef:
-        """Object ref of the drafter export ``{"weights", "draft_version", "policy_version"}``."""
-        return self._rank_zero_ref("export_draft_weights")
+    def export_draft_weights(self, dtype: str | None = None) -> ray.ObjectRef:
+        """Object ref of the drafter export ``{"weights", "draft_version", "policy_version"}``, weights in
+        ``dtype`` (None: fp32)."""
+        return self._rank_zero_ref("export_draft_weights", dtype)
 
     def export_megatron_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter under its Megatron name, full size (MTP block included); for checks."""

@@ -79,6 +79,7 @@ from nemo_rl_spec.models.policy import mtp_loss as ml
 from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat, cuda_tensor_type_names
 from nemo_rl_spec.models.policy.dynamic_batching import MicroBatch, fixed_size_plan, select_rows, token_budget_plan
 from nemo_rl_spec.models.policy.interfaces import PolicyInterface
+from nemo_rl_spec.models.policy.mixed_precision import MasterWeightAdamW
 from nemo_rl_spec.models.policy.occ import MTPCoefficient, logprob_delta_lambda, occ_lambda, occ_proxies
 from nemo_rl_spec.models.policy.optimizer_state import (
     load_named_adam_state,
@@ -97,6 +98,7 @@ from nemo_rl_spec.models.policy.parallel import (
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, target_logprobs
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
 from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
+from nemo_rl_spec.utils.precision import choose_precision
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
@@ -123,6 +125,12 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, input_lengths:
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     valid = positions[1:].unsqueeze(0) < input_lengths.unsqueeze(1)
     return torch.nn.functional.pad(torch.where(valid, next_token, 0.0), (1, 0))
+
+
+def _cast_state(state: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """``state`` with every tensor in ``dtype`` (``float32`` | ``bfloat16``); tensors already in it are kept."""
+    target = mm.PRECISIONS[dtype]
+    return {k: v.to(target) for k, v in state.items()}
 
 
 def _draft_loss_mask(data: TrainDatumSpec) -> torch.Tensor:
@@ -203,16 +211,18 @@ class MegatronPolicyWorker(PolicyInterface):
 
     @staticmethod
     def _param_dtype(precision: str) -> torch.dtype:
-        """float32 everywhere; bfloat16/float16 only on CUDA (Megatron's mixed-precision optimizer
-        type-checks for ``torch.cuda.*Tensor`` parameters).
+        """The parameters' dtype for ``policy.precision`` (``auto`` resolved here when the config did not:
+        :func:`~nemo_rl_spec.utils.precision.choose_precision`). bfloat16 runs Megatron's mixed precision on CPU as
+        on GPU: bf16 parameters, fp32 ``main_grad`` and fp32 master weights / Adam state (the optimizer's CUDA
+        type checks pass through :func:`~.cpu_compat.cuda_tensor_type_names`).
 
         Raises:
-            ValueError: unknown precision, or half precision without CUDA.
+            ValueError: unknown precision.
         """
+        if precision == "auto":
+            precision, _ = choose_precision(precision, torch.cuda.is_available())
         if precision not in mm.PRECISIONS:
             raise ValueError(f"policy.precision={precision!r}; expected one of {sorted(mm.PRECISIONS)}")
-        if precision != "float32" and not torch.cuda.is_available():
-            raise ValueError(f"policy.precision={precision!r} needs CUDA; use float32 on CPU")
         return mm.PRECISIONS[precision]
 
     @property
@@ -256,12 +266,13 @@ class MegatronPolicyWorker(PolicyInterface):
     def _current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _mtp_optimizer(self) -> torch.optim.Optimizer:
+    def _mtp_optimizer(self) -> MasterWeightAdamW:
+        """AdamW for the MTP block, on fp32 master weights when the model is bf16 (:mod:`~.mixed_precision`)."""
         for p in self.mtp_params:
             p.requires_grad_(True)
         opt = self.cfg.megatron_cfg.optimizer
-        return torch.optim.AdamW(self.mtp_params, lr=self._current_lr(), betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                                 weight_decay=opt.weight_decay)
+        return MasterWeightAdamW(self.mtp_params, lr=self._current_lr(), betas=(opt.adam_beta1, opt.adam_beta2),
+                                 eps=opt.adam_eps, weight_decay=opt.weight_decay)
 
     def _speculative_config(self) -> dict:
         spec = self.cfg.generation.vllm_kwargs.get("speculative_config") or {}
@@ -625,8 +636,9 @@ class MegatronPolicyWorker(PolicyInterface):
         local = self._mtp_sums(mtp_stats)
         total = dict(zip(local, all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64),
                                                self.dp_group).tolist()))
-        all_reduce_grads(self.mtp_params, self.dp_group)
-        mtp_grad_norm = clip_grads_(self.mtp_params, self.cfg.megatron_cfg.optimizer.clip_grad, self.tp_group)
+        masters = self.mtp_optimizer.stage_grads()  # fp32 gradients (main_grad of bf16 parameters)
+        all_reduce_grads(masters, self.dp_group)
+        mtp_grad_norm = clip_grads_(masters, self.cfg.megatron_cfg.optimizer.clip_grad, self.tp_group)
         self.mtp_optimizer.step()
         toks = max(total["toks"], 1.0)
         out = {"mtp/lambda": total["lam_toks"] / toks, "mtp/c_hat": total["c_hat"], "mtp/v2_hat": total["v2_hat"],
@@ -650,8 +662,9 @@ class MegatronPolicyWorker(PolicyInterface):
     def _is_rank_zero(self) -> bool:
         return self.layout.rank == 0
 
-    def export_hf_weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
-        """HF-named CPU fp32 copies of the full current weights, always with ``lm_head.weight``. ``version``: the
+    def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> dict[str, torch.Tensor]:
+        """HF-named CPU copies of the full current weights in ``dtype`` (``float32`` | ``bfloat16``, cast once here,
+        the sender; None: the parameters' dtype), always with ``lm_head.weight``. ``version``: the
         weight version the caller will load them as (recorded; an online draft exported next is paired with it).
 
         A collective (TP slices are all-gathered): every rank calls it; rank 0 returns the tensors, the other ranks
@@ -661,7 +674,9 @@ class MegatronPolicyWorker(PolicyInterface):
             if self.draft is not None:
                 self.draft.policy_version = int(version)
         state = mm.export_hf_state(self.module, self.spec)
-        return state if self._is_rank_zero else {}
+        if not self._is_rank_zero:
+            return {}
+        return state if dtype is None else _cast_state(state, dtype)
 
     def export_megatron_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter (MTP block included) under its Megatron name, full size (TP slices gathered: a
@@ -669,18 +684,19 @@ class MegatronPolicyWorker(PolicyInterface):
         state = {k: v.to("cpu", torch.float32).clone() for k, v in mm.full_param_state(self.module).items()}
         return state if self._is_rank_zero else {}
 
-    def export_draft_weights(self) -> dict:
+    def export_draft_weights(self, dtype: str | None = None) -> dict:
         """The drafter's weights for the generation worker: ``{"weights", "draft_version", "policy_version"}``
         (every rank calls it; ranks other than 0 return an empty dict).
 
         Online EAGLE-3 head: :meth:`OnlineDraft.export`. MTP drafter (``speculative_config.method: mtp`` with
         ``mtp_num_layers`` >= 1): the MTP block under MiMo names with zero q/k/v biases
         (:meth:`mimo_mtp_weights`), ``draft_version`` = optimizer steps taken, ``policy_version`` = the version of
-        the last :meth:`export_hf_weights`. Raises RuntimeError with neither."""
+        the last :meth:`export_hf_weights`. Weights in ``dtype`` (the engines'; None: fp32). Raises RuntimeError with
+        neither."""
         if self.draft is not None:
-            return self.draft.export() if self._is_rank_zero else {}
+            return self.draft.export(dtype) if self._is_rank_zero else {}
         if self.serves_mtp_drafter:
-            weights = self.mimo_mtp_weights()
+            weights = _cast_state(self.mimo_mtp_weights(), dtype or "float32")
             return {"weights": weights, "draft_version": self.step, "policy_version": self.weight_version} \
                 if self._is_rank_zero else {}
         raise RuntimeError("export_draft_weights: no online draft (policy.draft.online is false) and no MTP drafter "

@@ -7,6 +7,9 @@
 - ``DistributedOptimizer`` (``use_distributed_optimizer``): the torch optimizer steps 1-D views
   ``param.view(-1)[start:end]`` of the slice of each parameter that this DP rank owns (ZeRO-1); the moments of a
   parameter are spread over the DP ranks.
+- ``Float16OptimizerWithFloat16Params`` (``policy.precision: bfloat16``, mixed precision): the torch optimizer steps
+  fp32 master copies of the bf16 parameters (the distributed optimizer: shards of them); checkpoints keep the masters
+  (``"master"``), so a resumed run continues from the fp32 weights, not from their bf16 rounding.
 
 :func:`named_adam_state` returns, for every trained parameter, its moments at full parameter shape (this TP rank's
 slice; distributed shards put together by an all-reduce over DP: each rank contributes zeros outside its range),
@@ -43,18 +46,26 @@ def _is_distributed(part) -> bool:
     return hasattr(part, "shard_fp32_groups")
 
 
+def _pairs(part) -> list[tuple[list, list]]:
+    """(model parameter group, tensors the torch optimizer steps for them) pairs of one optimizer part: fp32
+    parameters step themselves (or their DP shard), half-precision ones step fp32 master copies (or shards of them)."""
+    if _is_distributed(part):
+        return [*zip(part.model_fp32_groups, part.shard_fp32_groups),
+                *zip(part.model_float16_groups, part.shard_fp32_from_float16_groups)]
+    if hasattr(part, "float16_groups"):  # Float16OptimizerWithFloat16Params (bf16 / fp16 model parameters)
+        return [*zip(part.float16_groups, part.fp32_from_float16_groups),
+                *((group, group) for group in part.fp32_from_fp32_groups)]
+    return [(group["params"], group["params"]) for group in part.optimizer.param_groups]
+
+
 def _slots(optimizer) -> list[_Slot]:
     slots = []
     for part in _parts(optimizer):
-        inner = part.optimizer
-        if _is_distributed(part):
-            for model_group, shard_group in zip(part.model_fp32_groups, part.shard_fp32_groups):
-                for param, shard in zip(model_group, shard_group):
-                    rng = part._get_model_param_range_map(param)["param"]
-                    slots.append(_Slot(inner, shard, param, rng.start, rng.end))
-        else:
-            for group in inner.param_groups:
-                slots.extend(_Slot(inner, p, p, 0, p.numel()) for p in group["params"])
+        for model_group, stepped_group in _pairs(part):
+            for param, stepped in zip(model_group, stepped_group):
+                rng = part._get_model_param_range_map(param)["param"] if _is_distributed(part) else None
+                slots.append(_Slot(part.optimizer, stepped, param, 0 if rng is None else rng.start,
+                                   param.numel() if rng is None else rng.end))
     return slots
 
 
@@ -66,8 +77,9 @@ def uses_distributed_optimizer(optimizer) -> bool:
 @torch.no_grad()
 def named_adam_state(optimizer, module: torch.nn.Module, dp_group) -> dict[str, dict[str, torch.Tensor]]:
     """``{param name: {"exp_avg", "exp_avg_sq": [param shape], "step": scalar}}`` for the trained parameters of
-    ``module`` that have optimizer state (none before the first step). Collective over ``dp_group`` with the
-    distributed optimizer (every DP rank must call it)."""
+    ``module`` that have optimizer state (none before the first step); a half-precision (bf16 / fp16) parameter also
+    gets ``"master"``, its fp32 master weight [param shape] (mixed precision: the optimizer steps it, the parameter
+    is its rounded copy). Collective over ``dp_group`` with the distributed optimizer (every DP rank must call it)."""
     by_param = {id(s.param): s for s in _slots(optimizer)}
     distributed = uses_distributed_optimizer(optimizer)
     out = {}
@@ -76,24 +88,29 @@ def named_adam_state(optimizer, module: torch.nn.Module, dp_group) -> dict[str, 
             continue
         slot = by_param.get(id(param))
         state = slot.torch_optimizer.state.get(slot.key, {}) if slot is not None else {}
-        moments = torch.zeros(len(STATE_KEYS), param.numel(), dtype=torch.float32, device=param.device)
+        keys = (*STATE_KEYS, "master") if param.dtype != torch.float32 else STATE_KEYS
+        moments = torch.zeros(len(keys), param.numel(), dtype=torch.float32, device=param.device)
         step = torch.zeros(1, dtype=torch.float64, device=param.device)
         if state:
             for i, key in enumerate(STATE_KEYS):
                 moments[i, slot.start: slot.stop] = state[key].reshape(-1).float()
+            if len(keys) > len(STATE_KEYS):
+                moments[-1, slot.start: slot.stop] = slot.key.detach().reshape(-1).float()
             step[0] = float(state["step"])
         if distributed and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(moments, group=dp_group)
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=dp_group)
         if step[0] > 0:
-            out[name] = {**{k: moments[i].view_as(param).to("cpu", copy=True) for i, k in enumerate(STATE_KEYS)},
+            out[name] = {**{k: moments[i].view_as(param).to("cpu", copy=True) for i, k in enumerate(keys)},
                          "step": torch.tensor(float(step[0]))}
     return out
 
 
 @torch.no_grad()
 def load_named_adam_state(optimizer, module: torch.nn.Module, state: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Install :func:`named_adam_state` output into ``optimizer`` (this rank's ranges of each parameter).
+    """Install :func:`named_adam_state` output into ``optimizer`` (this rank's ranges of each parameter). Call it after
+    the model's parameters are loaded: fp32 masters of half-precision parameters come from ``"master"`` when saved,
+    else from the (loaded) parameter.
 
     Raises:
         KeyError: ``state`` names a parameter the module does not train.
@@ -105,12 +122,15 @@ def load_named_adam_state(optimizer, module: torch.nn.Module, state: dict[str, d
         raise KeyError(f"optimizer state for parameters the model does not train: {sorted(unknown)[:5]}")
     for slot in _slots(optimizer):
         entry = state.get(names[id(slot.param)])
+        if entry is not None and entry["exp_avg"].shape != slot.param.shape:
+            raise ValueError(f"{names[id(slot.param)]}: optimizer state shape {tuple(entry['exp_avg'].shape)} != "
+                             f"parameter {tuple(slot.param.shape)}")
+        if slot.key is not slot.param:  # mixed precision: the fp32 master (saved, else from the loaded parameter)
+            master = entry["master"] if entry is not None and "master" in entry else slot.param.detach()
+            slot.key.copy_(master.reshape(-1)[slot.start: slot.stop].view_as(slot.key))
         if entry is None:
             slot.torch_optimizer.state.pop(slot.key, None)
             continue
-        if entry["exp_avg"].shape != slot.param.shape:
-            raise ValueError(f"{names[id(slot.param)]}: optimizer state shape {tuple(entry['exp_avg'].shape)} != "
-                             f"parameter {tuple(slot.param.shape)}")
         slot.torch_optimizer.state[slot.key] = {
             "step": entry["step"].clone(),
             **{k: entry[k].reshape(-1)[slot.start: slot.stop].view_as(slot.key).to(slot.key.device, slot.key.dtype,
