@@ -57,3 +57,40 @@ def test_plots_the_committed_result(tmp_path):
         assert s["gain"] == pytest.approx(s["final_accuracy"] - s["start_accuracy"], abs=1e-12)
     bench.plot(seeds, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_token_mult_prob_error_per_step_and_mean_by_hand():
+    bench = load_example("bench_learning")
+    records = [{"step": 0, "validation/accuracy": 0.5},
+               {"step": 1, "train/reward": 0.1, "train/token_mult_prob_error": 1.01},
+               {"step": 2, "train/reward": 0.2, "train/token_mult_prob_error": 1.03},
+               {"step": 2, "validation/accuracy": 0.75}]
+    s = bench.seed_summary(records)
+    assert s["token_mult_prob_error"] == [1.01, 1.03]
+    assert s["mean_token_mult_prob_error"] == pytest.approx(1.02)
+    old = bench.seed_summary([{"step": 1, "train/reward": 0.1}])  # a run that did not log it
+    assert old["token_mult_prob_error"] == [] and old["mean_token_mult_prob_error"] is None
+    result = bench.summarize({"0": s, "1": {**s, "mean_token_mult_prob_error": 1.04}, "2": old})
+    assert result["mean_token_mult_prob_error"] == pytest.approx(1.03)  # (1.02 + 1.04) / 2; seed 2 left out
+    assert "1.0100 1.0300" in bench.table({**result, "meta": {}})
+
+
+def test_compare_pairs_final_accuracy_by_seed_by_hand():
+    bench = load_example("bench_learning")
+    seed = lambda start, final: {"start_accuracy": start, "final_accuracy": final,  # noqa: E731
+                                 "gain": None if final is None else final - start}
+    run = {"seeds": {"42": seed(0.3, 0.8), "1": seed(0.3, 0.7), "2": seed(0.3, 0.6), "3": seed(0.3, None),
+                     "9": seed(0.3, 0.9)}}
+    base = {"seeds": {"42": seed(0.3, 0.75), "1": seed(0.3, 0.75), "2": seed(0.2, 0.7), "3": seed(0.3, 0.7)}}
+    c = bench.compare(run, base)
+    assert list(c["seeds"]) == ["42", "1", "2"]  # seed 3: no final here; seed 9: not in the baseline
+    assert [c["seeds"][s]["final_diff"] for s in ("42", "1", "2")] == pytest.approx([0.05, -0.05, -0.1])
+    assert c["seeds"]["2"]["gain_diff"] == pytest.approx(0.3 - 0.5)
+    assert c["mean_final_diff"] == pytest.approx(-0.1 / 3)
+    assert c["mean_gain_diff"] == pytest.approx((0.05 - 0.05 + 0.3 - 0.5) / 3)
+    assert c["final_diff_interval_90"] == pytest.approx(bootstrap_interval([0.05, -0.05, -0.1]))
+    # the 27 resamples of {0.05, -0.05, -0.1}: 5% quantile is the 2nd smallest mean (-0.25 / 3), 95% the 26th (0.05 / 3)
+    assert c["final_diff_interval_90"] == pytest.approx((-0.25 / 3, 0.05 / 3), abs=1e-12)
+    text = bench.table({"seeds": {}, "gain_interval_90": None, "mean_gain": None, "mean_reward_trend": None,
+                        "comparison": c, "meta": {"baseline": "fp32.json"}})
+    assert "vs baseline fp32.json" in text and "-0.033" in text and "[-0.083, 0.017]" in text
