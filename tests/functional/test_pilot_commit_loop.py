@@ -146,8 +146,10 @@ def test_pilot_commit_with_speculative_rollouts_sync_and_async(tmp_path, mode):
     """Pilot-Commit on top of speculative rollouts (online EAGLE-3 draft, refit with the policy), in sync and async
     GRPO: the loop runs, the rollout counts keep Pilot-Commit's identities, every step reports acceptance and a draft
     refit paired with the policy version; in sync mode the counts equal the allocator's plan exactly (speculation
-    does not change which rollouts are made)."""
-    extra = ("checkpointing.enabled=false", *(ASYNC if mode == "async" else ()))
+    does not change which rollouts are made). Async runs in bf16, so Pilot-Commit, async GRPO and the online draft
+    are covered in both precisions."""
+    # the async variant runs in bf16 (Megatron mixed precision, bf16 engine and draft refit; docs/precision.md)
+    extra = ("checkpointing.enabled=false", *(ASYNC + ("policy.precision=bfloat16",) if mode == "async" else ()))
     metrics = [m for m in run_grpo(tmp_path, 2, ROOT / "configs" / "grpo_math_tiny_spec.yaml", extra)
                if m["step"] > 0]
     assert [m["step"] for m in metrics] == [1, 2]

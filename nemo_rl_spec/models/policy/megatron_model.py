@@ -261,7 +261,7 @@ def full_param_state(model: torch.nn.Module, names=None) -> dict[str, torch.Tens
 
 @torch.no_grad()
 def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """HF-named CPU copies of the full trunk weights in the parameters' dtype (fp32 on CPU; bf16 stays bf16 on GPU, no
+    """HF-named CPU copies of the full trunk weights in the parameters' dtype (fp32 or bf16: no
     fp32 round trip), gathered over TP (a collective), always including ``lm_head.weight`` (MTP weights are not part
     of the HF Llama/Qwen3 layout and are left out). CPU because the refit transport is Ray's object store."""
     trunk = full_param_state(model, lambda name: not name.startswith(MTP_PREFIX))

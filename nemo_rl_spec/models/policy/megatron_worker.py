@@ -61,7 +61,13 @@ backward, with its own optimizer (``speculative/online.py``; gradients summed ov
 ``policy.train_global_batch_size`` rows and calls it once per mini-batch. The learning rate follows
 ``megatron_cfg.scheduler`` (megatron-core's ``OptimizerParamScheduler``: linear warmup, constant / linear / cosine
 decay to ``optimizer.min_lr``; constant ``optimizer.lr`` without the section), stepped once per optimizer step, the
-MTP block's AdamW at the same lr, saved and restored with checkpoints. ``precision`` must be float32 on CPU.
+MTP block's AdamW at the same lr, saved and restored with checkpoints.
+
+Precision (``precision``; docs/precision.md): float32, or bfloat16 with Megatron's own mixed precision on CPU as on
+GPU (``Float16OptimizerWithFloat16Params`` / the distributed optimizer: bf16 parameters, fp32 ``main_grad`` in the DDP
+buffer, fp32 master weights and Adam state; log-probs, losses and the KL in fp32 from ``logits.float()``). The MTP
+block's AdamW keeps its own fp32 masters (:mod:`~.mixed_precision`); the online EAGLE-3 head trains in fp32 on
+activations cast up. Checkpoints hold the masters, so a resume is exact; exports cast once to the dtype asked.
 """
 from __future__ import annotations
 
