@@ -114,3 +114,17 @@ def train_data_from_generation(setup, gen: dict, step: int) -> dict:
             "sample_mask": torch.ones(ids.shape[0]), "advantages": adv, "generation_logprobs": gen["generation_logprobs"]}
     data["prev_logprobs"] = setup.policy.get_logprobs(data, setup.cfg.policy.generation.temperature)
     return data
+
+
+def random_token_batch(lengths: list[int], seq: int, seed: int, response_start: int = 3) -> dict:
+    """Random sequences for policy tests: ``input_ids`` [B, seq] (ids 1..vocab-1, 0 after each length),
+    ``input_lengths`` [B], ``token_mask`` [B, seq] (1 from ``response_start`` to the length), and the generator
+    (seeded with ``seed``, already used for the ids) for the caller's further draws."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = len(lengths)
+    ids = torch.randint(1, TINY_DIMS["vocab_size"], (rows, seq), generator=gen)
+    token_mask = torch.zeros(rows, seq)
+    for b, n in enumerate(lengths):
+        ids[b, n:] = 0
+        token_mask[b, response_start:n] = 1.0
+    return {"input_ids": ids, "input_lengths": torch.tensor(lengths), "token_mask": token_mask, "generator": gen}

@@ -3,8 +3,11 @@
 Each run is ``examples/run_grpo.py`` with ``policy.precision=bfloat16`` on a tiny recipe, several features packed into
 one start-up, and the scripted reward (loop_training_checks.TRAINS) so every step trains:
 
-- ``mtp_drafter_occ_tp2_distopt`` (CI): the MTP drafter (vLLM ``method: mtp``, refit with the policy) with OCC
-  co-training of the MTP layer on fp32 masters, Megatron TP=2 and the distributed optimizer;
+- ``mtp_drafter_occ`` (CI): the MTP drafter (vLLM ``method: mtp``, refit with the policy) with OCC co-training of
+  the MTP layer on fp32 masters (tiny-llama: one KV head, so no TP here);
+- ``dp2_distopt`` (slow tier): DP=2 with the distributed optimizer (sharded fp32 masters), two engines, the online
+  EAGLE-3 draft and Pilot-Commit (configs/grpo_math_tiny_dp2.yaml);
+- ``tp2`` (slow tier): the same recipe with Megatron TP=2 (DP=1);
 - ``dp2_async_split`` (slow tier): DP=2 policy, two engines on split placement, async GRPO.
 Pilot-Commit, async GRPO and the online EAGLE-3 draft run in bf16 in CI through
 test_pilot_commit_loop.py's async variant; the worker-level DP=2 / distributed optimizer / resume / refit checks are
@@ -33,9 +36,9 @@ COMMON = ("policy.precision=bfloat16", "grpo.max_num_steps=2", "grpo.val_at_star
           "data.validation.max_samples=2", "logger.progress_bar=false", "logger.tensorboard_enabled=false",
           "checkpointing.save_period=2", *TRAINS)
 RUNS = {
-    "mtp_drafter_occ_tp2_distopt": (CONFIGS / "grpo_math_tiny_mtp_spec.yaml", (
-        "policy.megatron_cfg.mtp_loss_mode=occ", "policy.megatron_cfg.tensor_model_parallel_size=2",
-        "policy.megatron_cfg.optimizer.use_distributed_optimizer=true")),
+    "mtp_drafter_occ": (CONFIGS / "grpo_math_tiny_mtp_spec.yaml", ("policy.megatron_cfg.mtp_loss_mode=occ",)),
+    "dp2_distopt": (CONFIGS / "grpo_math_tiny_dp2.yaml", ("policy.megatron_cfg.optimizer.use_distributed_optimizer=true",)),
+    "tp2": (CONFIGS / "grpo_math_tiny_dp2.yaml", ("policy.megatron_cfg.tensor_model_parallel_size=2",)),
     "dp2_async_split": (CONFIGS / "grpo_math_tiny_dp2_async.yaml", ()),
 }
 
@@ -68,15 +71,31 @@ def _check_checkpoint(ckpt: Path, tp: int) -> None:
         assert saved["adam"] and all(e["master"].dtype == torch.float32 for e in saved["adam"].values())
 
 
-@pytest.mark.timeout(1200)
-def test_mtp_drafter_occ_tp2_distributed_optimizer_in_bf16(tmp_path):
-    metrics, stdout = _run(tmp_path, "mtp_drafter_occ_tp2_distopt")
-    _check_steps(metrics, stdout)
+def _check_drafts(metrics: list[dict]) -> None:
     for m in metrics:
-        assert m["mtp/lambda"] >= 0.0 and m["mtp/grad_norm"] > 0.0 and 0.0 <= m["mtp/acceptance"] <= 1.0, m
         assert m["refit/draft_version"] == m["refit/weight_version"] == m["step"]
         assert m["vllm/spec_num_drafts"] > 0 and m["vllm/spec_acceptance_length"] >= 1.0, m
-    _check_checkpoint(tmp_path / "ckpt", tp=2)
+
+
+@pytest.mark.timeout(1200)
+def test_mtp_drafter_with_occ_in_bf16(tmp_path):
+    metrics, stdout = _run(tmp_path, "mtp_drafter_occ")
+    _check_steps(metrics, stdout)
+    _check_drafts(metrics)
+    for m in metrics:
+        assert m["mtp/lambda"] >= 0.0 and m["mtp/grad_norm"] > 0.0 and 0.0 <= m["mtp/acceptance"] <= 1.0, m
+    _check_checkpoint(tmp_path / "ckpt", tp=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name, tp", [("dp2_distopt", 1), ("tp2", 2)])
+def test_two_workers_eagle3_pilot_commit_in_bf16(tmp_path, name, tp):
+    metrics, stdout = _run(tmp_path, name)
+    _check_steps(metrics, stdout)
+    _check_drafts(metrics)
+    assert all(m["pilot_commit/commit_rollouts"] == m["pilot_commit/committed"] * 2 for m in metrics)
+    _check_checkpoint(tmp_path / "ckpt", tp=tp)
 
 
 @pytest.mark.slow

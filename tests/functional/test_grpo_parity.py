@@ -50,15 +50,10 @@ def _cfg(scheduler: dict | None = None, mtp: bool = False, **optimizer) -> Polic
 
 def _rollouts(rows: int = 16, seq: int = 12, seed: int = 7) -> dict:
     """``rows`` random sequences (lengths 12 - (b % 5)), response from position 3, advantages ~ N(0, 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([seq - b % 5 for b in range(rows)])
-    ids = torch.randint(1, fm.TINY_DIMS["vocab_size"], (rows, seq), generator=gen)
-    token_mask = torch.zeros(rows, seq)
-    for b, n in enumerate(lengths.tolist()):
-        ids[b, n:] = 0
-        token_mask[b, 3:n] = 1.0
-    return dict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=torch.ones(rows),
-                advantages=torch.randn(rows, generator=gen), generation_logprobs=torch.zeros(rows, seq))
+    data = fm.random_token_batch([seq - b % 5 for b in range(rows)], seq, seed)
+    gen = data.pop("generator")
+    return {**data, "sample_mask": torch.ones(rows), "advantages": torch.randn(rows, generator=gen),
+            "generation_logprobs": torch.zeros(rows, seq)}
 
 
 def _rows(data: dict, start: int, stop: int) -> dict:

@@ -40,15 +40,10 @@ def pg_loss(curr_logprobs, mb, global_valid_toks, global_valid_seqs):
 
 
 def _batch(seed: int = 0, rows: int = 5, seq: int = 14) -> dict:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([14, 9, 12, 5, 14][:rows])
-    ids = torch.randint(1, fm.TINY_DIMS["vocab_size"], (rows, seq), generator=gen)
-    token_mask = torch.zeros(rows, seq)
-    for b, n in enumerate(lengths.tolist()):
-        ids[b, n:] = 0
-        token_mask[b, 3:n] = 1.0
-    return dict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=torch.ones(rows),
-                advantages=torch.randn(rows, generator=gen), prev_logprobs=torch.zeros(rows, seq))
+    data = fm.random_token_batch([14, 9, 12, 5, 14][:rows], seq, seed)
+    gen = data.pop("generator")
+    return {**data, "sample_mask": torch.ones(rows), "advantages": torch.randn(rows, generator=gen),
+            "prev_logprobs": torch.zeros(rows, seq)}
 
 
 def _cfg(precision: str, lr: float = 1e-2, mtp: bool = False) -> PolicyConfig:
