@@ -21,13 +21,13 @@ CPUINFO = Path("/proc/cpuinfo")
 
 #: (trainer dtype, engine dtype) -> refit probe tolerance in nats (mean |logp_engine - logp_trainer| over the probe's
 #: tokens). fp32/fp32 is the threshold the project has always used (measured mismatches ~1e-5 on CPU). A pair with
-#: bf16 gets ~3x the largest mismatch measured (0.0634 nats, SmolLM2-135M, bf16/bf16; docs/precision.md, "Refit
-#: tolerance"); a stale layer moves the probe by far more.
+#: bf16 gets ~3x the largest mismatch measured (0.0798 nats, SmolLM2-135M, bf16/bf16, over 3 seeds x 10 steps of the
+#: default recipe; docs/precision.md, "Refit tolerance"); a stale layer moves the probe by far more.
 REFIT_TOLERANCE: dict[tuple[str, str], float] = {
     ("float32", "float32"): 1.0e-3,
-    ("bfloat16", "bfloat16"): 0.2,
-    ("float32", "bfloat16"): 0.2,
-    ("bfloat16", "float32"): 0.2,
+    ("bfloat16", "bfloat16"): 0.25,
+    ("float32", "bfloat16"): 0.25,
+    ("bfloat16", "float32"): 0.25,
 }
 
 

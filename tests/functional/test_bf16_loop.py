@@ -83,7 +83,8 @@ def test_mtp_drafter_with_occ_in_bf16(tmp_path):
     _check_steps(metrics, stdout)
     _check_drafts(metrics)
     for m in metrics:
-        assert m["mtp/lambda"] >= 0.0 and m["mtp/grad_norm"] > 0.0 and 0.0 <= m["mtp/acceptance"] <= 1.0, m
+        assert m["train/mtp/lambda"] >= 0.0 and m["train/mtp/grad_norm"] > 0.0, m
+        assert 0.0 <= m["train/mtp/acceptance"] <= 1.0, m
     _check_checkpoint(tmp_path / "ckpt", tp=1)
 
 
