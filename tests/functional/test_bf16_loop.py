@@ -11,7 +11,7 @@ one start-up, and the scripted reward (loop_training_checks.TRAINS) so every ste
 - ``dp2_async_split`` (slow tier): DP=2 policy, two engines on split placement, async GRPO.
 Pilot-Commit, async GRPO and the online EAGLE-3 draft run in bf16 in CI through
 test_pilot_commit_loop.py's async variant; the worker-level DP=2 / distributed optimizer / resume / refit checks are
-test_precision.py and test_megatron_parallel.py.
+test_bf16_training.py and test_megatron_parallel.py.
 
 Per run: every step finite, trains, its refit probe between fp32's level (1e-4: a bf16 engine really runs) and the
 bf16 tolerance (``refit/logprob_mismatch`` above it would have stopped the run), and the feature's own metrics.
