@@ -27,8 +27,9 @@ def _leaves(tree, prefix=""):
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_shipped_recipe_validates(path):
     """Every value the recipe (with its defaults chain) writes survives validation unchanged: read back from the
-    validated model, key by key, it equals the merged YAML's (a key dropped, renamed or coerced fails here). The one
-    rewrite expected: a relative file path (step_costs) is resolved against the repository root."""
+    validated model, key by key, it equals the merged YAML's (a key dropped, renamed or coerced fails here). The
+    rewrites expected: a relative file path (step_costs) is resolved against the repository root, and
+    ``policy.precision: auto`` becomes the dtype chosen for this machine."""
     from omegaconf import OmegaConf
 
     written = _leaves(OmegaConf.to_container(load_yaml_with_defaults(path), resolve=True))
@@ -36,6 +37,10 @@ def test_every_shipped_recipe_validates(path):
     dumped = _leaves(load_config(path).model_dump(mode="json"))
     assert written, path
     resolved = {k: str(CONFIGS.parent / v) for k, v in written.items() if k.endswith(".step_costs") and v}
+    if written.get("policy.precision") == "auto":  # resolved for this machine (utils/precision.py)
+        from nemo_rl_spec.utils.precision import choose_precision
+
+        resolved["policy.precision"] = choose_precision("auto", written["cluster.gpus_per_node"] > 0)[0]
     changed = {k: (v, dumped.get(k, "<missing>")) for k, v in written.items()
                if dumped.get(k, "<missing>") != resolved.get(k, v)}
     assert not changed, f"{path.name}: YAML value -> validated value: {changed}"
