@@ -16,7 +16,7 @@ import torch
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
 from nemo_rl_spec.algorithms.interfaces import RolloutAllocator
 from nemo_rl_spec.algorithms.refit import WeightRefitter
-from nemo_rl_spec.algorithms.rollout_allocation import build_rollout_allocator
+from nemo_rl_spec.algorithms.rollout_allocation import build_rollout_allocator, difficulty_bucket
 from nemo_rl_spec.data import hub_datasets
 from nemo_rl_spec.data.datasets import load_gsm8k_original, load_train_problems
 from nemo_rl_spec.data.prompts import format_prompt
@@ -272,7 +272,8 @@ def _start_controllers(cfg: MasterConfig, model_path: str, plan: PlacementPlan, 
     policy = Policy(cluster, plan.policy_nodes, cfg.policy, ClippedPGLossFn(cfg.loss_fn.model_dump()), model_path,
                     cfg.grpo.seed, num_cpus=plan.policy_num_cpus, num_gpus=plan.policy_num_gpus,
                     env_vars=_policy_env(cfg), rank_env=lambda r: plan.visible_devices_env("policy", r),
-                    init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
+                    init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
+                    block=False)  # the engines start while the policy workers import and build (2 cores: ~10 s)
     draft = enabled_draft(cfg)
     try:
         generation = VllmGeneration(cluster, plan.engine_nodes, cfg.policy.generation,
@@ -284,18 +285,30 @@ def _start_controllers(cfg: MasterConfig, model_path: str, plan: PlacementPlan, 
     except BaseException:
         policy.shutdown()
         raise
+    try:
+        policy.wait_ready()
+    except BaseException:
+        generation.shutdown()
+        raise
     workers = Workers(cluster, plan, policy, generation)
     for line in workers.placement_lines():
         print(line, flush=True)
     return workers
 
 
-def build_allocator(cfg: MasterConfig, pool_size: int) -> RolloutAllocator:
-    """Uniform GRPO, DAPO dynamic sampling or Pilot-Commit over prompt ids ``0..pool_size-1``, per config."""
+def build_allocator(cfg: MasterConfig, pool_size: int, problems: list[dict] | None = None) -> RolloutAllocator:
+    """Uniform GRPO, DAPO dynamic sampling or Pilot-Commit over prompt ids ``0..pool_size-1``, per config.
+
+    ``problems`` (the training pool, indexed by prompt id) gives the allocator each prompt's
+    :func:`~nemo_rl_spec.algorithms.rollout_allocation.difficulty_bucket`, logged per step as
+    ``rollout_alloc/trained_bucket/*``; without it only the bucket metrics are missing."""
     g = cfg.grpo
-    return build_rollout_allocator(range(pool_size), num_prompts_per_step=g.num_prompts_per_step,
-                                   num_generations_per_prompt=g.num_generations_per_prompt, seed=g.seed,
-                                   pilot_commit=g.pilot_commit, dynamic_sampling=g.dynamic_sampling)
+    alloc = build_rollout_allocator(range(pool_size), num_prompts_per_step=g.num_prompts_per_step,
+                                    num_generations_per_prompt=g.num_generations_per_prompt, seed=g.seed,
+                                    pilot_commit=g.pilot_commit, dynamic_sampling=g.dynamic_sampling)
+    if problems is not None and hasattr(alloc, "set_prompt_buckets"):
+        alloc.set_prompt_buckets([difficulty_bucket(p) for p in problems[:pool_size]])
+    return alloc
 
 
 def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], PlacementPlan]:
@@ -337,7 +350,7 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
     s = GRPOSetup(
         cfg=cfg, policy=policy, generation=generation, refitter=None, tokenizer=tokenizer, workers=workers,
         env=build_environment(cfg.env),
-        train_problems=train, allocator=build_allocator(cfg, len(train)),
+        train_problems=train, allocator=build_allocator(cfg, len(train), train),
         val_problems=val, val_prompt_ids=[], logger=Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled,
                                                               console=True),
         checkpoints=CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_top_k,

@@ -21,10 +21,22 @@ Metrics every allocator reports per step (``rollout_alloc/``):
         and their share of all rollouts generated so far (1 - wasted share).
     epoch, epochs_completed (epochs whose every prompt was handed out; ``grpo.max_num_epochs`` stops on it),
     max_policy_lag (max over train rollouts of the newest version seen this step minus the rollout's).
+
+Which prompts were trained on (every allocator, ``rollout_alloc/``), so that over-focus on a narrow slice of the
+pool is visible:
+    trained_prompts: distinct prompts in this step's train batch.
+    trained_times_seen_mean, trained_times_seen_max: over this step's trained prompts, the number of steps (this one
+        included) on which the prompt was in a train batch so far.
+    trained_unique_frac: distinct prompts ever trained / train groups so far (1.0: no prompt trained twice).
+    trained_group_reward_mean: mean reward over the train batch's rollouts (0.0 if none).
+    trained_bucket/<b>: train groups of difficulty bucket ``b`` this step, for every bucket of the pool, when the
+        driver gave the allocator the pool's buckets (:meth:`AllocatorBase.set_prompt_buckets`, e.g.
+        :func:`difficulty_bucket` of each problem: ``terms_3`` for a 3-term chain sum).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import re
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -60,6 +72,24 @@ def requests_by_n(requests: list[RolloutRequest]) -> dict[int, list[int]]:
     for i, req in enumerate(requests):
         out.setdefault(req.n, []).append(i)
     return out
+
+
+def difficulty_bucket(problem: Mapping[str, Any]) -> str:
+    """Difficulty bucket of one training problem, for the ``rollout_alloc/trained_bucket/*`` metrics.
+
+    Rule: the problem's own ``difficulty`` field if it has one (``str(value)``); else for a reasoning-gym
+    ``chain_sum`` problem ``terms_<n>``, n = the number of integers in the expression (the text after the last
+    ``:`` of the question, e.g. "... problem: 0 - 4 - 8 =" -> ``terms_3``); else the generator name (``source``
+    up to its first ``:``), or ``unknown``.
+    """
+    if "difficulty" in problem:
+        return str(problem["difficulty"])
+    source = str(problem.get("source", "unknown"))
+    name = source.split(":", 1)[0] or "unknown"
+    if name == "chain_sum" and "question" in problem:
+        expr = str(problem["question"]).rsplit(":", 1)[-1]
+        return f"terms_{len(re.findall(r'[0-9]+', expr))}"
+    return name
 
 
 class PromptStream:
@@ -178,6 +208,40 @@ class AllocatorBase(RolloutAllocator):
         self._cum = {"rollouts": 0, "useful_rollouts": 0}
         self._step_rollouts = 0
         self._step_max_version: int | None = None
+        self._times_trained: dict[int, int] = {}   # prompt -> steps it was in a train batch
+        self._train_groups_total = 0
+        self._buckets: dict[int, str] | None = None
+
+    def set_prompt_buckets(self, buckets: Sequence[str] | Mapping[int, str]) -> None:
+        """Difficulty bucket of every prompt (a sequence indexed by prompt id, or a mapping) for the
+        ``rollout_alloc/trained_bucket/<b>`` metrics; each step then reports a count for every bucket of the pool
+        (0 included). Prompts missing from a mapping count as ``unknown``."""
+        items = buckets.items() if isinstance(buckets, Mapping) else enumerate(buckets)
+        self._buckets = {int(k): str(v) for k, v in items}
+
+    def _trained_prompt_metrics(self, groups: list[TrainGroup]) -> dict[str, float]:
+        """Update the times-trained counts with this step's groups and return the ``trained_*`` metrics."""
+        ids = sorted({g.prompt_id for g in groups})
+        for pid in ids:
+            self._times_trained[pid] = self._times_trained.get(pid, 0) + 1
+        self._train_groups_total += len(groups)
+        seen = [self._times_trained[pid] for pid in ids]
+        n_rows = sum(g.size for g in groups)
+        out = {
+            "rollout_alloc/trained_prompts": float(len(ids)),
+            "rollout_alloc/trained_times_seen_mean": sum(seen) / len(seen) if seen else 0.0,
+            "rollout_alloc/trained_times_seen_max": float(max(seen, default=0)),
+            "rollout_alloc/trained_unique_frac": len(self._times_trained) / max(self._train_groups_total, 1),
+            "rollout_alloc/trained_group_reward_mean": (sum(float(g.rewards.sum()) for g in groups) / n_rows
+                                                        if n_rows else 0.0),
+        }
+        if self._buckets is not None:
+            counts = {b: 0 for b in sorted(set(self._buckets.values()))}
+            for g in groups:
+                b = self._buckets.get(g.prompt_id, "unknown")
+                counts[b] = counts.get(b, 0) + 1
+            out.update({f"rollout_alloc/trained_bucket/{b}": float(c) for b, c in counts.items()})
+        return out
 
     def epochs_completed(self) -> int:
         """Epochs over the prompt pool fully handed out so far (:meth:`PromptStream.epochs_completed`)."""
@@ -254,6 +318,7 @@ class AllocatorBase(RolloutAllocator):
             "rollout_alloc/epoch": float(self.stream.epoch),
             "rollout_alloc/epochs_completed": float(self.stream.epochs_completed()),
             "rollout_alloc/max_policy_lag": float(max(lags, default=0)),
+            **self._trained_prompt_metrics(groups),
             **extra,
         }
         selection = TrainSelection(self._step, groups, metrics, exhausted=exhausted and not groups)
@@ -269,13 +334,17 @@ class AllocatorBase(RolloutAllocator):
 
     def _base_state(self) -> dict[str, Any]:
         self._check_between_steps()
-        return {"kind": self.kind, "step": self._step, "cum": dict(self._cum), "stream": self.stream.state_dict()}
+        return {"kind": self.kind, "step": self._step, "cum": dict(self._cum), "stream": self.stream.state_dict(),
+                "times_trained": dict(self._times_trained), "train_groups_total": self._train_groups_total}
 
     def _load_base_state(self, state: dict[str, Any]) -> None:
         if state.get("kind") != self.kind:
             raise ValueError(f"checkpoint is for allocator {state.get('kind')!r}, this is {self.kind!r}")
         self.stream.load_state_dict(state["stream"])
         self._step, self._cum = int(state["step"]), dict(state["cum"])
+        # absent in checkpoints written before the trained-prompt metrics: counts restart from 0
+        self._times_trained = {int(k): int(v) for k, v in state.get("times_trained", {}).items()}
+        self._train_groups_total = int(state.get("train_groups_total", 0))
         self._round, self._issued, self._step_rollouts, self._step_max_version = 0, None, 0, None
 
 

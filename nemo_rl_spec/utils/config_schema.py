@@ -105,12 +105,19 @@ class LossConfig(_Strict):
     ratio_clip_c: Optional[float] = Field(default=None, gt=1.0)  # dual clip bound; None: off
     sequence_level_importance_ratios: bool = False  # GSPO; needs token_level_loss=false
     use_on_policy_kl_approximation: bool = False
+    # Dr. GRPO constant normaliser (algorithms/loss/clipped_pg.py): "batch" divides the summed loss by the batch's
+    # valid tokens (sequences with token_level_loss=false); "constant" by loss_normalizer_constant
+    loss_normalizer: Literal["batch", "constant"] = "batch"
+    loss_normalizer_constant: Optional[PositiveFloat] = None
 
     @model_validator(mode="after")
     def _gspo_sequence_level(self) -> "LossConfig":
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise ValueError("loss_fn.sequence_level_importance_ratios=true (GSPO) needs loss_fn.token_level_loss="
                              "false (the sequence-level objective)")
+        if self.loss_normalizer == "constant" and self.loss_normalizer_constant is None:
+            raise ValueError("loss_fn.loss_normalizer=constant needs loss_fn.loss_normalizer_constant (tokens, or "
+                             "sequences with token_level_loss=false; e.g. train_global_batch_size x max_new_tokens)")
         return self
 
 

@@ -17,6 +17,13 @@ Per valid token t of sequence b (valid: ``token_mask[b, t] * sample_mask[b] == 1
     token_level_loss=True :  loss = sum_{b,t valid} per_tok / global_valid_toks
     token_level_loss=False:  loss = sum_{b: sample_mask=1} mean_{t valid in b} per_tok / global_valid_seqs
 
+    loss_normalizer="constant" (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training", sec. 3.1; verl's
+    loss_agg_mode "seq-mean-token-sum-norm"): the denominator global_valid_toks (token level) or global_valid_seqs
+    (sequence level) is replaced by the fixed loss_normalizer_constant C, e.g. the nominal batch's tokens
+    (train_global_batch_size x max_new_tokens). Then a batch with fewer rows or fewer valid tokens contributes a
+    proportionally smaller gradient, instead of the same-sized step the batch mean gives it; groups with zero
+    advantage no longer dilute the others. The metrics ``probs_ratio`` etc. keep the batch-mean normalisation.
+
 References: clipped surrogate, PPO (Schulman et al. 2017, eq. 7), with GRPO's per-sequence advantage
 (Shao et al. 2024); asymmetric clip range ("clip-higher", DAPO, Yu et al. 2025); k3 KL estimator
 (Schulman 2020, "Approximating KL Divergence"; GRPO eq. 4); truncated importance sampling for the
@@ -42,7 +49,8 @@ _CFG_KEYS = (
 )
 # optional keys (NeMo-RL parity, issue 18) and their value when absent
 _OPTIONAL_KEYS = {"ratio_clip_c": None, "sequence_level_importance_ratios": False,
-                  "use_on_policy_kl_approximation": False}
+                  "use_on_policy_kl_approximation": False, "loss_normalizer": "batch", "loss_normalizer_constant": None}
+LOSS_NORMALIZERS = ("batch", "constant")
 
 
 def _divide(numerator: torch.Tensor, normalizer: torch.Tensor | float) -> torch.Tensor:
@@ -65,12 +73,15 @@ class ClippedPGLossFn:
         cfg: the ``loss_fn`` config section with exactly the keys ratio_clip_min, ratio_clip_max,
             token_level_loss, reference_policy_kl_penalty, reference_policy_kl_type ("k3"),
             use_importance_sampling_correction, truncated_importance_sampling_ratio (None or > 0); optionally
-            ratio_clip_c (None or > 1), sequence_level_importance_ratios, use_on_policy_kl_approximation.
+            ratio_clip_c (None or > 1), sequence_level_importance_ratios, use_on_policy_kl_approximation,
+            loss_normalizer ("batch", default: divide by the global valid tokens / sequences; "constant": divide by
+            loss_normalizer_constant, a positive number of tokens / sequences).
 
     Raises:
         KeyError: a config key is missing.
         ValueError: unsupported KL type, negative clip/penalty, a non-positive truncation ratio, ratio_clip_c <= 1,
-            or sequence-level ratios with ``token_level_loss``.
+            or sequence-level ratios with ``token_level_loss``, an unknown ``loss_normalizer``, or
+            ``loss_normalizer: constant`` without a positive ``loss_normalizer_constant``.
     """
 
     def __init__(self, cfg: dict):
@@ -100,6 +111,14 @@ class ClippedPGLossFn:
         if self.sequence_level and self.token_level_loss:
             raise ValueError("loss_fn.sequence_level_importance_ratios=true (GSPO) needs loss_fn.token_level_loss="
                              "false (the sequence-level objective)")
+        self.loss_normalizer = str(opt["loss_normalizer"])
+        const = opt["loss_normalizer_constant"]
+        self.loss_normalizer_constant = None if const is None else float(const)
+        if self.loss_normalizer not in LOSS_NORMALIZERS:
+            raise ValueError(f"loss_fn.loss_normalizer must be one of {LOSS_NORMALIZERS}, got {self.loss_normalizer!r}")
+        if self.loss_normalizer == "constant" and not (self.loss_normalizer_constant or 0) > 0:
+            raise ValueError("loss_fn.loss_normalizer=constant needs loss_fn.loss_normalizer_constant > 0 (tokens, or "
+                             "sequences with token_level_loss=false; e.g. train_global_batch_size x max_new_tokens)")
 
     def __call__(
         self,
@@ -157,7 +176,12 @@ class ClippedPGLossFn:
                 weight = _masked_exp((curr_logprobs - mb_data["generation_logprobs"]).detach(), mask)
                 kl = kl * weight.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
-        loss = self._reduce(is_weight * pg + kl, mask, token_mask, sample_mask, global_valid_toks, global_valid_seqs)
+        if self.loss_normalizer == "constant":
+            loss = self._reduce(is_weight * pg + kl, mask, token_mask, sample_mask, self.loss_normalizer_constant,
+                                self.loss_normalizer_constant)
+        else:
+            loss = self._reduce(is_weight * pg + kl, mask, token_mask, sample_mask, global_valid_toks,
+                                global_valid_seqs)
         with torch.no_grad():
             outside = ((ratio < 1.0 - self.ratio_clip_min) | (ratio > 1.0 + self.ratio_clip_max)).to(mask.dtype)
             metrics = {

@@ -1,0 +1,151 @@
+"""Issue 32 diagnostics: which prompts were trained on (``rollout_alloc/trained_*`` metrics, difficulty buckets) and
+the constant loss normaliser (Dr. GRPO) of ClippedPGLossFn, against hand computations."""
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from nemo_rl_spec.algorithms.interfaces import Stage, TrainGroup
+from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
+from nemo_rl_spec.algorithms.pilot_commit import PilotCommitAllocator
+from nemo_rl_spec.algorithms.rollout_allocation import UniformAllocator, difficulty_bucket
+from nemo_rl_spec.utils.config_schema import LossConfig
+from nemo_rl_spec.utils.feature_configs import PilotCommitConfig
+
+LOSS_CFG = dict(ratio_clip_min=0.2, ratio_clip_max=0.2, token_level_loss=True, reference_policy_kl_penalty=0.0,
+                reference_policy_kl_type="k3", use_importance_sampling_correction=False,
+                truncated_importance_sampling_ratio=None)
+
+
+def _generate(p_of, version=0):
+    """Rewards [1, 0, 1, 0, ...] for p 0.5, all 1 for 1.0, all 0 for 0.0."""
+    def gen(requests):
+        out = []
+        for r in requests:
+            p = p_of[r.prompt_id]
+            rewards = [float(i % 2 == 0) for i in range(r.n)] if p == 0.5 else [p] * r.n
+            out.append(r.result(rewards, version))
+        return out
+    return gen
+
+
+# ----------------------------------------------------------------------------------------- trained prompts
+def test_difficulty_bucket_rules():
+    q = "State the final answer to the following arithmetic problem: 0 - 4 - 8 ="
+    assert difficulty_bucket({"question": q, "source": "chain_sum:min_terms=2,max_terms=4"}) == "terms_3"
+    assert difficulty_bucket({"question": "problem: 12 + 3 =", "source": "chain_sum"}) == "terms_2"
+    assert difficulty_bucket({"question": "x", "source": "basic_arithmetic:min_terms=2"}) == "basic_arithmetic"
+    assert difficulty_bucket({"question": "x", "source": "chain_sum", "difficulty": 3}) == "3"
+    assert difficulty_bucket({"question": "x"}) == "unknown"
+
+
+def test_uniform_trained_prompt_metrics_by_hand():
+    # pool of 3, 2 prompts a step, id order: steps train [0,1], [2], [0,1], [2]
+    alloc = UniformAllocator(range(3), num_prompts_per_step=2, num_generations_per_prompt=2, shuffle=False)
+    alloc.set_prompt_buckets(["terms_2", "terms_3", "terms_2"])
+    gen = _generate({0: 0.5, 1: 1.0, 2: 0.0})
+    m = [alloc.step(gen).metrics for _ in range(4)]
+    pre = "rollout_alloc/"
+    assert [x[pre + "trained_prompts"] for x in m] == [2, 1, 2, 1]
+    assert [x[pre + "trained_times_seen_mean"] for x in m] == [1, 1, 2, 2]
+    assert [x[pre + "trained_times_seen_max"] for x in m] == [1, 1, 2, 2]
+    # distinct prompts ever trained / train groups so far: 2/2, 3/3, 3/5, 3/6
+    assert [x[pre + "trained_unique_frac"] for x in m] == pytest.approx([1, 1, 3 / 5, 3 / 6])
+    # rewards: prompt 0 [1, 0], prompt 1 [1, 1] -> 3/4; prompt 2 [0, 0] -> 0
+    assert [x[pre + "trained_group_reward_mean"] for x in m] == pytest.approx([0.75, 0.0, 0.75, 0.0])
+    # every bucket of the pool reported each step, 0 included
+    assert [(x[pre + "trained_bucket/terms_2"], x[pre + "trained_bucket/terms_3"]) for x in m] == \
+        [(1, 1), (1, 0), (1, 1), (1, 0)]
+
+
+def test_trained_prompt_counts_survive_resume_and_cover_pilot_commit():
+    cfg = PilotCommitConfig(n_pilot=2, n_commit=2, pilot_batch_size=4, rollout_budget_per_step=12, p_lower=0.1,
+                            p_upper=0.9, bind_pilot_to_commit=False)
+    p_of = {i: 0.5 for i in range(4)}     # every prompt selected; 2 commit slots: (12 - 8) // 2
+    a = PilotCommitAllocator(range(4), cfg, shuffle=False)
+    a.set_prompt_buckets({0: "a", 1: "a", 2: "b", 3: "b"})
+    s0 = a.step(_generate(p_of))
+    assert [g.prompt_id for g in s0.groups] == [0, 1]
+    assert s0.metrics["rollout_alloc/trained_bucket/a"] == 2 and s0.metrics["rollout_alloc/trained_bucket/b"] == 0
+    state = a.state_dict()
+    b = PilotCommitAllocator(range(4), cfg, shuffle=False)
+    b.load_state_dict(state)
+    b.set_prompt_buckets({0: "a", 1: "a", 2: "b", 3: "b"})
+    s1a, s1b = a.step(_generate(p_of)), b.step(_generate(p_of))
+    assert s1a.metrics == s1b.metrics
+    # step 1 trains [0, 1] (fresh pilot of the next epoch) or buffered 2, 3: either way the counts continue
+    assert s1a.metrics["rollout_alloc/trained_unique_frac"] == pytest.approx(
+        len({g.prompt_id for g in s0.groups + s1a.groups}) / 4)
+    del state["times_trained"], state["train_groups_total"]   # a checkpoint written before these metrics loads
+    PilotCommitAllocator(range(4), cfg, shuffle=False).load_state_dict(state)
+
+
+def test_empty_step_reports_zeros():
+    a = UniformAllocator(range(2), 2, 2, shuffle=False)
+    m = a._trained_prompt_metrics([])
+    assert m["rollout_alloc/trained_prompts"] == 0 and m["rollout_alloc/trained_times_seen_mean"] == 0.0
+    assert m["rollout_alloc/trained_group_reward_mean"] == 0.0
+    g = TrainGroup(1, _generate({1: 0.5})([a._request(1, 2, Stage.GROUP, 0)]))
+    assert a._trained_prompt_metrics([g])["rollout_alloc/trained_unique_frac"] == 1.0
+
+
+# ----------------------------------------------------------------------------------------- loss normaliser
+def _batch():
+    """2 rows, on-policy (ratio 1, no clipping): per-token pg = -A. Row 0: A=+1, 3 valid tokens; row 1: A=-2, 1
+    valid token. Sum over valid tokens of pg = -3 + 2 = -1; d sum / d curr = -A on valid tokens."""
+    prev = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, 0.0, 0.0, 0.0]])
+    curr = prev.clone().requires_grad_(True)
+    data = dict(prev_logprobs=prev, token_mask=torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]]),
+                sample_mask=torch.ones(2), advantages=torch.tensor([1.0, -2.0]))
+    return curr, data
+
+
+def test_constant_normaliser_divides_by_the_constant_not_the_batch_tokens():
+    curr, data = _batch()
+    batch_loss, _ = ClippedPGLossFn(LOSS_CFG)(curr, data, torch.tensor(4.0), torch.tensor(2.0))
+    assert float(batch_loss.detach()) == pytest.approx(-1 / 4)          # today's batch mean: sum / 4 valid tokens
+    const = ClippedPGLossFn({**LOSS_CFG, "loss_normalizer": "constant", "loss_normalizer_constant": 64.0})
+    loss, metrics = const(curr, data, torch.tensor(4.0), torch.tensor(2.0))
+    assert float(loss) == pytest.approx(-1 / 64)               # sum / C, whatever the batch's token count
+    loss.backward()
+    expected = torch.tensor([[-1.0, -1.0, -1.0, 0.0], [2.0, 0.0, 0.0, 0.0]]) / 64
+    torch.testing.assert_close(curr.grad, expected, rtol=0, atol=1e-7)
+    assert metrics["probs_ratio"] == pytest.approx(1.0)        # metrics keep the batch normalisation
+
+
+def test_constant_normaliser_gradient_scales_with_batch_size_batch_mean_does_not():
+    """The issue-32 property: twice the informative rows -> twice the gradient on a shared parameter with the
+    constant normaliser; the batch mean gives the half batch the same gradient as the full one (so a step with one
+    or two groups moves the policy as far as a full batch). Fails on the old, batch-only behaviour."""
+    def shared_grad(cfg, copies):
+        curr, data = _batch()
+        data = {k: torch.cat([v] * copies) for k, v in data.items()}
+        theta = torch.zeros((), requires_grad=True)          # a parameter every token's log-prob depends on
+        curr = data["prev_logprobs"] + theta
+        loss, _ = ClippedPGLossFn(cfg)(curr, data, data["token_mask"].sum(), torch.tensor(2.0 * copies))
+        loss.backward()
+        return float(theta.grad)
+    const = {**LOSS_CFG, "loss_normalizer": "constant", "loss_normalizer_constant": 40.0}
+    # d loss / d theta = sum over valid tokens of -A / normaliser: (-3 + 2) * copies / C, or (-1 * copies) / (4 copies)
+    assert shared_grad(const, 1) == pytest.approx(-1 / 40) and shared_grad(const, 2) == pytest.approx(-2 / 40)
+    assert shared_grad(LOSS_CFG, 1) == pytest.approx(-1 / 4) and shared_grad(LOSS_CFG, 2) == pytest.approx(-1 / 4)
+
+
+def test_constant_normaliser_sequence_level():
+    curr, data = _batch()
+    cfg = {**LOSS_CFG, "token_level_loss": False, "loss_normalizer": "constant", "loss_normalizer_constant": 8.0}
+    loss, _ = ClippedPGLossFn(cfg)(curr, data, torch.tensor(4.0), torch.tensor(2.0))
+    assert float(loss) == pytest.approx((-1.0 + 2.0) / 8)      # per-row token means -1 and +2, summed, / 8 rows
+
+
+def test_loss_normaliser_config_errors():
+    with pytest.raises(ValueError, match="loss_normalizer_constant"):
+        ClippedPGLossFn({**LOSS_CFG, "loss_normalizer": "constant"})
+    with pytest.raises(ValueError, match="loss_normalizer must be one of"):
+        ClippedPGLossFn({**LOSS_CFG, "loss_normalizer": "mean"})
+    with pytest.raises(ValidationError, match="loss_normalizer_constant"):
+        LossConfig(**LOSS_CFG, loss_normalizer="constant")
+    assert LossConfig(**LOSS_CFG).loss_normalizer == "batch"
+    assert LossConfig(**LOSS_CFG, loss_normalizer="constant", loss_normalizer_constant=3072).loss_normalizer_constant \
+        == 3072
