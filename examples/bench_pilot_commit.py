@@ -93,7 +93,34 @@ def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> di
             "mean_train_reward": mean("train/reward"),
             "cumulative_rollouts": [(int(r["step"]), r[CUM]) for r in steps if CUM in r],
             "useful_rollout_frac": steps[-1].get("rollout_alloc/useful_rollout_frac") if steps else None,
-            "log_dir": str(run_dir / "logs")}
+            **training_diagnostics(steps), "log_dir": str(run_dir / "logs")}
+
+
+def training_diagnostics(steps: list[dict]) -> dict:
+    """What a run trained on and how hard it pushed (issue 32), from its step records (step >= 1):
+    ``mean_train_rows`` / ``train_rows_curve`` (``rollout_alloc/train_rollouts``), ``mean_grad_norm`` /
+    ``max_grad_norm`` (``train/grad_norm``, before clipping), ``mean_trained_times_seen``, ``final_trained_unique_frac``
+    (distinct prompts / train groups over the run), ``trained_bucket_share`` (each difficulty bucket's share of the
+    train groups of the run, summed over steps), ``mean_train_group_reward``. A value is None when no step logged it
+    (e.g. runs from before the metric existed)."""
+    def mean(key):
+        vals = [r[key] for r in steps if key in r and r[key] == r[key]]   # NaN (no update) left out
+        return statistics.fmean(vals) if vals else None
+    rows = "rollout_alloc/train_rollouts"
+    buckets: dict[str, float] = {}
+    for r in steps:
+        for k, v in r.items():
+            if k.startswith("rollout_alloc/trained_bucket/"):
+                buckets[k.rsplit("/", 1)[1]] = buckets.get(k.rsplit("/", 1)[1], 0.0) + v
+    total = sum(buckets.values())
+    unique = [r["rollout_alloc/trained_unique_frac"] for r in steps if "rollout_alloc/trained_unique_frac" in r]
+    return {"mean_train_rows": mean(rows), "train_rows_curve": [(int(r["step"]), r[rows]) for r in steps if rows in r],
+            "mean_grad_norm": mean("train/grad_norm"),
+            "max_grad_norm": max((r["train/grad_norm"] for r in steps if "train/grad_norm" in r), default=None),
+            "mean_trained_times_seen": mean("rollout_alloc/trained_times_seen_mean"),
+            "final_trained_unique_frac": unique[-1] if unique else None,
+            "trained_bucket_share": {b: c / total for b, c in sorted(buckets.items())} if total else None,
+            "mean_train_group_reward": mean("rollout_alloc/trained_group_reward_mean")}
 
 
 def start_accuracies(runs: dict) -> list[float]:

@@ -149,3 +149,37 @@ def test_loss_normaliser_config_errors():
     assert LossConfig(**LOSS_CFG).loss_normalizer == "batch"
     assert LossConfig(**LOSS_CFG, loss_normalizer="constant", loss_normalizer_constant=3072).loss_normalizer_constant \
         == 3072
+
+
+# ----------------------------------------------------------------------------------------- ablation table
+def test_bench_training_diagnostics_and_ablation_table(tmp_path):
+    from examples_loader import load_example
+
+    bench, table = load_example("bench_pilot_commit"), load_example("pc_ablation_table")
+    steps = [{"step": 1, "rollout_alloc/train_rollouts": 40.0, "train/grad_norm": 2.0,
+              "rollout_alloc/trained_times_seen_mean": 1.0, "rollout_alloc/trained_unique_frac": 1.0,
+              "rollout_alloc/trained_bucket/terms_2": 3.0, "rollout_alloc/trained_bucket/terms_3": 1.0,
+              "rollout_alloc/trained_group_reward_mean": 0.5},
+             {"step": 2, "rollout_alloc/train_rollouts": 8.0, "train/grad_norm": 6.0,
+              "rollout_alloc/trained_times_seen_mean": 2.0, "rollout_alloc/trained_unique_frac": 0.8,
+              "rollout_alloc/trained_bucket/terms_2": 0.0, "rollout_alloc/trained_bucket/terms_3": 1.0,
+              "rollout_alloc/trained_group_reward_mean": 0.25}]
+    d = bench.training_diagnostics(steps)
+    assert d["mean_train_rows"] == 24 and d["mean_grad_norm"] == 4 and d["max_grad_norm"] == 6
+    assert d["mean_trained_times_seen"] == 1.5 and d["final_trained_unique_frac"] == 0.8
+    assert d["trained_bucket_share"] == {"terms_2": 0.6, "terms_3": 0.4} and d["mean_train_group_reward"] == 0.375
+    assert bench.training_diagnostics([{"step": 1}])["mean_grad_norm"] is None
+    # accuracy 0.3 (step 0), 0.7 (2), 0.8 (4), 0.6 (6): peak 0.8 at step 4, final 0.6, drop 0.2
+    run = {"curve": [[0, 0, 0.3], [2, 100, 0.7], [4, 200, 0.8], [6, 300, 0.6]],
+           "cumulative_rollouts": [[6, 300.0]], **d}
+    row = table.run_row(run)
+    assert row["final"] == 0.6 and row["peak"] == 0.8 and row["peak_step"] == 4
+    assert row["drop"] == pytest.approx(0.2) and row["rollouts"] == 300 and row["rows_per_step"] == 24
+    f = tmp_path / "abl.json"
+    f.write_text(__import__("json").dumps({"runs": {"pilot_commit": {"0": run, "1": {**run, "curve": run["curve"][:3]}}},
+                                           "meta": {"overrides": ["x=1"]}}))
+    s = table.summarize_file(f)["abl"]
+    assert s["seeds"]["1"]["drop"] == 0 and s["mean"]["final"]["mean"] == pytest.approx(0.7)
+    assert s["mean"]["drop"]["mean"] == pytest.approx(0.1) and s["overrides"] == ["x=1"]
+    md = table.markdown({"abl": s})
+    assert "| abl | 0.600 0.800 | 0.700" in md and "4.00 (6.0)" in md

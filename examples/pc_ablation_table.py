@@ -1,0 +1,93 @@
+"""Issue 32 ablation table: one row per Pilot-Commit ablation (and uniform GRPO), from the benchmark JSONs that
+``examples/bench_pilot_commit.py`` wrote, one file per ablation (``docs/pc_ablations/<name>.json``).
+
+``python examples/pc_ablation_table.py docs/pc_ablations/{uniform,baseline,constant_norm}.json
+[--out docs/pc_ablations/summary.json]``
+
+Per run (a method and seed of a file): final and peak validation accuracy, the peak-to-final drop (peak - final,
+>= 0), the step of the peak, cumulative rollouts at the end, train rows per step, grad norm before clipping (mean and
+max over steps), mean times seen of the trained prompts and the run's final distinct-prompt fraction. Per ablation:
+each of those per seed and their mean with a bootstrap 90% interval over seeds
+(:func:`nemo_rl_spec.utils.bench_runs.mean_and_interval`). Prints a markdown table; ``--out`` writes the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from nemo_rl_spec.utils.bench_runs import mean_and_interval
+
+FIELDS = ("final", "peak", "drop", "peak_step", "rollouts", "rows_per_step", "grad_norm", "grad_norm_max",
+          "times_seen", "unique_frac")
+
+
+def run_row(run: dict) -> dict:
+    """The :data:`FIELDS` of one run record of a bench JSON (``runs[method][seed]``); None where the record lacks
+    the data (no validation after step 0, or a run written before the diagnostics existed)."""
+    pts = [p for p in run.get("curve", []) if p[0] > 0]
+    final = pts[-1][2] if pts else None
+    peak_pt = max(pts, key=lambda p: (p[2], -p[0])) if pts else None   # earliest step at the peak accuracy
+    cum = run.get("cumulative_rollouts") or []
+    return {"final": final, "peak": peak_pt[2] if peak_pt else None,
+            "drop": (peak_pt[2] - final) if pts else None, "peak_step": peak_pt[0] if peak_pt else None,
+            "rollouts": cum[-1][1] if cum else None, "rows_per_step": run.get("mean_train_rows"),
+            "grad_norm": run.get("mean_grad_norm"), "grad_norm_max": run.get("max_grad_norm"),
+            "times_seen": run.get("mean_trained_times_seen"), "unique_frac": run.get("final_trained_unique_frac")}
+
+
+def summarize_file(path: Path) -> dict[str, dict]:
+    """``{label: {"file", "method", "overrides", "seeds": {seed: row}, "mean": {field: mean_and_interval}}}`` for each
+    method in the bench JSON at ``path``; the label is the file stem (``<stem>/<method>`` when it holds several)."""
+    data = json.loads(path.read_text())
+    out = {}
+    methods = data["runs"]
+    for method, by_seed in methods.items():
+        label = path.stem if len(methods) == 1 else f"{path.stem}/{method}"
+        rows = {s: run_row(r) for s, r in by_seed.items()}
+        mean = {f: mean_and_interval([r[f] for r in rows.values() if r[f] is not None]) for f in FIELDS}
+        out[label] = {"file": str(path), "method": method, "overrides": data.get("meta", {}).get("overrides", []),
+                      "seeds": rows, "mean": mean}
+    return out
+
+
+def _fmt(v, d=3) -> str:
+    return "-" if v is None else f"{v:.{d}f}"
+
+
+def markdown(summary: dict) -> str:
+    """One markdown row per ablation: per-seed values (seed order) and the mean [90% interval] of final, peak, drop;
+    means of rows per step, grad norm, times seen, distinct-prompt fraction."""
+    head = ("| ablation | final, per seed | final mean [90%] | peak, per seed | peak mean | drop, per seed | "
+            "drop mean [90%] | rows/step | grad norm mean (max) | times seen | distinct frac |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for label, s in summary.items():
+        seeds = sorted(s["seeds"], key=int)
+        per = lambda f: " ".join(_fmt(s["seeds"][k][f]) for k in seeds)   # noqa: E731
+        m = s["mean"]
+        ci = lambda f: "-" if m[f]["interval90"] is None else f"[{m[f]['interval90'][0]:.3f}, {m[f]['interval90'][1]:.3f}]"  # noqa: E731
+        gmax = max((v for k in seeds if (v := s["seeds"][k]["grad_norm_max"]) is not None), default=None)
+        lines.append(f"| {label} | {per('final')} | {_fmt(m['final']['mean'])} {ci('final')} | {per('peak')} | "
+                     f"{_fmt(m['peak']['mean'])} | {per('drop')} | {_fmt(m['drop']['mean'])} {ci('drop')} | "
+                     f"{_fmt(m['rows_per_step']['mean'], 1)} | {_fmt(m['grad_norm']['mean'], 2)} ({_fmt(gmax, 1)}) | "
+                     f"{_fmt(m['times_seen']['mean'], 2)} | {_fmt(m['unique_frac']['mean'], 2)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    summary: dict = {}
+    for f in args.files:
+        summary.update(summarize_file(f))
+    print(markdown(summary))
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
