@@ -113,15 +113,20 @@ class Policy:
         init_reference_model: every worker keeps the initial weights as the frozen reference policy (KL penalty).
         rank_env: per-rank extra environment, ``rank_env(rank) -> dict`` (e.g. the GPU a rank is pinned to,
             :meth:`~nemo_rl_spec.distributed.placement.PlacementPlan.visible_devices_env`).
+        block: wait here until every worker is up (default). False: return once the actors are launched, so the
+            caller can start the vLLM engines meanwhile (their imports and warm-up overlap the workers'); call
+            :meth:`wait_ready` before using the policy.
 
     Raises:
         ValueError: N is not a multiple of TP * PP (names the config keys); errors of a worker's constructor
-            (unsupported PP, a TP size the model cannot be split by, ...) are re-raised here.
+            (unsupported PP, a TP size the model cannot be split by, ...) are re-raised here (with ``block=False``:
+            by :meth:`wait_ready`).
     """
 
     def __init__(self, cluster: RayVirtualCluster, nodes: Sequence[int], cfg: PolicyConfig, loss_fn, model_path: str,
                  seed: int, num_cpus: float, num_gpus: float = 0.0, env_vars: dict[str, str] | None = None,
-                 rank_env: Callable[[int], dict[str, str]] | None = None, init_reference_model: bool = False):
+                 rank_env: Callable[[int], dict[str, str]] | None = None, init_reference_model: bool = False,
+                 block: bool = True):
         mcfg = cfg.megatron_cfg
         self.tp_size, self.pp_size = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
         if not nodes or len(nodes) % (self.tp_size * self.pp_size):
@@ -134,8 +139,21 @@ class Policy:
                                     seed), {"init_reference_model": init_reference_model}), num_cpus=num_cpus, num_gpus=num_gpus,
                                     env_vars=lambda rank: {**env, **(rank_env(rank) if rank_env else {})},
                                     name="policy")
+        self._layout_refs = self.group.run_all_workers_single_data("parallel_layout")  # queued behind __init__
+        self.layouts: list[dict] = []
+        if block:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until every worker's constructor has finished and read its Megatron layout (a no-op once done).
+
+        Raises:
+            Exception: a worker constructor's error (the worker group is shut down first).
+        """
+        if self.layouts:
+            return
         try:
-            self.layouts = self.group.get(self.group.run_all_workers_single_data("parallel_layout"))
+            self.layouts = self.group.get(self._layout_refs)
         except Exception:
             self.group.shutdown()
             raise
