@@ -3,8 +3,12 @@ PY := .venv/bin/python
 RECIPE ?= configs/grpo_math_smollm2_135m.yaml
 
 .PHONY: install slurm run draft testbed test test-slow test-unit test-functional test-slurm test-times
+# EXTRAS: optional extras of pyproject.toml to add (make install EXTRAS=wandb,mlflow: the W&B / MLflow clients for
+# logger.wandb_enabled / logger.mlflow_enabled); the test targets install both (their tests use them), `make run` none.
+EXTRAS ?=
+TEST_EXTRAS := wandb,mlflow
 install:
-	bash scripts/install_cpu.sh
+	EXTRAS="$(EXTRAS)" bash scripts/install_cpu.sh
 
 run: install
 	$(PY) examples/run_grpo.py --config $(RECIPE) $(ARGS)
@@ -31,6 +35,8 @@ PYTEST_ARGS ?=
 # $(call pytest_recorded,DIR): pytest writing DIR/junit.xml and DIR/phases.json (tests/conftest.py) for the time table
 pytest_recorded = mkdir -p $(1) && rm -f $(1)/junit.xml $(1)/phases.json && \
   TEST_PHASES_JSON=$(1)/phases.json $(PY) -m pytest --junitxml=$(1)/junit.xml
+
+test test-unit test-functional test-slurm test-slow: EXTRAS = $(TEST_EXTRAS)
 
 test: install
 	$(call pytest_recorded,$(TEST_RESULTS)) tests/unit tests/functional -x -q -m "not slow" $(PYTEST_ARGS)

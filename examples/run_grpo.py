@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             history = grpo_train(s)
         png = plot_training_curves(s.logger.jsonl_path, Path(cfg.logger.log_dir) / "training_curves.png")
+        s.logger.log_image(png)  # to W&B / MLflow when enabled
         print(json.dumps({"steps_run": len(history), "metrics": str(s.logger.jsonl_path), "plot": str(png),
                           "latest_checkpoint": str(s.checkpoints.latest()) if s.checkpoints else None}))
     finally:

@@ -183,8 +183,7 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
     "policy.draft.model_name": "no draft there (config.json missing)",
     "policy.draft.online": "needs policy.generation.vllm_kwargs.speculative_config.method=eagle3",
     "policy.sequence_packing.enabled": "policy.sequence_packing.enabled=true is not supported",
-    "logger.wandb_enabled": "no W&B client is installed",
-    "logger.mlflow_enabled": "no MLflow client is installed",
+    "logger.mlflow.tracking_uri": "expected a URI such as http://127.0.0.1:5000",
     "cluster.ray_address": "expected null, auto, host:port or ray://host:port",
 }
 

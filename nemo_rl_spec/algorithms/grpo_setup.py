@@ -35,6 +35,7 @@ from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCount
 from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
 from nemo_rl_spec.utils.precision import precision_line
 from nemo_rl_spec.utils.logger import Logger
+from nemo_rl_spec.utils.trackers import build_trackers
 
 
 @dataclass
@@ -347,12 +348,13 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
 
 def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[dict], val: list[dict]) -> GRPOSetup:
     policy, generation = workers.policy, workers.generation
+    logger = Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled, console=True,
+                    trackers=build_trackers(cfg.logger, cfg.model_dump(mode="json")))  # W&B / MLflow start here
     s = GRPOSetup(
         cfg=cfg, policy=policy, generation=generation, refitter=None, tokenizer=tokenizer, workers=workers,
         env=build_environment(cfg.env),
         train_problems=train, allocator=build_allocator(cfg, len(train), train),
-        val_problems=val, val_prompt_ids=[], logger=Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled,
-                                                              console=True),
+        val_problems=val, val_prompt_ids=[], logger=logger,
         checkpoints=CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_top_k,
                                       cfg.checkpointing.metric_name, cfg.checkpointing.higher_is_better)
         if cfg.checkpointing.enabled else None,

@@ -215,16 +215,6 @@ RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
                "TP=1, refit included), but speculative decoding and the drafter's refit through its spawned TP "
                "workers are not shown; use several TP=1 engines with speculation",
         platforms=("cpu",), used=_vllm_tp_with_speculation),
-    "wandb": RuntimeRefusal(
-        key="logger.wandb_enabled=true",
-        reason="this build logs to TensorBoard (logger.tensorboard_enabled) and metrics.jsonl only; no W&B client "
-               "is installed or called, so the key would be silently ignored",
-        platforms=("cpu", "gpu"), used=lambda cfg: cfg.logger.wandb_enabled),
-    "mlflow": RuntimeRefusal(
-        key="logger.mlflow_enabled=true",
-        reason="this build logs to TensorBoard (logger.tensorboard_enabled) and metrics.jsonl only; no MLflow client "
-               "is installed or called, so the key would be silently ignored",
-        platforms=("cpu", "gpu"), used=lambda cfg: cfg.logger.mlflow_enabled),
 }
 
 
@@ -241,12 +231,20 @@ def runtime_refusals(cfg: MasterConfig) -> list[RuntimeRefusal]:
 
 def check_runtime_support(cfg: MasterConfig) -> None:
     """Reject, before any worker starts, recipe features that validate but this build cannot run
-    (:data:`RUNTIME_REFUSALS`); running one must fail loudly rather than silently ignore a key.
+    (:data:`RUNTIME_REFUSALS`), and trackers whose client is not installed (``logger.wandb_enabled`` /
+    ``logger.mlflow_enabled``: :func:`~nemo_rl_spec.utils.trackers.missing_clients`); running one must fail loudly
+    rather than silently ignore a key.
 
     Raises:
-        ConfigError: listing every refused key that is set, each with its reason.
+        ConfigError: listing every refused key that is set, each with its reason; or every tracker key whose client
+            is missing, each naming the extra to install.
     """
     refused = runtime_refusals(cfg)
     if refused:
         raise ConfigError(f"not supported by this build on {runtime_platform(cfg).upper()} (the recipe validates, "
                           "but would not run as written): " + "; ".join(f"{r.key}: {r.reason}" for r in refused))
+    from nemo_rl_spec.utils.trackers import missing_clients
+
+    missing = missing_clients(cfg.logger)
+    if missing:
+        raise ConfigError("; ".join(missing))

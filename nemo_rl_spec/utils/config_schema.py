@@ -9,10 +9,12 @@ Every model forbids unknown keys, so a misspelled key fails validation with its 
 """
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, field_validator,
+                      model_validator)
 
 from nemo_rl_spec.utils.feature_configs import DynamicSamplingConfig, DynamicSpeculationConfig, PilotCommitConfig
 from nemo_rl_spec.utils.precision import choose_precision, refit_tolerance
@@ -508,11 +510,36 @@ class EnvConfig(_Strict):
     char_fraction: CharFractionEnvConfig = CharFractionEnvConfig()
 
 
+class WandbConfig(_Strict):
+    """``logger.wandb`` (NeMo-RL's keys): the W&B project and run name (used when ``logger.wandb_enabled``)."""
+    project: str = Field(default="grpo-dev", min_length=1)
+    name: str = Field(default="grpo-dev-logger", min_length=1)
+
+
+class MlflowConfig(_Strict):
+    """``logger.mlflow`` (NeMo-RL's keys), used when ``logger.mlflow_enabled``. ``tracking_uri``: a tracking server
+    (``http://host:port``) or store URI (``sqlite:///...``, ``databricks``); None: ``sqlite:///<log_dir>/mlflow.db``
+    with artifacts in ``<log_dir>/mlartifacts``. A plain path is refused (MLflow's file store is deprecated)."""
+    experiment_name: str = Field(default="grpo-dev", min_length=1)
+    run_name: str = Field(default="grpo-dev-logger", min_length=1)
+    tracking_uri: Optional[str] = None
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _a_uri(cls, uri: Optional[str]) -> Optional[str]:
+        if uri is not None and not re.match(r"^(databricks(-uc)?$|[A-Za-z][A-Za-z0-9+.-]*:)", uri):
+            raise ValueError("expected a URI such as http://127.0.0.1:5000 or sqlite:////abs/mlflow.db (a plain path "
+                             "means MLflow's file store, which MLflow 3 refuses)")
+        return uri
+
+
 class LoggerConfig(_Strict):
     log_dir: str = Field(min_length=1)
     tensorboard_enabled: bool
-    wandb_enabled: bool
-    mlflow_enabled: bool
+    wandb_enabled: bool   # needs the `wandb` extra (utils/trackers.py); offline when api.wandb.ai is unreachable
+    mlflow_enabled: bool  # needs the `mlflow` extra (utils/trackers.py)
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
     progress_bar: bool
     verbose: bool = False  # true: vLLM's INFO lines and its harmless per-refit warning too (utils/console.py)
 

@@ -77,7 +77,11 @@ IGNORED: dict[str, str] = {
     "data.shuffle": _DATA, "data.dataset_name": _DATA,
     "env.math.math_verify_impl": "the math verifier is fixed (environments/math_env.py)",
     "logger.num_val_samples_to_print": _LOG, "logger.swanlab_enabled": _LOG, "logger.monitor_gpus": _LOG,
-    "logger.wandb": _LOG, "logger.tensorboard": _LOG, "logger.mlflow": _LOG, "logger.gpu_monitoring": _LOG,
+    "logger.tensorboard": _LOG, "logger.gpu_monitoring": _LOG,
+    "logger.wandb.entity": "W&B entity (set WANDB_ENTITY; logger.wandb has project and name)",
+    "logger.wandb.log_nemo_gym_full_result_tables": "NeMo Gym (not in this project)",
+    "logger.mlflow.run_id": "resuming an MLflow run (each launch starts a new run)",
+    "logger.mlflow.artifact_location": "MLflow artifact location (the tracking server's or <log_dir>/mlartifacts)",
 }
 
 

@@ -78,6 +78,8 @@ def test_under_the_switch_it_loads_with_one_warning_and_nemo_rl_meanings():
     assert p.megatron_cfg.optimizer.clip_grad == 1.0                      # policy.max_grad_norm
     assert p.megatron_cfg.scheduler.lr_warmup_iters == 2 and p.megatron_cfg.optimizer.min_lr == 1e-4
     assert (p.generation.top_k, p.generation.stop_strings) == (50, ["Question:"])
+    assert (cfg.logger.wandb.project, cfg.logger.wandb.name) == ("grpo-dev", "nemo-rl-layout-tiny")  # logger.wandb
+    assert (cfg.logger.mlflow.experiment_name, cfg.logger.mlflow.run_name) == ("grpo-dev", "nemo-rl-layout-tiny")
     assert cfg.checkpointing.save_consolidated and cfg.checkpointing.metric_name == "validation/accuracy"
     assert cfg.loss_fn.ratio_clip_c == 3.0 and p.dynamic_batching.train_mb_tokens == 256 * 4   # ${mul:...}
 
