@@ -153,3 +153,39 @@ def step_line(metrics: Mapping[str, float], step: int) -> str:
               ("val accuracy ", _fmt(metrics, "validation/accuracy", ".3f")),
               ("", _fmt(metrics, "timing/train/total_step_time", ".1f", " s"))]
     return f"step {step}: " + " | ".join(label + value for label, value in fields if value is not None)
+
+
+TABLE_SECTIONS = ("train/", "validation/", "refit/", "vllm/", "rollout_alloc/")
+"""Metric-name prefixes of :func:`step_table`'s sections, in order; other names go under ``other``, timings last."""
+
+
+def _table_rows(metrics: Mapping[str, float], names: list[str], total: float | None) -> list[str]:
+    width = max(len(n) for n in names)
+    rows = []
+    for name in names:
+        value = float(metrics[name])
+        share = f" ({100 * value / total:.1f}%)" if total and name.startswith("timing/") else ""
+        rows.append(f"  {name:<{width}}  {value:.6g}{share}")
+    return rows
+
+
+def step_table(metrics: Mapping[str, float], step: int) -> str:
+    """NeMo-RL-style per-step table (``logger.verbose: true``): every metric of the step, one row each, grouped by
+    prefix (:data:`TABLE_SECTIONS`, then the rest, then ``timing/`` with each time's share of
+    ``timing/train/total_step_time``). Non-numeric entries and ``step`` are left out."""
+    names = sorted(k for k, v in metrics.items() if k != "step" and isinstance(v, (int, float)))
+    groups = {p: [n for n in names if n.startswith(p)] for p in (*TABLE_SECTIONS, "timing/")}
+    groups["other"] = [n for n in names if not any(n.startswith(p) for p in (*TABLE_SECTIONS, "timing/"))]
+    total = metrics.get("timing/train/total_step_time")
+    lines = [f"{'=' * 20} step {step} {'=' * 20}"]
+    for title in (*TABLE_SECTIONS, "other", "timing/"):
+        if groups[title]:
+            lines += [title.rstrip("/") + ":", *_table_rows(metrics, groups[title], total)]
+    return "\n".join(lines)
+
+
+def step_report(metrics: Mapping[str, float], step: int) -> str:
+    """What the console shows for a logged step: :func:`step_line`, followed by :func:`step_table` when
+    ``logger.verbose`` is on (:func:`is_verbose`)."""
+    line = step_line(metrics, step)
+    return f"{line}\n{step_table(metrics, step)}" if is_verbose() else line

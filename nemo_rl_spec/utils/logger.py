@@ -21,8 +21,9 @@ class Logger:
     Args:
         log_dir: output folder (created).
         tensorboard_enabled: also write TensorBoard scalars under ``<log_dir>/tensorboard``.
-        console: also print one line per logged step (:func:`~nemo_rl_spec.utils.console.step_line`; through
-            ``tqdm.write``, so a progress bar stays intact).
+        console: also print one line per logged step (:func:`~nemo_rl_spec.utils.console.step_report`: the step
+            line, plus a per-step table with ``logger.verbose``; through ``tqdm.write``, so a progress bar stays
+            intact).
         trackers: started experiment trackers (:func:`~nemo_rl_spec.utils.trackers.build_trackers`) that get every
             record with the same names, and the curve image (:meth:`log_image`); closed by :meth:`close`.
     """
@@ -57,9 +58,9 @@ class Logger:
         if self.console:
             from tqdm import tqdm
 
-            from nemo_rl_spec.utils.console import step_line
+            from nemo_rl_spec.utils.console import step_report
 
-            tqdm.write(step_line(record, step))
+            tqdm.write(step_report(record, step))  # + the per-step table with logger.verbose
 
     def truncate_after(self, step: int) -> None:
         """Drop records with ``step > step`` (used on resume, so replayed steps are not logged twice)."""
