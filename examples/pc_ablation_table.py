@@ -2,7 +2,7 @@
 ``examples/bench_pilot_commit.py`` wrote, one file per ablation (``docs/pc_ablations/<name>.json``).
 
 ``python examples/pc_ablation_table.py docs/pc_ablations/{uniform,baseline,constant_norm}.json
-[--out docs/pc_ablations/summary.json]``
+[--out docs/pc_ablations/summary.json] [--plot docs/pc_ablations/curves.png]``
 
 Per run (a method and seed of a file): final and peak validation accuracy, the peak-to-final drop (peak - final,
 >= 0), the step of the peak, cumulative rollouts at the end, train rows per step, grad norm before clipping (mean and
@@ -75,10 +75,54 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def mean_curve(runs: dict) -> list[tuple[int, float]]:
+    """(step, validation accuracy averaged over the seeds that validated that step) for one method's
+    ``runs[seed]`` records."""
+    per: dict[int, list[float]] = {}
+    for r in runs.values():
+        for step, _, acc in r.get("curve", []):
+            per.setdefault(int(step), []).append(float(acc))
+    return [(k, sum(v) / len(v)) for k, v in sorted(per.items())]
+
+
+def plot(files: list[Path], png: Path) -> None:
+    """Mean-over-seeds validation accuracy against step (left) and each seed's train rows per step, smoothed over
+    5 steps and averaged over seeds (right), one line per ablation file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_rows) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for f in files:
+        data = json.loads(f.read_text())
+        for method, runs in data["runs"].items():
+            label = f.stem if len(data["runs"]) == 1 else f"{f.stem}/{method}"
+            xs, ys = zip(*mean_curve(runs))
+            ax.plot(xs, ys, "-o", ms=3, label=label)
+            rows: dict[int, list[float]] = {}
+            for r in runs.values():
+                for step, v in r.get("train_rows_curve", []):
+                    rows.setdefault(int(step), []).append(v)
+            if rows:
+                steps = sorted(rows)
+                means = [sum(rows[k]) / len(rows[k]) for k in steps]
+                smooth = [sum(means[max(0, i - 4):i + 1]) / len(means[max(0, i - 4):i + 1]) for i in range(len(means))]
+                ax_rows.plot(steps, smooth, label=label)
+    ax_rows.set_xlabel("step")
+    ax_rows.set_ylabel("train rows per step (mean over seeds, 5-step mean)")
+    ax_rows.grid(alpha=0.3)
+    ax_rows.legend(fontsize=7)
+    from nemo_rl_spec.utils.bench_runs import finish_plot
+
+    finish_plot(fig, ax, png, "step", "validation accuracy (mean over seeds)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="PNG of the mean accuracy curves and train rows")
     args = p.parse_args(argv)
     summary: dict = {}
     for f in args.files:
@@ -86,6 +130,8 @@ def main(argv=None) -> int:
     print(markdown(summary))
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
+    if args.plot:
+        plot(args.files, args.plot)
     return 0
 
 

@@ -183,3 +183,7 @@ def test_bench_training_diagnostics_and_ablation_table(tmp_path):
     assert s["mean"]["drop"]["mean"] == pytest.approx(0.1) and s["overrides"] == ["x=1"]
     md = table.markdown({"abl": s})
     assert "| abl | 0.600 0.800 | 0.700" in md and "4.00 (6.0)" in md
+    # mean curve: steps 0, 2, 4 from both seeds, step 6 from seed 0 only
+    assert table.mean_curve({"0": run, "1": {"curve": run["curve"][:3]}}) == [(0, 0.3), (2, 0.7), (4, 0.8), (6, 0.6)]
+    table.plot([f], tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 0
