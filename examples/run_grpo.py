@@ -5,12 +5,18 @@ the key or file. ``--dry-run`` stops there: it validates the recipe, checks what
 placement plan (which worker on which node, with which GPU / CPU share; DP/TP/PP; engines), starting no Ray worker;
 a recipe that does not fit its cluster exits with status 2 naming the key. Ctrl-C or a worker failure tears down
 every Ray actor and vLLM engine; complete checkpoints (``step_N``) are never touched by a failure.
+
+The console is quiet unless ``logger.verbose=true``: the precision line, one "starting N Ray workers" line, the
+progress bar and one line per step, plus errors; everything else the driver and its Ray workers print (third-party
+warnings, loading bars, where each actor runs) is kept in ``<logger.log_dir>/console.log`` with the console itself
+(nemo_rl_spec/utils/console_log.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -50,10 +56,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     from nemo_rl_spec.utils.console import configure_console
+    from nemo_rl_spec.utils.console_log import close_console_log, open_console_log
 
     configure_console(cfg.logger.verbose, cpu=cfg.cluster.gpus_per_node == 0)  # before megatron-core is imported
+    console_log = open_console_log(cfg.logger.log_dir, cfg.logger.verbose)  # <log_dir>/console.log keeps it all
+    try:
+        return train(cfg)
+    except BaseException:
+        console_log.write_file(traceback.format_exc())  # the traceback the interpreter prints next, kept too
+        raise
+    finally:
+        close_console_log()
+
+
+def train(cfg) -> int:
+    """Set up, train (sync or async GRPO), plot the curves and print the run's summary line; 0, or 2 when setup finds
+    a bad file or key. Workers and Ray are torn down on any exit."""
     from nemo_rl_spec.algorithms.grpo import grpo_train
     from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
+    from nemo_rl_spec.utils.config import ConfigError
     from nemo_rl_spec.utils.logger import plot_training_curves
 
     s = None
@@ -76,7 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         teardown(s)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

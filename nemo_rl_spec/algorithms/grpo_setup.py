@@ -31,6 +31,7 @@ from nemo_rl_spec.models.policy.lm_policy import Policy
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import to_yaml
 from nemo_rl_spec.utils.console import configure_console, ray_logging_level, worker_log_env
+from nemo_rl_spec.utils.console_log import active_console_log, log_only
 from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
 from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
 from nemo_rl_spec.utils.precision import precision_line
@@ -116,10 +117,15 @@ def init_ray(cfg: MasterConfig) -> None:
         return
     configure_console(cfg.logger.verbose, cpu=cfg.cluster.gpus_per_node == 0)  # before any actor (runtime_env)
     level = ray_logging_level(cfg.logger.verbose)
+    console_log = active_console_log()  # the CLI's <log_dir>/console.log: worker output and Ray's notices go there
+    if console_log is not None:
+        console_log.quiet_ray_records()
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=True, logging_level=level)
     else:
         ray.init(num_cpus=cfg.cluster.num_cpus, include_dashboard=False, log_to_driver=True, logging_level=level)
+    if console_log is not None:
+        console_log.route_ray_worker_output()
 
 
 def _policy_env(cfg: MasterConfig) -> dict[str, str]:
@@ -293,8 +299,19 @@ def _start_controllers(cfg: MasterConfig, model_path: str, plan: PlacementPlan, 
         raise
     workers = Workers(cluster, plan, policy, generation)
     for line in workers.placement_lines():
-        print(line, flush=True)
+        log_only(line)  # quiet: console.log only (the console's budget is the precision and "starting" lines)
     return workers
+
+
+def starting_line(plan: PlacementPlan) -> str:
+    """The console line printed before the workers start, e.g. ``starting 2 Ray workers on 1 node (1 Megatron
+    policy rank, 1 vLLM engine); full console in logs/x/console.log`` (the file part only with a console log)."""
+    ranks, engines = len(plan.policy_nodes), len(plan.engine_nodes)
+    nodes = f"{plan.num_nodes} node{'s' if plan.num_nodes > 1 else ''}"
+    line = (f"starting {ranks + engines} Ray workers on {nodes} ({ranks} Megatron policy "
+            f"rank{'s' if ranks > 1 else ''}, {engines} vLLM engine{'s' if engines > 1 else ''})")
+    console_log = active_console_log()
+    return line if console_log is None else f"{line}; full console in {console_log.path}"
 
 
 def build_allocator(cfg: MasterConfig, pool_size: int, problems: list[dict] | None = None) -> RolloutAllocator:
@@ -337,6 +354,7 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
     """Resolve the model, load data, start Ray and the workers, and resume from the latest checkpoint if any."""
     model_path, tokenizer, train, val, plan = preflight(cfg)
     print(precision_line(cfg.policy), flush=True)
+    print(starting_line(plan), flush=True)
     init_ray(cfg)
     workers = start_workers(cfg, model_path, plan)
     try:
@@ -372,14 +390,15 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
 
 
 def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path | None:
-    """Write ``step_<step>`` atomically: policy (model + optimizer; with ``checkpointing.save_consolidated`` also
-    ``policy/consolidated``, an HF checkpoint), rollout-allocator state (prompt stream, Pilot-Commit pool and
-    replay buffer), info."""
+    """Write ``step_<step>`` atomically: policy (model + optimizer, the optimizer unless ``checkpointing.save_optimizer``
+    is false; with ``checkpointing.save_consolidated`` also ``policy/consolidated``, an HF checkpoint),
+    rollout-allocator state (prompt stream, Pilot-Commit pool and replay buffer), info (``optimizer_saved`` too)."""
     if s.checkpoints is None:
         return None
     tmp = s.checkpoints.begin(step)
     (tmp / "policy").mkdir()
-    s.policy.save_checkpoint(str(tmp / "policy"))
+    save_optimizer = s.cfg.checkpointing.save_optimizer
+    s.policy.save_checkpoint(str(tmp / "policy"), save_optimizer)
     if s.cfg.checkpointing.save_consolidated:  # NeMo-RL: also an HF checkpoint (transformers / vLLM / model_name)
         write_consolidated_hf(ray.get(s.policy.export_hf_weights(None, s.cfg.checkpointing.consolidated_dtype)),
                               resolve_model(s.cfg.policy.model_name),
@@ -390,7 +409,7 @@ def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path 
     torch.save(state, tmp / "train_state.pt")
     info = {k: v for k, v in metrics.items()
             if k.startswith(("train/reward", "validation/")) or k == s.cfg.checkpointing.metric_name}
-    return s.checkpoints.finalize(tmp, step, info, to_yaml(s.cfg))
+    return s.checkpoints.finalize(tmp, step, {**info, "optimizer_saved": save_optimizer}, to_yaml(s.cfg))
 
 
 def resume(s: GRPOSetup) -> None:
@@ -402,10 +421,21 @@ def resume(s: GRPOSetup) -> None:
     state = torch.load(latest / "train_state.pt", weights_only=False)
     s.allocator.load_state_dict(state.pop("allocator"))
     s.extra_state = state
-    s.start_step = CheckpointManager.read_info(latest)["step"]
+    info = CheckpointManager.read_info(latest)
+    s.start_step = info["step"]
     s.logger.truncate_after(s.start_step)
     s.refitter.refit(version=s.start_step)
-    print(f"resumed from {latest} (step {s.start_step})", flush=True)
+    print(resume_line(latest, info), flush=True)
+
+
+def resume_line(latest: Path, info: dict) -> str:
+    """The console line of a resume; it says when the checkpoint has no optimizer state (written with
+    ``checkpointing.save_optimizer=false``), so the optimizer restarted and the run is not an exact continuation."""
+    line = f"resumed from {latest} (step {info['step']})"
+    if info.get("optimizer_saved", True):
+        return line
+    return (f"{line}; it holds no optimizer state (written with checkpointing.save_optimizer=false): the optimizer "
+            "restarts (Adam moments at zero, fp32 masters from the saved weights), so this is not an exact resume")
 
 
 def teardown(s: GRPOSetup | None) -> None:

@@ -38,8 +38,9 @@ class PolicyInterface(ABC):
         ``dtype`` (the engines' dtype; None: float32)."""
 
     @abstractmethod
-    def save_checkpoint(self, path: str) -> None:
-        """Write model + optimizer state under ``path`` (a directory that exists)."""
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
+        """Write model + optimizer state under ``path`` (a directory that exists); ``save_optimizer=False``: the
+        model without optimizer state (a load then restarts the optimizer)."""
 
     @abstractmethod
     def load_checkpoint(self, path: str) -> None:

@@ -221,9 +221,10 @@ class Policy:
         """Every parameter under its Megatron name, full size (MTP block included); for checks."""
         return ray.get(self._rank_zero_ref("export_megatron_weights"))
 
-    def save_checkpoint(self, path: str) -> None:
-        """Write the model, optimizer and draft state into the existing directory ``path`` (per TP rank)."""
-        self._all("save_checkpoint", path)
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
+        """Write the model, optimizer (unless ``save_optimizer`` is False: ``checkpointing.save_optimizer``) and
+        draft state into the existing directory ``path`` (per TP rank)."""
+        self._all("save_checkpoint", path, save_optimizer)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore :meth:`save_checkpoint` output (written with any DP size, the same TP size)."""
