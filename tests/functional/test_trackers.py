@@ -54,7 +54,7 @@ def mlflow_server(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=2)  # a tmp store: no need to wait out its graceful shutdown
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
