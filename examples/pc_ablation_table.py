@@ -6,7 +6,9 @@
 
 Per run (a method and seed of a file): final and peak validation accuracy, the peak-to-final drop (peak - final,
 >= 0), the step of the peak, cumulative rollouts at the end, train rows per step, grad norm before clipping (mean and
-max over steps), mean times seen of the trained prompts and the run's final distinct-prompt fraction. Per ablation:
+max over steps), the largest fall below the running peak over the last 10 steps (``dip_last10``, the
+issue's "falls by more than 0.05 from its peak over the last 10 steps") and over the whole run (``max_drawdown``),
+mean times seen of the trained prompts and the run's final distinct-prompt fraction. Per ablation:
 each of those per seed and their mean with a bootstrap 90% interval over seeds
 (:func:`nemo_rl_spec.utils.bench_runs.mean_and_interval`). Prints a markdown table; ``--out`` writes the numbers.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from nemo_rl_spec.utils.bench_runs import mean_and_interval
 
-FIELDS = ("final", "peak", "drop", "peak_step", "rollouts", "rows_per_step", "grad_norm", "grad_norm_max",
+FIELDS = ("final", "peak", "drop", "dip_last10", "max_drawdown", "peak_step", "rollouts", "rows_per_step", "grad_norm", "grad_norm_max",
           "times_seen", "unique_frac")
 
 
@@ -30,8 +32,16 @@ def run_row(run: dict) -> dict:
     final = pts[-1][2] if pts else None
     peak_pt = max(pts, key=lambda p: (p[2], -p[0])) if pts else None   # earliest step at the peak accuracy
     cum = run.get("cumulative_rollouts") or []
+    running, drawdown, dip = 0.0, 0.0, 0.0
+    for step, _, acc in run.get("curve", []):   # step 0 included in the running peak
+        running = max(running, acc)
+        drawdown = max(drawdown, running - acc)
+        if pts and step >= pts[-1][0] - 10:
+            dip = max(dip, running - acc)
     return {"final": final, "peak": peak_pt[2] if peak_pt else None,
-            "drop": (peak_pt[2] - final) if pts else None, "peak_step": peak_pt[0] if peak_pt else None,
+            "drop": (peak_pt[2] - final) if pts else None,
+            "dip_last10": dip if pts else None, "max_drawdown": drawdown if pts else None,
+            "peak_step": peak_pt[0] if peak_pt else None,
             "rollouts": cum[-1][1] if cum else None, "rows_per_step": run.get("mean_train_rows"),
             "grad_norm": run.get("mean_grad_norm"), "grad_norm_max": run.get("max_grad_norm"),
             "times_seen": run.get("mean_trained_times_seen"), "unique_frac": run.get("final_trained_unique_frac")}
@@ -60,7 +70,8 @@ def markdown(summary: dict) -> str:
     """One markdown row per ablation: per-seed values (seed order) and the mean [90% interval] of final, peak, drop;
     means of rows per step, grad norm, times seen, distinct-prompt fraction."""
     head = ("| ablation | final, per seed | final mean [90%] | peak, per seed | peak mean | drop, per seed | "
-            "drop mean [90%] | rows/step | grad norm mean (max) | times seen | distinct frac |")
+            "drop mean [90%] | dip last 10 steps, per seed | rows/step | grad norm mean (max) | times seen | "
+            "distinct frac |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for label, s in summary.items():
         seeds = sorted(s["seeds"], key=int)
@@ -70,6 +81,7 @@ def markdown(summary: dict) -> str:
         gmax = max((v for k in seeds if (v := s["seeds"][k]["grad_norm_max"]) is not None), default=None)
         lines.append(f"| {label} | {per('final')} | {_fmt(m['final']['mean'])} {ci('final')} | {per('peak')} | "
                      f"{_fmt(m['peak']['mean'])} | {per('drop')} | {_fmt(m['drop']['mean'])} {ci('drop')} | "
+                     f"{per('dip_last10')} | "
                      f"{_fmt(m['rows_per_step']['mean'], 1)} | {_fmt(m['grad_norm']['mean'], 2)} ({_fmt(gmax, 1)}) | "
                      f"{_fmt(m['times_seen']['mean'], 2)} | {_fmt(m['unique_frac']['mean'], 2)} |")
     return "\n".join(lines)

@@ -175,6 +175,10 @@ def test_bench_training_diagnostics_and_ablation_table(tmp_path):
     row = table.run_row(run)
     assert row["final"] == 0.6 and row["peak"] == 0.8 and row["peak_step"] == 4
     assert row["drop"] == pytest.approx(0.2) and row["rollouts"] == 300 and row["rows_per_step"] == 24
+    assert row["dip_last10"] == pytest.approx(0.2) and row["max_drawdown"] == pytest.approx(0.2)
+    # a dip that recovers: peak 0.8 (step 4), 0.6 (step 16), 0.8 (step 30); last 10 steps = 20..30
+    rec = table.run_row({"curve": [[0, 0, 0.3], [4, 1, 0.8], [16, 2, 0.6], [22, 3, 0.75], [30, 4, 0.8]]})
+    assert rec["drop"] == 0 and rec["max_drawdown"] == pytest.approx(0.2) and rec["dip_last10"] == pytest.approx(0.05)
     f = tmp_path / "abl.json"
     f.write_text(__import__("json").dumps({"runs": {"pilot_commit": {"0": run, "1": {**run, "curve": run["curve"][:3]}}},
                                            "meta": {"overrides": ["x=1"]}}))
