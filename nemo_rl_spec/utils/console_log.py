@@ -116,9 +116,9 @@ class ConsoleLog:
 
     def to_terminal(self, data: dict) -> bool:
         """Whether a batch of worker output (Ray's dict: ``lines``, ``pid``, ``is_err`` ...) reaches the terminal:
-        always when verbose; when quiet, Ray's raylet / autoscaler messages (e.g. a worker killed for memory), a
+        always when verbose; when quiet, Ray's raylet messages (e.g. a worker killed for memory), a
         batch with an :data:`ERROR_LINE`, and the same worker's batches within :data:`ERROR_TAIL_S` of one."""
-        if self.verbose or data.get("pid") in ("raylet", "autoscaler"):
+        if self.verbose or data.get("pid") == "raylet":
             return True
         source, now = (data.get("ip"), data.get("pid")), time.monotonic()
         if any(ERROR_LINE.search(line) for line in data.get("lines", [])):
@@ -128,7 +128,13 @@ class ConsoleLog:
 
     def on_worker_output(self, data: dict) -> None:
         """Ray's stdstream handler: every line of the batch to the file (prefixed like Ray's, ``(Actor pid=N)``),
-        the batch to the terminal per :meth:`to_terminal`."""
+        the batch to the terminal per :meth:`to_terminal`. The autoscaler's batches (its whole log, every 5 s) are
+        cut to their events, as Ray's own printer does, and go to both."""
+        if data.get("pid") == "autoscaler":
+            events = "".join(f"(autoscaler) {line}\n" for line in _autoscaler_events(data.get("lines", [])))
+            self.write_file(events)
+            self._terminal[1].write(events)
+            return
         prefix = f"({data.get('actor_name') or data.get('task_name') or 'worker'} pid={data.get('pid')})"
         self.write_file("".join(f"{prefix} {line}\n" for line in data.get("lines", [])))
         if self.to_terminal(data):
@@ -154,6 +160,15 @@ class ConsoleLog:
             self._file.close()
 
 
+def _autoscaler_events(lines: list[str]) -> list[str]:
+    """The event lines of an autoscaler batch (Ray's filter; none when this Ray lacks it)."""
+    try:
+        from ray._private.worker import filter_autoscaler_events
+    except ImportError:
+        return []
+    return list(filter_autoscaler_events(lines))
+
+
 def _print_to_terminal(data: dict, stream: TextIO) -> None:
     """Print a worker batch on the terminal as Ray does (prefix, colour, de-duplication across workers)."""
     try:
@@ -162,7 +177,7 @@ def _print_to_terminal(data: dict, stream: TextIO) -> None:
         stream.writelines(f"(pid={data.get('pid')}) {line}\n" for line in data.get("lines", []))
         return
     dedup = stderr_deduplicator if data.get("is_err") else stdout_deduplicator
-    for batch in dedup.deduplicate(data) if data.get("pid") not in ("autoscaler",) else [data]:
+    for batch in dedup.deduplicate(data):
         print_worker_logs(batch, stream)
 
 

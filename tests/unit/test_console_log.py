@@ -73,6 +73,17 @@ def test_worker_tail_window_closes(opened, monkeypatch):
     assert quiet_log.to_terminal({**_batch(["worker killed: memory"]), "pid": "raylet"})
 
 
+def test_autoscaler_batches_are_cut_to_their_events(opened, capsys, monkeypatch):
+    quiet_log = opened()
+    monkeypatch.setattr(cl, "_autoscaler_events", lambda lines: [x.split(":event_summary:")[1] for x in lines
+                                                                 if ":event_summary:" in x])
+    quiet_log.on_worker_output({**_batch(["INFO autoscaler.py:147 -- The autoscaler took 0.0 seconds",
+                                          "Node status", ":event_summary:Adding 1 node(s)"]), "pid": "autoscaler"})
+    cl.close_console_log()
+    assert capsys.readouterr().err == "(autoscaler) Adding 1 node(s)\n"
+    assert quiet_log.path.read_text() == "(autoscaler) Adding 1 node(s)\n"
+
+
 def test_verbose_passes_everything(opened, capsys):
     log = opened(verbose=True)
     try:
