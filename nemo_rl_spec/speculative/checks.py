@@ -199,6 +199,30 @@ def negative_control_recovered():
         rs.sample_recovered_tokens = original
 
 
+LOSSY_SAMPLERS = ("resample_from_target",)  # policy.generation.debug_lossy_sampler values (debug / test only)
+
+
+def install_lossy_sampler(name: str) -> None:
+    """DEBUG / TEST ONLY, wrong on purpose: make vLLM's rejection sampler (in this process, for every engine, until
+    the process ends) LOSSY, for the negative control of issue 33 (can GRPO curves detect a lossy sampler?).
+
+    ``"resample_from_target"``: at a rejection the replacement token is drawn from the target's full distribution
+    p instead of the residual norm(max(0, p - q)) (:func:`_sample_from_target_recovered`). With a greedy draft
+    token d accepted with probability p(d), the first token then has P(d) = p(d) (2 - p(d)) instead of p(d)
+    (``tests/unit/test_lossy_sampler.py`` shows it at token level). Selected by
+    ``policy.generation.debug_lossy_sampler`` (refused without ``speculative_config``, warned otherwise).
+    Raises ValueError for an unknown ``name``."""
+    import warnings
+
+    import vllm.v1.sample.rejection_sampler as rs
+
+    if name not in LOSSY_SAMPLERS:
+        raise ValueError(f"debug_lossy_sampler={name!r}: known lossy samplers {LOSSY_SAMPLERS}")
+    warnings.warn(f"policy.generation.debug_lossy_sampler={name}: speculative sampling is LOSSY on purpose "
+                  "(debug / negative control only; the samples are not the policy's)", stacklevel=2)
+    rs.sample_recovered_tokens = _sample_from_target_recovered
+
+
 def _sample_pairs_on(llm, prompt: Sequence[int], num_samples: int, num_tokens: int, temperature: float,
                      requests: int, logprobs: bool = True) -> dict[str, Any]:
     """Sample ``num_samples`` continuations of ``num_tokens`` tokens of ``prompt`` on ``llm`` (``requests``

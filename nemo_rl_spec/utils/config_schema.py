@@ -255,6 +255,19 @@ class GenerationConfig(_Strict):
     stop_strings: Optional[list[str]] = None
     # k per running batch size (vLLM's num_speculative_tokens_per_batch_size, explicit or from measured step costs)
     dynamic_speculation: Optional[DynamicSpeculationConfig] = None
+    # DEBUG / TEST ONLY: a deliberately lossy speculative sampler (the negative control of issue 33,
+    # nemo_rl_spec.speculative.checks.install_lossy_sampler); refused without speculative_config, warned with it
+    debug_lossy_sampler: Optional[Literal["resample_from_target"]] = None
+
+    @model_validator(mode="after")
+    def _lossy_sampler_is_debug_only(self) -> "GenerationConfig":
+        if self.debug_lossy_sampler is not None:
+            if not self.vllm_kwargs.get("speculative_config"):
+                raise ValueError(f"policy.generation.debug_lossy_sampler={self.debug_lossy_sampler} (a deliberately "
+                                 "lossy negative control) needs policy.generation.vllm_kwargs.speculative_config")
+            warnings.warn(f"policy.generation.debug_lossy_sampler={self.debug_lossy_sampler}: speculative "
+                          "sampling will be LOSSY on purpose (debug / negative control only)", stacklevel=2)
+        return self
 
     @model_validator(mode="after")
     def _top_k_without_speculation(self) -> "GenerationConfig":

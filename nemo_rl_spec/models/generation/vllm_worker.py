@@ -252,6 +252,10 @@ class VllmGenerationWorker(GenerationInterface):
         from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_spec_patches
 
         apply_vllm_cpu_spec_patches()
+        if self.cfg.debug_lossy_sampler:  # DEBUG / TEST ONLY: lossy on purpose (issue 33's negative control)
+            from nemo_rl_spec.speculative.checks import install_lossy_sampler
+
+            install_lossy_sampler(self.cfg.debug_lossy_sampler)
         # k per running batch size
         engine_kwargs = apply_batch_size_schedule(engine_kwargs, {"dynamic_speculation": self.cfg.dynamic_speculation})
         return {**engine_kwargs, "disable_log_stats": False}  # spec-decode acceptance counters
