@@ -27,7 +27,7 @@ from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl_spec.models.generation.vllm_generation import VllmGeneration
 from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.models.hf_export import write_consolidated_hf
-from nemo_rl_spec.models.policy.lm_policy import Policy
+from nemo_rl_spec.models.policy.lm_policy import Policy, prefetch_worker_class
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import to_yaml
 from nemo_rl_spec.utils.console import configure_console, ray_logging_level, worker_log_env
@@ -355,7 +355,9 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
     model_path, tokenizer, train, val, plan = preflight(cfg)
     print(precision_line(cfg.policy), flush=True)
     print(starting_line(plan), flush=True)
+    prefetch = prefetch_worker_class()  # megatron-core's import overlaps Ray's start-up (about 3 s of a CLI run)
     init_ray(cfg)
+    prefetch.join()
     workers = start_workers(cfg, model_path, plan)
     try:
         return _finish_setup(cfg, workers, tokenizer, train, val)

@@ -19,6 +19,7 @@ PPO ratio pi_theta / pi_old differs from 1 and clipping acts (:func:`train_minib
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,6 +97,22 @@ def _worker_class():
     from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker  # imports megatron (seconds)
 
     return MegatronPolicyWorker
+
+
+def prefetch_worker_class() -> threading.Thread:
+    """Start importing the Megatron worker module (megatron-core and its torch extensions: about 3 s of a 2-core
+    machine) in a daemon thread, so the import overlaps work that mostly waits, such as ``ray.init``. ``join()`` the
+    thread before building a :class:`Policy`; an import error there is raised again by the :class:`Policy` constructor
+    (a failed import leaves nothing in ``sys.modules``)."""
+    def _import() -> None:
+        try:
+            _worker_class()
+        except Exception:  # noqa: BLE001 - re-raised by the Policy constructor's own import, in the caller's thread
+            pass
+
+    thread = threading.Thread(target=_import, name="prefetch-megatron-worker", daemon=True)
+    thread.start()
+    return thread
 
 
 class Policy:
