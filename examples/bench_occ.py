@@ -22,16 +22,18 @@ the exit code is 1. Written JSON::
 
     {"config": ..., "steps": N, "runs": {"<mode>": {"<seed>": {
         "final_accuracy": validation/accuracy at the last step (fraction),
+        "peak_accuracy": the highest validation/accuracy after step 0, "validation": [(step, accuracy)],
         "mtp_acceptance": train/mtp/acceptance at the last step (top-1 agreement with the main head, fraction),
         "step_time_s": mean timing/train/total_step_time over steps after the first (seconds),
         "train_time_s": mean timing/train/policy_training over steps after the first (seconds),
         "series": {metric: [per step]} for reward, lambda, c_hat, v2_hat, MTP CE, acceptance (+ c_ref, v2_ref,
                    lambda_ref, c_ref_decoder, v2_ref_decoder for occ+ref)}}},
-     "per_mode": {"<mode>": {"final_accuracy" | "mtp_acceptance" | "step_time_s" | "train_time_s":
+     "per_mode": {"<mode>": {"final_accuracy" | "peak_accuracy" | "mtp_acceptance" | "step_time_s" | "train_time_s":
                   {"per_seed", "mean", "interval90": bootstrap 90% interval over seeds}}},
      "failed_runs": ["<mode> seed <seed>", ...],
      "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...},
-     "proxy_validation": {"pearson_c", "pearson_v2", "pearson_lambda", "sign_agreement_c", "n"}}
+     "proxy_validation": {"pearson_c", "pearson_v2", "pearson_lambda", "pearson_lambda_hidden_grad", "spearman_*",
+                          "sign_agreement_c", "sign_agreement_lambda_vs_c" ((lambda > 0) == (c > 0)), "n"}}
 
 Also prints a table and writes ``<out>.png`` (per-step curves per mode, mean over seeds). On 2 shared CPU cores the
 step times carry the noise of whatever else runs; compare the training-phase times, which the MTP mode changes.
@@ -87,7 +89,7 @@ def mode_stats(seeds: dict) -> dict:
     """Per mode, over its seeds: mean and bootstrap 90% interval (:func:`mean_and_interval`, None below 2 seeds) of
     the final accuracy, the MTP acceptance and the step time."""
     out = {}
-    for key in ("final_accuracy", "mtp_acceptance", "step_time_s", "train_time_s"):
+    for key in ("final_accuracy", "peak_accuracy", "mtp_acceptance", "step_time_s", "train_time_s"):
         vals = [r[key] for r in seeds.values() if r.get(key) is not None and r[key] == r[key]]   # drop NaN
         out[key] = {"per_seed": {s: r.get(key) for s, r in seeds.items()}, **mean_and_interval(vals)}
     return out
@@ -97,8 +99,11 @@ def summarise(records: list[dict]) -> dict:
     steps = [r for r in records if "timing/train/total_step_time" in r]
     later = steps[1:] or steps
     last_val = [r["validation/accuracy"] for r in records if "validation/accuracy" in r]
+    trained_val = [r["validation/accuracy"] for r in records if "validation/accuracy" in r and r["step"] > 0]
     mean = lambda key: sum(r[key] for r in later) / len(later)  # noqa: E731
     return {"final_accuracy": last_val[-1] if last_val else float("nan"),
+            "peak_accuracy": max(trained_val) if trained_val else float("nan"),
+            "validation": [(r["step"], r["validation/accuracy"]) for r in records if "validation/accuracy" in r],
             "mtp_acceptance": steps[-1].get("train/mtp/acceptance", float("nan")),
             "step_time_s": mean("timing/train/total_step_time"),
             "train_time_s": mean("timing/train/policy_training"),
@@ -112,21 +117,23 @@ def proxy_validation(seeds: dict) -> dict:
     import numpy as np
 
     names = {"c": ("c_hat", "c_ref"), "v2": ("v2_hat", "v2_ref"), "lambda": ("lambda", "lambda_ref"),
+             "lambda_hidden_grad": ("lambda_hidden_grad", "lambda_ref"), "lambda_vs_c": ("lambda", "c_ref"),
              "c_decoder": ("c_hat", "c_ref_decoder"), "v2_decoder": ("v2_hat", "v2_ref_decoder")}
     pairs = {name: ([], []) for name in names}
     for r in seeds.values():
         s = r["series"]
         for name, (hat, ref) in names.items():
-            if ref in s:
-                pairs[name][0].extend(s[hat])
-                pairs[name][1].extend(s[ref])
+            if ref in s and hat in s:
+                kept = [(a, b) for a, b in zip(s[hat], s[ref]) if a == a and b == b]  # drop NaN (absent metric)
+                pairs[name][0].extend(a for a, _ in kept)
+                pairs[name][1].extend(b for _, b in kept)
     rank = lambda x: np.argsort(np.argsort(x))  # noqa: E731
     out = {}
     for name, (a, b) in pairs.items():
         if len(a) > 2:  # magnitudes are heavy-tailed, so also the rank correlation
             out[f"pearson_{name}"] = float(np.corrcoef(a, b)[0, 1])
             out[f"spearman_{name}"] = float(np.corrcoef(rank(a), rank(b))[0, 1])
-    for name in ("c", "c_decoder"):
+    for name in ("c", "c_decoder", "lambda_vs_c"):  # lambda_vs_c: (lambda > 0) == (c > 0), for either proxy
         hat, ref = pairs[name]
         if hat:
             out[f"sign_agreement_{name}"] = float(np.mean([(a > 0) == (b > 0) for a, b in zip(hat, ref)]))

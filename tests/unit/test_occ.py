@@ -144,6 +144,22 @@ def test_bench_occ_reference_mode_overrides_and_proxy_validation():
     seeds["1"]["series"]["c_ref_decoder"] = [-7.0]
     out = bench.proxy_validation(seeds)
     assert out["pearson_c_decoder"] == pytest.approx(-1.0, abs=1e-12) and out["sign_agreement_c_decoder"] == 0.0
+    # lambda > 0 vs c > 0 (either proxy's coefficient against the reference alignment); NaN steps are dropped
+    seeds["1"]["series"]["lambda"] = [float("nan")]
+    seeds["0"]["series"]["lambda"] = [0.5, 0.0, 2.0]
+    out = bench.proxy_validation(seeds)
+    assert out["sign_agreement_lambda_vs_c"] == pytest.approx(1 / 3)  # (0.5, 0) no, (0, 1) no, (2, 2) yes
+    assert out["n"] == 4  # c pairs keep every step
+
+
+def test_bench_occ_summary_peak_accuracy_skips_step_zero():
+    bench = load_example("bench_occ")
+    rows = [{"step": 0, "validation/accuracy": 0.9}] + [
+        {"step": k, "timing/train/total_step_time": 2.0, "timing/train/policy_training": 1.0} for k in (1, 2, 3)] + [
+        {"step": 2, "validation/accuracy": 0.6}, {"step": 3, "validation/accuracy": 0.5}]
+    s = bench.summarise(rows)
+    assert s["peak_accuracy"] == 0.6 and s["final_accuracy"] == 0.5
+    assert s["validation"] == [(0, 0.9), (2, 0.6), (3, 0.5)]
 
 
 def test_bench_occ_resumes_finished_runs_and_reports_intervals(tmp_path):
