@@ -14,7 +14,8 @@ methods interleaved; the JSON is rewritten after every run and ``--reuse`` keeps
 Analysis (:func:`analyse`), every speculative method against ``ar`` over the seeds both finished:
 - per step: mean ``train/reward`` difference and its standard error sqrt(s_a^2/n_a + s_b^2/n_b) (seeds as
   samples, Welch), and whether |difference| <= 2 SE (``steps_outside_2se``; with 30 steps and no true difference
-  about 1.4 steps are outside by chance);
+  about 1.4 steps are outside by chance); under ``paired`` the same paired by seed (a seed draws the same prompts at
+  each step in every method), with paired t and exact sign-flip tests;
 - final held-out accuracy: per seed, mean and bootstrap 90% interval per method, Welch two-sample t-test p and
   an exact permutation-test p of the difference of means;
 - the curve-level test: the same two tests on each seed's mean reward over all steps;
@@ -34,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_rl_spec.utils.bench_runs import mean_and_interval, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.bench_runs import bootstrap_interval, mean_and_interval, read_metrics, run_grpo_subprocess
 
 REWARD, ACC, ACCEPT = "train/reward", "validation/accuracy", "vllm/spec_acceptance_length"
 STEP_TIME, GEN_TIME = "timing/train/total_step_time", "timing/train/generation"
@@ -91,16 +92,60 @@ def permutation_p(a: list[float], b: list[float]) -> float:
     return hits / total
 
 
+def sign_flip_p(diffs: list[float]) -> float:
+    """Exact two-sided paired permutation (sign-flip) p-value of |mean(diffs)| over all 2^n sign patterns."""
+    observed = abs(statistics.fmean(diffs))
+    pats = list(itertools.product((1.0, -1.0), repeat=len(diffs)))
+    return sum(abs(statistics.fmean([s * d for s, d in zip(pat, diffs)])) >= observed - 1e-12 for pat in pats) / len(pats)
+
+
+def paired_t_p(diffs: list[float]) -> float:
+    """Two-sided one-sample t-test p-value of mean(diffs) == 0 (scipy); 1.0 / 0.0 for constant diffs."""
+    from scipy import stats
+
+    if statistics.pvariance(diffs) == 0:
+        return 1.0 if statistics.fmean(diffs) == 0 else 0.0
+    return float(stats.ttest_1samp(diffs, 0.0).pvalue)
+
+
+def _per_step(a_rows: list[list[float]], b_rows: list[list[float]], paired: bool) -> list[dict]:
+    """Per step: mean difference of rows a - b, its SE (Welch unpaired, or sd(d)/sqrt(n) of per-seed differences
+    when ``paired``), z and whether |diff| <= 2 SE."""
+    out = []
+    for i in range(len(a_rows[0])):
+        a, b = [r[i] for r in a_rows], [r[i] for r in b_rows]
+        if paired:
+            d = [x - y for x, y in zip(a, b)]
+            diff, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+        else:
+            diff, se = statistics.fmean(a) - statistics.fmean(b), welch_se(a, b)
+        out.append({"step": i + 1, "diff": diff, "se": se, "z": diff / se if se > 0 else 0.0,
+                    "within_2se": abs(diff) <= 2 * se})
+    return out
+
+
 def compare(ref: dict[str, dict], other: dict[str, dict]) -> dict:
-    """``other`` method vs ``ref`` (both {seed: :func:`run_summary`}), over the steps every run of both reached:
-    per-step reward difference, SE and |z|, the steps outside 2 SE, and the final-accuracy / mean-reward tests."""
+    """``other`` method vs ``ref`` (both {seed: :func:`run_summary`}, the same seeds), over the steps every run of
+    both reached: per-step reward difference, SE and |z|, the steps outside 2 SE, and the final-accuracy /
+    mean-reward tests; unpaired (seeds as independent samples) and, under ``paired``, paired by seed (the same seed
+    draws the same prompts at every step in both methods, so per-seed differences remove the prompts' difficulty)."""
     n_steps = min(len(r["reward"]) for r in [*ref.values(), *other.values()])
-    per_step = []
-    for i in range(n_steps):
-        a, b = [r["reward"][i] for r in other.values()], [r["reward"][i] for r in ref.values()]
-        diff, se = statistics.fmean(a) - statistics.fmean(b), welch_se(a, b)
-        per_step.append({"step": i + 1, "diff": diff, "se": se, "z": diff / se if se > 0 else 0.0,
-                         "within_2se": abs(diff) <= 2 * se})
+    seeds = [s for s in other if s in ref]
+    a_rows, b_rows = [other[s]["reward"][:n_steps] for s in seeds], [ref[s]["reward"][:n_steps] for s in seeds]
+    per_step = _per_step(a_rows, b_rows, paired=False)
+    pstep = _per_step(a_rows, b_rows, paired=True)
+    fd = [other[s]["final_accuracy"] - ref[s]["final_accuracy"] for s in seeds
+          if other[s]["final_accuracy"] is not None and ref[s]["final_accuracy"] is not None]
+    md = [statistics.fmean(x) - statistics.fmean(y) for x, y in zip(a_rows, b_rows)]
+    paired = {"per_step": pstep, "steps_outside_2se": [s["step"] for s in pstep if not s["within_2se"]],
+              "max_abs_z": max(abs(s["z"]) for s in pstep) if pstep else None,
+              "final_accuracy_diff_per_seed": dict(zip(seeds, fd)),
+              "final_accuracy_diff_interval90": bootstrap_interval(fd),
+              "final_accuracy_t_p": paired_t_p(fd) if len(fd) > 1 else None,
+              "final_accuracy_sign_flip_p": sign_flip_p(fd) if fd else None,
+              "mean_reward_diff_per_seed": dict(zip(seeds, md)), "mean_reward_diff_interval90": bootstrap_interval(md),
+              "mean_reward_t_p": paired_t_p(md) if len(md) > 1 else None,
+              "mean_reward_sign_flip_p": sign_flip_p(md)}
     fa = [r["final_accuracy"] for r in other.values() if r["final_accuracy"] is not None]
     fb = [r["final_accuracy"] for r in ref.values() if r["final_accuracy"] is not None]
     ma = [statistics.fmean(r["reward"][:n_steps]) for r in other.values()]
@@ -113,7 +158,7 @@ def compare(ref: dict[str, dict], other: dict[str, dict]) -> dict:
             "final_accuracy_permutation_p": permutation_p(fa, fb) if fa and fb else None,
             "mean_reward_diff": statistics.fmean(ma) - statistics.fmean(mb),
             "mean_reward_welch_p": welch_p(ma, mb) if len(ma) > 1 and len(mb) > 1 else None,
-            "mean_reward_permutation_p": permutation_p(ma, mb)}
+            "mean_reward_permutation_p": permutation_p(ma, mb), "paired": paired}
 
 
 def acceptance_summary(runs: dict[str, dict], goal: float = 2.0, refit_floor: float = 0.8) -> dict:
@@ -205,6 +250,12 @@ def table(analysis: dict) -> str:
                      f"{c['final_accuracy_diff']:+.3f} Welch p {f(c['final_accuracy_welch_p'])} permutation p "
                      f"{f(c['final_accuracy_permutation_p'])}; mean reward diff {c['mean_reward_diff']:+.4f} "
                      f"Welch p {f(c['mean_reward_welch_p'])} permutation p {f(c['mean_reward_permutation_p'])}")
+        q = c["paired"]
+        lines.append(f"  paired by seed: steps outside 2 SE {q['steps_outside_2se']} (max |z| {q['max_abs_z']:.2f}); "
+                     f"final acc diff per seed {' '.join(f'{v:+.3f}' for v in q['final_accuracy_diff_per_seed'].values())}"
+                     f" {ci(q['final_accuracy_diff_interval90'])} t p {f(q['final_accuracy_t_p'])} sign-flip p "
+                     f"{f(q['final_accuracy_sign_flip_p'])}; mean reward diff {ci(q['mean_reward_diff_interval90'])} "
+                     f"t p {f(q['mean_reward_t_p'])} sign-flip p {f(q['mean_reward_sign_flip_p'])}")
     for m, a in analysis["acceptance"].items():
         lines.append(f"{m} acceptance (last 5 steps) per seed "
                      f"{' '.join(f(s['late_mean']) for s in a['per_seed'].values())}, mean {f(a['late_mean']['mean'])} "

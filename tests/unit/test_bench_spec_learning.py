@@ -56,3 +56,21 @@ def test_acceptance_summary_goal_and_refit_ratios():
     assert a["refits"] == 10 and a["refits_at_or_above_floor"] == pytest.approx(9 / 10)
     assert a["meets_goal"] is True
     assert bench.acceptance_summary({"1": _run([0.0] * 2, 0.5, [1.5, 1.6])})["meets_goal"] is False
+
+
+def test_paired_comparison_by_hand():
+    ref = {"1": _run([0.0, 0.5], 0.5), "2": _run([0.2, 0.5], 0.7), "3": _run([0.4, 0.1], 0.6)}
+    other = {"1": _run([0.1, 0.6], 0.6), "2": _run([0.3, 0.4], 0.9), "3": _run([0.5, 0.2], 0.6)}
+    q = bench.compare(ref, other)["paired"]
+    # step 1: per-seed differences all +0.1 -> se 0 -> z 0 by convention, within 2 SE is False (|0.1| > 0)
+    assert q["per_step"][0]["diff"] == pytest.approx(0.1) and q["per_step"][0]["se"] == pytest.approx(0.0)
+    # step 2: per-seed differences +0.1, -0.1, +0.1 -> se = sd / sqrt(3)
+    import statistics
+
+    d = [0.1, -0.1, 0.1]
+    assert q["per_step"][1]["se"] == pytest.approx(statistics.stdev(d) / 3 ** 0.5)
+    assert q["steps_outside_2se"] == [1]
+    assert q["final_accuracy_diff_per_seed"] == pytest.approx({"1": 0.1, "2": 0.2, "3": 0.0})
+    # sign flips of (0.1, 0.2, 0.0): |mean| >= 0.1 for (+,+,*) and (-,-,*): 4 of 8
+    assert q["final_accuracy_sign_flip_p"] == pytest.approx(4 / 8)
+    assert bench.sign_flip_p([1.0, 2.0, 3.0]) == pytest.approx(2 / 8)
