@@ -33,7 +33,7 @@ generate call was running, plus the refit bubble),
 ``async/batch_generation_s`` and ``async/batch_generated_tokens`` of the trained batch.
 
 Checkpoints: the buffer (batches with their tokens and behaviour log-probs), its counters, the next batch index and
-the allocator state *as of the last buffered batch* go into ``train_state.pt`` through ``GRPOSetup.extra_state``; a
+the allocator state *as of the last buffered batch* go into ``train_state.pt`` through ``save_checkpoint``'s ``extra_state``; a
 resumed run continues generation right after the last buffered batch (the batch that was in flight is generated
 again with the same request seeds) and trains the buffered batches first.
 """
@@ -50,16 +50,14 @@ from tqdm import tqdm
 
 from nemo_rl_spec.algorithms.grpo import end_step, epochs_finished, train_on_selection
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
-from nemo_rl_spec.algorithms.interfaces import GenerateFn, RolloutRequest, RolloutResult
-from nemo_rl_spec.algorithms.rollout_allocation import mix_seed, requests_by_n
-from nemo_rl_spec.algorithms.rollouts import _row_payload, decode_responses, score_rollouts
+from nemo_rl_spec.algorithms.rollouts import RolloutGenerator
 from nemo_rl_spec.algorithms.trajectory_buffer import (
     TrajectoryBatch,
     TrajectoryBuffer,
     group_age,
 )
 from nemo_rl_spec.algorithms.validation import run_validation
-from nemo_rl_spec.speculative.metrics import SpecDecodeCounters
+from nemo_rl_spec.speculative.metrics import SpeculationMonitor
 from nemo_rl_spec.utils.timer import Timer
 
 _POLL_S = 0.5
@@ -143,40 +141,12 @@ class GenerationGate:
             self._cond.notify_all()
 
 
-def make_tagged_generate_fn(s: GRPOSetup, gate: GenerationGate, stats: dict) -> GenerateFn:
-    """A :class:`GenerateFn` like :func:`rollouts.make_generate_fn`, but each result's ``policy_version`` is the
-    version the vLLM actor reported for the call that sampled it, and every call runs under ``gate``.
-
-    Payloads also carry ``draft_version`` (int or None). ``stats`` accumulates ``generation_s`` (seconds inside
-    generate calls), ``generated_tokens`` (response tokens), ``spec_counters`` (the calls' speculative-decoding
-    counts, returned by generate itself: querying the actor would queue behind the next generate call) and
-    ``draft_version`` (of the latest call).
-    """
-
-    def generate_fn(requests: list[RolloutRequest]) -> list[RolloutResult]:
-        results = []
-        for n, idx in requests_by_n(requests).items():
-            reqs = [requests[i] for i in idx]
-            chosen = [s.train_problems[r.prompt_id] for r in reqs]
-            prompts = {"prompt_token_ids": s.prompt_ids(chosen)}
-            with gate.generation():
-                start = time.perf_counter()
-                gen = s.generation.generate(prompts, n, mix_seed(*(r.seed for r in reqs)))
-                stats["generation_s"] += time.perf_counter() - start
-            stats["generated_tokens"] += int((gen["unpadded_sequence_lengths"] - gen["input_lengths"]).sum())
-            stats["draft_version"] = gen["draft_version"]
-            if gen.get("spec_counters") is not None:
-                stats["spec_counters"] = gen["spec_counters"] + stats.get("spec_counters", SpecDecodeCounters())
-            rewards, valid = score_rollouts(s.env, decode_responses(s.tokenizer, gen), chosen, gen, n,
-                                            s.cfg.grpo.non_finite_reward, [r.prompt_id for r in reqs])
-            for j, req in enumerate(reqs):
-                rows = slice(j * n, (j + 1) * n)
-                payload = {**_row_payload(gen, rows), "draft_version": gen["draft_version"],
-                           "reward_valid": valid[rows].clone()}
-                results.append(req.result(rewards[rows], int(gen["policy_version"]), payload=payload))
-        return results
-
-    return generate_fn
+def make_async_generator(s: GRPOSetup, gate: GenerationGate) -> RolloutGenerator:
+    """The run's :class:`RolloutGenerator` for the producer thread: every generate call under ``gate``, each result
+    tagged with the policy and draft versions the engines reported for the call that sampled it (a refit may land
+    between calls); its ``stats`` carry the calls' seconds, tokens and speculative counts (returned by generate
+    itself: querying the actor would queue behind the next generate call)."""
+    return s.rollout_generator(version=None, gate=gate.generation, tag_draft_version=True)
 
 
 def carried_lag(cfg) -> int:
@@ -241,12 +211,12 @@ class TrajectoryProducer(threading.Thread):
             index = self.buffer.next_index
             epochs_done = lambda: epochs_finished(self.max_num_epochs, self.s.allocator.epochs_completed())  # noqa: E731
             while index < self.last_index and not epochs_done() and self._wait_turn(index):
-                stats = {"generation_s": 0.0, "generated_tokens": 0, "draft_version": None}
-                selection = self.s.allocator.step(make_tagged_generate_fn(self.s, self.gate, stats))
-                spec = stats.get("spec_counters")
-                batch = TrajectoryBatch(index, selection, stats["draft_version"],
-                                        copy.deepcopy(self.s.allocator.state_dict()), stats["generation_s"],
-                                        stats["generated_tokens"], spec.as_metrics("vllm/") if spec else {})
+                generate = make_async_generator(self.s, self.gate)
+                selection = self.s.allocator.step(generate)
+                stats = generate.stats
+                batch = TrajectoryBatch(index, selection, stats.draft_version,
+                                        copy.deepcopy(self.s.allocator.state_dict()), stats.generation_s,
+                                        stats.generated_tokens, SpeculationMonitor.counts_to_metrics(stats.spec_counters))
                 if not self.buffer.put(batch):
                     return
                 index += 1
@@ -287,9 +257,7 @@ def _async_metrics(batch: TrajectoryBatch, buffer: TrajectoryBuffer, step: int) 
 def _spec_metrics(s: GRPOSetup, batch: TrajectoryBatch) -> dict[str, float]:
     """``vllm/spec_*`` acceptance of the generate calls that produced ``batch`` (recorded by the producer from
     the calls' own counts) and the low-acceptance alarm's verdict on them; empty without speculation."""
-    if s.spec_alarm is None or not batch.metrics:
-        return {}
-    return {**batch.metrics, **s.spec_alarm.check(batch.metrics)}
+    return {} if s.spec is None else s.spec.step_metrics(batch.metrics)
 
 
 def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer: TrajectoryProducer,
@@ -317,8 +285,8 @@ def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer
         metrics["timing/train/exposed_generation"] += waited[0]  # the trainer waited on a running generate call
         with timer.time("weight_sync"):
             metrics.update(s.refitter.refit(version=step + 1))
-        if s.spec_alarm is not None:
-            s.spec_alarm.notify_refit()
+        if s.spec is not None:
+            s.spec.notify_refit()
     producer.set_version(step + 1)
     return metrics, selection.exhausted
 
@@ -326,10 +294,10 @@ def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer
 def _checkpoint(s: GRPOSetup, buffer: TrajectoryBuffer, step: int, metrics: dict[str, float]) -> None:
     state = buffer.state_dict()
     allocator_state = state.pop("allocator_state")
-    s.extra_state = {"async_grpo": {**state, "policy_version": step}}
+    extra = {"async_grpo": {**state, "policy_version": step}}
     if allocator_state is not None:
-        s.extra_state["allocator"] = allocator_state
-    save_checkpoint(s, step, metrics)
+        extra["allocator"] = allocator_state
+    save_checkpoint(s, step, metrics, extra_state=extra)
 
 
 def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
@@ -345,11 +313,12 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     cfg, timer, history = s.cfg, Timer(), []
     acfg = cfg.grpo.async_grpo
     buffer = TrajectoryBuffer(acfg.max_trajectory_age_steps, capacity=acfg.max_trajectory_age_steps + 1)
-    saved = s.extra_state.get("async_grpo")
+    start = s.state.start_step
+    saved = s.state.resumed.get("async_grpo")
     if saved is not None:
         buffer.load_state_dict(saved)
     else:
-        buffer.next_index = s.start_step
+        buffer.next_index = start
     # the allocator is between steps until the producer starts: its state goes with the (restored) buffer
     buffer.last_allocator_state = copy.deepcopy(s.allocator.state_dict())
     gate = GenerationGate()
@@ -358,14 +327,14 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
         with gate.exclusive():
             return run_validation(s)
 
-    if cfg.grpo.val_at_start and s.start_step == 0:
+    if cfg.grpo.val_at_start and start == 0:
         s.logger.log_metrics(val(), step=0)
-    producer = TrajectoryProducer(s, buffer, gate, version=s.start_step, last_index=cfg.grpo.max_num_steps,
+    producer = TrajectoryProducer(s, buffer, gate, version=start, last_index=cfg.grpo.max_num_steps,
                                   carried_lag=carried_lag(cfg), max_num_epochs=cfg.grpo.max_num_epochs)
     producer.start()
     try:
-        for step in tqdm(range(s.start_step, cfg.grpo.max_num_steps), desc="async GRPO",
-                         disable=not cfg.logger.progress_bar, initial=s.start_step, total=cfg.grpo.max_num_steps):
+        for step in tqdm(range(start, cfg.grpo.max_num_steps), desc="async GRPO",
+                         disable=not cfg.logger.progress_bar, initial=start, total=cfg.grpo.max_num_steps):
             timer.reset()
             with timer.time("total_step_time"):
                 out = async_train_step(s, step, buffer, producer, gate, timer)

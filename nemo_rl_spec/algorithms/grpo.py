@@ -11,8 +11,7 @@ from tqdm import tqdm
 from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
 from nemo_rl_spec.algorithms.overlong import apply_overlong_filtering, truncated_rows
-from nemo_rl_spec.algorithms.rollouts import (build_train_data, logprob_agreement_metrics, make_generate_fn,
-                                             selection_reward_valid)
+from nemo_rl_spec.algorithms.rollouts import build_train_data, logprob_agreement_metrics, selection_reward_valid
 from nemo_rl_spec.algorithms.validation import run_validation
 from nemo_rl_spec.utils.timer import Timer
 
@@ -21,18 +20,16 @@ def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> tuple[dict[str, float], 
     """One synchronous GRPO step; returns its metrics (without timings) and whether the prompt pool is exhausted
     (every prompt evicted by Pilot-Commit)."""
     with timer.time("generation"):
-        spec_before = s.spec_counters()
-        selection = s.allocator.step(make_generate_fn(s.generation, s.tokenizer, s.env, s.train_problems,
-                                                      s.prompt_ids, version=step,
-                                                      non_finite_reward=s.cfg.grpo.non_finite_reward))
+        generate = s.rollout_generator(version=step)
+        selection = s.allocator.step(generate)
     metrics = {"train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
-               **selection.metrics, **s.spec_metrics_since(spec_before)}
+               **selection.metrics, **s.spec_step_metrics(generate.stats.spec_counters)}
     if selection.groups:
         metrics.update(train_on_selection(s, selection, timer))
     with timer.time("weight_sync"):
         metrics.update(s.refitter.refit(version=step + 1))
-    if s.spec_alarm is not None:
-        s.spec_alarm.notify_refit()
+    if s.spec is not None:
+        s.spec.notify_refit()
     return metrics, selection.exhausted
 
 
@@ -72,10 +69,11 @@ def overlong_metrics(s: GRPOSetup, data) -> dict[str, float]:
 def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     """Run steps ``start_step .. max_num_steps - 1``; returns every step's metrics."""
     cfg, timer, history = s.cfg, Timer(), []
-    if cfg.grpo.val_at_start and s.start_step == 0:
+    start = s.state.start_step
+    if cfg.grpo.val_at_start and start == 0:
         s.logger.log_metrics(run_validation(s), step=0)
-    steps = range(s.start_step, cfg.grpo.max_num_steps)
-    for step in tqdm(steps, desc="GRPO", disable=not cfg.logger.progress_bar, initial=s.start_step,
+    steps = range(start, cfg.grpo.max_num_steps)
+    for step in tqdm(steps, desc="GRPO", disable=not cfg.logger.progress_bar, initial=start,
                      total=cfg.grpo.max_num_steps):
         if epochs_finished(cfg.grpo.max_num_epochs, s.allocator.epochs_completed()):  # resumed after the last epoch's final step
             break

@@ -17,6 +17,7 @@ from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
 from nemo_rl_spec.algorithms.interfaces import RolloutAllocator
 from nemo_rl_spec.algorithms.refit import WeightRefitter
 from nemo_rl_spec.algorithms.rollout_allocation import build_rollout_allocator, difficulty_bucket
+from nemo_rl_spec.algorithms.rollouts import RolloutGenerator
 from nemo_rl_spec.data import hub_datasets
 from nemo_rl_spec.data.datasets import load_gsm8k_original, load_train_problems
 from nemo_rl_spec.data.prompts import format_prompt
@@ -24,15 +25,17 @@ from nemo_rl_spec.environments import build_environment
 from nemo_rl_spec.environments.interfaces import EnvironmentInterface
 from nemo_rl_spec.distributed.placement import PlacementPlan, plan_placement
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl_spec.models.generation.interfaces import GenerationController
 from nemo_rl_spec.models.generation.vllm_generation import VllmGeneration
 from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.models.hf_export import write_consolidated_hf
+from nemo_rl_spec.models.policy.interfaces import PolicyController
 from nemo_rl_spec.models.policy.lm_policy import Policy, prefetch_worker_class
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import to_yaml
 from nemo_rl_spec.utils.console import configure_console, ray_logging_level, worker_log_env
 from nemo_rl_spec.utils.console_log import active_console_log, log_only
-from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
+from nemo_rl_spec.speculative.metrics import SpecDecodeCounters, SpeculationMonitor
 from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
 from nemo_rl_spec.utils.precision import precision_line
 from nemo_rl_spec.utils.logger import Logger
@@ -40,13 +43,30 @@ from nemo_rl_spec.utils.trackers import build_trackers
 
 
 @dataclass
+class RunState:
+    """The mutable state of one GRPO run that outlives a step, in one named place (the run context itself is frozen).
+
+    Attributes:
+        start_step: the first step to run (0, or the step of the checkpoint resumed from).
+        resumed: what a resumed checkpoint's ``train_state.pt`` held besides the allocator state (async GRPO's
+            buffer under ``async_grpo``); empty for a fresh run.
+    """
+
+    start_step: int = 0
+    resumed: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class GRPOSetup:
-    """Controllers and state of one GRPO run: ``policy`` (:class:`Policy`, the Megatron worker group) and
-    ``generation`` (:class:`VllmGeneration`, the vLLM engines); the drivers call them, never Ray handles."""
+    """The run context of one GRPO run, built once by :func:`setup` and never re-assigned: the controllers
+    ``policy`` (:class:`Policy`, the Megatron worker group) and ``generation`` (:class:`VllmGeneration`, the vLLM
+    engines), the ``refitter`` between them, data, environment, allocator, logger and checkpoints; ``spec`` the
+    speculative-decoding monitor (None without speculation); ``state`` the mutable :class:`RunState`. The drivers
+    call these objects, never Ray handles."""
 
     cfg: MasterConfig
-    policy: Policy
-    generation: VllmGeneration
+    policy: PolicyController
+    generation: GenerationController
     refitter: WeightRefitter
     tokenizer: Any
     env: EnvironmentInterface
@@ -56,34 +76,45 @@ class GRPOSetup:
     val_prompt_ids: list[list[int]]
     logger: Logger
     checkpoints: CheckpointManager | None
-    start_step: int = 0
-    extra_state: dict = field(default_factory=dict)
-    spec_alarm: LowAcceptanceAlarm | None = None
+    spec: SpeculationMonitor | None = None
     workers: Workers | None = None
-
-    def spec_counters(self) -> SpecDecodeCounters | None:
-        """Cumulative speculative-decoding counters summed over the engines (None without speculation)."""
-        return self.generation.spec_counters() if self.spec_alarm is not None else None
-
-    def spec_metrics_since(self, before: SpecDecodeCounters | None,
-                           after: SpecDecodeCounters | None = None) -> dict[str, float]:
-        """``vllm/spec_*`` acceptance metrics from counters ``before`` to ``after`` (None: now) and the
-        low-acceptance alarm (empty without speculation)."""
-        if before is None:
-            return {}
-        metrics = ((self.spec_counters() if after is None else after) - before).as_metrics("vllm/")
-        return {**metrics, **self.spec_alarm.check(metrics)}
+    state: RunState = field(default_factory=RunState)
 
     @property
     def pad_token_id(self) -> int:
         """Padding id of training batches (the tokenizer's pad token, else EOS, as the generation worker uses)."""
-        pad = self.tokenizer.pad_token_id
-        return int(pad if pad is not None else self.tokenizer.eos_token_id)
+        return pad_token_id(self.tokenizer)
 
     def prompt_ids(self, problems: list[dict]) -> list[list[int]]:
         """Chat-formatted token ids of ``problems``."""
-        kwargs = self.cfg.policy.tokenizer.chat_template_kwargs
-        return [format_prompt(self.tokenizer, self.cfg.data.system_prompt, p["question"], **kwargs) for p in problems]
+        return chat_prompt_ids(self.cfg, self.tokenizer, problems)
+
+    def rollout_generator(self, version: int | None = None, gate=None, tag_draft_version: bool = False
+                          ) -> RolloutGenerator:
+        """The run's :class:`RolloutGenerator` over the training pool (the one generate path of sync and async
+        GRPO; arguments as there)."""
+        return RolloutGenerator(self.generation, self.tokenizer, self.env, self.train_problems, self.prompt_ids,
+                                self.cfg.grpo.non_finite_reward, version=version, gate=gate,
+                                tag_draft_version=tag_draft_version)
+
+    def spec_step_metrics(self, counters: SpecDecodeCounters | None) -> dict[str, float]:
+        """``vllm/spec_*`` metrics of one step's generate calls and the alarm's verdict (empty without
+        speculation)."""
+        if self.spec is None:
+            return {}
+        return self.spec.step_metrics(self.spec.counts_to_metrics(counters or SpecDecodeCounters()))
+
+
+def pad_token_id(tokenizer) -> int:
+    """The tokenizer's pad token id, else its EOS id."""
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else tokenizer.eos_token_id)
+
+
+def chat_prompt_ids(cfg: MasterConfig, tokenizer, problems: list[dict]) -> list[list[int]]:
+    """Chat-formatted token ids of ``problems`` (``data.system_prompt``, ``policy.tokenizer.chat_template_kwargs``)."""
+    kwargs = cfg.policy.tokenizer.chat_template_kwargs
+    return [format_prompt(tokenizer, cfg.data.system_prompt, p["question"], **kwargs) for p in problems]
 
 
 def load_datasets(cfg: MasterConfig) -> tuple[list[dict], list[dict]]:
@@ -368,33 +399,38 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
 
 def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[dict], val: list[dict]) -> GRPOSetup:
     policy, generation = workers.policy, workers.generation
+    val_prompt_ids = chat_prompt_ids(cfg, tokenizer, val)
+    draft = enabled_draft(cfg)
+    refitter = WeightRefitter(policy, generation, val_prompt_ids[: cfg.policy.refit.probe_batch_size],
+                              cfg.policy.refit_threshold, pad_token_id(tokenizer), engine_dtype=cfg.policy.engine_precision,
+                              sync_draft=(draft is not None and draft.online) or serves_policy_mtp(cfg))
+    spec = None
+    if cfg.policy.generation.vllm_kwargs.get("speculative_config") is not None:
+        spec = SpeculationMonitor((cfg.policy.draft or DraftConfig()).acceptance_alarm_floor)
     logger = Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled, console=True,
                     trackers=build_trackers(cfg.logger, cfg.model_dump(mode="json")))  # W&B / MLflow start here
     s = GRPOSetup(
-        cfg=cfg, policy=policy, generation=generation, refitter=None, tokenizer=tokenizer, workers=workers,
+        cfg=cfg, policy=policy, generation=generation, refitter=refitter, tokenizer=tokenizer, workers=workers,
         env=build_environment(cfg.env),
         train_problems=train, allocator=build_allocator(cfg, len(train), train),
-        val_problems=val, val_prompt_ids=[], logger=logger,
+        val_problems=val, val_prompt_ids=val_prompt_ids, logger=logger,
         checkpoints=CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_top_k,
                                       cfg.checkpointing.metric_name, cfg.checkpointing.higher_is_better)
         if cfg.checkpointing.enabled else None,
+        spec=spec,
     )
-    s.val_prompt_ids = s.prompt_ids(val)
-    if cfg.policy.generation.vllm_kwargs.get("speculative_config") is not None:
-        s.spec_alarm = LowAcceptanceAlarm((cfg.policy.draft or DraftConfig()).acceptance_alarm_floor)
-    draft = enabled_draft(cfg)
-    s.refitter = WeightRefitter(policy, generation, s.val_prompt_ids[: cfg.policy.refit.probe_batch_size],
-                                cfg.policy.refit_threshold, s.pad_token_id, engine_dtype=cfg.policy.engine_precision,
-                                sync_draft=(draft is not None and draft.online) or serves_policy_mtp(cfg))
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         resume(s)
     return s
 
 
-def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path | None:
+def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float], extra_state: dict | None = None
+                    ) -> Path | None:
     """Write ``step_<step>`` atomically: policy (model + optimizer, the optimizer unless ``checkpointing.save_optimizer``
     is false; with ``checkpointing.save_consolidated`` also ``policy/consolidated``, an HF checkpoint),
-    rollout-allocator state (prompt stream, Pilot-Commit pool and replay buffer), info (``optimizer_saved`` too)."""
+    rollout-allocator state (prompt stream, Pilot-Commit pool and replay buffer), info (``optimizer_saved`` too).
+    ``extra_state``: more entries of ``train_state.pt`` (async GRPO's buffer; its ``allocator`` entry, when given,
+    replaces the allocator's current state)."""
     if s.checkpoints is None:
         return None
     tmp = s.checkpoints.begin(step)
@@ -402,10 +438,10 @@ def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path 
     save_optimizer = s.cfg.checkpointing.save_optimizer
     s.policy.save_checkpoint(str(tmp / "policy"), save_optimizer)
     if s.cfg.checkpointing.save_consolidated:  # NeMo-RL: also an HF checkpoint (transformers / vLLM / model_name)
-        write_consolidated_hf(ray.get(s.policy.export_hf_weights(None, s.cfg.checkpointing.consolidated_dtype)),
+        write_consolidated_hf(s.policy.export_hf_weights(None, s.cfg.checkpointing.consolidated_dtype).get(),
                               resolve_model(s.cfg.policy.model_name),
                               tmp / "policy" / "consolidated")
-    state = dict(s.extra_state)
+    state = dict(extra_state or {})
     if "allocator" not in state:  # async GRPO passes the allocator state of its last buffered batch instead
         state["allocator"] = s.allocator.state_dict()
     torch.save(state, tmp / "train_state.pt")
@@ -415,18 +451,18 @@ def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float]) -> Path 
 
 
 def resume(s: GRPOSetup) -> None:
-    """Load the newest complete checkpoint (if any), sync its weights into vLLM, and set ``start_step``."""
+    """Load the newest complete checkpoint (if any), sync its weights into vLLM, and set ``s.state``."""
     latest = s.checkpoints.latest()
     if latest is None:
         return
     s.policy.load_checkpoint(str(latest / "policy"))
     state = torch.load(latest / "train_state.pt", weights_only=False)
     s.allocator.load_state_dict(state.pop("allocator"))
-    s.extra_state = state
+    s.state.resumed = state
     info = CheckpointManager.read_info(latest)
-    s.start_step = info["step"]
-    s.logger.truncate_after(s.start_step)
-    s.refitter.refit(version=s.start_step)
+    s.state.start_step = info["step"]
+    s.logger.truncate_after(s.state.start_step)
+    s.refitter.refit(version=s.state.start_step)
     print(resume_line(latest, info), flush=True)
 
 

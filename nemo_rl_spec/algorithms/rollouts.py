@@ -1,15 +1,19 @@
 """Rollouts: prompts -> vLLM samples -> math rewards -> a padded training batch (TrainDatumSpec)."""
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from nemo_rl_spec.algorithms.interfaces import GenerateFn, RolloutRequest, RolloutResult, TrainSelection
+from nemo_rl_spec.algorithms.interfaces import RolloutRequest, RolloutResult, TrainSelection
 from nemo_rl_spec.algorithms.rollout_allocation import mix_seed, requests_by_n
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.environments.reward_check import check_rewards
 from nemo_rl_spec.models.generation.interfaces import GenerationOutputSpec
+from nemo_rl_spec.speculative.metrics import SpecDecodeCounters
 
 
 @dataclass
@@ -86,36 +90,83 @@ def generate_rollouts(generation, tokenizer, env, problems: list[dict], prompt_i
     return RolloutBatch(gen, rewards, responses, gen["prompt_index"], valid)
 
 
-def make_generate_fn(generation, tokenizer, env, problems: list[dict], prompt_ids_of, version: int,
-                     non_finite_reward: str = "error") -> GenerateFn:
-    """The :class:`GenerateFn` a rollout allocator calls: one vLLM call per distinct ``n``, scored by ``env``.
+@dataclass
+class RolloutStats:
+    """What the generate calls of one allocator step cost and reported (:class:`RolloutGenerator` adds to it).
+
+    Attributes:
+        generation_s: seconds inside the engines' generate calls (scoring excluded).
+        generated_tokens: response tokens generated.
+        spec_counters: speculative-decoding counts of those calls, summed (None without speculation); each call
+            returns its own counts, so nothing queries the engines (a query would queue behind the next call).
+        draft_version: the drafter version the engines reported for the latest call (None without a draft refit).
+    """
+
+    generation_s: float = 0.0
+    generated_tokens: int = 0
+    spec_counters: SpecDecodeCounters | None = None
+    draft_version: int | None = None
+
+    def add(self, gen: GenerationOutputSpec, seconds: float) -> None:
+        """Account one generate call's output ``gen`` that took ``seconds``."""
+        self.generation_s += seconds
+        self.generated_tokens += int((gen["unpadded_sequence_lengths"] - gen["input_lengths"]).sum())
+        self.draft_version = gen.get("draft_version")
+        if gen.get("spec_counters") is not None:
+            self.spec_counters = gen["spec_counters"] + (self.spec_counters or SpecDecodeCounters())
+
+
+class RolloutGenerator:
+    """The :class:`GenerateFn` a rollout allocator calls, in sync and async GRPO alike: one vLLM call per distinct
+    ``n``, scored by ``env``; :attr:`stats` accumulates what the calls cost and reported (:class:`RolloutStats`).
 
     Each result's payload holds its rows: ``output_ids`` [n, L], ``input_lengths`` [n], ``sequence_lengths`` [n],
     ``generation_logprobs`` [n, L] (L = longest of the n rows), so a replayed pilot keeps its behaviour log-probs,
-    and ``reward_valid`` [n] bool (False: a masked non-finite reward, see :func:`score_rollouts`).
+    and ``reward_valid`` [n] bool (False: a masked non-finite reward, see :func:`score_rollouts`); with
+    ``tag_draft_version`` also ``draft_version`` (int or None) of the call that sampled it.
 
     Args:
+        generation: the generation controller (its ``generate``).
         problems: the training pool; ``RolloutRequest.prompt_id`` indexes it.
         prompt_ids_of: callable mapping a list of problems to their chat-formatted token ids.
-        version: policy version of the weights the generation workers hold now.
         non_finite_reward: ``grpo.non_finite_reward`` (``error`` or ``mask``).
+        version: policy version of the weights the engines hold (sync GRPO); None: each result takes the version
+            the engines reported for the call that sampled it (async GRPO, where refits land between calls).
+        gate: a context-manager factory every generate call runs under (async GRPO's
+            ``GenerationGate.generation``: no refit while a call runs); None: no gate.
+        tag_draft_version: put the call's ``draft_version`` into each payload.
+
+    Raises:
+        NonFiniteRewardError: from a call, see :func:`score_rollouts`.
     """
 
-    def generate_fn(requests: list[RolloutRequest]) -> list[RolloutResult]:
+    def __init__(self, generation, tokenizer, env, problems: list[dict], prompt_ids_of,
+                 non_finite_reward: str = "error", version: int | None = None,
+                 gate: Callable[[], AbstractContextManager] | None = None, tag_draft_version: bool = False) -> None:
+        self.generation, self.tokenizer, self.env = generation, tokenizer, env
+        self.problems, self.prompt_ids_of, self.non_finite_reward = problems, prompt_ids_of, non_finite_reward
+        self.version, self.gate, self.tag_draft_version = version, gate or nullcontext, tag_draft_version
+        self.stats = RolloutStats()
+
+    def __call__(self, requests: list[RolloutRequest]) -> list[RolloutResult]:
         results = []
         for n, idx in requests_by_n(requests).items():
             reqs = [requests[i] for i in idx]
-            chosen = [problems[r.prompt_id] for r in reqs]
-            batch = generate_rollouts(generation, tokenizer, env, chosen, prompt_ids_of(chosen), n,
-                                      seed=mix_seed(*(r.seed for r in reqs)), non_finite_reward=non_finite_reward,
-                                      prompt_names=[r.prompt_id for r in reqs])
+            chosen = [self.problems[r.prompt_id] for r in reqs]
+            prompts = {"prompt_token_ids": self.prompt_ids_of(chosen)}
+            with self.gate():
+                start = time.perf_counter()
+                gen = self.generation.generate(prompts, n, mix_seed(*(r.seed for r in reqs)))
+                self.stats.add(gen, time.perf_counter() - start)
+            rewards, valid = score_rollouts(self.env, decode_responses(self.tokenizer, gen), chosen, gen, n,
+                                            self.non_finite_reward, [r.prompt_id for r in reqs])
+            version = int(gen["policy_version"]) if self.version is None else self.version
+            extra = {"draft_version": gen.get("draft_version")} if self.tag_draft_version else {}
             for j, req in enumerate(reqs):
                 rows = slice(j * n, (j + 1) * n)
-                payload = {**_row_payload(batch.generation, rows), "reward_valid": batch.reward_valid[rows].clone()}
-                results.append(req.result(batch.rewards[rows], version, payload=payload))
+                payload = {**_row_payload(gen, rows), **extra, "reward_valid": valid[rows].clone()}
+                results.append(req.result(rewards[rows], version, payload=payload))
         return results
-
-    return generate_fn
 
 
 def _row_payload(gen: GenerationOutputSpec, rows: slice) -> dict[str, torch.Tensor]:

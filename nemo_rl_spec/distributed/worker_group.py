@@ -57,6 +57,33 @@ def init_process_group_from_env(timeout_minutes: float = 30.0) -> tuple[int, int
     return rank, world
 
 
+
+class RemoteValue:
+    """A value one worker group produced that stays in Ray's object store until someone needs it: the controllers
+    hand it to another worker group (the policy's exported weights to every vLLM engine: one copy serves all, none
+    passes through the driver) without exposing the Ray handle to the drivers. :meth:`get` fetches the value."""
+
+    def __init__(self, ref: ray.ObjectRef) -> None:
+        self._ref = ref
+
+    def get(self) -> Any:
+        """The value (fetched from the object store; blocks until it exists).
+
+        Raises:
+            ray.exceptions.RayError: the producing task failed.
+        """
+        return ray.get(self._ref)
+
+    def ref(self) -> ray.ObjectRef:
+        """The object ref, for controllers that pass the value on to actors (never for drivers)."""
+        return self._ref
+
+    @staticmethod
+    def ref_of(value: Any) -> ray.ObjectRef:
+        """An object ref for ``value``: its own for a :class:`RemoteValue`, else ``ray.put(value)``."""
+        return value.ref() if isinstance(value, RemoteValue) else ray.put(value)
+
+
 class RayWorkerGroup:
     """N actors of ``actor_cls`` placed on ``cluster`` nodes.
 

@@ -161,3 +161,29 @@ class LowAcceptanceAlarm:
             logger.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
         return {self.METRIC: 1.0 if fired else 0.0}
+
+
+class SpeculationMonitor:
+    """The one place a GRPO loop (sync or async) turns speculative-decoding counts into step metrics and judges
+    them with a :class:`LowAcceptanceAlarm`.
+
+    Args:
+        floor: the alarm's floor (``policy.draft.acceptance_alarm_floor``).
+    """
+
+    def __init__(self, floor: float) -> None:
+        self.alarm = LowAcceptanceAlarm(floor)
+
+    @staticmethod
+    def counts_to_metrics(counters: SpecDecodeCounters | None) -> dict[str, float]:
+        """``vllm/spec_*`` metrics of ``counters`` (the counts of one step's generate calls); {} for None."""
+        return {} if counters is None else counters.as_metrics("vllm/")
+
+    def step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` (from :meth:`counts_to_metrics`) plus the alarm's verdict on them; {} when empty (a step
+        that generated nothing)."""
+        return {**metrics, **self.alarm.check(metrics)} if metrics else {}
+
+    def notify_refit(self) -> None:
+        """Call after every (policy + draft) refit: the next step's acceptance is judged."""
+        self.alarm.notify_refit()

@@ -211,7 +211,7 @@ def dp2_tp2_draft(cluster, model_dir):
                "logprobs": (policy.get_logprobs(_batch(7, 0)), reference.get_logprobs(_batch(7, 0)))}
         out["metrics"] = _train_both(policy, reference, _batch(7, 1))
         out["weights"] = (policy.export_megatron_weights(), reference.export_megatron_weights())
-        out["draft"] = (ray.get(policy.export_draft_weights())["weights"], reference.export_draft_weights()["weights"],
+        out["draft"] = (policy.export_draft_weights().get()["weights"], reference.export_draft_weights()["weights"],
                         draft_before)
     finally:
         policy.shutdown()
@@ -238,12 +238,12 @@ def tp2_mtp(cluster, model_dir, tmp_path_factory):
     """TP=2 with MTP (occ) vs TP=1: log-probs, export, one step; then a per-TP-rank checkpoint round trip."""
     policy, reference = _policy(cluster, model_dir, 2, _cfg(tp=2, mtp=True)), _reference(model_dir, _cfg(mtp=True))
     try:
-        out = {"layouts": policy.layouts, "export": (ray.get(policy.export_hf_weights(1)),
+        out = {"layouts": policy.layouts, "export": (policy.export_hf_weights(1).get(),
                                                      reference.export_hf_weights(1)),
                "logprobs": (policy.get_logprobs(_batch(7, 0)), reference.get_logprobs(_batch(7, 0)))}
         out["metrics"] = _train_both(policy, reference, _batch(7, 1))
         out["weights"] = (policy.export_megatron_weights(), reference.export_megatron_weights())
-        out["export_after"] = (ray.get(policy.export_hf_weights(2)), reference.export_hf_weights(2))
+        out["export_after"] = (policy.export_hf_weights(2).get(), reference.export_hf_weights(2))
         ckpt = tmp_path_factory.mktemp("tp2_ckpt")
         policy.save_checkpoint(str(ckpt))
         out["ckpt_files"], out["ckpt_dir"] = sorted(os.listdir(ckpt)), str(ckpt)

@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -118,7 +117,7 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
         assert max(mismatches) < 1e-4
 
         # (c) a draft paired with another policy version is refused, and nothing is loaded
-        export = ray.get(s.policy.export_draft_weights())
+        export = s.policy.export_draft_weights().get()
         assert export["policy_version"] == CYCLES and export["draft_version"] == CYCLES
         assert all(k.startswith("model.mtp_layers.0.") for k in export["weights"])
         gen_rng = torch.Generator().manual_seed(7)
@@ -140,7 +139,7 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
               f"({counters.num_accepted_tokens} accepted in {counters.num_drafts} drafts)")
         assert total >= NUM_PROMPTS * MAX_TOKENS // 2 and agree == total
         assert agree_initial < total  # a drafter left at the initial MTP layer would be caught
-        hf_weights = ray.get(s.policy.export_hf_weights())
+        hf_weights = s.policy.export_hf_weights().get()
     finally:
         teardown(s)
     # (b) lossless: the drafter accepted, and speculative greedy == plain greedy of the same weights (separate engine,

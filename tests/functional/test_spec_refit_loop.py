@@ -21,7 +21,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,39 +80,37 @@ def test_acceptance_survives_refits_and_alarm_fires_on_broken_draft_refit(tmp_pa
     lengths, alarms, lp_errors, versions = [], [], [], []
     try:
         for step in range(10):
-            before = s.spec_counters()
             gen = s.generation.generate({"prompt_token_ids": prompts}, n=4, seed=step)
-            m = s.spec_metrics_since(before)
+            m = s.spec_step_metrics(gen["spec_counters"])
             lengths.append(m["vllm/spec_acceptance_length"])
-            alarms.append(m[s.spec_alarm.METRIC])
+            alarms.append(m[s.spec.alarm.METRIC])
             data = fm.train_data_from_generation(s, gen, step)
             lp_errors.append(masked_mean_abs_diff(data["prev_logprobs"], gen["generation_logprobs"],
                                                   data["token_mask"]))
             train = s.policy.train(data)
             assert train["draft_version"] == step + 1 and train["draft_loss"] > 0
             refit = s.refitter.refit(version=step + 1)
-            s.spec_alarm.notify_refit()
+            s.spec.notify_refit()
             versions.append(s.generation.get_versions()[0])
             assert refit["refit/logprob_mismatch"] < 1e-4
         # break the draft refit on purpose: load random weights of the right names and shapes 
-        export = ray.get(s.policy.export_draft_weights())
+        export = s.policy.export_draft_weights().get()
         gen_rng = torch.Generator().manual_seed(123)
         export["weights"] = {k: (torch.randn(v.shape, generator=gen_rng) * 0.02 if v.is_floating_point() else v)
                              for k, v in export["weights"].items()}
         s.generation.update_draft_weights(export)
-        s.spec_alarm.notify_refit()
-        before = s.spec_counters()
+        s.spec.notify_refit()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            s.generation.generate({"prompt_token_ids": prompts}, n=2, seed=99)
-            broken = s.spec_metrics_since(before)
+            broken = s.spec_step_metrics(s.generation.generate({"prompt_token_ids": prompts}, n=2, seed=99)
+                                         ["spec_counters"])
     finally:
         teardown(s)
     print("\nacceptance per cycle", [round(x, 3) for x in lengths], "broken", broken["vllm/spec_acceptance_length"])
     assert versions[-1] == {"policy_version": 10, "draft_version": 10, "draft_policy_version": 10}
     assert all(v["draft_policy_version"] == v["policy_version"] for v in versions)
     # every generation right after a refit: at or above the alarm floor (1.2), the alarm silent
-    assert min(lengths[1:]) >= s.spec_alarm.floor and alarms[1:] == [0.0] * 9
+    assert min(lengths[1:]) >= s.spec.alarm.floor and alarms[1:] == [0.0] * 9
     assert max(lp_errors) < 1e-4  # speculation leaves the sampled tokens' log-probs autoregressive
-    assert broken["vllm/spec_acceptance_length"] < 1.1 and broken[s.spec_alarm.METRIC] == 1.0
+    assert broken["vllm/spec_acceptance_length"] < 1.1 and broken[s.spec.alarm.METRIC] == 1.0
     assert any("still being refit" in str(w.message) for w in caught)

@@ -1,6 +1,6 @@
 """Non-finite rewards (issue 16, item 2): the issue's group of 8 with rewards [nan x 7, 1.0].
 
-The rollout path under test is the real one (make_generate_fn -> UniformAllocator -> advantages ->
+The rollout path under test is the real one (RolloutGenerator -> UniformAllocator -> advantages ->
 build_train_data -> ClippedPGLossFn); only the two ends are stand-ins: a generation object returning fixed token
 rows (no engine needed to score text) and an environment whose reward function returns NaN, as a broken one would.
 """
@@ -12,7 +12,7 @@ import torch
 from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages
 from nemo_rl_spec.algorithms.loss.clipped_pg import ClippedPGLossFn
 from nemo_rl_spec.algorithms.rollout_allocation import UniformAllocator
-from nemo_rl_spec.algorithms.rollouts import build_train_data, make_generate_fn, selection_reward_valid
+from nemo_rl_spec.algorithms.rollouts import RolloutGenerator, build_train_data, selection_reward_valid
 from nemo_rl_spec.environments.interfaces import EnvironmentInterface
 from nemo_rl_spec.environments.reward_check import NonFiniteRewardError, check_rewards
 from nemo_rl_spec.utils.config import ConfigError, load_config
@@ -63,9 +63,9 @@ def _selection(groups: dict[int, list[float]], policy: str):
     pool = [{"id": i, "rewards": groups.get(i, [0.0] * 8)} for i in range(max(groups) + 1)]
     alloc = UniformAllocator(list(groups), num_prompts_per_step=len(groups), num_generations_per_prompt=8,
                              shuffle=False)
-    gen_fn = make_generate_fn(_FixedRows(), _Tokenizer(), _ScriptedRewards(), pool,
-                              lambda problems: [[1, 2 + p["id"]] for p in problems], version=0,
-                              non_finite_reward=policy)
+    gen_fn = RolloutGenerator(_FixedRows(), _Tokenizer(), _ScriptedRewards(), pool,
+                              lambda problems: [[1, 2 + p["id"]] for p in problems], non_finite_reward=policy,
+                              version=0)
     return alloc.step(gen_fn)
 
 

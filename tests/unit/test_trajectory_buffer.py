@@ -185,6 +185,20 @@ def test_gate_trainer_waits_for_call_in_flight_then_has_priority():
         pass
 
 
+def scripted(make):
+    """``make(s, gate) -> generate`` as a stand-in for ``make_async_generator``: the producer reads ``.stats``."""
+    from nemo_rl_spec.algorithms.rollouts import RolloutStats
+
+    def make_generator(s, gate):
+        generate = make(s, gate)
+
+        def call(requests):
+            return generate(requests)
+        call.stats = RolloutStats()
+        return call
+    return make_generator
+
+
 class _FakeSetup:
     """Enough of GRPOSetup for the producer: an allocator whose generate_fn is scripted (no Ray)."""
 
@@ -199,7 +213,7 @@ def test_producer_throttle_holds_the_bound_with_a_slow_trainer(monkeypatch):
     versions_seen = []
     holder = {}
 
-    def fake_make(s, gate, stats):
+    def fake_make(s, gate):
         def generate(requests):
             with gate.generation():
                 v = holder["producer"]._version
@@ -207,7 +221,7 @@ def test_producer_throttle_holds_the_bound_with_a_slow_trainer(monkeypatch):
             return [r.result([1.0, 0.0], v, payload=None) for r in requests]
         return generate
 
-    monkeypatch.setattr(ag, "make_tagged_generate_fn", fake_make)
+    monkeypatch.setattr(ag, "make_async_generator", scripted(fake_make))
     alloc = UniformAllocator(range(10), num_prompts_per_step=2, num_generations_per_prompt=2, seed=0)
     buf = TrajectoryBuffer(1, capacity=2)
     prod = TrajectoryProducer(_FakeSetup(alloc), buf, GenerationGate(), version=0, last_index=5)
@@ -232,12 +246,12 @@ def test_producer_throttle_holds_the_bound_with_a_slow_trainer(monkeypatch):
 def test_producer_error_reaches_the_trainer(monkeypatch):
     import nemo_rl_spec.algorithms.async_grpo as ag
 
-    def fake_make(s, gate, stats):
+    def fake_make(s, gate):
         def generate(requests):
             raise RuntimeError("engine crashed")
         return generate
 
-    monkeypatch.setattr(ag, "make_tagged_generate_fn", fake_make)
+    monkeypatch.setattr(ag, "make_async_generator", scripted(fake_make))
     alloc = UniformAllocator(range(4), num_prompts_per_step=2, num_generations_per_prompt=2, seed=0)
     buf = TrajectoryBuffer(1, capacity=2)
     prod = TrajectoryProducer(_FakeSetup(alloc), buf, GenerationGate(), version=0, last_index=3)
@@ -271,13 +285,13 @@ def test_pilot_binding_shrinks_the_producer_lead(monkeypatch):
 
     holder = {}
 
-    def fake_make(s, gate, stats):
+    def fake_make(s, gate):
         def generate(requests):
             v = holder["producer"]._version
             return [r.result([float(i % 2) for i in range(r.n)], v, payload=None) for r in requests]
         return generate
 
-    monkeypatch.setattr(ag, "make_tagged_generate_fn", fake_make)
+    monkeypatch.setattr(ag, "make_async_generator", scripted(fake_make))
     pc = PilotCommitConfig(enabled=True, n_pilot=2, n_commit=2, bind_pilot_to_commit=True)
     alloc = PilotCommitAllocator(range(16), pc, seed=0, default_rollout_budget=16)
 

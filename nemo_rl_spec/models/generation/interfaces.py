@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import torch
 
@@ -68,3 +68,32 @@ class GenerationInterface(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Release the engine."""
+
+
+@runtime_checkable
+class GenerationController(Protocol):
+    """What the drivers call on the generation controller
+    (:class:`~nemo_rl_spec.models.generation.vllm_generation.VllmGeneration`, over its vLLM engines). Every method
+    returns a value, never a Ray handle; weights may be passed as a plain dict or as the policy's ``RemoteValue``."""
+
+    def generate(self, data: GenerationDatumSpec, n: int, seed: int, temperature: float | None = None,
+                 max_new_tokens: int | None = None) -> GenerationOutputSpec:
+        """``n`` samples per prompt, with the engines' ``policy_version`` / ``draft_version`` / ``spec_counters``."""
+
+    def score(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Per engine: [B, S] -> [B, S] float32 log-probs of the given tokens under its weights (the refit probe)."""
+
+    def update_weights(self, weights: Any, version: int) -> None:
+        """Load HF-named policy weights into every engine as ``version``."""
+
+    def update_draft_weights(self, draft: Any) -> list[dict[str, Any]]:
+        """Load a drafter export into every engine; each engine's result."""
+
+    def get_versions(self) -> list[dict[str, int | None]]:
+        """(policy, draft) versions per engine."""
+
+    def node_ids(self) -> list[str]:
+        """Ray node id of every engine (placement lines)."""
+
+    def shutdown(self) -> None:
+        """Stop the engines."""

@@ -28,7 +28,7 @@ import torch
 
 from nemo_rl_spec.distributed.batch import gather_batch, shard_bounds
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl_spec.distributed.worker_group import RayWorkerGroup
+from nemo_rl_spec.distributed.worker_group import RayWorkerGroup, RemoteValue
 from nemo_rl_spec.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 from nemo_rl_spec.models.generation.runtime_env import as_generation_config, vllm_runtime_env
 from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
@@ -214,7 +214,7 @@ class VllmGeneration:
                                                                          ranks=self._ranks(ranks)))
 
     # ---------------------------------------------------------------------------------------------- weights
-    def update_weights(self, weights: dict[str, torch.Tensor] | ray.ObjectRef, version: int,
+    def update_weights(self, weights: dict[str, torch.Tensor] | RemoteValue, version: int,
                        ranks: Sequence[int] | None = None) -> None:
         """Load HF-named policy weights into every engine (or only ``ranks``) and record ``version``; one
         object-store copy serves all engines. Blocks until all have loaded.
@@ -223,11 +223,11 @@ class VllmGeneration:
             ValueError: from an engine (names missing from or unknown to the checkpoint); engines before the failing
                 one may have loaded (see :meth:`get_versions`).
         """
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
+        ref = RemoteValue.ref_of(weights)
         self.workers.get(self.workers.run_all_workers_single_data("update_weights", ref, int(version),
                                                                   ranks=self._ranks(ranks)))
 
-    def update_draft_weights(self, draft: dict[str, Any] | ray.ObjectRef,
+    def update_draft_weights(self, draft: dict[str, Any] | RemoteValue,
                              ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
         """Load an online draft (``{"weights", "draft_version", "policy_version"}``) into every engine's drafter
         (or ``ranks``'); returns each engine's result (rank order), see
@@ -237,7 +237,7 @@ class VllmGeneration:
             RuntimeError: the engines run without speculation.
             DraftVersionMismatchError: the draft is paired with another policy version than an engine holds.
         """
-        ref = draft if isinstance(draft, ray.ObjectRef) else ray.put(draft)
+        ref = RemoteValue.ref_of(draft)
         return self.workers.get(self.workers.run_all_workers_single_data("update_draft_weights", ref,
                                                                          ranks=self._ranks(ranks)))
 

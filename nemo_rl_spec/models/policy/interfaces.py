@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -45,3 +46,37 @@ class PolicyInterface(ABC):
     @abstractmethod
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote."""
+
+
+@runtime_checkable
+class PolicyController(Protocol):
+    """What the drivers (sync and async GRPO, the refitter, checkpoints) call on the policy's controller
+    (:class:`~nemo_rl_spec.models.policy.lm_policy.Policy`, over its Megatron worker group). Every method returns a
+    value; weights come back as a ``RemoteValue`` (``.get()`` fetches them), never as a Ray handle."""
+
+    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
+        """[B, S] -> [B, S] float32 token log-probs (see :meth:`PolicyInterface.get_logprobs`)."""
+
+    def get_reference_policy_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
+        """The same under the frozen reference policy (KL penalty)."""
+
+    def train(self, data: TrainDatumSpec) -> dict[str, float]:
+        """One or more optimizer steps over ``data``; combined metrics."""
+
+    def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> Any:
+        """HF-named weights as a ``RemoteValue``, recorded as ``version``."""
+
+    def export_draft_weights(self, dtype: str | None = None) -> Any:
+        """The drafter export as a ``RemoteValue``."""
+
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
+        """Write model (+ optimizer) state under ``path``."""
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote."""
+
+    def node_ids(self) -> list[str]:
+        """Ray node id of every rank (placement lines)."""
+
+    def shutdown(self) -> None:
+        """Stop the workers."""

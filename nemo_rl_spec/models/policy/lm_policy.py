@@ -29,7 +29,7 @@ import torch
 from nemo_rl_spec.distributed.batch import gather_batch
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl_spec.distributed.worker_group import RayWorkerGroup
+from nemo_rl_spec.distributed.worker_group import RayWorkerGroup, RemoteValue
 from nemo_rl_spec.utils.config_schema import PolicyConfig
 
 
@@ -216,27 +216,29 @@ class Policy:
         """:meth:`train_steps` with the steps' metrics combined (:func:`combine_minibatch_metrics`)."""
         return combine_minibatch_metrics(self.train_steps(data))
 
-    def _rank_zero_ref(self, method: str, *args) -> ray.ObjectRef:
-        """Run ``method`` on every rank (a collective), wait for all, return rank 0's result ref (the other ranks
-        return empty dicts; their errors are raised here)."""
+    def _rank_zero(self, method: str, *args) -> RemoteValue:
+        """Run ``method`` on every rank (a collective), wait for all, return rank 0's result, left in the object
+        store (the other ranks return empty dicts; their errors are raised here)."""
         refs = self.group.run_all_workers_single_data(method, *args)
         self.group.get(refs[1:])
         ray.wait(refs[:1])
-        return refs[0]
+        return RemoteValue(refs[0])
 
-    def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> ray.ObjectRef:
-        """Object ref of the full HF-named weights (``dict[str, Tensor]``, TP slices gathered, CPU, in ``dtype``:
-        ``float32`` | ``bfloat16``, None: the policy's); every rank takes part and records ``version``."""
-        return self._rank_zero_ref("export_hf_weights", version, dtype)
+    def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> RemoteValue:
+        """The full HF-named weights (``dict[str, Tensor]``, TP slices gathered, CPU, in ``dtype``: ``float32`` |
+        ``bfloat16``, None: the policy's) as a :class:`RemoteValue` (``.get()`` fetches them; the generation
+        controller loads them into its engines without a copy through the driver); every rank takes part and
+        records ``version``."""
+        return self._rank_zero("export_hf_weights", version, dtype)
 
-    def export_draft_weights(self, dtype: str | None = None) -> ray.ObjectRef:
-        """Object ref of the drafter export ``{"weights", "draft_version", "policy_version"}``, weights in
-        ``dtype`` (None: fp32)."""
-        return self._rank_zero_ref("export_draft_weights", dtype)
+    def export_draft_weights(self, dtype: str | None = None) -> RemoteValue:
+        """The drafter export ``{"weights", "draft_version", "policy_version"}``, weights in ``dtype`` (None:
+        fp32), as a :class:`RemoteValue`."""
+        return self._rank_zero("export_draft_weights", dtype)
 
     def export_megatron_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter under its Megatron name, full size (MTP block included); for checks."""
-        return ray.get(self._rank_zero_ref("export_megatron_weights"))
+        return self._rank_zero("export_megatron_weights").get()
 
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """Write the model, optimizer (unless ``save_optimizer`` is False: ``checkpointing.save_optimizer``) and
