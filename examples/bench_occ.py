@@ -81,8 +81,14 @@ def run_one(args, mode: str, seed: int, extra: list[str], run_dir: Path) -> tupl
     overrides = [*mode_overrides(mode), f"grpo.seed={seed}", f"grpo.max_num_steps={args.steps}",
                  "checkpointing.enabled=false", *extra]
     info = run_grpo_subprocess(args.config, overrides, run_dir, label=f"{mode} seed {seed}",
-                               timeout_s=args.run_timeout, reuse=args.reuse)
+                               timeout_s=args.run_timeout, reuse=args.reuse or getattr(args, "analyse_only", False))
     return info, read_metrics(run_dir / "logs" / "metrics.jsonl")
+
+
+def _finished(run_dir: Path) -> bool:
+    """True when ``run_dir/run.json`` records return code 0 (a finished run that ``--reuse`` reads back)."""
+    info = run_dir / "run.json"
+    return info.is_file() and json.loads(info.read_text()).get("returncode") == 0
 
 
 def mode_stats(seeds: dict) -> dict:
@@ -241,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="per-run log dirs (default: <out stem>_runs/ next to --out)")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     parser.add_argument("--reuse", action="store_true", help="skip runs that finished (re-analysis, resume)")
+    parser.add_argument("--analyse-only", action="store_true",
+                        help="read the finished runs back, start none (unfinished ones are listed in failed_runs)")
     args, extra = parser.parse_known_args(argv)
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -264,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for mode in args.modes:
         for seed in args.seeds:
+            if args.analyse_only and not _finished(work / f"{mode}_seed{seed}"):
+                failed.append(f"{mode} seed {seed}")
+                continue
             info, records = run_one(args, mode, seed, extra, work / f"{mode}_seed{seed}")
             if info["returncode"] != 0:
                 failed.append(f"{mode} seed {seed}")
