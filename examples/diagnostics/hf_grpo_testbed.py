@@ -10,13 +10,18 @@ format and the math reward are the project's. If it shows the same drift, the ca
 batch, lr), not the project's pipeline. Prints per-step train reward and, every 10 steps, held-out accuracy greedy
 and at T = 1 (4 samples per problem) on the recipe's 128 validation problems.
 """
-import sys, time, torch, random
-from transformers import AutoTokenizer, AutoModelForCausalLM
-from nemo_rl_spec.utils.config import load_config
+import random
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from nemo_rl_spec.algorithms.grpo_setup import load_datasets
 from nemo_rl_spec.data.prompts import format_prompt
 from nemo_rl_spec.environments.math_env import MathEnvironment
 from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.utils.config import load_config
+
 lr = float(sys.argv[1]); steps = int(sys.argv[2]); P = int(sys.argv[3]); N = int(sys.argv[4]); seed = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 torch.manual_seed(seed); random.seed(seed); torch.set_num_threads(2)
 cfg = load_config("configs/grpo_math_testbed.yaml", [])

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
 from nemo_rl_spec.speculative.acceptance import expected_acceptance
 from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead, draft_vocab_from_counts
@@ -54,10 +56,6 @@ def sample_to_file(gen_cfg: dict[str, Any], model_path: str, prompts: Sequence[S
     Runs in the calling process (wrap with ``checks.run_isolated`` for a fresh engine process).
     Returns the number of calls made now.
     """
-    from tqdm import tqdm
-
-    from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
-
     done = {json.loads(line)["call"] for line in Path(path).read_text().splitlines()} if Path(path).exists() else set()
     calls = [c for c in range(-(-len(prompts) // prompts_per_call)) if c not in done]
     if not calls:
@@ -154,8 +152,6 @@ def train(trainer: DraftTrainer, cache: PolicyOutputCache, samples: Samples, tra
     """Stage 3: train from ``state["step"]`` to ``steps``; ``state`` holds ``step``, ``history`` (per-step
     metrics) and ``curve`` (held-out estimates every ``eval_every`` steps and at the end). ``save(state)`` is
     called every ``save_every`` steps and at the end. Returns ``state``."""
-    from tqdm import tqdm
-
     bar = tqdm(total=steps, initial=state["step"], desc=desc, unit="step")
     while state["step"] < steps:
         rows = batch_rows(train_rows, batch_size, seed, state["step"])
@@ -198,10 +194,10 @@ def load_state(path: str | Path, trainer: DraftTrainer) -> dict[str, Any]:
 def plot_curves(summary: dict[str, Any], path: str | Path) -> None:
     """Two panels: held-out estimated acceptance length vs optimizer steps, and vs training sequences (greedy and
     probabilistic drafting, with the greedy oracle), from an ``init_draft.json`` summary. Writes a PNG."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     k = summary["ttt_steps"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))

@@ -5,7 +5,9 @@ Kept out of ``grpo.py`` so the training loop reads in one screen.
 """
 from __future__ import annotations
 
+import json
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,32 +15,35 @@ from typing import Any
 import ray
 import torch
 
-from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
+from nemo_rl_spec.algorithms.allocators import build_rollout_allocator
 from nemo_rl_spec.algorithms.interfaces import RolloutAllocator
+from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
 from nemo_rl_spec.algorithms.refit import WeightRefitter
-from nemo_rl_spec.algorithms.rollout_allocation import build_rollout_allocator, difficulty_bucket
+from nemo_rl_spec.algorithms.rollout_allocation import difficulty_bucket
 from nemo_rl_spec.algorithms.rollouts import RolloutGenerator
 from nemo_rl_spec.data import hub_datasets
 from nemo_rl_spec.data.datasets import load_gsm8k_original, load_train_problems
 from nemo_rl_spec.data.prompts import format_prompt
-from nemo_rl_spec.environments import build_environment
-from nemo_rl_spec.environments.interfaces import EnvironmentInterface
 from nemo_rl_spec.distributed.placement import PlacementPlan, plan_placement
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl_spec.environments import build_environment
+from nemo_rl_spec.environments.interfaces import EnvironmentInterface
 from nemo_rl_spec.models.generation.interfaces import GenerationController
 from nemo_rl_spec.models.generation.vllm_generation import VllmGeneration
 from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.models.hf_export import write_consolidated_hf
+from nemo_rl_spec.models.mtp_export import mtp_drafter_support_error
+from nemo_rl_spec.models.policy.hf_weight_mapping import check_tp_size, model_spec_from_hf_config
 from nemo_rl_spec.models.policy.interfaces import PolicyController
 from nemo_rl_spec.models.policy.lm_policy import Policy, prefetch_worker_class
+from nemo_rl_spec.speculative.metrics import SpecDecodeCounters, SpeculationMonitor
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
-from nemo_rl_spec.utils.config import to_yaml
+from nemo_rl_spec.utils.config import ConfigError, to_yaml
+from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
 from nemo_rl_spec.utils.console import configure_console, ray_logging_level, worker_log_env
 from nemo_rl_spec.utils.console_log import active_console_log, log_only
-from nemo_rl_spec.speculative.metrics import SpecDecodeCounters, SpeculationMonitor
-from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
-from nemo_rl_spec.utils.precision import precision_line
 from nemo_rl_spec.utils.logger import Logger
+from nemo_rl_spec.utils.precision import precision_line
 from nemo_rl_spec.utils.trackers import build_trackers
 
 
@@ -191,11 +196,6 @@ def serves_policy_mtp(cfg: MasterConfig) -> bool:
 def check_mtp_drafter_model(cfg: MasterConfig, model_path: str) -> None:
     """With ``method: mtp``, the policy must be exportable as a MiMo checkpoint (Llama/Qwen trunk, head_dim ==
     hidden/heads). Raises ConfigError naming the keys otherwise (before any worker starts)."""
-    import json
-
-    from nemo_rl_spec.speculative.mtp_export import mtp_drafter_support_error
-    from nemo_rl_spec.utils.config import ConfigError
-
     if not serves_policy_mtp(cfg):
         return
     error = mtp_drafter_support_error(json.loads((Path(model_path) / "config.json").read_text()))
@@ -209,10 +209,7 @@ def check_mtp_drafter_model(cfg: MasterConfig, model_path: str) -> None:
 def check_tensor_parallel_model(cfg: MasterConfig, model_path: str) -> None:
     """Raise ConfigError (before Ray starts) when the policy model cannot be split over
     ``policy.megatron_cfg.tensor_model_parallel_size`` ranks (heads, KV heads, FFN width, vocabulary)."""
-    from transformers import AutoConfig
-
-    from nemo_rl_spec.models.policy.hf_weight_mapping import check_tp_size, model_spec_from_hf_config
-    from nemo_rl_spec.utils.config import ConfigError
+    from transformers import AutoConfig  # lazy: transformers is slow to import
 
     spec = model_spec_from_hf_config(AutoConfig.from_pretrained(model_path, local_files_only=True))
     try:
@@ -229,10 +226,6 @@ def check_ray_address(cfg: MasterConfig, timeout_s: float = 5.0) -> None:
     Raises:
         ConfigError: naming ``cluster.ray_address`` (bad form, or nothing listening there).
     """
-    import socket
-
-    from nemo_rl_spec.utils.config import ConfigError
-
     addr = cfg.cluster.ray_address
     if addr is None or addr == "auto":
         return
@@ -249,8 +242,6 @@ def check_ray_address(cfg: MasterConfig, timeout_s: float = 5.0) -> None:
 def check_draft_dir(cfg: MasterConfig) -> None:
     """Raise ConfigError (before any worker starts) when the EAGLE-3 draft directory named by ``policy.draft.model_name``
     or ``speculative_config.model`` has no ``config.json`` (e.g. ``make draft`` was not run)."""
-    from nemo_rl_spec.utils.config import ConfigError
-
     spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
     draft = enabled_draft(cfg)
     for key, path in (("policy.draft.model_name", draft.model_name if draft is not None else None),
@@ -367,7 +358,7 @@ def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], Plac
     Raises:
         ConfigError: naming the key whose file, model or layout does not work.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     check_draft_dir(cfg)

@@ -16,9 +16,9 @@ response contains a stop string ended there.
 """
 from __future__ import annotations
 
-import torch
-
 from typing import Callable, Sequence
+
+import torch
 
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from nemo_rl_spec.utils.bench_runs import bootstrap_interval, finish_plot, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.config import load_config
 
 ACC, REWARD, TMPE = "validation/accuracy", "train/reward", "train/token_mult_prob_error"
 
@@ -96,10 +96,10 @@ def compare(result: dict, baseline: dict) -> dict:
 
 
 def plot(per_seed: dict[str, dict], png: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (seed, s) in enumerate(per_seed.items()):
@@ -148,8 +148,6 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir).resolve() if args.work_dir else out.with_name(out.stem + "_runs")
-    from nemo_rl_spec.utils.config import load_config  # fail fast on a bad recipe / override, before any run
-
     load_config(args.config, extra)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
     t0, per_seed, infos = time.time(), {}, {}
@@ -168,7 +166,3 @@ def main(argv=None) -> int:
     print(table(result))
     print(json.dumps({"json": str(out), "plot": str(out.with_suffix(".png"))}))
     return 0 if all(i["returncode"] == 0 for i in infos.values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,11 +42,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
+import statistics
+import time
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
+from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.utils.bench_runs import mean_and_interval, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.config import load_config
 
 SERIES = {"reward": "train/reward", "lambda": "train/mtp/lambda", "c_hat": "train/mtp/c_hat",
           "v2_hat": "train/mtp/v2_hat", "mtp_ce": "train/mtp/ce_0", "mtp_acceptance": "train/mtp/acceptance",
@@ -120,8 +126,6 @@ def proxy_validation(seeds: dict) -> dict:
     """Pearson and Spearman (rank) correlation of the proxies (c_hat, v2_hat, lambda) with the full-gradient reference (c, v2,
     lambda_ref; and c, v2 over the decoder layers only, when the series have them) over every step of every seed,
     and the fraction of steps where sign(c_hat) == sign(c) (``sign_agreement_c``, ``sign_agreement_c_decoder``)."""
-    import numpy as np
-
     names = {"c": ("c_hat", "c_ref"), "v2": ("v2_hat", "v2_ref"), "lambda": ("lambda", "lambda_ref"),
              "lambda_hidden_grad": ("lambda_hidden_grad", "lambda_ref"), "lambda_vs_c": ("lambda", "c_ref"),
              "c_decoder": ("c_hat", "c_ref_decoder"), "v2_decoder": ("v2_hat", "v2_ref_decoder")}
@@ -148,10 +152,10 @@ def proxy_validation(seeds: dict) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
     for mode, seeds in result["runs"].items():
@@ -168,10 +172,7 @@ def plot(result: dict, path: Path) -> None:
 
 def _workers(config: str, modes: list[str], extra: list[str]) -> dict:
     """One ``MegatronPolicyWorker`` per mode (``occ+ref``: occ with the full-gradient reference), same init."""
-    from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
-    from nemo_rl_spec.models.hf_assets import resolve_model
-    from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker
-    from nemo_rl_spec.utils.config import load_config
+    from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker  # lazy: loads ray or megatron-core
 
     cfg = load_config(config, extra)
     path = resolve_model(cfg.policy.model_name)
@@ -188,8 +189,6 @@ def _workers(config: str, modes: list[str], extra: list[str]) -> dict:
 def random_train_batch(worker, seed: int, batch: int = 8, seq: int = 160, prompt: int = 32) -> dict:
     """Random tokens (prompt ``prompt`` tokens, response to ``seq``), advantages ~ N(0, 1) seeded by ``seed``, and
     on-policy ``prev_logprobs`` from ``worker``. Shapes: [batch, seq] and [batch]."""
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, worker.spec.vocab_size, (batch, seq), generator=gen)
     mask = torch.zeros(batch, seq)
@@ -205,9 +204,6 @@ def train_overhead(config: str, modes: list[str], repeats: int, extra: list[str]
     """Time ``MegatronPolicyWorker.train`` per mode in ONE process on one fixed random batch
     (:func:`random_train_batch`), modes interleaved ``repeats`` times after one warm-up each; returns median
     seconds."""
-    import statistics
-    import time
-
     workers = _workers(config, modes, extra)
     data = random_train_batch(workers[modes[0]], seed=0)
     times = {m: [] for m in modes}
@@ -312,8 +308,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"out": str(out), "plot": str(out.with_suffix(".png")), **result.get("overhead", {}),
                       "failed_runs": failed}))
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.exit(main())

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from nemo_rl_spec.utils.bench_runs import mean_and_interval
+from nemo_rl_spec.utils.bench_runs import finish_plot, mean_and_interval
 
 FIELDS = ("final", "peak", "drop", "dip_last10", "max_drawdown", "peak_step", "rollouts", "rows_per_step", "grad_norm", "grad_norm_max",
           "times_seen", "unique_frac")
@@ -75,9 +74,9 @@ def markdown(summary: dict) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for label, s in summary.items():
         seeds = sorted(s["seeds"], key=int)
-        per = lambda f: " ".join(_fmt(s["seeds"][k][f]) for k in seeds)   # noqa: E731
+        per = lambda f: " ".join(_fmt(s["seeds"][k][f]) for k in seeds)   # noqa: E731, B023 (used in this iteration)
         m = s["mean"]
-        ci = lambda f: "-" if m[f]["interval90"] is None else f"[{m[f]['interval90'][0]:.3f}, {m[f]['interval90'][1]:.3f}]"  # noqa: E731
+        ci = lambda f: "-" if m[f]["interval90"] is None else f"[{m[f]['interval90'][0]:.3f}, {m[f]['interval90'][1]:.3f}]"  # noqa: E731, B023
         gmax = max((v for k in seeds if (v := s["seeds"][k]["grad_norm_max"]) is not None), default=None)
         lines.append(f"| {label} | {per('final')} | {_fmt(m['final']['mean'])} {ci('final')} | {per('peak')} | "
                      f"{_fmt(m['peak']['mean'])} | {per('drop')} | {_fmt(m['drop']['mean'])} {ci('drop')} | "
@@ -100,10 +99,10 @@ def mean_curve(runs: dict) -> list[tuple[int, float]]:
 def plot(files: list[Path], png: Path) -> None:
     """Mean-over-seeds validation accuracy against step (left) and each seed's train rows per step, smoothed over
     5 steps and averaged over seeds (right), one line per ablation file."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     fig, (ax, ax_rows) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     for f in files:
@@ -125,8 +124,6 @@ def plot(files: list[Path], png: Path) -> None:
     ax_rows.set_ylabel("train rows per step (mean over seeds, 5-step mean)")
     ax_rows.grid(alpha=0.3)
     ax_rows.legend(fontsize=7)
-    from nemo_rl_spec.utils.bench_runs import finish_plot
-
     finish_plot(fig, ax, png, "step", "validation accuracy (mean over seeds)")
 
 
@@ -145,7 +142,3 @@ def main(argv=None) -> int:
     if args.plot:
         plot(args.files, args.plot)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

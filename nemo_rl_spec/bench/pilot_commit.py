@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from nemo_rl_spec.utils.bench_runs import ROOT, finish_plot, mean_and_interval, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.config import load_config
 
 METHODS = {
     "uniform": [],
@@ -213,10 +214,10 @@ def per_method_stats(by_seed: dict) -> dict:
 def plot(result: dict, png: Path) -> None:
     """Left: validation accuracy vs cumulative rollouts, every run. Right: mean within-group reward variance per
     step, each method averaged over its seeds (``per_method``)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     colors = {"uniform": "tab:blue", "dapo": "tab:orange", "pilot_commit": "tab:green"}
     styles = ["-o", "--s", ":^", "-.d", "-x"]
@@ -272,11 +273,9 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir).resolve() if args.work_dir else out.with_name(out.stem + "_runs")
-    from nemo_rl_spec.utils.config import load_config   # fail fast on a bad recipe / override, before any run
-
     for m in args.methods:
         cfg = load_config(ROOT / args.config, [*METHODS[m], *extra])
-    from nemo_rl_spec.algorithms.grpo_setup import load_datasets
+    from nemo_rl_spec.algorithms.grpo_setup import load_datasets  # lazy: loads ray or megatron-core
 
     train, val = load_datasets(cfg)
     t0, runs = time.time(), {m: {} for m in args.methods}
@@ -295,7 +294,3 @@ def main(argv=None) -> int:
     print(table(result))
     print(json.dumps({"json": str(out), "plot": str(out.with_suffix(".png")), "total_wall_s": round(time.time() - t0)}))
     return 0 if all(r["returncode"] == 0 for by in runs.values() for r in by.values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from nemo_rl_spec.utils.bench_runs import ROOT, finish_plot, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.config import load_config
 
 #: (short name, metrics.jsonl key) of the step phases, in the order of the table.
 PHASES = [("generation", "timing/train/generation"), ("logprobs", "timing/train/policy_and_reference_logprobs"),
@@ -74,7 +75,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--repeats and --steps must be >= 1 (got {args.repeats}, {args.steps})")
     if len(set(args.precisions)) != len(args.precisions):
         p.error(f"--precisions repeats a precision: {args.precisions}")
-    bad = [o for o in extra if o.lstrip("+").startswith("policy.precision=") or not ("=" in o)]
+    bad = [o for o in extra if o.lstrip("+").startswith("policy.precision=") or "=" not in o]
     if bad:
         p.error(f"not a key=value override, or sets policy.precision (the benchmark sets it per run): {bad}")
     return args, extra
@@ -212,10 +213,10 @@ def goal_text(entry: dict) -> str:
 
 def plot(summary: dict, precisions: list[str], png: Path) -> None:
     """Bars per phase, one per precision (mean over repeats), whiskers at the repeats' min / max, ratio on top."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     names = [n for n, _ in PHASES]
     width = 0.8 / len(precisions)
@@ -241,8 +242,6 @@ def plot(summary: dict, precisions: list[str], png: Path) -> None:
 def resolved_configs(config: str, precisions: list[str], steps: int, extra: list[str]) -> tuple[dict, bool]:
     """Each precision's validated config (fails fast on a bad recipe or override, before any run) as JSON, and whether
     the schema has ``policy.generation.vllm_cfg.precision``."""
-    from nemo_rl_spec.utils.config import load_config
-
     engine_key = "precision" in type(load_config(config, extra).policy.generation.vllm_cfg).model_fields
     out = {}
     for p in precisions:
@@ -285,7 +284,3 @@ def main(argv=None) -> int:
     print(table(summary, args.precisions, args.steps > 1))
     print(json.dumps({"json": str(out), "plot": str(out.with_suffix(".png"))}))
     return 0 if all(r["returncode"] == 0 for r in runs) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -40,11 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.testing.lossless import build_truncated_draft
+from nemo_rl_spec.utils.config import check_runtime_support, load_config
 
 MODES = [("sync", 0), ("async_age1", 1), ("async_age2", 2)]
 
@@ -83,9 +86,6 @@ def _mean(values: list[float]) -> float:
 
 def default_spec_config(workdir: Path, model_name: str) -> dict:
     """``draft_model`` speculation with the target's first decoder layer as the draft (k = 3)."""
-    from nemo_rl_spec.models.hf_assets import resolve_model
-    from nemo_rl_spec.speculative.lossless import build_truncated_draft
-
     draft = build_truncated_draft(resolve_model(model_name), workdir / "draft_1layer", num_layers=1)
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
 
@@ -93,8 +93,6 @@ def default_spec_config(workdir: Path, model_name: str) -> dict:
 def speculative_config(args: argparse.Namespace, model_name: str, workdir: Path) -> dict:
     """The speculative modes' ``speculative_config``: ``--spec-config``, else ``--spec-recipe``'s own, else
     :func:`default_spec_config`."""
-    from nemo_rl_spec.utils.config import load_config
-
     if args.spec_config:
         return json.loads(args.spec_config)
     if args.spec_recipe:
@@ -160,9 +158,9 @@ def combine_repeats(runs: list[dict]) -> dict:
 def start_ray(cfg, attempts: int = 5) -> None:
     """Start the local Ray instance once for every mode. Ray gives the raylet a hard-coded 30 s to register, which
     an oversubscribed 2-core host can miss; retry."""
-    import ray
+    import ray  # lazy: Ray internals, once output is routed
 
-    from nemo_rl_spec.algorithms.grpo_setup import init_ray
+    from nemo_rl_spec.algorithms.grpo_setup import init_ray  # lazy: loads ray or megatron-core
 
     for attempt in range(1, attempts + 1):
         try:
@@ -188,9 +186,8 @@ def release(s) -> None:
 def run_mode(config: str, overrides: list[str], is_async: bool, speculative: bool) -> dict:
     """One mode end to end (setup, train, release the actors); returns :func:`summarize` plus wall times and
     acceptance."""
-    from nemo_rl_spec.algorithms.grpo import grpo_train
-    from nemo_rl_spec.algorithms.grpo_setup import setup
-    from nemo_rl_spec.utils.config import check_runtime_support, load_config
+    from nemo_rl_spec.algorithms.grpo import grpo_train  # lazy: loads ray or megatron-core
+    from nemo_rl_spec.algorithms.grpo_setup import setup  # lazy: loads ray or megatron-core
 
     cfg = load_config(config, overrides)
     start_ray(cfg)
@@ -202,7 +199,7 @@ def run_mode(config: str, overrides: list[str], is_async: bool, speculative: boo
         before = s.generation.spec_counters() if speculative else None
         t1 = time.perf_counter()
         if is_async:
-            from nemo_rl_spec.algorithms.async_grpo import async_grpo_train
+            from nemo_rl_spec.algorithms.async_grpo import async_grpo_train  # lazy: loads ray or megatron-core
 
             history = async_grpo_train(s)
         else:
@@ -252,10 +249,10 @@ def table(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     names = [n for n, r in results.items() if "error" not in r]
     parts = [("exposed_generation_s", "exposed generation"), ("logprobs_s", "log-probs"),
@@ -347,8 +344,6 @@ def main(argv=None) -> int:
         return 0
     out.parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_sync_async_"))
-    from nemo_rl_spec.utils.config import load_config
-
     base = load_config(args.config, args.overrides)
     spec, spec_error = None, None
     if "speculative" in args.decoding:
@@ -371,11 +366,7 @@ def main(argv=None) -> int:
                 "speculative_config": spec, "note": "means over steps 2..N; see examples/bench_sync_vs_async.py"}
     out.write_text(json.dumps({"modes": results, "settings": settings}, indent=2, default=str))
     print(write_reports(out, results))
-    from nemo_rl_spec.algorithms.grpo_setup import teardown
+    from nemo_rl_spec.algorithms.grpo_setup import teardown  # lazy: loads ray or megatron-core
 
     teardown(None)  # stop Ray
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

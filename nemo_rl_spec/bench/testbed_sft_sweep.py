@@ -21,14 +21,18 @@ import sys
 import time
 from pathlib import Path
 
+from nemo_rl_spec.data.datasets import parse_generator
+from nemo_rl_spec.data.prompts import format_prompt
+from nemo_rl_spec.environments.math_env import score_response
+from nemo_rl_spec.models import testbed as tb
+from nemo_rl_spec.models.testbed import TESTBED
+
 
 def parse_overrides(pairs: list[str]) -> dict:
     """``["lr=1e-3", "model.hidden_size=128"]`` -> ``{"lr": 0.001, "model": {"hidden_size": 128}}``.
 
     Raises:
         SystemExit: an argument without ``=`` or a field :class:`TestbedRecipe` does not have (message names it)."""
-    from nemo_rl_spec.models.testbed import TESTBED
-
     names = {f.name for f in dataclasses.fields(TESTBED)}
 
     out: dict = {}
@@ -68,7 +72,7 @@ def eval_steps(spec: str, recipe) -> set[int]:
 
 def sample(model, tokenizer, prompts: list[list[int]], n: int, greedy: bool, seed: int) -> list[str]:
     """``n`` answers per prompt (prompt-major), left-padded batch, at most 48 new tokens, T = 1 or greedy."""
-    import torch
+    import torch  # lazy: this module imports without torch
 
     ids = [p for p in prompts for _ in range(n)]
     width = max(map(len, ids))
@@ -87,8 +91,6 @@ def sample(model, tokenizer, prompts: list[list[int]], n: int, greedy: bool, see
 
 def score(texts: list[str], answers: list[str], n: int) -> dict[str, float]:
     """Accuracy, share of direct answers, accuracy of chains / direct answers, share of mixed prompts."""
-    from nemo_rl_spec.environments.math_env import score_response
-
     right = [score_response(t, answers[i // n], None) for i, t in enumerate(texts)]
     direct = [t.strip().startswith("\\boxed") for t in texts]
     n_direct = sum(direct)
@@ -109,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     overrides = parse_overrides(rest)
 
-    import reasoning_gym
-
-    from nemo_rl_spec.data.datasets import parse_generator
-    from nemo_rl_spec.data.prompts import format_prompt
-    from nemo_rl_spec.models import testbed as tb
+    import reasoning_gym  # lazy: reasoning-gym is slow to import
 
     recipe = dataclasses.replace(tb.TESTBED, **overrides)
     at = eval_steps(args.at, recipe)
@@ -141,7 +139,3 @@ def main(argv: list[str] | None = None) -> int:
         tb.save_testbed(Path(args.save), model, tokenizer, recipe, losses)
     print(f"{len(losses)} SFT steps in {time.time() - t0:.0f} s, final loss {losses[-1]:.4f}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,7 +9,7 @@ unroll (transformers model of the policy, soft targets), and writes ``DIR`` with
 acceptance-vs-data curve). The last ``--eval-prompts`` prompts are held out for the curves.
 
 Progress bars for every stage; interrupted runs resume from ``DIR/work/`` (samples already written, the last
-training checkpoint): rerun the same command. Stages: :mod:`nemo_rl_spec.speculative.draft_init`. Start GRPO from
+training checkpoint): rerun the same command. Stages: :mod:`nemo_rl_spec.algorithms.draft_init`. Start GRPO from
 the result with::
 
     policy.draft.model_name: DIR
@@ -27,6 +27,18 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from nemo_rl_spec.algorithms import draft_init
+from nemo_rl_spec.data.prompts import format_prompt
+from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
+from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
+from nemo_rl_spec.speculative.offline import build_policy_cache
+from nemo_rl_spec.testing import checks
+from nemo_rl_spec.utils.config import ConfigError, load_config
 
 SUMMARY_FILE = "init_draft.json"
 PROMPTS_PER_CALL = 16  # prompts per vLLM generate call while sampling (x --samples-per-prompt rows)
@@ -104,8 +116,7 @@ def in_domain_prompts(cfg, tokenizer, num_prompts: int) -> list[list[int]]:
     Raises:
         UsageError: the training set has fewer problems.
     """
-    from nemo_rl_spec.algorithms.grpo_setup import load_datasets
-    from nemo_rl_spec.data.prompts import format_prompt
+    from nemo_rl_spec.algorithms.grpo_setup import load_datasets  # lazy: loads ray or megatron-core
 
     train, _ = load_datasets(cfg)
     if num_prompts > len(train):
@@ -124,10 +135,7 @@ def _eos_ids(tokenizer, hf_config) -> list[int]:
 
 def _load(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     """Recipe, tokenizer, prompts and sampling settings; raises UsageError / ConfigError before any engine starts."""
-    from transformers import AutoTokenizer
-
-    from nemo_rl_spec.models.hf_assets import resolve_model
-    from nemo_rl_spec.utils.config import load_config
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
     validate_args(args)
     cfg = load_config(args.config, overrides)
@@ -148,9 +156,6 @@ def _load(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
 
 
 def _make_trainer(args, policy, vocab, aux, seed):
-    from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
-    from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
-
     head = Eagle3DraftHead.from_target(policy, aux_layer_ids=aux, draft_vocab=vocab, seed=seed)
     return DraftTrainer(head, lr=args.lr, ttt_steps=args.ttt_steps)
 
@@ -161,15 +166,9 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     Raises:
         UsageError, ConfigError: bad flags, recipe or overrides.
     """
-    import torch
-    from tqdm import tqdm
-
-    from nemo_rl_spec.speculative import checks, draft_init
-    from nemo_rl_spec.speculative.offline import build_policy_cache
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     run = _load(args, overrides)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     out, seed = Path(args.out), run["seed"]
     work = out / "work"
@@ -241,8 +240,6 @@ def _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval
     """Held-out acceptance of heads trained on the first N training sequences for ``--data-curve-steps`` steps;
     the full set's point is the main run's at that step. Each finished point is kept in
     ``work/data_curve.json`` (resume skips it)."""
-    from nemo_rl_spec.speculative import draft_init
-
     steps = args.data_curve_steps or args.steps
     path = work / "data_curve.json"
     done = json.loads(path.read_text()) if path.is_file() else {}
@@ -262,8 +259,6 @@ def _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_rl_spec.utils.config import ConfigError
-
     args, overrides = parse_args(argv)
     try:
         s = init_draft(args, overrides)
@@ -286,7 +281,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {s['out']} (vLLM eagle3: config.json, model.safetensors; draft_trainer.pt; {SUMMARY_FILE}; "
           "acceptance_curves.png)")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

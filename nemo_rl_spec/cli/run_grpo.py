@@ -19,6 +19,13 @@ import sys
 import traceback
 from pathlib import Path
 
+from nemo_rl_spec.distributed.placement import plan_placement
+from nemo_rl_spec.utils.config import ConfigError, check_runtime_support, load_config
+from nemo_rl_spec.utils.console import configure_console
+from nemo_rl_spec.utils.console_log import close_console_log, open_console_log
+from nemo_rl_spec.utils.logger import plot_training_curves
+from nemo_rl_spec.utils.precision import precision_line
+
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,22 +37,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 
 def dry_run(cfg, config: str) -> int:
     """Print the placement plan of a validated recipe (``--dry-run``); 0. Raises ConfigError when it does not fit."""
-    from nemo_rl_spec.distributed.placement import plan_placement
-
     plan = plan_placement(cfg)
     mode = "async" if cfg.grpo.async_grpo is not None and cfg.grpo.async_grpo.enabled else "sync"
     print(f"recipe {config}: valid, runs on this build ({mode} GRPO, model {cfg.policy.model_name})")
     print(plan.table())
-    from nemo_rl_spec.utils.precision import precision_line
-
     print(precision_line(cfg.policy))
     print("not checked by --dry-run: model, draft and data files; the Ray cluster's nodes and resources")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nemo_rl_spec.utils.config import ConfigError, check_runtime_support, load_config
-
     args, overrides = parse_args(argv)
     try:
         cfg = load_config(args.config, overrides)
@@ -55,9 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from nemo_rl_spec.utils.console import configure_console
-    from nemo_rl_spec.utils.console_log import close_console_log, open_console_log
-
     configure_console(cfg.logger.verbose, cpu=cfg.cluster.gpus_per_node == 0)  # before megatron-core is imported
     console_log = open_console_log(cfg.logger.log_dir, cfg.logger.verbose)  # <log_dir>/console.log keeps it all
     try:
@@ -72,10 +70,9 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg) -> int:
     """Set up, train (sync or async GRPO), plot the curves and print the run's summary line; 0, or 2 when setup finds
     a bad file or key. Workers and Ray are torn down on any exit."""
-    from nemo_rl_spec.algorithms.grpo import grpo_train
-    from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
-    from nemo_rl_spec.utils.config import ConfigError
-    from nemo_rl_spec.utils.logger import plot_training_curves
+    # lazy: torch, Ray and megatron-core load here, after configure_console (and never for --dry-run)
+    from nemo_rl_spec.algorithms.grpo import grpo_train  # lazy: see the line above
+    from nemo_rl_spec.algorithms.grpo_setup import setup, teardown  # lazy: see the line above
 
     s = None
     try:
@@ -85,7 +82,7 @@ def train(cfg) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         if cfg.grpo.async_grpo is not None and cfg.grpo.async_grpo.enabled:
-            from nemo_rl_spec.algorithms.async_grpo import async_grpo_train
+            from nemo_rl_spec.algorithms.async_grpo import async_grpo_train  # lazy: as grpo_train above
 
             history = async_grpo_train(s)
         else:
@@ -97,6 +94,3 @@ def train(cfg) -> int:
     finally:
         teardown(s)
     return 0
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,17 +33,20 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from nemo_rl_spec.sim import paper, report, sweeps
+from nemo_rl_spec.sim.calibrate import calibrate, read_jsonl
+from nemo_rl_spec.sim.config import CONFIG_DIR, load_scenario, scenario_files
+from nemo_rl_spec.sim.cpu_profile import DESIGN_DECODE_STEPS, design_fit_errors
+from nemo_rl_spec.sim.fidelity import fidelity, format_table, scenario_from_recipe
+from nemo_rl_spec.sim.formulas import expected_tokens_per_pass, speculative_speedup
+from nemo_rl_spec.sim.simulate import generation_traces, pass_cost_ratios, simulate
+from nemo_rl_spec.sim.spec_bench import main as spec_bench_main
+from nemo_rl_spec.sim.step import resolve
+from nemo_rl_spec.utils.config import apply_overrides, load_yaml_with_defaults
 
-from nemo_rl_spec.sim import paper, report, sweeps  # noqa: E402
-from nemo_rl_spec.sim.calibrate import calibrate, read_jsonl  # noqa: E402
-from nemo_rl_spec.sim.config import CONFIG_DIR, load_scenario, scenario_files  # noqa: E402
-from nemo_rl_spec.sim.cpu_profile import DESIGN_DECODE_STEPS, design_fit_errors  # noqa: E402
-from nemo_rl_spec.sim.formulas import expected_tokens_per_pass, speculative_speedup  # noqa: E402
-from nemo_rl_spec.sim.simulate import generation_traces, pass_cost_ratios, simulate  # noqa: E402
-from nemo_rl_spec.sim.step import resolve  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]  # the repository root (docs/, configs/)
 
 PUBLISHED_FORMULA_CASES = ((0.8, 3, 0.05), (0.6, 2, 0.1), (0.0, 3, 0.05))
 
@@ -175,17 +178,11 @@ def calibrate_main(argv: list[str]) -> int:
 
 def load_recipe(path: str, overrides: list[str]) -> dict[str, Any]:
     """A GRPO recipe (``defaults:`` merged, ``key=value`` overrides applied, interpolations resolved) as a dict."""
-    from omegaconf import OmegaConf
-
-    from nemo_rl_spec.utils.config import apply_overrides, load_yaml_with_defaults
-
     return OmegaConf.to_container(apply_overrides(load_yaml_with_defaults(path), overrides), resolve=True)
 
 
 def fidelity_main(argv: list[str]) -> int:
     """Held-out fidelity of a scenario against measured runs; prints tables, writes the JSON report."""
-    from nemo_rl_spec.sim.fidelity import fidelity, format_table, scenario_from_recipe
-
     p = argparse.ArgumentParser(prog="run_sim.py fidelity", description=fidelity.__doc__)
     p.add_argument("--metrics", required=True, help="metrics.jsonl of the autoregressive run")
     p.add_argument("--config", default=str(CONFIG_DIR / "cpu_smollm2_default.yaml"), help="scenario YAML")
@@ -239,15 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "fidelity":
         return fidelity_main(argv[1:])
     if argv and argv[0] == "spec-bench":
-        from nemo_rl_spec.sim.spec_bench import main as spec_bench_main
-
         return spec_bench_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON output; plots are written next to it")
     p.add_argument("--config-dir", default=str(CONFIG_DIR))
     p.add_argument("--no-plots", action="store_true")
     return sweep_main(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -35,8 +35,8 @@ def load_train_problems(generators: list[str], size: int, seed: int) -> list[Mat
     Raises:
         ValueError: empty ``generators``, ``size`` < 1, or a name reasoning-gym does not know (named in the message).
     """
-    import reasoning_gym
-    from reasoning_gym.factory import DATASETS
+    import reasoning_gym  # lazy: reasoning-gym is slow to import
+    from reasoning_gym.factory import DATASETS  # lazy: reasoning-gym is slow to import
 
     if not generators:
         raise ValueError("data.train.generators is empty")

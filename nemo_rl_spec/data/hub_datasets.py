@@ -61,7 +61,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         raise FileNotFoundError(f"dataset file not found: {path}")
     if path.suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # lazy: pyarrow only for hub parquet files
         except ModuleNotFoundError as exc:
             raise ModuleNotFoundError(f"reading {path} needs pyarrow: pip install pyarrow") from exc
         return pq.read_table(path).to_pylist()
@@ -89,7 +89,7 @@ def download(repo_id: str, allow_patterns: Iterable[str] = ("*.parquet", "*.json
     With ``HF_HUB_OFFLINE=1`` only the cache is used. Raises whatever ``huggingface_hub`` raises when the files
     are neither cached nor reachable, with the repository named.
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy: only the explicit download path
 
     try:
         return Path(snapshot_download(repo_id=repo_id, repo_type="dataset", allow_patterns=list(allow_patterns),

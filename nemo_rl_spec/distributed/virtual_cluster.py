@@ -11,6 +11,8 @@ fractions of them (``cluster.policy_num_cpus``, ``cluster.generation_num_cpus``)
 """
 from __future__ import annotations
 
+import socket
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -84,8 +86,6 @@ class RayVirtualCluster:
 
 @ray.remote(num_cpus=0)
 def _address_and_free_port() -> tuple[str, int]:
-    import socket
-
     ip = ray.util.get_node_ip_address()
     with socket.socket() as sock:
         sock.bind(("", 0))

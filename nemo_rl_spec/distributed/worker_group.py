@@ -15,6 +15,7 @@ peers too) receives shard ``d``.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -44,8 +45,7 @@ def init_process_group_from_env(timeout_minutes: float = 30.0) -> tuple[int, int
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1))
     timeout = timedelta(minutes=timeout_minutes)
     if "WORLD_SIZE" not in os.environ:  # a world of one on a free local port; os.environ is left untouched (a Ray
-        import socket                   # started later from this process would hand the variables to its actors)
-
+        # started later from this process would hand the variables to its actors)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

@@ -1,7 +1,9 @@
 """Reward environments: math-verify correctness (math_env) and the scripted char_fraction reward (char_fraction_env)."""
 from __future__ import annotations
 
+from nemo_rl_spec.environments.char_fraction_env import CharFractionEnvironment
 from nemo_rl_spec.environments.interfaces import EnvironmentInterface
+from nemo_rl_spec.environments.math_env import MathEnvironment
 
 
 def build_environment(env_cfg) -> EnvironmentInterface:
@@ -11,9 +13,5 @@ def build_environment(env_cfg) -> EnvironmentInterface:
         env_cfg: the validated ``env`` section (config_schema.EnvConfig).
     """
     if env_cfg.reward == "char_fraction":
-        from nemo_rl_spec.environments.char_fraction_env import CharFractionEnvironment
-
         return CharFractionEnvironment(env_cfg.char_fraction.model_dump())
-    from nemo_rl_spec.environments.math_env import MathEnvironment
-
     return MathEnvironment(env_cfg.math.model_dump())

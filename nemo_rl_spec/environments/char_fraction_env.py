@@ -50,7 +50,7 @@ class CharFractionEnvironment(EnvironmentInterface):
         Raises:
             ValueError: len(responses) != len(metadata).
         """
-        import torch
+        import torch  # lazy: this module imports without torch
 
         if len(responses) != len(metadata):
             raise ValueError(f"{len(responses)} responses but {len(metadata)} metadata dicts")

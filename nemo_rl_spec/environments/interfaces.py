@@ -25,7 +25,7 @@ class EnvironmentInterface(ABC):
             ValueError: the two lists have different lengths.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook: a no-op unless overridden)
         """Release worker processes or other resources (no-op by default). Safe to call twice."""
 
     def __enter__(self):

@@ -69,7 +69,7 @@ def score_response(response: str, ground_truth: str, timeout_s: int | None) -> f
     Args:
         timeout_s: math-verify's signal-based timeout in seconds; must be None off the main thread.
     """
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # lazy: math-verify only where answers are scored
 
     answer = extract_final_answer(response)
     if answer is None or len(answer) > MAX_ANSWER_CHARS:

@@ -44,7 +44,7 @@ def check_rewards(rewards: torch.Tensor, group_size: int, policy: str,
             ``prompt <id> response <j>: <value>`` for each such row.
         ValueError: unknown policy, or N is not a multiple of ``group_size``.
     """
-    import torch
+    import torch  # lazy: this module imports without torch
 
     if policy not in NON_FINITE_REWARD_POLICIES:
         raise ValueError(f"grpo.non_finite_reward must be one of {NON_FINITE_REWARD_POLICIES}, got {policy!r}")

@@ -28,8 +28,12 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
+
+from nemo_rl_spec.models.testbed import TESTBED, build_testbed
+from nemo_rl_spec.models.weight_init import init_deterministic
 
 # Bump when a build procedure changes. The marker file also records each recipe's parameters
 # (_recipe), so a cached checkpoint built from other parameters is rebuilt automatically.
@@ -61,7 +65,7 @@ TINY_QWEN3_CONFIG = dict(
 
 
 # tiny-llama: the same scale as tiny-qwen3, but head_dim = hidden / heads (32), as the MiMo/Qwen2 layer of vLLM's
-# ``mtp`` method needs (speculative/mtp_export.py), and no QK-norm; same tokenizer and init stds.
+# ``mtp`` method needs (models/mtp_export.py), and no QK-norm; same tokenizer and init stds.
 TINY_LLAMA_SEED = 1234
 TINY_LLAMA_CONFIG = dict(
     hidden_size=64,
@@ -96,7 +100,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def _load_smollm2_tokenizer():
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
     gguf = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -124,22 +128,6 @@ def copy_tokenizer_files(src_dir: str | Path, out_dir: str | Path) -> None:
             shutil.copy2(Path(src_dir) / name, Path(out_dir) / name)
 
 
-def init_deterministic(model, seed: int, embed_std: float, linear_std: float) -> None:
-    """Initialise ``model`` in place without transformers' init code or the global RNG: norms 1, the input
-    embedding ~ N(0, embed_std), every other tensor ~ N(0, linear_std), drawn in sorted parameter-name order from one
-    generator seeded with ``seed`` (so a build is bit-identical)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                std = embed_std if name == "model.embed_tokens.weight" else linear_std
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
-
-
 def build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int,
                       embed_std: float = TINY_QWEN3_EMBED_STD, linear_std: float = TINY_QWEN3_LINEAR_STD,
                       tokenizer=None) -> None:
@@ -147,9 +135,9 @@ def build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int,
     ``tokenizer`` (default: the SmolLM2 tokenizer), initialised deterministically without transformers' init code
     or the global RNG: norms 1, embedding ~ N(0, embed_std), every other tensor ~ N(0, linear_std), drawn in sorted
     parameter-name order from one generator seeded with ``seed``. ``arch_config``: the config's size keys."""
-    import torch
-    import transformers
-    from transformers import GenerationConfig
+    import torch  # lazy: this module imports without torch
+    import transformers  # lazy: transformers is slow to import
+    from transformers import GenerationConfig  # lazy: transformers is slow to import
 
     tokenizer = tokenizer if tokenizer is not None else _load_smollm2_tokenizer()
     config = getattr(transformers, f"{arch}Config")(
@@ -174,8 +162,8 @@ def _build_tiny_llama(out_dir: Path) -> None:
 
 
 def _build_smollm2(out_dir: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # lazy: this module imports without torch
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     gguf = smollm2_gguf_path()
     tokenizer = _load_smollm2_tokenizer()
@@ -198,8 +186,6 @@ def _build_smollm2(out_dir: Path) -> None:
 
 
 def _build_testbed(out_dir: Path) -> None:
-    from nemo_rl_spec.models.testbed import build_testbed
-
     build_testbed(out_dir)
 
 
@@ -221,10 +207,6 @@ def _recipe(name: str) -> dict:
         recipe.update(config=TINY_LLAMA_CONFIG, seed=TINY_LLAMA_SEED, embed_std=TINY_QWEN3_EMBED_STD,
                       linear_std=TINY_QWEN3_LINEAR_STD)
     if name == "testbed-llama":
-        from dataclasses import asdict
-
-        from nemo_rl_spec.models.testbed import TESTBED
-
         recipe.update(testbed=asdict(TESTBED))
     if name in ("tiny-qwen3", "tiny-llama", "smollm2-135m-instruct"):
         recipe["gguf"] = SMOLLM2_GGUF

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from nemo_rl_spec.models.hf_assets import copy_tokenizer_files
 
@@ -26,8 +27,6 @@ def write_consolidated_hf(weights: dict[str, torch.Tensor], model_dir: str | Pat
     Returns ``out_dir``. Raises FileNotFoundError when ``model_dir`` has no ``config.json``; ValueError on an empty
     ``weights``.
     """
-    from safetensors.torch import save_file
-
     model_dir, out = Path(model_dir), Path(out_dir)
     config = json.loads((model_dir / "config.json").read_text())
     if not weights:

@@ -31,6 +31,10 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+
+from nemo_rl_spec.models.hf_assets import copy_tokenizer_files
+from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
 
 MTP_POST_NORM_FLAG = "nemo_rl_spec_mtp_input_after_final_norm"  # config.json key of a megatron-core export
 MIMO_MTP_PREFIX = "model.mtp_layers."  # MiMo names of the MTP layers (the drafter's weights in vLLM)
@@ -61,8 +65,6 @@ def megatron_mtp_to_mimo(mcore_state: dict[str, torch.Tensor], spec) -> dict[str
         mcore_state: ``megatron_param_state(model)`` of a GPTModel built with ``mtp_num_layers`` > 0.
         spec: its ``ModelSpec`` (nemo_rl_spec.models.policy.hf_weight_mapping).
     """
-    from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
-
     layers = sorted({int(n.split(".")[2]) for n in mcore_state if n.startswith("mtp.layers.")})
     one_layer = dataclasses.replace(spec, num_layers=1)
     globals_ = {n: t for n, t in mcore_state.items() if not n.startswith(("decoder.layers.", "mtp."))}
@@ -112,8 +114,6 @@ def write_mimo_checkpoint(trunk_hf_state: dict[str, torch.Tensor], trunk_config:
         ValueError: head_dim != hidden_size / num_attention_heads (vLLM's Qwen2 layer derives it), or biases /
             attention variants the Qwen2 layer cannot express.
     """
-    from safetensors.torch import save_file
-
     cfg = dict(trunk_config)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
@@ -151,8 +151,6 @@ def write_mimo_checkpoint(trunk_hf_state: dict[str, torch.Tensor], trunk_config:
     save_file(state, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
     if tokenizer_dir is not None:
-        from nemo_rl_spec.models.hf_assets import copy_tokenizer_files
-
         copy_tokenizer_files(tokenizer_dir, out)
     return out
 

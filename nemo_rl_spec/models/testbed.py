@@ -43,10 +43,18 @@ cached builds are rebuilt.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+from tqdm import tqdm
+
+from nemo_rl_spec.data.datasets import parse_generator
+from nemo_rl_spec.data.prompts import format_prompt
+from nemo_rl_spec.models.weight_init import init_deterministic
 
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
 """The system prompt of the math recipes (``data.system_prompt`` in configs/grpo_math_base.yaml)."""
@@ -156,11 +164,7 @@ def sft_conversations(recipe: TestbedRecipe, direct_rate: float = 0.0, seed: int
 
     Raises:
         ValueError: the slip-free chain's final line disagrees with reasoning-gym's ground truth."""
-    import random
-
-    import reasoning_gym
-
-    from nemo_rl_spec.data.datasets import parse_generator
+    import reasoning_gym  # lazy: reasoning-gym is slow to import
 
     name, settings = parse_generator(recipe.generator)
     seed = recipe.seed if seed is None else seed
@@ -181,8 +185,14 @@ def sft_conversations(recipe: TestbedRecipe, direct_rate: float = 0.0, seed: int
 def train_tokenizer(texts: list[str], vocab_size: int):
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained on ``texts`` (digits one per token, ChatML specials,
     :data:`CHATML_TEMPLATE`); pad ``<|endoftext|>``, eos ``<|im_end|>``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import (  # lazy: only to train the testbed tokenizer
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers is slow to import
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
@@ -199,8 +209,6 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 
 def encode_examples(tokenizer, pairs: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
     """Token ids of each conversation and the length of its prompt part (the loss covers the rest)."""
-    from nemo_rl_spec.data.prompts import format_prompt
-
     out = []
     for question, answer in pairs:
         prompt = format_prompt(tokenizer, SYSTEM_PROMPT, question)
@@ -221,7 +229,7 @@ def lr_at(step: int, recipe: TestbedRecipe) -> float:
 
 def _batch(examples: list[tuple[list[int], int]], pad_id: int):
     """Right-padded ids [B, S], attention mask [B, S] and labels [B, S] (-100 outside the responses)."""
-    import torch
+    import torch  # lazy: this module imports without torch
 
     width = max(len(ids) for ids, _ in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
@@ -237,16 +245,14 @@ def _batch(examples: list[tuple[list[int], int]], pad_id: int):
 def build_model(tokenizer, recipe: TestbedRecipe):
     """The initial ``LlamaForCausalLM`` (fp32): norms 1, every other tensor ~ N(0, init_std) drawn in sorted
     parameter-name order from one generator seeded with ``recipe.seed``; vocab ``len(tokenizer)`` rounded up to 128."""
-    import torch
-    import transformers
+    import torch  # lazy: this module imports without torch
+    import transformers  # lazy: transformers is slow to import
 
     vocab = -(-len(tokenizer) // 128) * 128
     config = transformers.LlamaConfig(vocab_size=vocab, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                                       pad_token_id=tokenizer.pad_token_id, **recipe.model)
     config.dtype = torch.float32
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
-    from nemo_rl_spec.models.hf_assets import init_deterministic
-
     init_deterministic(model, recipe.seed, recipe.init_std, recipe.init_std)
     return model
 
@@ -258,8 +264,7 @@ def sft(model, examples, pad_id: int, recipe: TestbedRecipe, steps: int | None =
     Batches: a seeded permutation of ``examples``, ``recipe.batch_size`` per step, reshuffled each epoch.
     ``on_step(step, model)``, if given, is called after each optimizer step (used to measure accuracy vs steps).
     ``lr_fn(step)`` replaces the warmup + cosine schedule :func:`lr_at` when given (stage 2: a constant)."""
-    import torch
-    from tqdm import tqdm
+    import torch  # lazy: this module imports without torch
 
     steps = recipe.sft_steps if steps is None else steps
     gen = torch.Generator().manual_seed(recipe.seed + 1)
@@ -300,7 +305,7 @@ def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, pro
     Raises:
         ValueError: a chain answer disagrees with reasoning-gym's ground truth.
     """
-    import torch
+    import torch  # lazy: this module imports without torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
@@ -328,9 +333,7 @@ def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, pro
 def save_testbed(out_dir: Path, model, tokenizer, recipe: TestbedRecipe, losses: list[float]) -> None:
     """Write ``model`` and ``tokenizer`` into ``out_dir`` as an HF checkpoint (safetensors, chat template, a generation
     config with the tokenizer's eos / pad) and ``sft.json`` (the recipe and the per-step losses)."""
-    import json
-
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # lazy: transformers is slow to import
 
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)

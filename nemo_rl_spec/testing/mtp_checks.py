@@ -13,15 +13,26 @@ They live in the package (not in a test module) because Ray pickles functions of
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
+
+from nemo_rl_spec.models.mtp_export import megatron_mtp_to_mimo, write_mimo_checkpoint
+from nemo_rl_spec.models.policy import megatron_model as mm
+from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
+from nemo_rl_spec.models.policy.megatron_model import MTP_PREFIX, build_from_hf, megatron_param_state
+from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+from nemo_rl_spec.testing.checks import generate_tokens
+from nemo_rl_spec.testing.lossless import (
+    install_proposal_recorder,
+    recorded_proposals,
+)
 
 
 def mtp_params(worker) -> dict[str, torch.Tensor]:
     """Copies of the policy worker's megatron MTP parameters (``mtp.layers.*``), e.g. to compare later."""
-    from nemo_rl_spec.models.policy import megatron_model as mm
-
     return {k: v.detach().clone() for k, v in mm.megatron_param_state(worker.module).items()
             if k.startswith(mm.MTP_PREFIX)}
 
@@ -39,8 +50,6 @@ def megatron_mtp_argmax(worker, sequences: Sequence[Sequence[int]],
     Returns:
         one list of len(sequence) token ids per sequence.
     """
-    from nemo_rl_spec.models.policy import megatron_model as mm
-
     mod = worker.module
     named = dict(mod.named_parameters())
     saved = {k: named[k].detach().clone() for k in (params or {})}
@@ -85,8 +94,6 @@ def train_mtp_on_own_greedy(worker, prompts: Sequence[Sequence[int]], max_tokens
     Returns:
         :func:`train_mtp_on_sequences`'s result plus ``"sequences"`` (prompt + greedy continuation, token ids).
     """
-    from nemo_rl_spec.models.policy import megatron_model as mm
-
     if worker.layout.tp_size != 1:
         raise ValueError(f"train_mtp_on_own_greedy needs tensor_model_parallel_size 1, got {worker.layout.tp_size}")
     mod = worker.module
@@ -110,15 +117,8 @@ def spec_greedy_with_proposals(worker, prompts: Sequence[Sequence[int]], max_tok
     recording the drafter's proposals. Returns ``(outputs, proposals, counters)``: per prompt, the generated ids
     and one ``[1, k]`` list per engine step; the engine's spec-decode counts over the whole decode
     (:class:`~nemo_rl_spec.speculative.metrics.SpecDecodeCounters`, e.g. for
-    :func:`~nemo_rl_spec.speculative.lossless.require_acceptance`). Resets the prefix cache afterwards."""
-    from vllm import SamplingParams
-
-    from nemo_rl_spec.speculative.checks import _generate
-    from nemo_rl_spec.speculative.lossless import (
-        install_proposal_recorder,
-        recorded_proposals,
-    )
-    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+    :func:`~nemo_rl_spec.testing.lossless.require_acceptance`). Resets the prefix cache afterwards."""
+    from vllm import SamplingParams  # lazy: vllm is slow to import
 
     install_proposal_recorder(worker.llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -126,7 +126,7 @@ def spec_greedy_with_proposals(worker, prompts: Sequence[Sequence[int]], max_tok
     before = read_spec_decode_counters(worker.llm)
     for p in prompts:
         recorded_proposals(worker.llm)  # clear
-        outputs += _generate(worker.llm, [p], params)
+        outputs += generate_tokens(worker.llm, [p], params)
         proposals.append([r.tolist() for r in recorded_proposals(worker.llm)])
     counters = read_spec_decode_counters(worker.llm) - before
     worker.llm.reset_prefix_cache()
@@ -173,8 +173,6 @@ def train_mtp_on_sequences(model, sequences: Sequence[Sequence[int]], prompt_len
         {"losses": the loss at every step, "accuracy": fraction of the trained positions whose MTP argmax over the
         full vocabulary equals the sequence's token t + 2 after training (what a k = 1 draft needs)}.
     """
-    from nemo_rl_spec.models.policy import megatron_model as mm
-
     torch.manual_seed(seed)
     width = max(len(s) for s in sequences)
     ids = torch.tensor([list(s) + [0] * (width - len(s)) for s in sequences])
@@ -232,13 +230,6 @@ def export_trained_mimo(llama_dir: str, out_dir: str, sequences: Sequence[Sequen
     (:func:`train_mtp_on_sequences`), written to ``out_dir`` as the MiMo checkpoint vLLM serves with ``method: mtp``
     (trunk unchanged). Needs its own process (it initialises torch.distributed): run it through
     ``checks.run_isolated``. Returns :func:`train_mtp_on_sequences`'s result."""
-    import json
-    from pathlib import Path
-
-    from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
-    from nemo_rl_spec.models.policy.megatron_model import MTP_PREFIX, build_from_hf, megatron_param_state
-    from nemo_rl_spec.speculative.mtp_export import megatron_mtp_to_mimo, write_mimo_checkpoint
-
     model, spec = build_from_hf(llama_dir, mtp_num_layers=1)
     result = train_mtp_on_sequences(model, sequences, prompt_lens, steps, lr)
     state = megatron_param_state(model)

@@ -86,7 +86,7 @@ def mean_and_interval(values: list[float]) -> dict:
 
 def finish_plot(fig, ax, png: Path, xlabel: str, ylabel: str) -> None:
     """Label, grid and legend ``ax`` (a matplotlib Axes), write ``fig`` to ``png`` (110 dpi) and close it."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

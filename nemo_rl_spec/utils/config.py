@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from nemo_rl_spec.utils.config_schema import MasterConfig
 from nemo_rl_spec.utils.nemo_rl_compat import SWITCH, adapt_nemo_rl_recipe, known_nemo_rl_keys
+from nemo_rl_spec.utils.trackers import missing_clients
 
 # NeMo-RL recipes size token budgets with ${mul:a,b}
 OmegaConf.register_resolver("mul", lambda a, b: a * b, replace=True)
@@ -243,8 +244,6 @@ def check_runtime_support(cfg: MasterConfig) -> None:
     if refused:
         raise ConfigError(f"not supported by this build on {runtime_platform(cfg).upper()} (the recipe validates, "
                           "but would not run as written): " + "; ".join(f"{r.key}: {r.reason}" for r in refused))
-    from nemo_rl_spec.utils.trackers import missing_clients
-
     missing = missing_clients(cfg.logger)
     if missing:
         raise ConfigError("; ".join(missing))

@@ -13,8 +13,16 @@ import re
 import warnings
 from typing import Any, Literal, Optional
 
-from pydantic import (BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from nemo_rl_spec.utils.feature_configs import DynamicSamplingConfig, DynamicSpeculationConfig, PilotCommitConfig
 from nemo_rl_spec.utils.precision import choose_precision, refit_tolerance
@@ -256,7 +264,7 @@ class GenerationConfig(_Strict):
     # k per running batch size (vLLM's num_speculative_tokens_per_batch_size, explicit or from measured step costs)
     dynamic_speculation: Optional[DynamicSpeculationConfig] = None
     # DEBUG / TEST ONLY: a deliberately lossy speculative sampler (the negative control of issue 33,
-    # nemo_rl_spec.speculative.checks.install_lossy_sampler); refused without speculative_config, warned with it
+    # nemo_rl_spec.testing.checks.install_lossy_sampler); refused without speculative_config, warned with it
     debug_lossy_sampler: Optional[Literal["resample_from_target"]] = None
 
     @model_validator(mode="after")

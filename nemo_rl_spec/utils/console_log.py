@@ -144,7 +144,10 @@ class ConsoleLog:
         """Replace Ray's printer of worker output in this driver with :meth:`on_worker_output` (call after
         ``ray.init(log_to_driver=True)``). False, leaving Ray's printer, when this Ray has no such hook."""
         try:
-            from ray._private.worker import global_worker_stdstream_dispatcher as dispatcher
+            # lazy: Ray internals, once output is routed
+            from ray._private.worker import (
+                global_worker_stdstream_dispatcher as dispatcher,  # lazy: Ray internals, once output is routed
+            )
         except ImportError:
             return False
         dispatcher.remove_handler("ray_print_logs")
@@ -163,7 +166,7 @@ class ConsoleLog:
 def _autoscaler_events(lines: list[str]) -> list[str]:
     """The event lines of an autoscaler batch (Ray's filter; none when this Ray lacks it)."""
     try:
-        from ray._private.worker import filter_autoscaler_events
+        from ray._private.worker import filter_autoscaler_events  # lazy: Ray internals, once output is routed
     except ImportError:
         return []
     return list(filter_autoscaler_events(lines))
@@ -172,7 +175,11 @@ def _autoscaler_events(lines: list[str]) -> list[str]:
 def _print_to_terminal(data: dict, stream: TextIO) -> None:
     """Print a worker batch on the terminal as Ray does (prefix, colour, de-duplication across workers)."""
     try:
-        from ray._private.worker import print_worker_logs, stderr_deduplicator, stdout_deduplicator
+        from ray._private.worker import (  # lazy: Ray internals, once output is routed
+            print_worker_logs,
+            stderr_deduplicator,
+            stdout_deduplicator,
+        )
     except ImportError:
         stream.writelines(f"(pid={data.get('pid')}) {line}\n" for line in data.get("lines", []))
         return

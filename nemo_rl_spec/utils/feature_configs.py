@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
@@ -132,8 +133,6 @@ class DynamicSpeculationConfig(BaseModel):
         """An existing file, made absolute here (Ray actors may run elsewhere than the driver's directory)."""
         if value is None:
             return None
-        from pathlib import Path
-
         path = Path(value)
         if not path.is_file():
             raise ValueError(f"policy.generation.dynamic_speculation.step_costs: no file {value} (write one with "

@@ -12,6 +12,9 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from tqdm import tqdm
+
+from nemo_rl_spec.utils.console import step_report
 from nemo_rl_spec.utils.trackers import Tracker
 
 
@@ -38,7 +41,7 @@ class Logger:
         self.jsonl_path = self.log_dir / "metrics.jsonl"
         self._tb = None
         if tensorboard_enabled:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: this module imports without torch
 
             self._tb = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
 
@@ -56,10 +59,6 @@ class Logger:
                     self._tb.add_scalar(name, value, step)
             self._tb.flush()
         if self.console:
-            from tqdm import tqdm
-
-            from nemo_rl_spec.utils.console import step_report
-
             tqdm.write(step_report(record, step))  # + the per-step table with logger.verbose
 
     def truncate_after(self, step: int) -> None:
@@ -90,10 +89,10 @@ def read_metrics(jsonl_path: str | Path) -> list[dict]:
 
 def plot_training_curves(jsonl_path: str | Path, out_png: str | Path) -> Path:
     """Plot ``train/reward`` and ``validation/accuracy`` against step into ``out_png``."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     records = read_metrics(jsonl_path)
     fig, ax = plt.subplots(figsize=(6, 4))

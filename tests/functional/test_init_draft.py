@@ -19,6 +19,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
+from nemo_rl_spec.cli import init_draft
 from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
 from nemo_rl_spec.speculative.offline import _policy_outputs, pad_sequences
@@ -79,15 +80,6 @@ def test_written_draft_loads_and_beats_fresh_head(draft_dir):
     assert acc_trained[2] > acc_fresh[2]
 
 
-def _load_command():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("init_draft_cmd", ROOT / "examples" / "init_draft.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("args, needle", [
     (["--config", "configs/no_such_recipe.yaml"], "no_such_recipe.yaml"),
     (["--config", RECIPE, "--num-prompts", "0"], "--num-prompts"),
@@ -97,7 +89,7 @@ def _load_command():
 ])
 def test_bad_input_names_the_flag_or_file(tmp_path, capsys, monkeypatch, args, needle):
     monkeypatch.chdir(ROOT)
-    rc = _load_command().main([*args, "--out", str(tmp_path / "d")])
+    rc = init_draft.main([*args, "--out", str(tmp_path / "d")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err, err
     assert err[-1].startswith("error:") and needle in err[-1], err[-5:]

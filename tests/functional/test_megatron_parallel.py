@@ -318,7 +318,7 @@ def test_reference_policy_kl_at_tp2(cluster, model_dir, tmp_path):
         initial = policy.get_logprobs(data)
         assert torch.equal(policy.get_reference_policy_logprobs(data), initial)
         kls = []
-        for step in range(2):
+        for _step in range(2):
             current = policy.get_logprobs(data)
             ref = policy.get_reference_policy_logprobs(data)
             assert torch.equal(policy.get_logprobs(data), current)  # the swap puts the policy back bitwise

@@ -7,7 +7,6 @@ bitwise checkpoint resume.
 """
 from __future__ import annotations
 
-import copy
 import os
 import sys
 
@@ -244,6 +243,7 @@ def test_worker_runs_inside_a_ray_actor(tiny_model):
 def test_cpu_compat_is_idempotent_local_and_forks_cpu_rng():
     import megatron.core.transformer.utils as mcore_utils
     from megatron.core import tensor_parallel
+
     from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
 
     assert apply_cpu_compat() and apply_cpu_compat()

@@ -162,7 +162,7 @@ def test_occ_reference_equals_full_gradients_and_leaves_training_unchanged(model
     data = fm.on_policy(worker, fm.train_batch())
     params, g_rl, g_mtp, _ = _independent_gradients(worker, data, "occ" if mode == "occ" else "ce")
     c = v2 = c_dec = v2_dec = 0.0
-    for (name, p), gr, gm in zip(params.items(), g_rl, g_mtp[:-1]):
+    for (name, _p), gr, gm in zip(params.items(), g_rl, g_mtp[:-1]):
         if not name.startswith(mm.MTP_PREFIX) and gm is not None:
             dot, sq = (0.0 if gr is None else float((gr.double() * gm.double()).sum())), float(gm.double().pow(2).sum())
             c, v2 = c + dot, v2 + sq

@@ -36,10 +36,10 @@ pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 
 from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
-from nemo_rl_spec.speculative import checks
 from nemo_rl_spec.speculative.draft_refit import DraftVersionMismatchError
-from nemo_rl_spec.speculative.lossless import first_mismatch, lossless_prompts, require_acceptance
-from nemo_rl_spec.speculative.mtp_checks import (
+from nemo_rl_spec.testing import checks
+from nemo_rl_spec.testing.lossless import first_mismatch, lossless_prompts, require_acceptance
+from nemo_rl_spec.testing.mtp_checks import (
     megatron_mtp_argmax,
     mtp_params,
     replay_agreement,

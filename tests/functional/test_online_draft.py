@@ -20,8 +20,8 @@ import fixtures_models as fm  # noqa: E402
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn  # noqa: E402
 from nemo_rl_spec.models.policy import megatron_model as mm  # noqa: E402
 from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
-from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 from nemo_rl_spec.speculative.capture import capture_hidden_states  # noqa: E402
+from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 
 torch.set_num_threads(1)
 def _policy_cfg(draft: bool, micro=2, lr=1e-2) -> dict:

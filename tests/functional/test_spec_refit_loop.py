@@ -93,7 +93,7 @@ def test_acceptance_survives_refits_and_alarm_fires_on_broken_draft_refit(tmp_pa
             s.spec.notify_refit()
             versions.append(s.generation.get_versions()[0])
             assert refit["refit/logprob_mismatch"] < 1e-4
-        # break the draft refit on purpose: load random weights of the right names and shapes 
+        # break the draft refit on purpose: load random weights of the right names and shapes
         export = s.policy.export_draft_weights().get()
         gen_rng = torch.Generator().manual_seed(123)
         export["weights"] = {k: (torch.randn(v.shape, generator=gen_rng) * 0.02 if v.is_floating_point() else v)

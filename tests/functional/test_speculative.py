@@ -18,10 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
 from nemo_rl_spec.models.hf_assets import resolve_model
-from nemo_rl_spec.speculative import checks
 from nemo_rl_spec.speculative.capture import capture_hidden_states
 from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
-from nemo_rl_spec.speculative.lossless import (
+from nemo_rl_spec.testing import checks
+from nemo_rl_spec.testing.lossless import (
     SERVING_PROMPT,
     build_tiny_llama,
     build_truncated_draft,
@@ -130,7 +130,7 @@ def trained_mimo(target, prompts, tmp_path_factory) -> dict:
     """A tiny Llama's plain greedy outputs (vLLM) on the first TRAINED_PROMPTS prompts, and the Llama served as MiMo
     whose MTP layer (megatron-core's, exported) is trained for seconds on those continuations (a random MTP layer
     accepted nothing here: acceptance length exactly 1.000)."""
-    from nemo_rl_spec.speculative.mtp_checks import export_trained_mimo
+    from nemo_rl_spec.testing.mtp_checks import export_trained_mimo
 
     root = tmp_path_factory.mktemp("mimo")
     llama = str(build_tiny_llama(target, root / "llama"))

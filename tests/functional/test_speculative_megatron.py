@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("megatron.core")
 
 from nemo_rl_spec.models.hf_assets import resolve_model
-from nemo_rl_spec.speculative import checks
+from nemo_rl_spec.testing import checks
 
 pytestmark = pytest.mark.timeout(1800)
 

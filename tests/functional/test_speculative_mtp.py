@@ -21,8 +21,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 
 from nemo_rl_spec.models.hf_assets import resolve_model
-from nemo_rl_spec.speculative import checks
-from nemo_rl_spec.speculative.lossless import (
+from nemo_rl_spec.testing import checks
+from nemo_rl_spec.testing.lossless import (
     build_tiny_llama,
     first_mismatch,
     lossless_prompts,
@@ -44,6 +44,10 @@ def export_scenario(llama_dir: str, out_dir: str, sequences: list[list[int]], pr
     import json
     from pathlib import Path
 
+    from nemo_rl_spec.models.mtp_export import (
+        megatron_mtp_to_mimo,
+        write_mimo_checkpoint,
+    )
     from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
     from nemo_rl_spec.models.policy.megatron_model import (
         build_from_hf,
@@ -52,12 +56,7 @@ def export_scenario(llama_dir: str, out_dir: str, sequences: list[list[int]], pr
         mtp_hidden_states,
         output_logits,
     )
-    from nemo_rl_spec.speculative.mtp_export import (
-        megatron_mtp_to_mimo,
-        write_mimo_checkpoint,
-    )
-
-    from nemo_rl_spec.speculative.mtp_checks import train_mtp_on_sequences
+    from nemo_rl_spec.testing.mtp_checks import train_mtp_on_sequences
 
     model, spec = build_from_hf(llama_dir, mtp_num_layers=1)
     trained = train_mtp_on_sequences(model, sequences, prompt_lens)
@@ -111,7 +110,7 @@ def test_megatron_mtp_exported_as_mimo(tmp_path):
     assert plain_llama["outputs"] == [g[:MAX_TOKENS] for g in greedy]     # vLLM Llama == transformers
     assert first_mismatch(plain_llama["outputs"], plain_mimo["outputs"]) is None  # exported trunk exact
 
-    from nemo_rl_spec.speculative.mtp_export import with_zero_qkv_bias
+    from nemo_rl_spec.models.mtp_export import with_zero_qkv_bias
 
     refit_weights = with_zero_qkv_bias(exp["perturbed"])
     res = checks.run_isolated(checks.refit_lossless_scenario, str(mimo), {"method": "mtp", "num_speculative_tokens": 1},
@@ -143,7 +142,7 @@ def test_megatron_mtp_exported_as_mimo(tmp_path):
 def mtp_proposals_scenario(model: str, prompts, max_tokens: int):
     from vllm import SamplingParams
 
-    from nemo_rl_spec.speculative.lossless import (
+    from nemo_rl_spec.testing.lossless import (
         install_proposal_recorder,
         recorded_proposals,
     )
@@ -153,7 +152,7 @@ def mtp_proposals_scenario(model: str, prompts, max_tokens: int):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     out = []
     for p in prompts:
-        checks._generate(llm, [p], params)
+        checks.generate_tokens(llm, [p], params)
         out.append([r.tolist() for r in recorded_proposals(llm)])
     checks.shutdown(llm)
     return out

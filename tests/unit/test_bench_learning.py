@@ -5,8 +5,8 @@ import itertools
 import statistics
 
 import pytest
-from examples_loader import load_example
 
+from nemo_rl_spec.bench import learning as bench_learning
 from nemo_rl_spec.utils.bench_runs import bootstrap_interval
 
 
@@ -24,7 +24,7 @@ def test_bootstrap_interval_matches_the_exact_resampling_distribution():
 
 
 def test_seed_summary_and_mean_gain_by_hand():
-    bench = load_example("bench_learning")
+    bench = bench_learning
     assert bench.third_means([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]) == (2.0, 6.0)  # ceil(7/3) = 3 each end
     records = [{"step": 0, "validation/accuracy": 0.25},
                *({"step": k, "train/reward": r, "timing/train/total_step_time": 10.0 * k}
@@ -49,7 +49,7 @@ def test_plots_the_committed_result(tmp_path):
     import json
     from pathlib import Path
 
-    bench = load_example("bench_learning")
+    bench = bench_learning
     saved = json.loads((Path(__file__).resolve().parents[2] / "docs" / "training_curves.json").read_text())
     seeds = {s: {k: v for k, v in r.items() if k not in ("returncode", "wall_s")} for s, r in saved["seeds"].items()}
     assert bench.summarize(seeds)["mean_gain"] == pytest.approx(saved["mean_gain"], abs=1e-12)
@@ -60,7 +60,7 @@ def test_plots_the_committed_result(tmp_path):
 
 
 def test_token_mult_prob_error_per_step_and_mean_by_hand():
-    bench = load_example("bench_learning")
+    bench = bench_learning
     records = [{"step": 0, "validation/accuracy": 0.5},
                {"step": 1, "train/reward": 0.1, "train/token_mult_prob_error": 1.01},
                {"step": 2, "train/reward": 0.2, "train/token_mult_prob_error": 1.03},
@@ -76,7 +76,7 @@ def test_token_mult_prob_error_per_step_and_mean_by_hand():
 
 
 def test_compare_pairs_final_accuracy_by_seed_by_hand():
-    bench = load_example("bench_learning")
+    bench = bench_learning
     seed = lambda start, final: {"start_accuracy": start, "final_accuracy": final,  # noqa: E731
                                  "gain": None if final is None else final - start}
     run = {"seeds": {"42": seed(0.3, 0.8), "1": seed(0.3, 0.7), "2": seed(0.3, 0.6), "3": seed(0.3, None),

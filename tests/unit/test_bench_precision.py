@@ -2,9 +2,10 @@
 overrides, per-run phase means with the warm-up step dropped, the bf16 / fp32 ratios against issue 31's goals with
 failed runs left out, the /proc/cpuinfo parse, the table and the plot."""
 import pytest
-from examples_loader import load_example
 
-bench = load_example("bench_precision")
+from nemo_rl_spec.bench import precision as bench_precision
+
+bench = bench_precision
 
 STEP = "timing/train/total_step_time"
 

@@ -3,7 +3,8 @@ columns, the interleaved run order and the mean over repeats."""
 import json
 
 import pytest
-from examples_loader import load_example
+
+from nemo_rl_spec.bench import sync_vs_async as bench_sync_vs_async
 
 
 def _doc(modes: dict) -> dict:
@@ -11,7 +12,7 @@ def _doc(modes: dict) -> dict:
 
 
 def test_merge_later_file_wins_and_speedups_by_hand(tmp_path):
-    bench = load_example("bench_sync_vs_async")
+    bench = bench_sync_vs_async
     first = tmp_path / "a.json"
     first.write_text(json.dumps(_doc({"sync/autoregressive": {"step_time_s": 80.0},
                                       "async_age1/autoregressive": {"step_time_s": 100.0},
@@ -35,7 +36,7 @@ def test_merge_later_file_wins_and_speedups_by_hand(tmp_path):
 
 
 def test_overlap_bound_on_async_rows_by_hand():
-    bench = load_example("bench_sync_vs_async")
+    bench = bench_sync_vs_async
     results = {"sync/autoregressive": {"step_time_s": 74.3, "exposed_generation_s": 19.3},
                "async_age1/autoregressive": {"step_time_s": 57.8},
                "async_age2/autoregressive": {"error": "x"}}
@@ -47,7 +48,7 @@ def test_overlap_bound_on_async_rows_by_hand():
 
 
 def test_interleaved_schedule_and_mean_over_repeats():
-    bench = load_example("bench_sync_vs_async")
+    bench = bench_sync_vs_async
     assert bench.schedule(["a", "b"], 3) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
     assert bench.schedule(["a"], 1) == [(0, "a")]
     with pytest.raises(ValueError, match="repeats"):
@@ -63,6 +64,6 @@ def test_interleaved_schedule_and_mean_over_repeats():
 
 
 def test_repeats_below_one_is_refused_before_any_run():
-    bench = load_example("bench_sync_vs_async")
+    bench = bench_sync_vs_async
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", "x.json", "--repeats", "0"])

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rl_spec.cli import run_grpo
 from nemo_rl_spec.utils.config import ConfigError, load_config, load_yaml_with_defaults
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -166,15 +167,6 @@ def test_workers_per_node_has_no_schema_default_and_must_be_positive():
         load_config(TINY, ["cluster.workers_per_node=0"])
 
 
-def _run_grpo_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("run_grpo", CONFIGS.parent / "examples" / "run_grpo.py")
-    run_grpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_grpo)
-    return run_grpo
-
-
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_dry_run_prints_the_plan_of_every_recipe_without_ray(path, capsys, monkeypatch):
     import ray
@@ -182,7 +174,7 @@ def test_dry_run_prints_the_plan_of_every_recipe_without_ray(path, capsys, monke
     from nemo_rl_spec.distributed.placement import plan_placement
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started by --dry-run"))
-    assert _run_grpo_module().main(["--config", str(path), "--dry-run"]) == 0
+    assert run_grpo.main(["--config", str(path), "--dry-run"]) == 0
     out = capsys.readouterr()
     assert out.err == "" and f"recipe {path}: valid" in out.out
     assert plan_placement(load_config(path)).table() in out.out
@@ -195,13 +187,13 @@ def test_dry_run_prints_the_plan_of_every_recipe_without_ray(path, capsys, monke
     (["policy.megatron_cfg.pipeline_model_parallel_size=2"], "policy.megatron_cfg.pipeline_model_parallel_size > 1"),
 ])
 def test_dry_run_exits_2_naming_the_key_when_the_recipe_does_not_fit(overrides, key, capsys):
-    assert _run_grpo_module().main(["--config", str(TINY), "--dry-run", *overrides]) == 2
+    assert run_grpo.main(["--config", str(TINY), "--dry-run", *overrides]) == 2
     out = capsys.readouterr()
     assert key in out.err and "placement:" not in out.out
 
 
 def test_bad_config_exits_2_before_any_worker(tmp_path, capsys):
-    assert _run_grpo_module().main(["--config", str(TINY), "grpo.num_prompts_per_step=-1"]) == 2
+    assert run_grpo.main(["--config", str(TINY), "grpo.num_prompts_per_step=-1"]) == 2
     assert "grpo.num_prompts_per_step" in capsys.readouterr().err
 
 
@@ -231,7 +223,6 @@ def test_missing_draft_directory_exits_2_before_ray(tmp_path, capsys, monkeypatc
     import ray
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started before the draft check"))
-    run_grpo = _run_grpo_module()
     missing = tmp_path / "no_draft"
     assert run_grpo.main(["--config", str(SPEC), f"policy.draft.model_name={missing}",
                           f"logger.log_dir={tmp_path}/logs"]) == 2

@@ -16,8 +16,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_rl_spec.utils.config import (ConfigError, apply_overrides, load_config, load_yaml_with_defaults,
-                                       validate_config)
+from nemo_rl_spec.utils.config import (
+    ConfigError,
+    apply_overrides,
+    load_config,
+    load_yaml_with_defaults,
+    validate_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -1,5 +1,5 @@
 """Offline acceptance estimates (speculative/acceptance.py) and the resumable draft-init stages
-(speculative/draft_init.py), against hand-worked values and independent loops."""
+(algorithms/draft_init.py), against hand-worked values and independent loops."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from nemo_rl_spec.speculative import draft_init
+from nemo_rl_spec.algorithms import draft_init
 from nemo_rl_spec.speculative.acceptance import chain_acceptance_length, expected_acceptance, step_acceptance
 from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead

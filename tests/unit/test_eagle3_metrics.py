@@ -12,7 +12,8 @@ from nemo_rl_spec.speculative.draft_refit import (
     DraftVersionGuard,
     DraftVersionMismatchError,
 )
-from nemo_rl_spec.speculative.lossless import (
+from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
+from nemo_rl_spec.testing.lossless import (
     chi2_sf,
     chi_square_goodness_of_fit,
     chi_square_homogeneity,
@@ -21,7 +22,6 @@ from nemo_rl_spec.speculative.lossless import (
     simulate_greedy_rounds,
     total_variation,
 )
-from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeCounters
 
 
 def fake_metrics(drafts, draft_tokens, accepted, per_pos, engines=1):
@@ -127,11 +127,11 @@ def test_chi_square_tests_accept_same_and_reject_different():
 def test_megatron_mtp_to_mimo_mapping_by_hand():
     """eh_proj's [embedding ; hidden] columns become MiMo's [hidden ; embedding]; the MTP transformer layer maps
     like decoder layer 0 (q/k/v split from megatron's grouped linear_qkv, gate/up from linear_fc1)."""
-    from nemo_rl_spec.models.policy.hf_weight_mapping import ModelSpec, fuse_qkv
-    from nemo_rl_spec.speculative.mtp_export import (
+    from nemo_rl_spec.models.mtp_export import (
         megatron_mtp_to_mimo,
         with_zero_qkv_bias,
     )
+    from nemo_rl_spec.models.policy.hf_weight_mapping import ModelSpec, fuse_qkv
 
     spec = ModelSpec("LlamaForCausalLM", num_layers=2, hidden_size=4, ffn_hidden_size=6, num_attention_heads=2,
                      num_query_groups=1, head_dim=2, vocab_size=10, max_position_embeddings=16, rms_norm_eps=1e-6,
@@ -164,7 +164,7 @@ def test_megatron_mtp_to_mimo_mapping_by_hand():
 
 
 def test_expand_kernel_fix_by_hand():
-    from nemo_rl_spec.speculative.vllm_patches import expand_kernel_impl
+    from nemo_rl_spec.models.generation.vllm_patches import expand_kernel_impl
 
     temps = torch.tensor([0.7, -1.0, 1.3])          # -1 = vLLM's GREEDY_TEMPERATURE
     out = torch.full((6,), float("nan"))

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from nemo_rl_spec.speculative.lossless import chi_square_goodness_of_fit  # noqa: E402
+from nemo_rl_spec.testing.lossless import chi_square_goodness_of_fit  # noqa: E402
 
 N, V = 20_000, 40
 
@@ -44,7 +44,7 @@ def _emitted(recovered_fn, p: torch.Tensor, d: int, seed: int) -> torch.Tensor:
 
 
 def test_lossy_sampler_is_lossy_at_token_level_and_vllms_is_not(rejection_sampler):
-    from nemo_rl_spec.speculative.checks import _sample_from_target_recovered
+    from nemo_rl_spec.testing.checks import _sample_from_target_recovered
 
     p = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(0)) * 1.5, -1)
     d = int(p.argmax())
@@ -61,7 +61,7 @@ def test_lossy_sampler_is_lossy_at_token_level_and_vllms_is_not(rejection_sample
 
 
 def test_install_switches_vllms_recovered_sampler_and_refuses_unknown_names(rejection_sampler, monkeypatch):
-    from nemo_rl_spec.speculative import checks
+    from nemo_rl_spec.testing import checks
 
     monkeypatch.setattr(rejection_sampler, "sample_recovered_tokens", rejection_sampler.sample_recovered_tokens)
     with pytest.warns(UserWarning, match="LOSSY"):

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from examples_loader import load_example
 
 from nemo_rl_spec.algorithms.loss import mtp_loss as ml
 from nemo_rl_spec.algorithms.occ import (
@@ -15,6 +14,7 @@ from nemo_rl_spec.algorithms.occ import (
     occ_lambda,
     occ_proxies,
 )
+from nemo_rl_spec.bench import occ as bench_occ
 
 
 def test_occ_lambda_hand_values_and_clamps():
@@ -124,7 +124,7 @@ def test_mtp_token_logprobs_and_acceptance_hand_example():
 
 
 def test_bench_occ_reference_mode_overrides_and_proxy_validation():
-    bench = load_example("bench_occ")
+    bench = bench_occ
     assert bench.mode_overrides("occ") == ["policy.megatron_cfg.mtp_loss_mode=occ"]
     assert bench.mode_overrides("occ+ref") == ["policy.megatron_cfg.mtp_loss_mode=occ",
                                                "+policy.megatron_cfg.mtp_occ_reference=true"]
@@ -167,7 +167,7 @@ def test_bench_occ_resumes_finished_runs_and_reports_intervals(tmp_path):
     accuracy, its mean and a bootstrap interval inside the per-seed range, and the occ / detach step-time ratio."""
     import json
 
-    bench = load_example("bench_occ")
+    bench = bench_occ
 
     def write(mode, seed, acc, step_s):
         d = tmp_path / "runs" / f"{mode}_seed{seed}"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nemo_rl_spec.algorithms.occ import logprob_delta_lambda
+from nemo_rl_spec.bench import occ as bench_occ
 from nemo_rl_spec.utils.config import ConfigError, load_config
 
 RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs", "grpo_math_tiny_mtp.yaml")
@@ -79,9 +80,7 @@ def test_config_selects_and_refuses():
 
 
 def test_bench_occ_paper_proxy_flag():
-    from examples_loader import load_example
-
-    bench = load_example("bench_occ")
+    bench = bench_occ
     overrides = bench.mode_overrides("occ+lpd+ref")
     assert overrides == ["policy.megatron_cfg.mtp_loss_mode=occ", "+policy.megatron_cfg.mtp_occ_reference=true",
                          "+policy.megatron_cfg.mtp_occ_proxy=logprob_delta"]

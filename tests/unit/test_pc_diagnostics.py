@@ -10,6 +10,8 @@ from nemo_rl_spec.algorithms.interfaces import Stage, TrainGroup
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
 from nemo_rl_spec.algorithms.pilot_commit import PilotCommitAllocator
 from nemo_rl_spec.algorithms.rollout_allocation import UniformAllocator, difficulty_bucket
+from nemo_rl_spec.bench import pc_ablation_table
+from nemo_rl_spec.bench import pilot_commit as bench_pilot_commit
 from nemo_rl_spec.utils.config_schema import LossConfig
 from nemo_rl_spec.utils.feature_configs import PilotCommitConfig
 
@@ -153,9 +155,7 @@ def test_loss_normaliser_config_errors():
 
 # ----------------------------------------------------------------------------------------- ablation table
 def test_bench_training_diagnostics_and_ablation_table(tmp_path):
-    from examples_loader import load_example
-
-    bench, table = load_example("bench_pilot_commit"), load_example("pc_ablation_table")
+    bench, table = bench_pilot_commit, pc_ablation_table
     steps = [{"step": 1, "rollout_alloc/train_rollouts": 40.0, "train/grad_norm": 2.0,
               "rollout_alloc/trained_times_seen_mean": 1.0, "rollout_alloc/trained_unique_frac": 1.0,
               "rollout_alloc/trained_bucket/terms_2": 3.0, "rollout_alloc/trained_bucket/terms_3": 1.0,

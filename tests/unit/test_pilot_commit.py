@@ -15,9 +15,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from nemo_rl_spec.algorithms.allocators import build_rollout_allocator
 from nemo_rl_spec.algorithms.interfaces import RolloutResult, Stage
 from nemo_rl_spec.algorithms.pilot_commit import PilotCommitAllocator
-from nemo_rl_spec.algorithms.rollout_allocation import UniformAllocator, build_rollout_allocator
+from nemo_rl_spec.algorithms.rollout_allocation import UniformAllocator
 from nemo_rl_spec.utils.feature_configs import PilotCommitConfig
 
 P_OF_KIND = {"H": 0.0, "M": 0.5, "E": 1.0}

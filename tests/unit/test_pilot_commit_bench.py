@@ -5,8 +5,8 @@ import re
 from pathlib import Path
 
 import pytest
-from examples_loader import load_example
 
+from nemo_rl_spec.bench import pilot_commit as bench_pilot_commit
 from nemo_rl_spec.data.datasets import load_train_problems, parse_generator
 from nemo_rl_spec.utils.config import ConfigError, load_config
 
@@ -15,7 +15,7 @@ BENCH_RECIPE = ROOT / "configs" / "grpo_math_smollm2_135m_pilot_commit.yaml"
 
 
 def _bench_module():
-    return load_example("bench_pilot_commit")
+    return bench_pilot_commit
 
 
 def test_parse_generator():

@@ -11,12 +11,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from nemo_rl_spec.algorithms.allocators import build_rollout_allocator
 from nemo_rl_spec.algorithms.interfaces import RolloutAllocator, RolloutRequest, RolloutResult, Stage, TrainGroup
 from nemo_rl_spec.algorithms.rollout_allocation import (
     DynamicSamplingAllocator,
     PromptStream,
     UniformAllocator,
-    build_rollout_allocator,
     group_reward_stats,
     mix_seed,
     requests_by_n,
@@ -110,7 +110,7 @@ def test_train_selection_flat_views():
     assert [r.payload for r in sel.results] == ["p3", "c3", "c8"]
     assert sel.group_size == 5 and sel.num_rollouts == 10 and sel.max_policy_lag(6) == 2
     with pytest.raises(ValueError, match="different sizes"):
-        TrainSelection(0, [TrainGroup(3, [pilot]), TrainGroup(8, [other])]).group_size
+        _ = TrainSelection(0, [TrainGroup(3, [pilot]), TrainGroup(8, [other])]).group_size
     empty = TrainSelection(1, [])
     assert (empty.rewards.numel(), empty.policy_versions.numel(), empty.group_size) == (0, 0, 0)
 

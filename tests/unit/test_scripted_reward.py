@@ -1,4 +1,6 @@
 """The scripted char_fraction reward (environments/char_fraction_env.py) against hand-worked values."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -6,7 +8,6 @@ from nemo_rl_spec.environments import build_environment
 from nemo_rl_spec.environments.char_fraction_env import CharFractionEnvironment, char_fraction
 from nemo_rl_spec.environments.math_env import MathEnvironment
 from nemo_rl_spec.utils.config import load_config
-from pathlib import Path
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "grpo_math_tiny.yaml"
 

@@ -3,8 +3,8 @@ import json
 
 import numpy as np
 import pytest
-from examples_loader import load_example
 
+from nemo_rl_spec.cli import run_sim
 from nemo_rl_spec.sim import model_math as mm
 from nemo_rl_spec.sim.calibrate import (
     calibrate,
@@ -107,4 +107,4 @@ def test_cpu_training_mfu_by_hand():
 
 def run_sim_main():
     """``examples/run_sim.py``'s main."""
-    return load_example("run_sim").main
+    return run_sim.main

@@ -2,8 +2,8 @@
 import json
 
 import pytest
-from examples_loader import load_example
 
+from nemo_rl_spec.cli import run_sim
 from nemo_rl_spec.sim.config import (
     CONFIG_DIR,
     deep_merge,
@@ -56,4 +56,4 @@ def test_run_sim_writes_speedups_per_scenario_and_plots(tmp_path):
 
 def run_sim_main():
     """``examples/run_sim.py``'s main."""
-    return load_example("run_sim").main
+    return run_sim.main

@@ -3,8 +3,8 @@ hand-worked numbers and synthetic runs with a known truth. No timing, no vLLM.""
 import json
 
 import pytest
-from examples_loader import load_example
 
+from nemo_rl_spec.cli import run_sim
 from nemo_rl_spec.sim.calibrate import predict
 from nemo_rl_spec.sim.config import CONFIG_DIR, load_scenario
 from nemo_rl_spec.sim.fidelity import (
@@ -220,7 +220,7 @@ def test_cli_fidelity_writes_report(tmp_path, capsys):
 
 def run_sim_main():
     """``examples/run_sim.py``'s main."""
-    return load_example("run_sim").main
+    return run_sim.main
 
 
 def test_spec_bench_comparison_by_hand():

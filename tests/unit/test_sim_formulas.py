@@ -1,8 +1,14 @@
 """Speculative-decoding and Amdahl formulas against published and hand-computed values."""
 import pytest
 
-from nemo_rl_spec.sim.formulas import (alpha_for_acceptance_length, amdahl_speedup, expected_tokens_per_pass,
-                                       phase_amdahl_speedup, speculative_speedup, tokens_per_pass_per_position)
+from nemo_rl_spec.sim.formulas import (
+    alpha_for_acceptance_length,
+    amdahl_speedup,
+    expected_tokens_per_pass,
+    phase_amdahl_speedup,
+    speculative_speedup,
+    tokens_per_pass_per_position,
+)
 
 
 def test_published_case_alpha_08_k3_c005():

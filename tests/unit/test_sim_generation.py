@@ -1,8 +1,14 @@
 """Generation phase: makespans on hand-checkable cost functions, speculative pass cost, batch dependence."""
 import numpy as np
 
-from nemo_rl_spec.sim.generation import (ar_pass_cost, critical_engines, engine_makespan, simulate_generation,
-                                         spec_pass_cost, split_across_engines)
+from nemo_rl_spec.sim.generation import (
+    ar_pass_cost,
+    critical_engines,
+    engine_makespan,
+    simulate_generation,
+    spec_pass_cost,
+    split_across_engines,
+)
 from nemo_rl_spec.sim.presets import DRAFTS, MODELS, resolve_profile
 from nemo_rl_spec.sim.roofline import forward_seconds
 

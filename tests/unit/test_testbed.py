@@ -46,11 +46,10 @@ def test_slip_draws_follow_the_rate():
 
 
 def test_slipped_corpus_answers_are_wrong_at_the_slip_rate():
-    from nemo_rl_spec.environments.math_env import score_response
-
     import reasoning_gym
 
     from nemo_rl_spec.data.datasets import parse_generator
+    from nemo_rl_spec.environments.math_env import score_response
 
     r = dataclasses.replace(SMALL, slip_rate=0.3, sft_examples=400)
     name, settings = parse_generator(r.generator)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import pytest
-from examples_loader import load_example
 
-sweep = load_example("testbed_sft_sweep")
+from nemo_rl_spec.bench import testbed_sft_sweep
+
+sweep = testbed_sft_sweep
 
 
 def test_overrides_parse_json_values_and_model_keys():

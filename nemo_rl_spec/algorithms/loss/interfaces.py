@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
+from nemo_rl_spec.models.policy.parallel import combine_metrics
 
 
 @runtime_checkable
@@ -60,6 +61,4 @@ def aggregate_microbatch_metrics(per_microbatch: list[dict[str, float]]) -> dict
     keys = set(per_microbatch[0])
     if any(set(m) != keys for m in per_microbatch):
         raise ValueError("micro-batch metrics have different keys")
-    from nemo_rl_spec.models.policy.parallel import combine_metrics  # the one rule, shared with the DP reduction
-
     return combine_metrics(per_microbatch)

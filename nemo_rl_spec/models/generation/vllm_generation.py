@@ -265,7 +265,7 @@ class VllmGeneration:
 
     def run_function(self, fn: Callable[..., Any], *args, ranks: Sequence[int] | None = None) -> list:
         """``fn(engine_worker, *args)`` inside every engine's actor (or ``ranks``), results in engine order; for
-        checks that read an engine's internals (e.g. :mod:`nemo_rl_spec.speculative.mtp_checks`)."""
+        checks that read an engine's internals (e.g. :mod:`nemo_rl_spec.testing.mtp_checks`)."""
         return self.workers.run_function(fn, *args, ranks=ranks)
 
     def node_ids(self) -> list[str]:

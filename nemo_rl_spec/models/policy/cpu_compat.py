@@ -135,8 +135,8 @@ _TORCH_PROXY = _CpuTorch()
 def _install_triton_stub() -> None:
     """Patch 1: placeholder ``triton`` / ``triton.language`` when the real package cannot be imported."""
     try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
+        import triton  # noqa: F401  # lazy: optional, absent on CPU
+        import triton.language  # noqa: F401  # lazy: optional, absent on CPU
         return
     except Exception:  # ImportError, or a broken install that fails at import
         pass

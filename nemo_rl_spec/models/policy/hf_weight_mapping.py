@@ -44,6 +44,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import load_file
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
@@ -216,8 +217,6 @@ def load_hf_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
     Raises:
         FileNotFoundError: the directory holds no safetensors file.
     """
-    from safetensors.torch import load_file
-
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir!r} (save the HF model with safe_serialization)")

@@ -32,7 +32,6 @@ from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl_spec.distributed.worker_group import RayWorkerGroup, RemoteValue
 from nemo_rl_spec.utils.config_schema import PolicyConfig
 
-
 # per-mini-batch metrics that add up over mini-batches; ``*_max`` keys take the max, ``lr`` the last step's value,
 # ``update_successful`` the min (every step succeeded), every other key the mean over mini-batches
 _SUMMED_METRICS = ("num_valid_tokens", "num_valid_seqs", "num_micro_batches")
@@ -267,7 +266,7 @@ class Policy:
 
     def run_function(self, fn: Callable[..., Any], *args, ranks: Sequence[int] | None = None) -> list:
         """``fn(worker, *args)`` inside every worker (or ``ranks``), results in rank order; for checks that read a
-        worker's internals (e.g. :mod:`nemo_rl_spec.speculative.mtp_checks`). ``fn`` must be importable (pickled by
+        worker's internals (e.g. :mod:`nemo_rl_spec.testing.mtp_checks`). ``fn`` must be importable (pickled by
         reference)."""
         return self.group.run_function(fn, *args, ranks=ranks)
 

@@ -95,7 +95,7 @@ def tp_group():
 
 def load_hf_config(model_path: str):
     """The ``transformers`` config of a local HF checkpoint directory (no hub access)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: transformers is slow to import
 
     return AutoConfig.from_pretrained(model_path, local_files_only=True)
 

@@ -72,14 +72,21 @@ activations cast up. Checkpoints hold the masters, so a resume is exact; exports
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 from typing import Callable
 
 import numpy as np
 import torch
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
+from nemo_rl_spec.models.mtp_export import megatron_mtp_to_mimo, with_zero_qkv_bias, write_mimo_checkpoint
 from nemo_rl_spec.models.policy import megatron_model as mm
 from nemo_rl_spec.models.policy import mtp_loss as ml
 from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat, cuda_tensor_type_names
@@ -105,12 +112,6 @@ from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, target_logpr
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
 from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
 from nemo_rl_spec.utils.precision import choose_precision
-
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 CHECKPOINT_FILE = "megatron_policy_tp{tp_rank}.pt"  # one file per TP rank, written by DP rank 0
@@ -717,8 +718,6 @@ class MegatronPolicyWorker(PolicyInterface):
         """CPU fp32 copies of the full MTP block under MiMo names (``model.mtp_layers.<k>.*``, q/k/v biases added as
         zeros), the set vLLM's MiMo MTP drafter reloads (a collective under TP). Raises RuntimeError without MTP
         layers."""
-        from nemo_rl_spec.speculative.mtp_export import megatron_mtp_to_mimo, with_zero_qkv_bias
-
         if not self.mtp_num_layers:
             raise RuntimeError("mimo_mtp_weights: policy.megatron_cfg.mtp_num_layers is 0")
         full = mm.full_param_state(self.module)
@@ -732,12 +731,8 @@ class MegatronPolicyWorker(PolicyInterface):
 
         Raises:
             RuntimeError: no MTP layers. ValueError: a trunk the MiMo/Qwen2 layer cannot express (see
-            :func:`~nemo_rl_spec.speculative.mtp_export.write_mimo_checkpoint`).
+            :func:`~nemo_rl_spec.models.mtp_export.write_mimo_checkpoint`).
         """
-        import json
-
-        from nemo_rl_spec.speculative.mtp_export import write_mimo_checkpoint
-
         mtp = self.mimo_mtp_weights()
         trunk = mm.export_hf_state(self.module, self.spec)
         if self._is_rank_zero:

@@ -42,7 +42,7 @@ class ParallelLayout:
     @classmethod
     def from_parallel_state(cls) -> "ParallelLayout":
         """Read megatron ``parallel_state`` (initialised)."""
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # lazy: megatron-core is slow to import
 
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
                    dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+
 def _is_sharded(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
