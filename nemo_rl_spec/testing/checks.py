@@ -18,7 +18,6 @@ import shutil
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 from nemo_rl_spec.models.generation.vllm_patches import (
     apply_vllm_cpu_seed_patches,
     apply_vllm_cpu_spec_patches,
+    sample_from_target_recovered,
     unpatched_expand_kernel,
 )
 from nemo_rl_spec.models.hf_assets import default_cache_root
@@ -185,49 +185,18 @@ def eagle3_refit_scenario(target: str, head_dir: str, new_weights: dict[str, tor
     return result
 
 
-def _sample_from_target_recovered(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
-                                  draft_probs, target_probs, sampling_metadata, device, use_fp64_gumbel=False):
-    """NEGATIVE CONTROL (wrong on purpose): at a rejection, sample the replacement from the target's full
-    distribution p instead of the residual norm(max(0, p - q)). Biases outputs toward the draft's proposals."""
-    del max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs
-    del sampling_metadata, device, use_fp64_gumbel
-    return torch.multinomial(target_probs.float(), 1).squeeze(-1).to(torch.int32)
-
-
 @contextlib.contextmanager
 def negative_control_recovered():
     """NEGATIVE CONTROL: inside the block, vLLM's rejection sampler (in this process) draws the replacement of a
-    rejected draft from the target's p instead of the residual (:func:`_sample_from_target_recovered`)."""
+    rejected draft from the target's p instead of the residual (:func:`~nemo_rl_spec.models.generation.vllm_patches.sample_from_target_recovered`)."""
     import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
 
     original = rs.sample_recovered_tokens
-    rs.sample_recovered_tokens = _sample_from_target_recovered
+    rs.sample_recovered_tokens = sample_from_target_recovered
     try:
         yield
     finally:
         rs.sample_recovered_tokens = original
-
-
-LOSSY_SAMPLERS = ("resample_from_target",)  # policy.generation.debug_lossy_sampler values (debug / test only)
-
-
-def install_lossy_sampler(name: str) -> None:
-    """DEBUG / TEST ONLY, wrong on purpose: make vLLM's rejection sampler (in this process, for every engine, until
-    the process ends) LOSSY, for the negative control of issue 33 (can GRPO curves detect a lossy sampler?).
-
-    ``"resample_from_target"``: at a rejection the replacement token is drawn from the target's full distribution
-    p instead of the residual norm(max(0, p - q)) (:func:`_sample_from_target_recovered`). With a greedy draft
-    token d accepted with probability p(d), the first token then has P(d) = p(d) (2 - p(d)) instead of p(d)
-    (``tests/unit/test_lossy_sampler.py`` shows it at token level). Selected by
-    ``policy.generation.debug_lossy_sampler`` (refused without ``speculative_config``, warned otherwise).
-    Raises ValueError for an unknown ``name``."""
-    import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
-
-    if name not in LOSSY_SAMPLERS:
-        raise ValueError(f"debug_lossy_sampler={name!r}: known lossy samplers {LOSSY_SAMPLERS}")
-    warnings.warn(f"policy.generation.debug_lossy_sampler={name}: speculative sampling is LOSSY on purpose "
-                  "(debug / negative control only; the samples are not the policy's)", stacklevel=2)
-    rs.sample_recovered_tokens = _sample_from_target_recovered
 
 
 def _sample_pairs_on(llm, prompt: Sequence[int], num_samples: int, num_tokens: int, temperature: float,

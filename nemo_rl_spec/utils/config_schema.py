@@ -264,7 +264,7 @@ class GenerationConfig(_Strict):
     # k per running batch size (vLLM's num_speculative_tokens_per_batch_size, explicit or from measured step costs)
     dynamic_speculation: Optional[DynamicSpeculationConfig] = None
     # DEBUG / TEST ONLY: a deliberately lossy speculative sampler (the negative control of issue 33,
-    # nemo_rl_spec.testing.checks.install_lossy_sampler); refused without speculative_config, warned with it
+    # nemo_rl_spec.models.generation.vllm_patches.install_lossy_sampler); refused without speculative_config, warned with it
     debug_lossy_sampler: Optional[Literal["resample_from_target"]] = None
 
     @model_validator(mode="after")

@@ -3,9 +3,10 @@ metrics records, per-step Welch standard errors by hand, the exact permutation t
 import math
 
 import pytest
-from examples_loader import load_example
 
-bench = load_example("bench_spec_learning")
+from nemo_rl_spec.bench import spec_learning as bench_spec_learning
+
+bench = bench_spec_learning
 
 
 def _run(rewards, final, accept=None):

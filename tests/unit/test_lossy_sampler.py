@@ -44,12 +44,12 @@ def _emitted(recovered_fn, p: torch.Tensor, d: int, seed: int) -> torch.Tensor:
 
 
 def test_lossy_sampler_is_lossy_at_token_level_and_vllms_is_not(rejection_sampler):
-    from nemo_rl_spec.testing.checks import _sample_from_target_recovered
+    from nemo_rl_spec.models.generation.vllm_patches import sample_from_target_recovered
 
     p = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(0)) * 1.5, -1)
     d = int(p.argmax())
     shipped = _emitted(rejection_sampler.sample_recovered_tokens, p, d, seed=1)
-    lossy = _emitted(_sample_from_target_recovered, p, d, seed=1)
+    lossy = _emitted(sample_from_target_recovered, p, d, seed=1)
     fit_shipped = chi_square_goodness_of_fit(torch.bincount(shipped, minlength=V).double(), p.double())
     fit_lossy = chi_square_goodness_of_fit(torch.bincount(lossy, minlength=V).double(), p.double())
     assert fit_shipped[2] > 1e-3, fit_shipped
@@ -61,14 +61,14 @@ def test_lossy_sampler_is_lossy_at_token_level_and_vllms_is_not(rejection_sample
 
 
 def test_install_switches_vllms_recovered_sampler_and_refuses_unknown_names(rejection_sampler, monkeypatch):
-    from nemo_rl_spec.testing import checks
+    from nemo_rl_spec.models.generation import vllm_patches
 
     monkeypatch.setattr(rejection_sampler, "sample_recovered_tokens", rejection_sampler.sample_recovered_tokens)
     with pytest.warns(UserWarning, match="LOSSY"):
-        checks.install_lossy_sampler("resample_from_target")
-    assert rejection_sampler.sample_recovered_tokens is checks._sample_from_target_recovered
+        vllm_patches.install_lossy_sampler("resample_from_target")
+    assert rejection_sampler.sample_recovered_tokens is vllm_patches.sample_from_target_recovered
     with pytest.raises(ValueError, match="known lossy samplers"):
-        checks.install_lossy_sampler("accept_everything")
+        vllm_patches.install_lossy_sampler("accept_everything")
 
 
 def test_schema_refuses_the_lossy_sampler_without_speculation_and_warns_with_it():

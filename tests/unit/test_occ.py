@@ -153,7 +153,7 @@ def test_bench_occ_reference_mode_overrides_and_proxy_validation():
 
 
 def test_bench_occ_summary_peak_accuracy_skips_step_zero():
-    bench = load_example("bench_occ")
+    bench = bench_occ
     rows = [{"step": 0, "validation/accuracy": 0.9}] + [
         {"step": k, "timing/train/total_step_time": 2.0, "timing/train/policy_training": 1.0} for k in (1, 2, 3)] + [
         {"step": 2, "validation/accuracy": 0.6}, {"step": 3, "validation/accuracy": 0.5}]

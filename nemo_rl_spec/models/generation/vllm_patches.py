@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import numpy as np
 import torch
@@ -151,3 +152,36 @@ def apply_vllm_cpu_seed_patches() -> bool:
     CPUModelRunner._bookkeeping_sync = _bookkeeping_without_offset_rewind(CPUModelRunner._bookkeeping_sync)
     _seed_patch_applied = True
     return True
+
+
+# ----------------------------------------------------------- lossy on purpose (negative controls, debug only)
+def sample_from_target_recovered(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
+                                 draft_probs, target_probs, sampling_metadata, device, use_fp64_gumbel=False):
+    """NEGATIVE CONTROL (wrong on purpose): at a rejection, sample the replacement from the target's full
+    distribution p instead of the residual norm(max(0, p - q)). Biases outputs toward the draft's proposals.
+    Signature of vLLM's ``rejection_sampler.sample_recovered_tokens``; returns [num_tokens] int32 token ids."""
+    del max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs
+    del sampling_metadata, device, use_fp64_gumbel
+    return torch.multinomial(target_probs.float(), 1).squeeze(-1).to(torch.int32)
+
+
+LOSSY_SAMPLERS = ("resample_from_target",)  # policy.generation.debug_lossy_sampler values (debug / test only)
+
+
+def install_lossy_sampler(name: str) -> None:
+    """DEBUG / TEST ONLY, wrong on purpose: make vLLM's rejection sampler (in this process, for every engine, until
+    the process ends) LOSSY, for the negative control of issue 33 (can GRPO curves detect a lossy sampler?).
+
+    ``"resample_from_target"``: at a rejection the replacement token is drawn from the target's full distribution
+    p instead of the residual norm(max(0, p - q)) (:func:`sample_from_target_recovered`). With a greedy draft
+    token d accepted with probability p(d), the first token then has P(d) = p(d) (2 - p(d)) instead of p(d)
+    (``tests/unit/test_lossy_sampler.py`` shows it at token level). Selected by
+    ``policy.generation.debug_lossy_sampler`` (refused without ``speculative_config``, warned otherwise).
+    Raises ValueError for an unknown ``name``."""
+    import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
+
+    if name not in LOSSY_SAMPLERS:
+        raise ValueError(f"debug_lossy_sampler={name!r}: known lossy samplers {LOSSY_SAMPLERS}")
+    warnings.warn(f"policy.generation.debug_lossy_sampler={name}: speculative sampling is LOSSY on purpose "
+                  "(debug / negative control only; the samples are not the policy's)", stacklevel=2)
+    rs.sample_recovered_tokens = sample_from_target_recovered

@@ -55,7 +55,11 @@ from nemo_rl_spec.models.generation.runtime_env import (
     loaded_libraries,
     vllm_runtime_env,
 )
-from nemo_rl_spec.models.generation.vllm_patches import apply_vllm_cpu_seed_patches, apply_vllm_cpu_spec_patches
+from nemo_rl_spec.models.generation.vllm_patches import (
+    apply_vllm_cpu_seed_patches,
+    apply_vllm_cpu_spec_patches,
+    install_lossy_sampler,
+)
 from nemo_rl_spec.models.mtp_export import MIMO_MTP_PREFIX, MTP_POST_NORM_FLAG, install_post_norm_mtp_input
 from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule, install_drafter_skip_at_k0
 from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard, refit_drafter_versioned
@@ -249,8 +253,6 @@ class VllmGenerationWorker(GenerationInterface):
         # NaN log-probs at T > 0); the fix must be installed before the engine is built.
         apply_vllm_cpu_spec_patches()
         if self.cfg.debug_lossy_sampler:  # DEBUG / TEST ONLY: lossy on purpose (issue 33's negative control)
-            from nemo_rl_spec.testing.checks import install_lossy_sampler
-
             install_lossy_sampler(self.cfg.debug_lossy_sampler)
         # k per running batch size
         engine_kwargs = apply_batch_size_schedule(engine_kwargs, {"dynamic_speculation": self.cfg.dynamic_speculation})
