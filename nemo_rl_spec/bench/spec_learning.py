@@ -69,7 +69,7 @@ def welch_se(a: list[float], b: list[float]) -> float:
 
 def welch_p(a: list[float], b: list[float]) -> float:
     """Two-sided Welch t-test p-value of mean(a) == mean(b) (scipy); 1.0 when both samples are constant and equal."""
-    from scipy import stats  # lazy: heavy optional dependency
+    from scipy import stats  # lazy: scipy is slow to import
 
     if statistics.pvariance(a) == 0 and statistics.pvariance(b) == 0:
         return 1.0 if statistics.fmean(a) == statistics.fmean(b) else 0.0
@@ -100,7 +100,7 @@ def sign_flip_p(diffs: list[float]) -> float:
 
 def paired_t_p(diffs: list[float]) -> float:
     """Two-sided one-sample t-test p-value of mean(diffs) == 0 (scipy); 1.0 / 0.0 for constant diffs."""
-    from scipy import stats  # lazy: heavy optional dependency
+    from scipy import stats  # lazy: scipy is slow to import
 
     if statistics.pvariance(diffs) == 0:
         return 1.0 if statistics.fmean(diffs) == 0 else 0.0

@@ -24,7 +24,7 @@ LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 # third-party top-level modules a function may import lazily (slow to import, optional, or absent on CPU)
 LAZY_THIRD_PARTY = {"torch", "vllm", "transformers", "matplotlib", "wandb", "mlflow", "reasoning_gym", "math_verify",
-                    "pyarrow", "huggingface_hub", "tokenizers", "triton", "ray", "megatron"}
+                    "pyarrow", "huggingface_hub", "tokenizers", "triton", "ray", "megatron", "scipy"}
 # package modules that import ray, megatron-core or vllm when imported: the only package imports a function may
 # make lazily (the reason on the line)
 LAZY_INTERNAL = {f"nemo_rl_spec.{m}" for m in (
