@@ -164,15 +164,12 @@ class RolloutGenerator:
             extra = {"draft_version": gen.get("draft_version")} if self.tag_draft_version else {}
             for j, req in enumerate(reqs):
                 rows = slice(j * n, (j + 1) * n)
-                payload = {**row_payload(gen, rows), **extra, "reward_valid": valid[rows].clone()}
+                payload = {**_row_payload(gen, rows), **extra, "reward_valid": valid[rows].clone()}
                 results.append(req.result(rewards[rows], version, payload=payload))
         return results
 
 
-def row_payload(gen: GenerationOutputSpec, rows: slice) -> dict[str, torch.Tensor]:
-    """The rows ``rows`` of a generation output as the per-sample tensors of a rollout, trimmed to the longest
-    response among them: output_ids [R, W], generation_logprobs [R, W] (float32), input_lengths [R] and
-    sequence_lengths [R] (W = the largest unpadded sequence length of the rows). Copies, so the batch can go."""
+def _row_payload(gen: GenerationOutputSpec, rows: slice) -> dict[str, torch.Tensor]:
     lengths = gen["unpadded_sequence_lengths"][rows]
     width = int(lengths.max())
     return {"output_ids": gen["output_ids"][rows, :width].clone(), "input_lengths": gen["input_lengths"][rows].clone(),
