@@ -189,8 +189,8 @@ def _engine_draft_dir(cfg: MasterConfig, policy) -> str | None:
 def serves_policy_mtp(cfg: MasterConfig) -> bool:
     """True when vLLM drafts with the policy's own MTP block (``speculative_config.method: mtp``; the schema requires
     ``policy.megatron_cfg.mtp_num_layers >= 1`` then)."""
-    spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
-    return isinstance(spec, dict) and spec.get("method") == "mtp" and cfg.policy.megatron_cfg.mtp_num_layers > 0
+    spec = cfg.policy.generation.speculative_config
+    return spec is not None and spec.method == "mtp" and cfg.policy.megatron_cfg.mtp_num_layers > 0
 
 
 def check_mtp_drafter_model(cfg: MasterConfig, model_path: str) -> None:
@@ -242,11 +242,11 @@ def check_ray_address(cfg: MasterConfig, timeout_s: float = 5.0) -> None:
 def check_draft_dir(cfg: MasterConfig) -> None:
     """Raise ConfigError (before any worker starts) when the EAGLE-3 draft directory named by ``policy.draft.model_name``
     or ``speculative_config.model`` has no ``config.json`` (e.g. ``make draft`` was not run)."""
-    spec = cfg.policy.generation.vllm_kwargs.get("speculative_config")
+    spec = cfg.policy.generation.speculative_config
     draft = enabled_draft(cfg)
     for key, path in (("policy.draft.model_name", draft.model_name if draft is not None else None),
                       ("policy.generation.vllm_kwargs.speculative_config.model",
-                       spec.get("model") if isinstance(spec, dict) and spec.get("method") == "eagle3" else None)):
+                       spec.model if spec is not None and spec.method == "eagle3" else None)):
         if path and not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{key}={path!r}: no draft there (config.json missing); create it with "
                               "examples/init_draft.py (make draft) or point the key at an EAGLE-3 head directory")
@@ -298,7 +298,7 @@ def start_workers(cfg: MasterConfig, model_path: str, plan: PlacementPlan) -> Wo
 
 
 def _start_controllers(cfg: MasterConfig, model_path: str, plan: PlacementPlan, cluster: RayVirtualCluster) -> Workers:
-    policy = Policy(cluster, plan.policy_nodes, cfg.policy, ClippedPGLossFn(cfg.loss_fn.model_dump()), model_path,
+    policy = Policy(cluster, plan.policy_nodes, cfg.policy, ClippedPGLossFn(cfg.loss_fn), model_path,
                     cfg.grpo.seed, num_cpus=plan.policy_num_cpus, num_gpus=plan.policy_num_gpus,
                     env_vars=_policy_env(cfg), rank_env=lambda r: plan.visible_devices_env("policy", r),
                     init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
@@ -396,7 +396,7 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
                               cfg.policy.refit_threshold, pad_token_id(tokenizer), engine_dtype=cfg.policy.engine_precision,
                               sync_draft=(draft is not None and draft.online) or serves_policy_mtp(cfg))
     spec = None
-    if cfg.policy.generation.vllm_kwargs.get("speculative_config") is not None:
+    if cfg.policy.generation.speculative_config is not None:
         spec = SpeculationMonitor((cfg.policy.draft or DraftConfig()).acceptance_alarm_floor)
     logger = Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled, console=True,
                     trackers=build_trackers(cfg.logger, cfg.model_dump(mode="json")))  # W&B / MLflow start here

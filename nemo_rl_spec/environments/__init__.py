@@ -13,5 +13,5 @@ def build_environment(env_cfg) -> EnvironmentInterface:
         env_cfg: the validated ``env`` section (config_schema.EnvConfig).
     """
     if env_cfg.reward == "char_fraction":
-        return CharFractionEnvironment(env_cfg.char_fraction.model_dump())
-    return MathEnvironment(env_cfg.math.model_dump())
+        return CharFractionEnvironment(env_cfg.char_fraction)
+    return MathEnvironment(env_cfg.math)

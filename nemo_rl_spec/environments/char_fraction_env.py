@@ -13,9 +13,11 @@ Selected by ``env.reward: char_fraction`` (default ``math``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from nemo_rl_spec.environments.interfaces import EnvironmentInterface
+from nemo_rl_spec.utils.config_schema import CharFractionEnvConfig
 
 if TYPE_CHECKING:
     import torch
@@ -32,17 +34,19 @@ class CharFractionEnvironment(EnvironmentInterface):
     """Reward = fraction of response characters in a class (formula in the module docstring).
 
     Args:
-        cfg: the ``env.char_fraction`` config section: ``characters`` (non-empty str; the class C, each character
-            of the string a member).
+        cfg: the ``env.char_fraction`` config section (:class:`~nemo_rl_spec.utils.config_schema.CharFractionEnvConfig`,
+            or a mapping validated into one): ``characters`` (non-empty str; the class C, each character a member).
 
     Raises:
         ValueError: ``characters`` is empty.
     """
 
-    def __init__(self, cfg: dict):
-        if not cfg["characters"]:
-            raise ValueError("env.char_fraction.characters must not be empty")
-        self.characters = frozenset(cfg["characters"])
+    def __init__(self, cfg: CharFractionEnvConfig | Mapping[str, Any]):
+        if not isinstance(cfg, CharFractionEnvConfig):
+            if not cfg["characters"]:
+                raise ValueError("env.char_fraction.characters must not be empty")
+            cfg = CharFractionEnvConfig.model_validate(dict(cfg))
+        self.characters = frozenset(cfg.characters)
 
     def step(self, responses: list[str], metadata: list[dict]) -> torch.Tensor:
         """Rewards in [0, 1]. Shape: N responses (N metadata dicts, unused) -> [N] float32.

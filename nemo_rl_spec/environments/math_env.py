@@ -26,9 +26,11 @@ import re
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from nemo_rl_spec.environments.interfaces import EnvironmentInterface
+from nemo_rl_spec.utils.config_schema import MathEnvConfig
 
 if TYPE_CHECKING:
     import torch
@@ -107,17 +109,21 @@ class MathEnvironment(EnvironmentInterface):
     """Binary math-answer reward (see the module docstring for extraction, equivalence and timeouts).
 
     Args:
-        cfg: the ``env.math`` config section: ``num_workers`` (int >= 1). 1 scores in the calling process;
-            > 1 scores in that many spawned worker processes (started lazily, stopped by :meth:`close`).
+        cfg: the ``env.math`` config section (:class:`~nemo_rl_spec.utils.config_schema.MathEnvConfig`, or a mapping
+            validated into one): ``num_workers`` (int >= 1). 1 scores in the calling process; > 1 scores in that many
+            spawned worker processes (started lazily, stopped by :meth:`close`).
 
     Metadata: each dict needs ``answer`` (ground truth, str or number), e.g. the problem dicts of
     :mod:`nemo_rl_spec.data.datasets`.
     """
 
-    def __init__(self, cfg: dict):
-        self.num_workers = int(cfg["num_workers"])
-        if self.num_workers < 1:
-            raise ValueError(f"env.math.num_workers must be >= 1, got {self.num_workers}")
+    def __init__(self, cfg: MathEnvConfig | Mapping[str, Any]):
+        if not isinstance(cfg, MathEnvConfig):
+            num_workers = cfg["num_workers"]
+            if not isinstance(num_workers, int) or num_workers < 1:
+                raise ValueError(f"env.math.num_workers must be >= 1, got {num_workers!r}")
+            cfg = MathEnvConfig.model_validate(dict(cfg))
+        self.num_workers = cfg.num_workers
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     def step(self, responses: list[str], metadata: list[dict]) -> torch.Tensor:

@@ -42,6 +42,7 @@ from nemo_rl_spec.sim.calibrate import (
 from nemo_rl_spec.sim.interfaces import PhaseTimes, ScenarioSpec
 from nemo_rl_spec.sim.presets import eagle3_draft, resolve_model
 from nemo_rl_spec.sim.step import resolve
+from nemo_rl_spec.utils.feature_configs import SpeculativeConfig
 
 PHASES = ("generation", "logprob", "training", "refit", "other")
 POSITION_KEY = "vllm/spec_acceptance_rate_pos{}"
@@ -249,10 +250,10 @@ def scenario_from_recipe(scenario: ScenarioSpec, recipe: Mapping[str, Any]) -> S
     w["response"]["median_tokens"] = min(w["response"]["median_tokens"], w["response"]["max_tokens"])
     spec_cfg = _get(recipe, "policy.generation.vllm_kwargs.speculative_config")
     if spec_cfg:
-        method = spec_cfg.get("method", "eagle3")
-        if method != "eagle3":
-            raise ValueError(f"speculative method {method!r}: the simulator models EAGLE-3 drafts only")
-        k = int(spec_cfg.get("num_speculative_tokens", data["speculative"]["k"]))
+        spec_cfg = SpeculativeConfig.model_validate(spec_cfg)
+        if spec_cfg.method != "eagle3":
+            raise ValueError(f"speculative method {spec_cfg.method!r}: the simulator models EAGLE-3 drafts only")
+        k = spec_cfg.num_speculative_tokens
         online = bool(_get(recipe, "policy.draft.online", False) or _get(recipe, "policy.draft.train", False))
         spec = dict(data["speculative"], k=k, online_draft_training=online,
                     ttt_steps=_get(recipe, "policy.draft.ttt_steps", None))
@@ -260,7 +261,7 @@ def scenario_from_recipe(scenario: ScenarioSpec, recipe: Mapping[str, Any]) -> S
             spec["acceptance_length"] = min(spec["acceptance_length"], k + 1.0)
         if spec.get("per_position") is not None and len(spec["per_position"]) < k:
             spec.update(per_position=None, acceptance_length=1.0)
-        vocab = _draft_vocab(spec_cfg.get("model") or _get(recipe, "policy.draft.model_name"))
+        vocab = _draft_vocab(spec_cfg.model or _get(recipe, "policy.draft.model_name"))
         if vocab is not None:
             spec["draft"] = eagle3_draft(resolve_model(scenario.model), draft_vocab=vocab).model_dump()
         data["speculative"] = spec

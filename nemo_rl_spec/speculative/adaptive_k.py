@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_spec.utils.feature_configs import DynamicSpeculationConfig, Schedule, validate_schedule
+from nemo_rl_spec.utils.feature_configs import DynamicSpeculationConfig, Schedule, SpeculativeConfig, validate_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -175,20 +175,21 @@ def apply_batch_size_schedule(engine_kwargs: dict[str, Any], generation_cfg: Map
     if not section or not (section.enabled if isinstance(section, DynamicSpeculationConfig)
                            else section.get("enabled", True)):
         return engine_kwargs
-    spec = engine_kwargs.get("speculative_config")
-    if not spec:
+    if engine_kwargs.get("speculative_config") is None:
         raise ValueError("policy.generation.dynamic_speculation needs policy.generation.vllm_kwargs."
                          "speculative_config")
-    if spec.get(VLLM_KEY) is not None:
+    spec = SpeculativeConfig.model_validate(engine_kwargs["speculative_config"])
+    if spec.num_speculative_tokens_per_batch_size is not None:
         raise ValueError(f"both policy.generation.dynamic_speculation and speculative_config.{VLLM_KEY} are set; "
                          "set one")
-    max_k = int(spec.get("num_speculative_tokens") or 1)
+    max_k = spec.num_speculative_tokens
     schedule = schedule_from_config(section, max_k)
     if max(k for _, _, k in schedule) > max_k:
         logger.warning("dynamic speculation schedule %s has k above num_speculative_tokens=%d: vLLM caps it",
                        schedule, max_k)
     logger.info("dynamic speculation: k per running batch size %s", schedule)
-    return {**engine_kwargs, "speculative_config": {**spec, VLLM_KEY: [list(r) for r in schedule]}}
+    spec.num_speculative_tokens_per_batch_size = schedule
+    return {**engine_kwargs, "speculative_config": spec.engine_dict()}
 
 
 def _skip_drafter_at_k0(worker) -> None:

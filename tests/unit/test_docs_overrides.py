@@ -107,7 +107,7 @@ def _doc_commands():
 def test_the_docs_show_overrides_and_recipes():
     """The extraction finds what the docs are known to show (so an empty extraction cannot pass)."""
     found = {t for _, c in _doc_commands() for t in _tokens(c) if _OVERRIDE.match(t)}
-    assert {"grpo.max_num_steps=2", "+grpo.pilot_commit.n_pilot=2", "policy.draft.online=true"} <= found
+    assert {"grpo.max_num_steps=2", "grpo.pilot_commit.n_pilot=2", "policy.draft.online=true"} <= found
     assert len(found) >= 15
 
 

