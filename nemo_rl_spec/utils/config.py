@@ -71,12 +71,12 @@ def load_yaml_with_defaults(path: str | Path, _seen: tuple[Path, ...] = ()) -> D
     return OmegaConf.merge(merged, OmegaConf.create(data))
 
 
-def _section_model(annotation: Any) -> type[BaseModel] | None:
+def section_model(annotation: Any) -> type[BaseModel] | None:
     """The pydantic model inside a field's annotation (``Optional[Model]``, ``Model``), else None."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
-        model = _section_model(arg)
+        model = section_model(arg)
         if model is not None:
             return model
     return None
@@ -102,7 +102,7 @@ def schema_knows(key: str) -> bool:
         if entry is not None:
             model, i = entry, i + 2
         else:
-            model, i = _section_model(field.annotation), i + 1
+            model, i = section_model(field.annotation), i + 1
     return True
 
 

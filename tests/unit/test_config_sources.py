@@ -9,16 +9,21 @@
   only), kept as the validated dict; no module reads it with a fallback of its own.
 """
 import re
-import typing
 from pathlib import Path
 
 import pytest
 import yaml
 from omegaconf import OmegaConf
-from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from nemo_rl_spec.utils.config import ConfigError, apply_overrides, load_config, load_yaml_with_defaults, schema_knows
+from nemo_rl_spec.utils.config import (
+    ConfigError,
+    apply_overrides,
+    load_config,
+    load_yaml_with_defaults,
+    schema_knows,
+    section_model,
+)
 from nemo_rl_spec.utils.config_schema import GenerationConfig, MasterConfig
 from nemo_rl_spec.utils.feature_configs import VLLM_SPECULATIVE_KEYS, SpeculativeConfig
 
@@ -28,21 +33,12 @@ TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
 SPEC = ROOT / "configs" / "grpo_math_tiny_spec.yaml"
 
 
-def _model_in(annotation):
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
-
 
 def schema_defaults(model=MasterConfig, prefix=""):
     """{dotted key: default} of every leaf field that declares a default (sections walked, default or not)."""
     out = {}
     for name, field in model.model_fields.items():
-        sub = _model_in(field.annotation)
+        sub = section_model(field.annotation)
         if sub is not None:
             out.update(schema_defaults(sub, f"{prefix}{name}."))
         elif field.default is not PydanticUndefined or field.default_factory is not None:
@@ -54,7 +50,7 @@ def schema_leaf_keys(model=MasterConfig, prefix=""):
     """Every leaf field of the schema as a dotted key."""
     out = []
     for name, field in model.model_fields.items():
-        sub = _model_in(field.annotation)
+        sub = section_model(field.annotation)
         out += schema_leaf_keys(sub, f"{prefix}{name}.") if sub is not None else [prefix + name]
     return out
 
