@@ -23,6 +23,11 @@ Speculative micro-benchmark (vLLM on this CPU, a fixed batch with and without EA
 decode profile, the speculative time is predicted from the measured acceptance):
 
     python examples/run_sim.py spec-bench --out results/sim/spec_bench.json
+
+Projection of a measured rollout benchmark to GPUs (same acceptance, simulated costs; labelled a projection):
+
+    python examples/run_sim.py project-spec --bench docs/bench_spec_rollouts_default.json \
+        --out docs/sim_projection_spec_default.json
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ from nemo_rl_spec.sim.config import CONFIG_DIR, load_scenario, scenario_files
 from nemo_rl_spec.sim.cpu_profile import DESIGN_DECODE_STEPS, design_fit_errors
 from nemo_rl_spec.sim.fidelity import fidelity, format_table, scenario_from_recipe
 from nemo_rl_spec.sim.formulas import expected_tokens_per_pass, speculative_speedup
+from nemo_rl_spec.sim.projection import main as project_spec_main
 from nemo_rl_spec.sim.simulate import generation_traces, pass_cost_ratios, simulate
 from nemo_rl_spec.sim.spec_bench import main as spec_bench_main
 from nemo_rl_spec.sim.step import resolve
@@ -228,7 +234,8 @@ def fidelity_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``calibrate ...`` fits a scenario to measured runs, ``fidelity ...`` checks held-out predictions,
-    ``spec-bench ...`` measures vLLM with and without speculation; anything else runs the sweep. Returns the
+    ``spec-bench ...`` measures vLLM with and without speculation, ``project-spec ...`` projects a measured
+    rollout benchmark to GPUs; anything else runs the sweep. Returns the
     exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "calibrate":
@@ -237,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         return fidelity_main(argv[1:])
     if argv and argv[0] == "spec-bench":
         return spec_bench_main(argv[1:])
+    if argv and argv[0] == "project-spec":
+        return project_spec_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON output; plots are written next to it")
     p.add_argument("--config-dir", default=str(CONFIG_DIR))
