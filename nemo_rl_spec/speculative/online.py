@@ -29,6 +29,7 @@ from nemo_rl_spec.speculative.capture import HiddenStateCapture, capture_hidden_
 from nemo_rl_spec.speculative.draft_trainer import DataParallelSync, DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
 from nemo_rl_spec.utils.config_schema import DraftConfig
+from nemo_rl_spec.utils.dtypes import cast_state
 
 DRAFT_STATE_DIR = "draft"
 
@@ -121,10 +122,7 @@ class OnlineDraft:
         """``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}`` for
         :meth:`VllmGenerationWorker.update_draft_weights`; floating-point weights cast to ``dtype`` (the engine's,
         ``float32`` | ``bfloat16``; None: as trained, fp32). The head trains in fp32 whatever the policy's dtype."""
-        weights = self.trainer.export_weights()
-        if dtype is not None:
-            target = getattr(torch, dtype)
-            weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
+        weights = cast_state(self.trainer.export_weights(), dtype)
         return {"weights": weights, "draft_version": self.trainer.draft_version,
                 "policy_version": self.policy_version}
 

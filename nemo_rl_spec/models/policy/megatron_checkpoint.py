@@ -1,0 +1,196 @@
+"""Weights out of the Megatron policy worker: HF-named exports for refits, the drafter's weights (online EAGLE-3 head
+or the MTP block under MiMo names), HF / MiMo / eagle3 checkpoints, and the worker's own resumable checkpoint.
+
+:class:`WeightExportMixin` holds these methods of
+:class:`~nemo_rl_spec.models.policy.megatron_worker.MegatronPolicyWorker` (they are its Ray-callable methods); the
+training step stays in the worker. They read the worker's state: ``module`` (the unwrapped GPTModel), ``spec``,
+``layout``, ``dp_group``, ``model_path``, ``optimizer`` / ``scheduler`` / ``mtp_optimizer`` (None without MTP),
+``draft`` (the online EAGLE-3 head or None), ``reference_state``, ``step``, ``weight_version``, ``mtp_num_layers``,
+``cfg``; and call its ``_advance_scheduler``.
+
+Exports cast once, on the sender, to the dtype asked (:func:`~nemo_rl_spec.utils.dtypes.cast_state`). Checkpoints
+hold the fp32 masters, so a resume is exact (docs/precision.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import torch
+from megatron.core import tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
+
+from nemo_rl_spec.models.mtp_export import megatron_mtp_to_mimo, with_zero_qkv_bias, write_mimo_checkpoint
+from nemo_rl_spec.models.policy import megatron_model as mm
+from nemo_rl_spec.models.policy.optimizer_state import load_named_adam_state, named_adam_state
+from nemo_rl_spec.utils.dtypes import cast_state
+
+CHECKPOINT_FILE = "megatron_policy_tp{tp_rank}.pt"  # one file per TP rank, written by DP rank 0
+
+
+class WeightExportMixin:
+    """HF / drafter exports and checkpoints of :class:`~.megatron_worker.MegatronPolicyWorker` (module docstring)."""
+
+    @property
+    def _is_rank_zero(self) -> bool:
+        return self.layout.rank == 0
+
+    def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> dict[str, torch.Tensor]:
+        """HF-named CPU copies of the full current weights in ``dtype`` (``float32`` | ``bfloat16``, cast once here,
+        the sender; None: the parameters' dtype), always with ``lm_head.weight``. ``version``: the
+        weight version the caller will load them as (recorded; an online draft exported next is paired with it).
+
+        A collective (TP slices are all-gathered): every rank calls it; rank 0 returns the tensors, the other ranks
+        an empty dict (one copy in the object store)."""
+        if version is not None:
+            self.weight_version = int(version)
+            if self.draft is not None:
+                self.draft.policy_version = int(version)
+        state = mm.export_hf_state(self.module, self.spec)
+        if not self._is_rank_zero:
+            return {}
+        return state if dtype is None else cast_state(state, dtype)
+
+    def export_megatron_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter (MTP block included) under its Megatron name, full size (TP slices gathered: a
+        collective), CPU fp32 copies on rank 0, an empty dict on the other ranks. For checks and debugging."""
+        state = {k: v.to("cpu", torch.float32).clone() for k, v in mm.full_param_state(self.module).items()}
+        return state if self._is_rank_zero else {}
+
+    def export_draft_weights(self, dtype: str | None = None) -> dict:
+        """The drafter's weights for the generation worker: ``{"weights", "draft_version", "policy_version"}``
+        (every rank calls it; ranks other than 0 return an empty dict).
+
+        Online EAGLE-3 head: :meth:`OnlineDraft.export`. MTP drafter (``speculative_config.method: mtp`` with
+        ``mtp_num_layers`` >= 1): the MTP block under MiMo names with zero q/k/v biases
+        (:meth:`mimo_mtp_weights`), ``draft_version`` = optimizer steps taken, ``policy_version`` = the version of
+        the last :meth:`export_hf_weights`. Weights in ``dtype`` (the engines'; None: fp32). Raises RuntimeError with
+        neither."""
+        if self.draft is not None:
+            return self.draft.export(dtype) if self._is_rank_zero else {}
+        if self.serves_mtp_drafter:
+            weights = cast_state(self.mimo_mtp_weights(), dtype or "float32")
+            return {"weights": weights, "draft_version": self.step, "policy_version": self.weight_version} \
+                if self._is_rank_zero else {}
+        raise RuntimeError("export_draft_weights: no online draft (policy.draft.online is false) and no MTP drafter "
+                           "(speculative_config.method=mtp with policy.megatron_cfg.mtp_num_layers >= 1)")
+
+    @property
+    def serves_mtp_drafter(self) -> bool:
+        """True when vLLM drafts with this policy's MTP block (``speculative_config.method: mtp``, MTP layers > 0)."""
+        spec = self.cfg.generation.speculative_config
+        return spec is not None and spec.method == "mtp" and self.mtp_num_layers > 0
+
+    def mimo_mtp_weights(self) -> dict[str, torch.Tensor]:
+        """CPU fp32 copies of the full MTP block under MiMo names (``model.mtp_layers.<k>.*``, q/k/v biases added as
+        zeros), the set vLLM's MiMo MTP drafter reloads (a collective under TP). Raises RuntimeError without MTP
+        layers."""
+        if not self.mtp_num_layers:
+            raise RuntimeError("mimo_mtp_weights: policy.megatron_cfg.mtp_num_layers is 0")
+        full = mm.full_param_state(self.module)
+        state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in full.items()}
+        return with_zero_qkv_bias(megatron_mtp_to_mimo(state, self.spec))
+
+    def save_mimo_checkpoint(self, path: str) -> str:
+        """Write the current policy (trunk + MTP layers) as a ``MiMoForCausalLM`` checkpoint with the tokenizer files
+        of the policy's model directory, for vLLM's ``mtp`` method; returns ``path``. Every rank calls it (the
+        weights are gathered over TP); rank 0 writes.
+
+        Raises:
+            RuntimeError: no MTP layers. ValueError: a trunk the MiMo/Qwen2 layer cannot express (see
+            :func:`~nemo_rl_spec.models.mtp_export.write_mimo_checkpoint`).
+        """
+        mtp = self.mimo_mtp_weights()
+        trunk = mm.export_hf_state(self.module, self.spec)
+        if self._is_rank_zero:
+            with open(os.path.join(self.model_path, "config.json")) as fh:
+                trunk_cfg = json.load(fh)
+            write_mimo_checkpoint(trunk, trunk_cfg, mtp, path, tokenizer_dir=self.model_path)
+        return path
+
+    def save_draft(self, path: str) -> str:
+        """Write the draft head in vLLM's eagle3 format to ``path`` (the engine's initial draft; rank 0 writes, the
+        replicas are identical); returns path."""
+        if self.draft is None:
+            raise RuntimeError("save_draft: no online draft (policy.draft.online is false)")
+        if self._is_rank_zero:
+            self.draft.head.save_pretrained(path)
+        return path
+
+    def _checkpoint_file(self, path: str) -> str:
+        return os.path.join(path, CHECKPOINT_FILE.format(tp_rank=self.layout.tp_rank))
+
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
+        """Write this TP rank's model slice, the Adam state by parameter name (DP-unsharded:
+        :func:`~.optimizer_state.named_adam_state`), the MTP optimizer, the draft, the step counter and the RNG
+        states to ``path/megatron_policy_tp<r>.pt``. A collective; the DP rank 0 of each TP rank writes (the model
+        is DP-replicated), so the checkpoint loads with any DP size (and either optimizer kind), but the same TP
+        size.
+
+        ``save_optimizer=False`` (``checkpointing.save_optimizer``, NeMo-RL's key): no Adam moments, no fp32 master
+        weights and no MTP optimizer (``"optimizer_saved": False``); loading it restarts the optimizer (moments at
+        zero, masters from the saved weights). For bf16 SmolLM2-135M: 0.27 GB instead of 1.88 GB."""
+        adam = named_adam_state(self.optimizer, self.module, self.dp_group) if save_optimizer else {}
+        mtp_optimizer = self.mtp_optimizer.state_dict() if self.mtp_optimizer is not None and save_optimizer else None
+        if self.layout.dp_rank != 0:
+            return
+        state = {
+            "model": {k: v.detach().clone() for k, v in mm.megatron_param_state(self.module).items()},
+            "adam": adam,
+            "optimizer_saved": save_optimizer,
+            "mtp_optimizer": mtp_optimizer,
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "weight_version": self.weight_version,
+            "draft": None if self.draft is None else self.draft.state_dict(),
+            "reference": self.reference_state,
+            "tp_size": self.layout.tp_size,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+                "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+            },
+        }
+        torch.save(state, self._checkpoint_file(path))
+
+    def _restore_scheduler(self, saved: dict | None) -> None:
+        """Put the lr schedule at the saved step count (a checkpoint from before schedulers: at ``self.step``). The
+        schedule's shape comes from the config the run resumes with (megatron's override mode: a resumed run may
+        change the schedule); only the step count is taken from the checkpoint."""
+        steps = self.step if saved is None else int(saved["num_steps"])
+        self.scheduler.num_steps = 0
+        self._advance_scheduler(steps)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (parameters are copied in place; without saved optimizer state
+        the optimizer restarts: Adam moments at zero, fp32 masters from the loaded weights).
+
+        Raises:
+            FileNotFoundError: no file for this TP rank (the checkpoint has another TP layout).
+            ValueError: the checkpoint was written with another ``policy.megatron_cfg.tensor_model_parallel_size``.
+        """
+        file = self._checkpoint_file(path)
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"{file} missing: the checkpoint in {path} was not written with "
+                                    f"policy.megatron_cfg.tensor_model_parallel_size={self.layout.tp_size}")
+        state = torch.load(file, map_location="cpu", weights_only=False)
+        if state["tp_size"] != self.layout.tp_size:
+            raise ValueError(f"checkpoint {path} has TP={state['tp_size']}; resume with "
+                             f"policy.megatron_cfg.tensor_model_parallel_size={state['tp_size']}")
+        mm.load_megatron_state(self.module, state["model"])
+        load_named_adam_state(self.optimizer, self.module, state["adam"])
+        if self.mtp_optimizer is not None and state.get("mtp_optimizer") is not None:
+            self.mtp_optimizer.load_state_dict(state["mtp_optimizer"])
+        self.step, self.weight_version = state["step"], state["weight_version"]
+        self._restore_scheduler(state.get("scheduler"))
+        if self.draft is not None and state.get("draft") is not None:
+            self.draft.load_state_dict(state["draft"])
+        if self.reference_state is not None and state.get("reference") is not None:
+            self.reference_state = state["reference"]
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["megatron_tracker"])
