@@ -32,8 +32,8 @@ from nemo_rl_spec.models.generation.interfaces import GenerationController
 from nemo_rl_spec.models.generation.vllm_generation import VllmGeneration
 from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.models.hf_export import write_consolidated_hf
+from nemo_rl_spec.models.hf_weight_mapping import check_tp_size, model_spec_from_hf_config
 from nemo_rl_spec.models.mtp_export import mtp_drafter_support_error
-from nemo_rl_spec.models.policy.hf_weight_mapping import check_tp_size, model_spec_from_hf_config
 from nemo_rl_spec.models.policy.interfaces import PolicyController
 from nemo_rl_spec.models.policy.lm_policy import Policy, prefetch_worker_class
 from nemo_rl_spec.speculative.metrics import SpecDecodeCounters, SpeculationMonitor

@@ -23,7 +23,13 @@ import statistics
 import time
 from pathlib import Path
 
-from nemo_rl_spec.utils.bench_runs import bootstrap_interval, finish_plot, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.bench_runs import (
+    bootstrap_interval,
+    finish_plot,
+    read_metrics,
+    result_paths,
+    run_grpo_subprocess,
+)
 from nemo_rl_spec.utils.config import load_config
 
 ACC, REWARD, TMPE = "validation/accuracy", "train/reward", "train/token_mult_prob_error"
@@ -145,9 +151,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     args, extra = parse_args(argv)
-    out = Path(args.out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work_dir).resolve() if args.work_dir else out.with_name(out.stem + "_runs")
+    out, work = result_paths(args.out, args.work_dir)
     load_config(args.config, extra)
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
     t0, per_seed, infos = time.time(), {}, {}

@@ -51,7 +51,7 @@ import torch
 
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
 from nemo_rl_spec.models.hf_assets import resolve_model
-from nemo_rl_spec.utils.bench_runs import mean_and_interval, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.bench_runs import mean_and_interval, read_metrics, result_paths, run_grpo_subprocess
 from nemo_rl_spec.utils.config import load_config
 
 SERIES = {"reward": "train/reward", "lambda": "train/mtp/lambda", "c_hat": "train/mtp/c_hat",
@@ -246,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--analyse-only", action="store_true",
                         help="read the finished runs back, start none (unfinished ones are listed in failed_runs)")
     args, extra = parser.parse_known_args(argv)
-    out = Path(args.out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work_dir).resolve() if args.work_dir else out.with_name(out.stem + "_runs")
+    out, work = result_paths(args.out, args.work_dir)
     result = {"config": args.config, "steps": args.steps, "overrides": extra, "runs": {}}
     if args.overhead_repeats:
         med = train_overhead(args.config, args.modes, args.overhead_repeats, extra)

@@ -31,7 +31,14 @@ import sys
 import time
 from pathlib import Path
 
-from nemo_rl_spec.utils.bench_runs import ROOT, finish_plot, mean_and_interval, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.bench_runs import (
+    ROOT,
+    finish_plot,
+    mean_and_interval,
+    read_metrics,
+    result_paths,
+    run_grpo_subprocess,
+)
 from nemo_rl_spec.utils.config import load_config
 
 METHODS = {
@@ -270,9 +277,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     args, extra = parse_args(argv)
-    out = Path(args.out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work_dir).resolve() if args.work_dir else out.with_name(out.stem + "_runs")
+    out, work = result_paths(args.out, args.work_dir)
     for m in args.methods:
         cfg = load_config(ROOT / args.config, [*METHODS[m], *extra])
     from nemo_rl_spec.algorithms.grpo_setup import load_datasets  # lazy: loads ray or megatron-core

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from nemo_rl_spec.models.hf_assets import copy_tokenizer_files
-from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
+from nemo_rl_spec.models.hf_weight_mapping import megatron_to_hf
 
 MTP_POST_NORM_FLAG = "nemo_rl_spec_mtp_input_after_final_norm"  # config.json key of a megatron-core export
 MIMO_MTP_PREFIX = "model.mtp_layers."  # MiMo names of the MTP layers (the drafter's weights in vLLM)
@@ -63,7 +63,7 @@ def megatron_mtp_to_mimo(mcore_state: dict[str, torch.Tensor], spec) -> dict[str
 
     Args:
         mcore_state: ``megatron_param_state(model)`` of a GPTModel built with ``mtp_num_layers`` > 0.
-        spec: its ``ModelSpec`` (nemo_rl_spec.models.policy.hf_weight_mapping).
+        spec: its ``ModelSpec`` (nemo_rl_spec.models.hf_weight_mapping).
     """
     layers = sorted({int(n.split(".")[2]) for n in mcore_state if n.startswith("mtp.layers.")})
     one_layer = dataclasses.replace(spec, num_layers=1)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from nemo_rl_spec.models.hf_weight_mapping import megatron_to_hf
 from nemo_rl_spec.models.mtp_export import megatron_mtp_to_mimo, write_mimo_checkpoint
 from nemo_rl_spec.models.policy import megatron_model as mm
-from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
 from nemo_rl_spec.models.policy.megatron_model import MTP_PREFIX, build_from_hf, megatron_param_state
 from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 from nemo_rl_spec.testing.checks import generate_tokens

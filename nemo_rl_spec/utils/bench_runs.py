@@ -27,6 +27,14 @@ def read_metrics(path: Path) -> list[dict]:
     return logger.read_metrics(path) if path.is_file() else []
 
 
+def result_paths(out: str, work_dir: str | None) -> tuple[Path, Path]:
+    """A benchmark's (result JSON, run directory): ``out`` resolved, with its parent created; ``work_dir`` resolved,
+    or ``<out stem>_runs/`` next to ``out`` when it is None (the ``--out`` / ``--work-dir`` of the bench commands)."""
+    path = Path(out).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path, Path(work_dir).resolve() if work_dir else path.with_name(path.stem + "_runs")
+
+
 def run_grpo_subprocess(config: str, overrides: list[str], run_dir: Path, *, label: str, timeout_s: float,
                         reuse: bool) -> dict:
     """Run ``examples/run_grpo.py --config config overrides...`` with its logs and checkpoints in ``run_dir``.

@@ -17,8 +17,8 @@ import yaml
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fixtures_models as fm  # noqa: E402
 
+from nemo_rl_spec.models.hf_weight_mapping import hf_to_megatron  # noqa: E402
 from nemo_rl_spec.models.policy import megatron_model as mm  # noqa: E402
-from nemo_rl_spec.models.policy.hf_weight_mapping import hf_to_megatron  # noqa: E402
 from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
 from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 

@@ -44,11 +44,11 @@ def export_scenario(llama_dir: str, out_dir: str, sequences: list[list[int]], pr
     import json
     from pathlib import Path
 
+    from nemo_rl_spec.models.hf_weight_mapping import megatron_to_hf
     from nemo_rl_spec.models.mtp_export import (
         megatron_mtp_to_mimo,
         write_mimo_checkpoint,
     )
-    from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf
     from nemo_rl_spec.models.policy.megatron_model import (
         build_from_hf,
         gpt_trunk_forward,

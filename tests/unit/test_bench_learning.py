@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 from nemo_rl_spec.bench import learning as bench_learning
-from nemo_rl_spec.utils.bench_runs import bootstrap_interval
+from nemo_rl_spec.utils.bench_runs import bootstrap_interval, result_paths
 
 
 def test_bootstrap_interval_matches_the_exact_resampling_distribution():
@@ -94,3 +94,10 @@ def test_compare_pairs_final_accuracy_by_seed_by_hand():
     text = bench.table({"seeds": {}, "gain_interval_90": None, "mean_gain": None, "mean_reward_trend": None,
                         "comparison": c, "meta": {"baseline": "fp32.json"}})
     assert "vs baseline fp32.json" in text and "-0.033" in text and "[-0.083, 0.017]" in text
+
+
+def test_result_paths_default_and_given_work_dir(tmp_path):
+    out, work = result_paths(str(tmp_path / "new" / "res.json"), None)
+    assert out == tmp_path / "new" / "res.json" and out.parent.is_dir() and not out.exists()
+    assert work == tmp_path / "new" / "res_runs" and not work.exists()
+    assert result_paths(str(out), str(tmp_path / "w"))[1] == tmp_path / "w"

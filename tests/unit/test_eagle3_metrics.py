@@ -127,11 +127,11 @@ def test_chi_square_tests_accept_same_and_reject_different():
 def test_megatron_mtp_to_mimo_mapping_by_hand():
     """eh_proj's [embedding ; hidden] columns become MiMo's [hidden ; embedding]; the MTP transformer layer maps
     like decoder layer 0 (q/k/v split from megatron's grouped linear_qkv, gate/up from linear_fc1)."""
+    from nemo_rl_spec.models.hf_weight_mapping import ModelSpec, fuse_qkv
     from nemo_rl_spec.models.mtp_export import (
         megatron_mtp_to_mimo,
         with_zero_qkv_bias,
     )
-    from nemo_rl_spec.models.policy.hf_weight_mapping import ModelSpec, fuse_qkv
 
     spec = ModelSpec("LlamaForCausalLM", num_layers=2, hidden_size=4, ffn_hidden_size=6, num_attention_heads=2,
                      num_query_groups=1, head_dim=2, vocab_size=10, max_position_embeddings=16, rms_norm_eps=1e-6,

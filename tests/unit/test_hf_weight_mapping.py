@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from nemo_rl_spec.models.policy.hf_weight_mapping import (
+from nemo_rl_spec.models.hf_weight_mapping import (
     ModelSpec,
     fuse_qkv,
     hf_to_megatron,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from nemo_rl_spec.models.policy.hf_weight_mapping import (
+from nemo_rl_spec.models.hf_weight_mapping import (
     ModelSpec,
     check_tp_size,
     fuse_qkv,

@@ -67,9 +67,10 @@ def read_engine_weights(worker) -> dict[str, torch.Tensor]:
 class RefitReceiverMixin:
     """Refit methods of :class:`~.vllm_worker.VllmGenerationWorker` (module docstring)."""
 
-    def _init_refit(self, model_path: str, allow_stale_draft: bool) -> None:
+    def init_refit(self, model_path: str, allow_stale_draft: bool) -> None:
         """The checkpoint tensor names a refit must carry (serving MiMo: without its MTP layers, and the zero biases
-        it may omit), and the version guard (the engine's initial draft paired with policy version 0)."""
+        it may omit), and the version guard (the engine's initial draft paired with policy version 0). The worker's
+        ``__init__`` calls it once, after the engine has started; calling it again resets the versions to 0."""
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.weight_names = checkpoint_tensor_names(model_path)

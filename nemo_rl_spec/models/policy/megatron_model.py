@@ -13,8 +13,7 @@ from datetime import timedelta
 import torch
 import torch.nn.functional as F
 
-from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
-from nemo_rl_spec.models.policy.hf_weight_mapping import (
+from nemo_rl_spec.models.hf_weight_mapping import (
     ModelSpec,
     check_tp_size,
     hf_to_megatron,
@@ -24,6 +23,7 @@ from nemo_rl_spec.models.policy.hf_weight_mapping import (
     tp_shard,
     tp_unshard,
 )
+from nemo_rl_spec.models.policy.cpu_compat import apply_cpu_compat
 
 apply_cpu_compat()  # before any megatron import (triton stub, torch proxies)
 
@@ -245,8 +245,8 @@ def mtp_init_from_trunk(model_state: dict[str, torch.Tensor], trunk_state: dict[
 @torch.no_grad()
 def full_param_state(model: torch.nn.Module, names=None) -> dict[str, torch.Tensor]:
     """Megatron-named full tensors: this rank's slices all-gathered over the tensor-parallel group and put back
-    together (:func:`~.hf_weight_mapping.tp_unshard`); every TP rank must call it (collective). ``names``: a
-    filter (default: every parameter). Without TP, the model's own tensors (no copy)."""
+    together (:func:`~nemo_rl_spec.models.hf_weight_mapping.tp_unshard`); every TP rank must call it (collective).
+    ``names``: a filter (default: every parameter). Without TP, the model's own tensors (no copy)."""
     local = {k: v.detach() for k, v in megatron_param_state(model).items() if names is None or names(k)}
     group, size = tp_group(), parallel_state.get_tensor_model_parallel_world_size()
     if size == 1:

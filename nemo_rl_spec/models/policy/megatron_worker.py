@@ -20,7 +20,8 @@ gradient: Megatron DDP all-reduces with SUM (``calculate_per_token_loss``, gradi
 the same metrics on every rank (loss-type metrics combined over DP by the loss contract: sum, ``*_max`` by max).
 
 Tensor parallel: megatron-core's own TP layers on gloo; HF weights are sliced per TP rank on import and gathered
-back on export (:mod:`~.hf_weight_mapping`), log-probs are vocab-parallel (:mod:`~.vocab_parallel`).
+back on export (:mod:`~nemo_rl_spec.models.hf_weight_mapping`), log-probs are vocab-parallel
+(:mod:`~.vocab_parallel`).
 
 Pipeline parallel is refused (``pipeline_model_parallel_size`` must be 1; why: :func:`_check_supported_layout`).
 
@@ -335,7 +336,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         mtp_metrics = self.mtp.step(mtp_stats) if self.mtp_num_layers else {}
         draft_metrics = self.draft.finish() if self.draft is not None else {}
         lr = self._current_lr()  # the lr this step used
-        self._advance_scheduler()
+        self.advance_scheduler()
         self.step += 1
         local = {**(combine_metrics(per_mb_metrics) if per_mb_metrics else {}), "loss": sum(losses),
                  "num_micro_batches": float(len(losses))}
@@ -343,7 +344,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
                 "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
                 "lr": lr, "update_successful": float(update_ok)}
 
-    def _advance_scheduler(self, steps: int = 1) -> None:
+    def advance_scheduler(self, steps: int = 1) -> None:
         """Move the lr schedule ``steps`` optimizer steps on; the MTP AdamW follows the trunk's lr."""
         self.scheduler.step(increment=steps)
         if self.mtp is not None:
