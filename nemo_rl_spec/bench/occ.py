@@ -30,6 +30,8 @@ the exit code is 1. Written JSON::
                    lambda_ref, c_ref_decoder, v2_ref_decoder for occ+ref)}}},
      "per_mode": {"<mode>": {"final_accuracy" | "peak_accuracy" | "mtp_acceptance" | "step_time_s" | "train_time_s":
                   {"per_seed", "mean", "interval90": bootstrap 90% interval over seeds}}},
+     "vs_detach": {"<mode>": {"final_accuracy" | "peak_accuracy": {"per_seed": mode - detach, "mean", "interval90",
+                   "above", "below"}}} (paired by seed, :func:`paired_vs`),
      "failed_runs": ["<mode> seed <seed>", ...],
      "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...},
      "proxy_validation": {"pearson_c", "pearson_v2", "pearson_lambda", "pearson_lambda_hidden_grad", "spearman_*",
@@ -104,6 +106,23 @@ def mode_stats(seeds: dict) -> dict:
     for key in ("final_accuracy", "peak_accuracy", "mtp_acceptance", "step_time_s", "train_time_s"):
         vals = [r[key] for r in seeds.values() if r.get(key) is not None and r[key] == r[key]]   # drop NaN
         out[key] = {"per_seed": {s: r.get(key) for s, r in seeds.items()}, **mean_and_interval(vals)}
+    return out
+
+
+def paired_vs(runs: dict, base: str = "detach") -> dict:
+    """Per mode other than ``base``: the per-seed differences ``mode - base`` of the final and the peak accuracy over
+    the seeds both finished (a seed draws the same prompts at each step in every mode), their mean and bootstrap
+    90% interval (:func:`mean_and_interval`), and how many seeds are above / below ``base``."""
+    out = {}
+    for mode, seeds in runs.items():
+        common = [s for s in seeds if s in runs.get(base, {}) and mode != base]
+        if not common:
+            continue
+        out[mode] = {}
+        for key in ("final_accuracy", "peak_accuracy"):
+            diffs = {s: seeds[s][key] - runs[base][s][key] for s in common}
+            out[mode][key] = {"per_seed": diffs, **mean_and_interval(list(diffs.values())),
+                              "above": sum(d > 0 for d in diffs.values()), "below": sum(d < 0 for d in diffs.values())}
     return out
 
 
@@ -279,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{mode:7s} seed {seed}: acc {r['final_accuracy']:.3f}  mtp_acc {r['mtp_acceptance']:.3f}  "
                   f"step {r['step_time_s']:.2f}s  train {r['train_time_s']:.2f}s", flush=True)
     runs = result["runs"]
+    if "detach" in runs:
+        result["vs_detach"] = paired_vs(runs)
     if "occ" + REFERENCE in runs:
         result["proxy_validation"] = proxy_validation(runs["occ" + REFERENCE])
         print("proxy validation:", json.dumps(result["proxy_validation"]), flush=True)

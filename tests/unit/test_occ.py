@@ -193,3 +193,7 @@ def test_bench_occ_resumes_finished_runs_and_reports_intervals(tmp_path):
     assert result["per_mode"]["detach"]["mtp_acceptance"]["mean"] == pytest.approx(0.4)
     assert result["overhead"]["occ_vs_detach_step_time"] == pytest.approx(1.1)
     assert result["failed_runs"] == [] and out.with_suffix(".png").is_file()
+    vs = result["vs_detach"]["occ"]["final_accuracy"]  # paired by seed: 0.7-0.6, 0.7-0.8, 0.9-0.7
+    assert vs["per_seed"] == pytest.approx({"0": 0.1, "1": -0.1, "2": 0.2})
+    assert vs["above"] == 2 and vs["below"] == 1 and vs["mean"] == pytest.approx(0.2 / 3)
+    assert "detach" not in result["vs_detach"]
