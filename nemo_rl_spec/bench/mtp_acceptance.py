@@ -55,8 +55,8 @@ def final_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 def export_mimo(policy_dir: Path, model_path: str, out_dir: Path) -> Path:
     """Write the checkpoint in ``policy_dir`` (megatron names, TP = 1) as a MiMo checkpoint (trunk + MTP layers) with
     the tokenizer of ``model_path``; returns ``out_dir``."""
+    from nemo_rl_spec.models.hf_weight_mapping import megatron_to_hf, model_spec_from_hf_config
     from nemo_rl_spec.models.mtp_export import megatron_mtp_to_mimo, write_mimo_checkpoint
-    from nemo_rl_spec.models.policy.hf_weight_mapping import megatron_to_hf, model_spec_from_hf_config
     from nemo_rl_spec.models.policy.megatron_model import MTP_PREFIX, load_hf_config
 
     state = torch.load(policy_dir / CKPT_FILE, map_location="cpu", weights_only=False)
