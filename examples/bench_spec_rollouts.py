@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--no-skip-k0", action="store_true",
                    help="do not measure batch-aware speculation with the drafter pass skipped at k = 0")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--k0-profile", action="store_true",
+                   help="issue 35: per-component cost of k = 0 steps (AR vs speculative engines before / after the "
+                        "plain k = 0 path) at --batches, and the rollout phase of those engines, interleaved; "
+                        "a fresh draft head when --draft has none")
     p.add_argument("--quick", action="store_true", help="smoke test: ks 1 3, batches 1 4, 32 tokens, 1 group")
     return p.parse_known_args(argv)
 
@@ -121,7 +125,8 @@ class StepTimer:
         self.core.scheduler.schedule, self.core.step_fn = self._schedule, self._step
 
 
-def build_worker(gen_cfg: dict, model_path: str, seed: int, spec: dict | None = None, dynamic: dict | None = None):
+def build_worker(gen_cfg: dict, model_path: str, seed: int, spec: dict | None = None, dynamic: dict | None = None,
+                 precision: str = "float32"):
     from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
 
     cfg = json.loads(json.dumps(gen_cfg))
@@ -129,7 +134,7 @@ def build_worker(gen_cfg: dict, model_path: str, seed: int, spec: dict | None = 
     cfg["dynamic_speculation"] = dynamic
     if spec is not None:
         cfg["vllm_kwargs"]["speculative_config"] = spec
-    return VllmGenerationWorker(cfg, model_path, seed)
+    return VllmGenerationWorker(cfg, model_path, seed, precision=precision)
 
 
 def run_requests(worker, prompts: list[list[int]], seeds: list[int], temperature: float, max_tokens: int,
@@ -373,6 +378,174 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------- issue 35: k = 0 profile
+K0_ENGINES = {  # name: (schedule or None for AR, dynamic_speculation extras)
+    "ar": (None, {}),
+    "k0_before": ([[1, 1024, 0]], {"plain_step_at_k0": False}),
+    "k0_after": ([[1, 1024, 0]], {"plain_step_at_k0": True}),
+    "aware_before": ([[1, 4, 3], [5, 1024, 0]], {"plain_step_at_k0": False}),
+    "aware_after": ([[1, 4, 3], [5, 1024, 0]], {"plain_step_at_k0": True}),
+}
+COMPONENTS = ("target_forward", "target_logits", "sampling", "drafter", "bookkeeping")
+
+
+class ComponentTimer:
+    """Times the parts of every engine step of an in-process ``vllm.LLM``: the target forward
+    (``_model_forward``), the target logits (``compute_logits``), sampling (``_sample``: vLLM's ``Sampler`` or its
+    ``RejectionSampler``), the drafter (``propose_draft_token_ids``: input preparation, the drafter's passes) and
+    the rest of the step (``bookkeeping``: scheduler, input preparation, output processing, spec-decode
+    bookkeeping and stats). Records (step seconds, requests scheduled, tokens scheduled, {component: seconds})."""
+
+    def __init__(self, llm) -> None:
+        holder: list = []
+        llm.collective_rpc(lambda worker: holder.append(worker.model_runner))  # in-process engine
+        self.runner = runner = holder[0]
+        self.acc: dict[str, float] = dict.fromkeys(COMPONENTS[:-1], 0.0)
+        self.saved: list[tuple[Any, str, Any]] = []
+        self._wrap(runner, "_model_forward", "target_forward")
+        self._wrap(runner.model, "compute_logits", "target_logits")
+        self._wrap(runner, "_sample", "sampling")
+        self._wrap(runner, "propose_draft_token_ids", "drafter")
+        self.steps = StepTimer(llm)
+        self.records: list[tuple[float, int, int, dict[str, float]]] = []
+        step = self.steps.core.step_fn
+
+        def timed_step():
+            for key in self.acc:
+                self.acc[key] = 0.0
+            n0 = len(self.steps.records)
+            out = step()
+            if len(self.steps.records) > n0:
+                seconds, n, tok = self.steps.records[-1]
+                parts = dict(self.acc)
+                parts["bookkeeping"] = seconds - sum(parts.values())
+                self.records.append((seconds, n, tok, parts))
+            return out
+
+        self.steps.core.step_fn = timed_step
+
+    def _wrap(self, obj, attr: str, key: str) -> None:
+        had = attr in vars(obj)
+        original = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.acc[key] += time.perf_counter() - t0
+
+        object.__setattr__(obj, attr, timed)
+        self.saved.append((obj, attr, original if had else None))
+
+    def remove(self) -> None:
+        self.steps.core.step_fn = self.steps._step
+        self.steps.remove()
+        for obj, attr, original in self.saved:
+            if original is None:
+                object.__delattr__(obj, attr)
+            else:
+                object.__setattr__(obj, attr, original)
+
+
+def fresh_draft(model_path: str, out_dir: str) -> str:
+    """A fresh EAGLE-3 head for the target (lm_head = the target's output layer), written to ``out_dir``: what an
+    online run starts from; at k = 0 its quality does not enter the cost."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
+
+    target = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    Eagle3DraftHead.from_target(target).save_pretrained(out_dir)
+    return out_dir
+
+
+def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
+    """Issue 35: what a speculative engine's k = 0 step costs, by component, next to an AR step, before and after
+    the plain k = 0 path; and the rollout phase of each engine, interleaved (in a fresh process, see :func:`main`)."""
+    from nemo_rl_spec.models.generation.vllm_worker import derive_row_seeds
+
+    gen_cfg, model_path, prompts = opts["gen_cfg"], opts["model_path"], opts["prompts"]
+    groups, G, T, M, seed = opts["groups"], opts["generations"], opts["temperature"], opts["step_cost_tokens"], opts["seed"]
+    log = opts.get("log", print)
+    t_start = time.perf_counter()
+    draft = opts["draft"] or fresh_draft(model_path, tempfile.mkdtemp(prefix="k0_draft_"))
+    workers = {}
+    for name, (schedule, extra) in K0_ENGINES.items():
+        spec = dyn = None
+        if schedule is not None:
+            spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": 3}
+            dyn = {"num_speculative_tokens_per_batch_size": schedule, **extra}
+        workers[name] = build_worker(gen_cfg, model_path, seed, spec, dyn, precision=opts["precision"])
+    log(f"engines up [{time.perf_counter() - t_start:.0f} s]")
+    step_engines = [n for n in K0_ENGINES if not n.startswith("aware")]
+    comp: dict[str, dict[int, list[dict[str, float]]]] = {n: {b: [] for b in opts["batches"]} for n in step_engines}
+    for rep in range(opts["step_cost_repeats"]):            # per-step components at constant batch, interleaved
+        for b in opts["batches"]:
+            for name in (step_engines if rep % 2 == 0 else step_engines[::-1]):
+                llm = workers[name].llm
+                timer = ComponentTimer(llm)
+                try:
+                    run_requests(workers[name], prompts[:b], derive_row_seeds(seed + 7 * b, b), T, M, cap=b,
+                                 ignore_eos=True)
+                finally:
+                    timer.remove()
+                steps = [parts | {"step": s} for s, n, tok, parts in timer.records if n == b and tok == b]
+                comp[name][b].append({key: statistics.median(x[key] for x in steps)
+                                      for key in (*COMPONENTS, "step")} | {"n_steps": len(steps)})
+        log(f"component repeat {rep + 1} [{time.perf_counter() - t_start:.0f} s]")
+    table = {name: {b: {key: min(r[key] for r in runs) for key in (*COMPONENTS, "step")}
+                    for b, runs in by_b.items()} for name, by_b in comp.items()}
+    rollouts: dict[str, list[dict[str, Any]]] = {n: [] for n in K0_ENGINES}
+    names = list(K0_ENGINES)
+    for rep in range(opts["rollout_repeats"]):              # the GRPO rollout call, engines interleaved
+        for r in range(len(groups)):
+            for name in (names if rep % 2 == 0 else names[::-1]):
+                w = workers[name]
+                before = w.spec_counters()
+                t0 = time.perf_counter()
+                out = w.generate({"prompt_token_ids": groups[r]}, n=G, seed=seed + 1000 + r)
+                seconds = time.perf_counter() - t0
+                counters = (w.spec_counters() - before) if before is not None else None
+                rollouts[name].append({"repeat": rep, "group": r, "seconds": seconds,
+                                       "tokens": int((out["unpadded_sequence_lengths"] - out["input_lengths"]).sum()),
+                                       "acceptance_length": counters.acceptance_length if counters else None,
+                                       "num_drafts": counters.num_drafts if counters else 0})
+        log(f"rollout repeat {rep + 1} [{time.perf_counter() - t_start:.0f} s]")
+    for w in workers.values():
+        w.shutdown()
+    ar_total = [x["seconds"] for x in rollouts["ar"]]
+    ratio = {name: {"per_run": [x["seconds"] / a for x, a in zip(runs, ar_total, strict=True)],
+                    "total": sum(x["seconds"] for x in runs) / sum(ar_total)} for name, runs in rollouts.items()}
+    return {"components_s": table, "component_runs": comp, "rollouts": rollouts, "rollout_ratio_vs_ar": ratio,
+            "engines": {n: {"schedule": s, **e} for n, (s, e) in K0_ENGINES.items()},
+            "draft": draft if opts["draft"] else "fresh head (lm_head = target output layer)",
+            "bench_seconds": time.perf_counter() - t_start}
+
+
+def format_k0_table(res: dict[str, Any]) -> str:
+    """Per-component ms per decode step by engine and batch, and the rollout-phase ratios."""
+    lines = ["| engine | batch | step ms | target forward | target logits | sampling | drafter | bookkeeping | "
+             "step / AR |", "|---|---|---|---|---|---|---|---|---|"]
+    comps = res["components_s"]
+    for b in sorted(next(iter(comps.values()))):
+        for name, by_b in comps.items():
+            c = by_b[b]
+            lines.append(f"| {name} | {b} | {1e3 * c['step']:.1f} | " + " | ".join(
+                f"{1e3 * c[key]:.1f}" for key in COMPONENTS) + f" | {c['step'] / comps['ar'][b]['step']:.3f} |")
+    lines += ["", "| engine | rollout s (per run) | ratio to AR (per run) | total ratio | acc. length |",
+              "|---|---|---|---|---|"]
+    for name, runs in res["rollouts"].items():
+        rr = res["rollout_ratio_vs_ar"][name]
+        acc = [x["acceptance_length"] for x in runs if x["acceptance_length"] is not None and x["num_drafts"]]
+        secs = " ".join(f"{x['seconds']:.2f}" for x in runs)
+        lines.append(f"| {name} | {secs} | "
+                     f"{' '.join(f'{x:.3f}' for x in rr['per_run'])} | {rr['total']:.3f} | "
+                     f"{statistics.mean(acc) if acc else float('nan'):.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from nemo_rl_spec.utils.config import ConfigError, load_config
 
@@ -393,7 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl_spec.testing import checks
 
     draft = args.draft or f"results/drafts/{Path(args.config).stem}"
-    if not (Path(draft) / "config.json").is_file():
+    if args.k0_profile and not (Path(draft) / "config.json").is_file():
+        draft = None  # a fresh head (k = 0: the draft's quality does not enter)
+    elif not (Path(draft) / "config.json").is_file():
         print(f"error: --draft {draft}: no EAGLE-3 draft there (make one with examples/init_draft.py --config "
               f"{args.config} --out {draft})", file=sys.stderr)
         return 2
@@ -424,6 +599,26 @@ def main(argv: list[str] | None = None) -> int:
             "step_cost_repeats": 1 if quick else args.step_cost_repeats,
             "draft_sample_method": args.draft_sample_method, "skip_k0": not args.no_skip_k0,
             "quick": quick}
+    if args.k0_profile:
+        opts["draft"] = None if draft is None else str(draft)
+        opts["step_cost_tokens"] = args.step_cost_tokens
+        opts["step_cost_repeats"] = args.step_cost_repeats
+        opts["rollout_repeats"] = args.rollout_repeats
+        opts["groups"] = opts["groups"][:1]
+        opts["precision"] = cfg.policy.engine_precision
+        res = checks.run_isolated(run_k0_profile, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
+        res["meta"] = {"command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else
+                                                                                    sys.argv[1:])]),
+                       "config": args.config, "batches": batches, "rollout_batch": R,
+                       "temperature": cfg.policy.generation.temperature, "max_new_tokens": max_new,
+                       "engine_dtype": opts["precision"], "seed": args.seed,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1, default=float) + "\n")
+        print(format_k0_table(res))
+        print(f"wrote {out} ({res['bench_seconds']:.0f} s)")
+        return 0
     res = checks.run_isolated(run_bench, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
     res["meta"] = {"command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else
                                                                                 sys.argv[1:])]),

@@ -63,7 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "e.g. online EAGLE-3 refit every step) instead of --config + --spec-config")
     p.add_argument("--workdir", default=None, help="keep per-mode logs here (default: a fresh temp dir)")
     p.add_argument("--decoding", nargs="+", default=["autoregressive", "speculative"],
-                   choices=["autoregressive", "speculative"])
+                   help="autoregressive, speculative, or speculative@NAME: the speculative run with the overrides "
+                        "of --spec-variant NAME")
+    p.add_argument("--spec-variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                   help="a named speculative variant: NAME then key=value overrides added to the speculative run "
+                        "(e.g. before policy.generation.dynamic_speculation.plain_step_at_k0=false); repeatable")
     p.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
     p.add_argument("--replot", action="store_true", help="only rewrite the table and plot from an existing --out")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -76,6 +80,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
+    args.variants = {v[0]: list(v[1:]) for v in args.spec_variant}
+    for d in args.decoding:
+        base, _, name = d.partition("@")
+        if base not in ("autoregressive", "speculative") or (name and (base != "speculative"
+                                                                       or name not in args.variants)):
+            p.error(f"--decoding {d}: expected autoregressive, speculative or speculative@NAME with --spec-variant NAME")
     return args
 
 
@@ -123,6 +133,7 @@ def summarize(history: list[dict], is_async: bool) -> dict:
         "mean_reward": _mean([m.get("train/reward") for m in history]),
         "logprobs_s": key("timing/train/policy_and_reference_logprobs"),
         "training_s": key("timing/train/policy_training"),
+        "draft_train_s": key("train/draft_seconds"),
         "weight_sync_s": key("timing/train/weight_sync"),
         "buffer_starvation_s": key("timing/train/idle/buffer_starvation") if is_async else None,
         "refit_bubble_s": key("timing/train/idle/refit_bubble") if is_async else None,
@@ -220,7 +231,7 @@ def run_mode(config: str, overrides: list[str], is_async: bool, speculative: boo
 
 def mode_overrides(name: str, age: int, decoding: str, spec: dict | None, steps: int, workdir: Path) -> list[str]:
     vllm_kwargs = {"disable_log_stats": False}
-    if decoding == "speculative":
+    if decoding.startswith("speculative"):
         vllm_kwargs["speculative_config"] = spec
     out = [f"grpo.max_num_steps={steps}", "grpo.val_at_start=false", "grpo.val_period=0",
            "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_ratio=2.0",
@@ -285,7 +296,7 @@ def write_reports(out: Path, results: dict) -> str:
 def add_speedups(results: dict) -> None:
     """In place, per decoding: ``speedup_vs_sync`` = sync step time / the mode's step time, and on async rows
     ``overlap_bound`` = sync step time / (sync step time - sync exposed generation)."""
-    for decoding in ("autoregressive", "speculative"):
+    for decoding in sorted({k.split("/")[1] for k in results}):
         sync = results.get(f"sync/{decoding}", {})
         ref, gen = sync.get("step_time_s"), sync.get("exposed_generation_s")
         for name, age in MODES:
@@ -294,6 +305,49 @@ def add_speedups(results: dict) -> None:
                 r["speedup_vs_sync"] = ref / r["step_time_s"]
                 if age and gen is not None and ref > gen:
                     r["overlap_bound"] = ref / (ref - gen)
+
+
+RATIO_KEYS = {"generation": "exposed_generation_s", "step": "step_time_s", "training": "training_s"}
+
+
+def ratios_vs_autoregressive(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per speculative mode ``<name>/speculative[@variant]``: its seconds over ``<name>/autoregressive``'s, per
+    repeat (repeat i against repeat i: the two ran side by side in the same pass) and of the means, for generation
+    (exposed), the whole step and training."""
+    out = {}
+    for key, spec_runs in runs.items():
+        name, decoding = key.split("/")
+        ar_runs = runs.get(f"{name}/autoregressive")
+        if not decoding.startswith("speculative") or not ar_runs:
+            continue
+        pairs = [(s, a) for s, a in zip(spec_runs, ar_runs) if "error" not in s and "error" not in a]
+        if not pairs:
+            continue
+        row = {}
+        for label, field in RATIO_KEYS.items():
+            per = [s[field] / a[field] for s, a in pairs if a.get(field)]
+            row[label] = {"per_repeat": per,
+                          "of_means": _mean([s[field] for s, _ in pairs]) / _mean([a[field] for _, a in pairs]),
+                          "spec_s": [s[field] for s, _ in pairs], "ar_s": [a[field] for _, a in pairs]}
+        row["draft_train_s"] = [s.get("draft_train_s") for s, _ in pairs]
+        row["spec_num_drafts"] = [s.get("spec_num_drafts") for s, _ in pairs]
+        out[key] = row
+    return out
+
+
+def ratio_table(ratios: dict[str, dict]) -> str:
+    """Markdown: per speculative mode, generation / step / training seconds over autoregressive's."""
+    lines = ["| mode | generation ratio (per repeat) | generation, of means | step ratio (per repeat) | "
+             "step, of means | training, of means | draft training s | drafts |", "|---|---|---|---|---|---|---|---|"]
+    for key, r in ratios.items():
+        def per(label: str, r: dict = r) -> str:
+            return " ".join(f"{x:.3f}" for x in r[label]["per_repeat"])
+
+        draft = [x for x in r["draft_train_s"] if x is not None and not math.isnan(x)]
+        lines.append(f"| {key} | {per('generation')} | {r['generation']['of_means']:.3f} | {per('step')} | "
+                     f"{r['step']['of_means']:.3f} | {r['training']['of_means']:.3f} | "
+                     f"{_mean(draft):.2f} | {r['spec_num_drafts']} |")
+    return "\n".join(lines)
 
 
 def merge(paths: list[str], out: Path) -> str:
@@ -314,16 +368,18 @@ def run_with_attempts(args: argparse.Namespace, key: str, spec: dict | None, spe
     """One run of mode ``key`` ("<name>/<decoding>"), retried up to ``--attempts`` times (Ray's startup can time out
     on a loaded machine); a mode that keeps failing returns ``{"error": traceback}`` so the others still run."""
     name, decoding = key.split("/")
-    if decoding == "speculative" and spec_error:
+    speculative = decoding.startswith("speculative")
+    if speculative and spec_error:
         return {"error": spec_error}
     age = dict(MODES)[name]
-    overrides = [*args.overrides, *mode_overrides(name, age, decoding, spec, args.steps, workdir)]
-    config = args.spec_recipe if decoding == "speculative" and args.spec_recipe else args.config
+    variant = args.variants.get(decoding.partition("@")[2], []) if speculative else []
+    overrides = [*args.overrides, *mode_overrides(name, age, decoding, spec, args.steps, workdir), *variant]
+    config = args.spec_recipe if speculative and args.spec_recipe else args.config
     result: dict = {}
     for attempt in range(1, args.attempts + 1):
         print(f"=== {key} (attempt {attempt})", flush=True)
         try:
-            result = run_mode(config, overrides, is_async=age > 0, speculative=decoding == "speculative")
+            result = run_mode(config, overrides, is_async=age > 0, speculative=speculative)
             result["attempts"] = attempt
             return result
         except KeyboardInterrupt:
@@ -346,7 +402,7 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_sync_async_"))
     base = load_config(args.config, args.overrides)
     spec, spec_error = None, None
-    if "speculative" in args.decoding:
+    if any(d.startswith("speculative") for d in args.decoding):
         try:
             spec = speculative_config(args, base.policy.model_name, workdir)
         except Exception:  # noqa: BLE001 - reported per mode
@@ -361,11 +417,15 @@ def main(argv=None) -> int:
         print(json.dumps({key: runs[key][-1]}, default=str), flush=True)
         out.write_text(json.dumps({"modes": results}, indent=2, default=str))
     add_speedups(results)
+    ratios = ratios_vs_autoregressive(runs)
     settings = {"config": args.config, "spec_recipe": args.spec_recipe, "steps": args.steps, "overrides": args.overrides,
-                "repeats": args.repeats, "order": [k for _, k in order],
+                "repeats": args.repeats, "order": [k for _, k in order], "spec_variants": args.variants,
                 "speculative_config": spec, "note": "means over steps 2..N; see examples/bench_sync_vs_async.py"}
-    out.write_text(json.dumps({"modes": results, "settings": settings}, indent=2, default=str))
+    out.write_text(json.dumps({"modes": results, "ratios_vs_autoregressive": ratios, "settings": settings}, indent=2,
+                              default=str))
     print(write_reports(out, results))
+    if ratios:
+        print(ratio_table(ratios))
     from nemo_rl_spec.algorithms.grpo_setup import teardown  # lazy: loads ray or megatron-core
 
     teardown(None)  # stop Ray

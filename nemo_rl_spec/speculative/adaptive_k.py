@@ -195,7 +195,8 @@ def apply_batch_size_schedule(engine_kwargs: dict[str, Any], generation_cfg: Map
 def _skip_drafter_at_k0(worker) -> None:
     import torch  # lazy: this module imports without torch
 
-    drafter = worker.model_runner.drafter
+    runner = worker.model_runner
+    drafter = runner.drafter
     if getattr(drafter, "_nemo_rl_spec_skip_k0", False):
         return
     propose = drafter.propose
@@ -209,18 +210,69 @@ def _skip_drafter_at_k0(worker) -> None:
     drafter.propose = propose_or_skip
     drafter._nemo_rl_spec_skip_k0 = True
 
+    # The drafter is the only reader of the target's auxiliary hidden states (EAGLE-3): on a step whose proposals
+    # are k = 0 the target forward does not capture them either (vLLM's plain forward, one tensor out).
+    model = runner.get_model()
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "aux_hidden_state_layers", None)
+    if not runner.use_aux_hidden_state_outputs or layers is None:
+        return
+    execute_model = runner.execute_model
+
+    def execute_model_aux_when_drafting(scheduler_output, *args, **kwargs):
+        drafting = int(getattr(scheduler_output, "num_spec_tokens_to_schedule", 1) or 0) > 0
+        # read again by sample_tokens -> propose_draft_token_ids of the same step: stays set until the next step
+        runner.use_aux_hidden_state_outputs = drafting
+        inner.aux_hidden_state_layers = layers if drafting else ()
+        return execute_model(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model_aux_when_drafting
+
 
 def install_drafter_skip_at_k0(llm) -> None:
-    """Skip the EAGLE drafter's forward pass on engine steps where the schedule gives k = 0.
+    """Skip the EAGLE drafter's forward pass, and the target's auxiliary hidden-state capture, on engine steps
+    whose proposals the schedule sets to k = 0.
 
     vLLM runs the drafter's first pass at k = 0 so that its KV cache holds every position when drafting resumes
     (``EagleProposer.propose``). Skipped, those positions' drafter KV slots are never written: when the batch
     shrinks and drafting resumes, the drafter attends to stale slots for them, which can only lower acceptance.
     Verification is untouched, so outputs stay lossless (the target decides every token). Trade measured by
     ``examples/bench_spec_rollouts.py`` (``batch_aware_skip_k0``); turned on by
-    ``policy.generation.dynamic_speculation.drafter_pass_at_k0: false``.
+    ``policy.generation.dynamic_speculation.drafter_pass_at_k0: false``, and always when the schedule gives k = 0
+    at every batch size (the drafter never proposes, so its KV cache is never read).
 
     Raises:
         AttributeError: the engine has no drafter (no model-based ``speculative_config``).
     """
     llm.collective_rpc(_skip_drafter_at_k0)
+
+
+def _plain_step_when_not_drafting(worker) -> None:
+    runner = worker.model_runner
+    if getattr(runner, "_nemo_rl_spec_plain_k0", False):
+        return
+    prepare_inputs = runner._prepare_inputs
+
+    def prepare_inputs_plain_without_drafts(*args, **kwargs):
+        logits_indices, spec_decode_metadata, max_num_sampled_tokens = prepare_inputs(*args, **kwargs)
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            # No request carries a draft token: logits_indices are already the plain ones (each request's last
+            # scheduled token); None sends the step through vLLM's plain sampler instead of the rejection sampler
+            # and the drafter's input preparation for a batch without rejections.
+            spec_decode_metadata = None
+        return logits_indices, spec_decode_metadata, max_num_sampled_tokens
+
+    runner._prepare_inputs = prepare_inputs_plain_without_drafts
+    runner._nemo_rl_spec_plain_k0 = True
+
+
+def install_plain_step_without_drafts(llm) -> None:
+    """Engine steps in which no request carries a draft token (k = 0 steps of a batch-size-aware schedule, and
+    every prefill step) take vLLM's plain sampling path: the step's ``SpecDecodeMetadata`` (zero drafts) is dropped,
+    so vLLM's ``Sampler`` samples each request's one token instead of ``RejectionSampler`` (which would sample the
+    same bonus token through the same sampler after indexing and copying the logits, a float32 round trip and
+    per-token expansions of the sampling parameters). The drafter still sees every token (its KV cache stays
+    complete); steps that carry drafts are untouched. Lossless: with no draft, the rejection sampler's output is its
+    bonus token, drawn by the same ``Sampler`` call with the same generators (tests/functional/
+    test_adaptive_k_engine.py, test_speculative_sampling.py)."""
+    llm.collective_rpc(_plain_step_when_not_drafting)

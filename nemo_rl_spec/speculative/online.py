@@ -20,6 +20,7 @@ single-worker head. Tensor parallel: every TP rank trains an identical replica o
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,7 @@ class OnlineDraft:
         self.sync = sync
         self.policy_version = 0
         self._total = 1
+        self._seconds = 0.0
 
     @property
     def head(self) -> Eagle3DraftHead:
@@ -97,12 +99,14 @@ class OnlineDraft:
     def begin(self, policy_embedding: torch.Tensor, loss_mask: torch.Tensor) -> None:
         """Start a draft step: copy the policy's current full [V, H] embedding into the head (vLLM's drafter shares
         the target's) and set the normaliser from this rank's [B, S] ``loss_mask`` (summed over DP ranks)."""
+        t0 = time.perf_counter()
         self.trainer.sync_embeddings(policy_embedding)
         self.trainer.zero_grad()
         scored = torch.tensor([float(DraftTrainer.scored_tokens(loss_mask))], dtype=torch.float64)
         if self.sync is not None:
             scored = self.sync.sum(scored)
         self._total = max(int(scored[0]), 1)
+        self._seconds = time.perf_counter() - t0
 
     def accumulate(self, cap: HiddenStateCapture, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                    logits: torch.Tensor) -> None:
@@ -110,13 +114,19 @@ class OnlineDraft:
 
         Shape: input_ids [b, s], loss_mask [b, s], logits [b, s, V] (the policy's, detached here).
         """
+        t0 = time.perf_counter()
         target = torch.log_softmax(logits.detach().float() / self.temperature, dim=-1)
         self.trainer.accumulate(cap.aux_hidden(), input_ids, loss_mask, target, self._total)
+        self._seconds += time.perf_counter() - t0
 
     def finish(self) -> dict[str, float]:
         """Draft optimizer step; metrics without the ``train/`` prefix (``draft_loss``, ``draft_grad_norm``,
-        ``draft_acc_step{j}``, ``draft_version``, ...), which the driver logs as ``train/draft_*``."""
-        return {k.removeprefix("train/"): v for k, v in self.trainer.apply(self.sync).items()}
+        ``draft_acc_step{j}``, ``draft_version``, ...), which the driver logs as ``train/draft_*``.
+        ``draft_seconds``: this rank's wall time of the draft's own work in the step (embedding copy, the draft
+        forward/backward of every micro-batch, its optimizer step), next to the policy's training time."""
+        t0 = time.perf_counter()
+        metrics = {k.removeprefix("train/"): v for k, v in self.trainer.apply(self.sync).items()}
+        return {**metrics, "draft_seconds": self._seconds + time.perf_counter() - t0}
 
     def export(self, dtype: str | None = None) -> dict[str, Any]:
         """``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}`` for

@@ -117,6 +117,10 @@ class DynamicSpeculationConfig(BaseModel):
     ``drafter_pass_at_k0``: keep vLLM's drafter forward pass on k = 0 steps (its KV cache stays complete); false
     skips it (:func:`~nemo_rl_spec.speculative.adaptive_k.install_drafter_skip_at_k0`: cheaper k = 0 steps, stale
     drafter KV for those positions once drafting resumes; lossless either way).
+    ``plain_step_at_k0`` (issue 35): engine steps that carry no draft token take vLLM's plain sampler (no rejection
+    sampler), and a schedule with k = 0 at every batch size also skips the drafter's pass and the target's auxiliary
+    hidden states (:func:`~nemo_rl_spec.speculative.adaptive_k.install_plain_step_without_drafts`); false keeps
+    vLLM's own speculative path on those steps (the cost measured before issue 35).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -128,6 +132,7 @@ class DynamicSpeculationConfig(BaseModel):
     min_speedup: float = Field(default=1.0, gt=0.0)
     max_batch_size: PositiveInt = 256
     drafter_pass_at_k0: bool = True
+    plain_step_at_k0: bool = True
 
     @field_validator("step_costs")
     @classmethod

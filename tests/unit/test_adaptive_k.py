@@ -125,3 +125,67 @@ def test_apply_batch_size_schedule():
     with pytest.raises(ValueError, match="set one"):
         apply_batch_size_schedule({"speculative_config": {**engine["speculative_config"], VLLM_KEY: [[1, 2, 1]]}},
                                   gen)
+
+
+# ------------------------------------------------------------------ issue 35: the plain k = 0 path (fake engine)
+class _FakeLLM:
+    """``collective_rpc(fn)`` calls ``fn`` on one in-process worker, as vLLM's uniprocess executor does."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def collective_rpc(self, fn):
+        return [fn(self.worker)]
+
+
+class _Meta:
+    def __init__(self, num_draft_tokens):
+        self.max_spec_len = max(num_draft_tokens)
+
+
+def _fake_worker(aux: bool = True):
+    from types import SimpleNamespace
+
+    inner = SimpleNamespace(aux_hidden_state_layers=(2, 15, 27))
+    calls = []
+    runner = SimpleNamespace(use_aux_hidden_state_outputs=aux, drafter=SimpleNamespace(), model=SimpleNamespace(model=inner))
+    runner.get_model = lambda: runner.model
+    runner._prepare_inputs = lambda out, n: ("idx", out["meta"], 1)
+    runner.execute_model = lambda out: calls.append((runner.use_aux_hidden_state_outputs, inner.aux_hidden_state_layers))
+    runner.drafter.propose = lambda k, **kw: calls.append(("propose", k))
+    return SimpleNamespace(model_runner=runner), calls
+
+
+def test_plain_step_drops_metadata_only_without_drafts():
+    from nemo_rl_spec.speculative.adaptive_k import install_plain_step_without_drafts
+
+    worker, _ = _fake_worker()
+    llm = _FakeLLM(worker)
+    install_plain_step_without_drafts(llm)
+    install_plain_step_without_drafts(llm)  # idempotent
+    runner = worker.model_runner
+    assert runner._prepare_inputs({"meta": _Meta([0, 0, 0])}, None) == ("idx", None, 1)
+    with_drafts = _Meta([0, 3, 1])
+    assert runner._prepare_inputs({"meta": with_drafts}, None)[1] is with_drafts
+    assert runner._prepare_inputs({"meta": None}, None)[1] is None
+
+
+def test_drafter_skip_turns_aux_capture_off_on_k0_steps_only():
+    from types import SimpleNamespace
+
+    import torch
+
+    from nemo_rl_spec.speculative.adaptive_k import install_drafter_skip_at_k0
+
+    worker, calls = _fake_worker()
+    install_drafter_skip_at_k0(_FakeLLM(worker))
+    runner = worker.model_runner
+    runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
+    runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=3))
+    runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
+    assert calls == [(False, ()), (True, (2, 15, 27)), (False, ())]
+    cad = SimpleNamespace(batch_size=lambda: 4)
+    out = runner.drafter.propose(0, common_attn_metadata=cad, target_positions=torch.zeros(4))
+    assert out.shape == (4, 0) and calls[-1] == (False, ())  # k = 0: the drafter is not called
+    runner.drafter.propose(2, common_attn_metadata=cad, target_positions=torch.zeros(4))
+    assert calls[-1] == ("propose", 2)

