@@ -276,3 +276,30 @@ def install_plain_step_without_drafts(llm) -> None:
     bonus token, drawn by the same ``Sampler`` call with the same generators (tests/functional/
     test_adaptive_k_engine.py, test_speculative_sampling.py)."""
     llm.collective_rpc(_plain_step_when_not_drafting)
+
+
+def install_k0_paths(llm, speculative_config: Mapping[str, Any],
+                     dynamic: DynamicSpeculationConfig | Mapping[str, Any] | None) -> None:
+    """Install what a speculative engine runs on steps without drafts (issue 35): vLLM's plain sampler on steps
+    that carry no draft (:func:`install_plain_step_without_drafts`; unless ``dynamic_speculation.plain_step_at_k0``
+    is false), and no drafter pass nor auxiliary hidden states on k = 0 steps (:func:`install_drafter_skip_at_k0`)
+    when ``drafter_pass_at_k0`` is false or the engine's schedule gives k = 0 at every batch size (then nothing
+    ever reads the drafter's KV cache).
+
+    Args:
+        speculative_config: the engine's ``speculative_config`` as passed to ``vllm.LLM`` (schedule applied).
+        dynamic: ``policy.generation.dynamic_speculation`` (None: no schedule).
+    """
+    if dynamic is not None and not isinstance(dynamic, DynamicSpeculationConfig):
+        dynamic = DynamicSpeculationConfig(**dynamic)
+    on = dynamic is not None and dynamic.enabled
+    plain = not on or dynamic.plain_step_at_k0
+    if plain:
+        install_plain_step_without_drafts(llm)
+    spec = SpeculativeConfig.model_validate(dict(speculative_config))
+    if not on or spec.method not in ("eagle", "eagle3", "draft_model", "mtp"):
+        return
+    schedule = spec.num_speculative_tokens_per_batch_size or []
+    never_drafts = plain and bool(schedule) and max(k for _, _, k in schedule) == 0
+    if never_drafts or not dynamic.drafter_pass_at_k0:
+        install_drafter_skip_at_k0(llm)

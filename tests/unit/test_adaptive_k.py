@@ -189,3 +189,29 @@ def test_drafter_skip_turns_aux_capture_off_on_k0_steps_only():
     assert out.shape == (4, 0) and calls[-1] == (False, ())  # k = 0: the drafter is not called
     runner.drafter.propose(2, common_attn_metadata=cad, target_positions=torch.zeros(4))
     assert calls[-1] == ("propose", 2)
+
+
+@pytest.mark.parametrize("schedule,extra,plain,skip", [
+    ([[1, 1024, 0]], {}, True, True),                                   # never drafts: both
+    ([[1, 4, 3], [5, 32, 0]], {}, True, False),                         # can draft: keep the drafter's KV pass
+    ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_at_k0": False}, True, True),
+    ([[1, 1024, 0]], {"plain_step_at_k0": False}, False, False),        # vLLM's own path (before issue 35)
+])
+def test_install_k0_paths_follows_the_config(schedule, extra, plain, skip):
+    from nemo_rl_spec.speculative.adaptive_k import install_k0_paths
+
+    worker, _ = _fake_worker()
+    spec = {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3, VLLM_KEY: schedule}
+    install_k0_paths(_FakeLLM(worker), spec, {"num_speculative_tokens_per_batch_size": schedule, **extra})
+    runner = worker.model_runner
+    assert getattr(runner, "_nemo_rl_spec_plain_k0", False) == plain
+    assert getattr(runner.drafter, "_nemo_rl_spec_skip_k0", False) == skip
+
+
+def test_install_k0_paths_without_a_schedule_only_takes_the_plain_sampler():
+    from nemo_rl_spec.speculative.adaptive_k import install_k0_paths
+
+    worker, _ = _fake_worker()
+    install_k0_paths(_FakeLLM(worker), {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}, None)
+    assert worker.model_runner._nemo_rl_spec_plain_k0
+    assert not getattr(worker.model_runner.drafter, "_nemo_rl_spec_skip_k0", False)

