@@ -37,7 +37,14 @@ from pathlib import Path
 
 import torch
 
+from nemo_rl_spec.environments.math_env import score_response
+from nemo_rl_spec.models.hf_assets import resolve_model
+from nemo_rl_spec.models.hf_weight_mapping import megatron_to_hf, model_spec_from_hf_config
+from nemo_rl_spec.models.mtp_export import install_post_norm_mtp_input, megatron_mtp_to_mimo, write_mimo_checkpoint
+from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+from nemo_rl_spec.testing.checks import make_llm, run_isolated, shutdown
 from nemo_rl_spec.utils.bench_runs import mean_and_interval, read_metrics
+from nemo_rl_spec.utils.config import load_config
 
 CKPT_FILE = "megatron_policy_tp0.pt"
 
@@ -55,9 +62,7 @@ def final_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 def export_mimo(policy_dir: Path, model_path: str, out_dir: Path) -> Path:
     """Write the checkpoint in ``policy_dir`` (megatron names, TP = 1) as a MiMo checkpoint (trunk + MTP layers) with
     the tokenizer of ``model_path``; returns ``out_dir``."""
-    from nemo_rl_spec.models.hf_weight_mapping import megatron_to_hf, model_spec_from_hf_config
-    from nemo_rl_spec.models.mtp_export import megatron_mtp_to_mimo, write_mimo_checkpoint
-    from nemo_rl_spec.models.policy.megatron_model import MTP_PREFIX, load_hf_config
+    from nemo_rl_spec.models.policy.megatron_model import MTP_PREFIX, load_hf_config  # lazy: loads megatron-core
 
     state = torch.load(policy_dir / CKPT_FILE, map_location="cpu", weights_only=False)
     if state["tp_size"] != 1:
@@ -78,9 +83,6 @@ def measure(mimo_dir: str, prompts: list[list[int]], k: int, temperature: float,
     per prompt; with ``greedy`` also one T = 0 answer per prompt. Returns the counters per decode."""
     from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
 
-    from nemo_rl_spec.models.mtp_export import install_post_norm_mtp_input
-    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
-    from nemo_rl_spec.testing.checks import make_llm, shutdown
 
     llm = make_llm(mimo_dir, {"method": "mtp", "num_speculative_tokens": k}, max_model_len=max_model_len, seed=seed)
     hooked = install_post_norm_mtp_input(llm)
@@ -108,9 +110,7 @@ def heldout_prompts(config: str, overrides: list[str]) -> tuple[list[list[int]],
     """Chat-formatted validation prompts of the recipe, their answers and the recipe's sampling settings."""
     from transformers import AutoTokenizer  # lazy
 
-    from nemo_rl_spec.algorithms.grpo_setup import chat_prompt_ids, load_datasets
-    from nemo_rl_spec.models.hf_assets import resolve_model
-    from nemo_rl_spec.utils.config import load_config
+    from nemo_rl_spec.algorithms.grpo_setup import chat_prompt_ids, load_datasets  # lazy: loads ray or megatron-core
 
     cfg = load_config(config, overrides)
     model_path = resolve_model(cfg.policy.model_name)
@@ -147,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reuse", action="store_true")
     args, overrides = parser.parse_known_args(argv)
-    from nemo_rl_spec.environments.math_env import score_response
-    from nemo_rl_spec.testing.checks import run_isolated
 
     out = Path(args.out)
     result = json.loads(out.read_text()) if args.reuse and out.is_file() else {}
