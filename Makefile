@@ -41,10 +41,11 @@ test test-unit test-functional test-slurm test-slow: EXTRAS = $(TEST_EXTRAS)
 test: install
 	$(call pytest_recorded,$(TEST_RESULTS)) tests/unit tests/functional -x -q -m "not slow" $(PYTEST_ARGS)
 
-# ruff and the import-layer contract (pyproject.toml; docs/architecture.md). The unit tier runs both too
-# (tests/unit/test_lint.py, tests/unit/test_import_layers.py), so `make test` fails on a lint error or a wrong import.
+# ruff (lint and format check) and the import-layer contract (pyproject.toml; docs/architecture.md). The unit tier
+# runs them too (tests/unit/test_lint.py, tests/unit/test_import_layers.py), so `make test` fails on a lint error,
+# unformatted code or a wrong import.
 lint: install
-	.venv/bin/ruff check . && .venv/bin/lint-imports
+	.venv/bin/ruff check . && .venv/bin/ruff format --check . && .venv/bin/lint-imports
 
 test-unit: install
 	$(PY) -m pytest tests/unit -x -q $(PYTEST_ARGS)

@@ -29,6 +29,7 @@ Written JSON::
 
 Also prints a table. On 2 shared CPU cores run it alone (``../shared/tools/heavy``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,10 @@ def build_batch(cfg, tokenizer, seed: int) -> dict:
 
     n_prompts, n_gen = cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt
     problems = load_train_problems(cfg.data.train.generators, n_prompts, cfg.data.train.seed)
-    prompts = [format_prompt(tokenizer, cfg.data.system_prompt, p["question"],
-                             **cfg.policy.tokenizer.chat_template_kwargs) for p in problems]
+    prompts = [
+        format_prompt(tokenizer, cfg.data.system_prompt, p["question"], **cfg.policy.tokenizer.chat_template_kwargs)
+        for p in problems
+    ]
     gen = torch.Generator().manual_seed(seed)
     max_new = cfg.policy.generation.max_new_tokens
     low = max(1, min(20, max_new // 4))  # [20, max_new - 10] for the default recipe; tiny recipes scale it down
@@ -65,12 +68,19 @@ def build_batch(cfg, tokenizer, seed: int) -> dict:
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     token_mask = torch.zeros(len(rows), width)
     for b, (prompt, resp) in enumerate(rows):
-        ids[b, :len(prompt) + len(resp)] = torch.tensor(prompt + resp)
-        token_mask[b, len(prompt):len(prompt) + len(resp)] = 1.0
+        ids[b, : len(prompt) + len(resp)] = torch.tensor(prompt + resp)
+        token_mask[b, len(prompt) : len(prompt) + len(resp)] = 1.0
     lengths = torch.tensor([len(p) + len(r) for p, r in rows])
-    return dict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=torch.ones(len(rows)),
-                advantages=torch.randn(len(rows), generator=gen), generation_logprobs=torch.zeros(len(rows), width),
-                prompt_lengths=[len(p) for p, _ in rows], response_lengths=[len(r) for _, r in rows])
+    return dict(
+        input_ids=ids,
+        input_lengths=lengths,
+        token_mask=token_mask,
+        sample_mask=torch.ones(len(rows)),
+        advantages=torch.randn(len(rows), generator=gen),
+        generation_logprobs=torch.zeros(len(rows), width),
+        prompt_lengths=[len(p) for p, _ in rows],
+        response_lengths=[len(r) for _, r in rows],
+    )
 
 
 def _variants(cfg, rounds: list[int], budgets: list[str] | None = None) -> dict:
@@ -104,8 +114,9 @@ def run(cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | No
     path = resolve_model(cfg.policy.model_name)
     batch = build_batch(cfg, AutoTokenizer.from_pretrained(path), seed)
     meta = {k: batch.pop(k) for k in ("prompt_lengths", "response_lengths")}
-    worker = MegatronPolicyWorker(cfg.policy.model_copy(deep=True), ClippedPGLossFn(cfg.loss_fn.model_dump()), path,
-                                  seed=0)
+    worker = MegatronPolicyWorker(
+        cfg.policy.model_copy(deep=True), ClippedPGLossFn(cfg.loss_fn.model_dump()), path, seed=0
+    )
     variants = _variants(cfg, rounds, budgets)
     weights = {k: v.detach().clone() for k, v in mm.megatron_param_state(worker.module).items()}
     mask = batch["token_mask"].bool()
@@ -135,33 +146,53 @@ def run(cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | No
                 "dynamic_batching": None if dyn is None else dyn.model_dump(),
                 "train_tokens": sum(mb.num_tokens for mb in plans["train"]),
                 "logprob_tokens": sum(mb.num_tokens for mb in plans["logprob"]),
-                "train_micro_batches": len(plans["train"]), "logprob_micro_batches": len(plans["logprob"]),
-                "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                "train_micro_batches": len(plans["train"]),
+                "logprob_micro_batches": len(plans["logprob"]),
+                "loss": metrics["loss"],
+                "grad_norm": metrics["grad_norm"],
                 "logprob_max_abs_diff": float((lp - reference_lp)[mask].abs().max()),
             }
             print(f"round {rep} {name}: logprob {logprob_s:.2f}s train {train_s:.2f}s", flush=True)
     for name in variants:
         results[name].update({k: statistics.median(v) for k, v in times[name].items()})
     pad = results["padded"]
-    ratios = {name: {"logprob": pad["logprob_s"] / r["logprob_s"], "train": pad["train_s"] / r["train_s"],
-                     "both": (pad["logprob_s"] + pad["train_s"]) / (r["logprob_s"] + r["train_s"])}
-              for name, r in results.items() if name != "padded"}
-    return {"threads": cfg.policy.megatron_cfg.num_threads, "repeats": repeats, "seed": seed,
-            "batch": {"rows": int(batch["input_ids"].shape[0]), "seq_lengths": batch["input_lengths"].tolist(), **meta},
-            "variants": results, "ratios": ratios, "torch_threads": torch.get_num_threads()}
+    ratios = {
+        name: {
+            "logprob": pad["logprob_s"] / r["logprob_s"],
+            "train": pad["train_s"] / r["train_s"],
+            "both": (pad["logprob_s"] + pad["train_s"]) / (r["logprob_s"] + r["train_s"]),
+        }
+        for name, r in results.items()
+        if name != "padded"
+    }
+    return {
+        "threads": cfg.policy.megatron_cfg.num_threads,
+        "repeats": repeats,
+        "seed": seed,
+        "batch": {"rows": int(batch["input_ids"].shape[0]), "seq_lengths": batch["input_lengths"].tolist(), **meta},
+        "variants": results,
+        "ratios": ratios,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def print_table(result: dict) -> None:
     pad = result["variants"]["padded"]
-    print(f"\n{'variant':12s} {'logprob_s':>9s} {'train_s':>8s} {'lp_tokens':>9s} {'tr_tokens':>9s} {'tr_mbs':>6s} "
-          f"{'x logprob':>9s} {'x train':>8s} {'loss':>11s} {'grad_norm':>10s} {'lp_diff':>8s}")
+    print(
+        f"\n{'variant':12s} {'logprob_s':>9s} {'train_s':>8s} {'lp_tokens':>9s} {'tr_tokens':>9s} {'tr_mbs':>6s} "
+        f"{'x logprob':>9s} {'x train':>8s} {'loss':>11s} {'grad_norm':>10s} {'lp_diff':>8s}"
+    )
     for name, r in result["variants"].items():
         ratio = result["ratios"].get(name, {"logprob": 1.0, "train": 1.0})
-        print(f"{name:12s} {r['logprob_s']:9.2f} {r['train_s']:8.2f} {r['logprob_tokens']:9d} {r['train_tokens']:9d} "
-              f"{r['train_micro_batches']:6d} {ratio['logprob']:9.3f} {ratio['train']:8.3f} {r['loss']:11.3e} "
-              f"{r['grad_norm']:10.4e} {r['logprob_max_abs_diff']:8.1e}")
-    print(f"(padded loss {pad['loss']:.6e}, grad_norm {pad['grad_norm']:.6e}; rows {result['batch']['rows']}, "
-          f"lengths {min(result['batch']['seq_lengths'])}-{max(result['batch']['seq_lengths'])})")
+        print(
+            f"{name:12s} {r['logprob_s']:9.2f} {r['train_s']:8.2f} {r['logprob_tokens']:9d} {r['train_tokens']:9d} "
+            f"{r['train_micro_batches']:6d} {ratio['logprob']:9.3f} {ratio['train']:8.3f} {r['loss']:11.3e} "
+            f"{r['grad_norm']:10.4e} {r['logprob_max_abs_diff']:8.1e}"
+        )
+    print(
+        f"(padded loss {pad['loss']:.6e}, grad_norm {pad['grad_norm']:.6e}; rows {result['batch']['rows']}, "
+        f"lengths {min(result['batch']['seq_lengths'])}-{max(result['batch']['seq_lengths'])})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", nargs="+", type=int, default=[64, 1], help="sequence_length_round values")
     parser.add_argument("--repeats", type=int, default=1, help="timed rounds (after a two-row warm-up)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--budgets", nargs="+", default=None,
-                        help="train_mb_tokens:logprob_mb_tokens pairs (default: the recipe's policy.dynamic_batching)")
+    parser.add_argument(
+        "--budgets",
+        nargs="+",
+        default=None,
+        help="train_mb_tokens:logprob_mb_tokens pairs (default: the recipe's policy.dynamic_batching)",
+    )
     args, extra = parser.parse_known_args(argv)
     from nemo_rl_spec.utils.config import load_config
 

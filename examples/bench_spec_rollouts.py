@@ -31,6 +31,7 @@ measured at every b. ``rollout_phase_speedup`` = total AR seconds / total second
 
 ``--quick``: ks 1 3, batches 1 4, 32 tokens, one rollout group (smoke test, e.g. on configs/grpo_math_tiny.yaml).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,19 +56,33 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 8 32; + rollout)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the recipe's")
     p.add_argument("--step-cost-tokens", type=int, default=16, help="decode steps per step-cost run (default 16)")
-    p.add_argument("--step-cost-repeats", type=int, default=3,
-                   help="interleaved AR / speculative step-cost runs per (k, batch); the quietest counts (default 3)")
+    p.add_argument(
+        "--step-cost-repeats",
+        type=int,
+        default=3,
+        help="interleaved AR / speculative step-cost runs per (k, batch); the quietest counts (default 3)",
+    )
     p.add_argument("--rollout-repeats", type=int, default=2, help="prompt groups of the rollout phase (default 2)")
-    p.add_argument("--draft-sample-method", choices=("greedy", "probabilistic"), default="greedy",
-                   help="vLLM's speculative_config.draft_sample_method (default greedy; probabilistic: the draft "
-                        "samples from its own distribution at the request's temperature)")
-    p.add_argument("--no-skip-k0", action="store_true",
-                   help="do not measure batch-aware speculation with the drafter pass skipped at k = 0")
+    p.add_argument(
+        "--draft-sample-method",
+        choices=("greedy", "probabilistic"),
+        default="greedy",
+        help="vLLM's speculative_config.draft_sample_method (default greedy; probabilistic: the draft "
+        "samples from its own distribution at the request's temperature)",
+    )
+    p.add_argument(
+        "--no-skip-k0",
+        action="store_true",
+        help="do not measure batch-aware speculation with the drafter pass skipped at k = 0",
+    )
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--k0-profile", action="store_true",
-                   help="issue 35: per-component cost of k = 0 steps (AR vs speculative engines before / after the "
-                        "plain k = 0 path) at --batches, and the rollout phase of those engines, interleaved; "
-                        "a fresh draft head when --draft has none")
+    p.add_argument(
+        "--k0-profile",
+        action="store_true",
+        help="issue 35: per-component cost of k = 0 steps (AR vs speculative engines before / after the "
+        "plain k = 0 path) at --batches, and the rollout phase of those engines, interleaved; "
+        "a fresh draft head when --draft has none",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: ks 1 3, batches 1 4, 32 tokens, 1 group")
     return p.parse_known_args(argv)
 
@@ -125,8 +140,14 @@ class StepTimer:
         self.core.scheduler.schedule, self.core.step_fn = self._schedule, self._step
 
 
-def build_worker(gen_cfg: dict, model_path: str, seed: int, spec: dict | None = None, dynamic: dict | None = None,
-                 precision: str = "float32"):
+def build_worker(
+    gen_cfg: dict,
+    model_path: str,
+    seed: int,
+    spec: dict | None = None,
+    dynamic: dict | None = None,
+    precision: str = "float32",
+):
     from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
 
     cfg = json.loads(json.dumps(gen_cfg))
@@ -137,8 +158,15 @@ def build_worker(gen_cfg: dict, model_path: str, seed: int, spec: dict | None = 
     return VllmGenerationWorker(cfg, model_path, seed, precision=precision)
 
 
-def run_requests(worker, prompts: list[list[int]], seeds: list[int], temperature: float, max_tokens: int,
-                 cap: int | None = None, ignore_eos: bool = False) -> dict[str, Any]:
+def run_requests(
+    worker,
+    prompts: list[list[int]],
+    seeds: list[int],
+    temperature: float,
+    max_tokens: int,
+    cap: int | None = None,
+    ignore_eos: bool = False,
+) -> dict[str, Any]:
     """One ``llm.generate`` of ``prompts`` (at most ``cap`` running at once). Returns tokens, seconds, counters and
     the engine's step records."""
     from vllm import SamplingParams, TokensPrompt
@@ -153,8 +181,10 @@ def run_requests(worker, prompts: list[list[int]], seeds: list[int], temperature
     saved_cap = sched.max_num_active_reqs
     if cap is not None:
         sched.max_num_active_reqs = cap
-    params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=s,
-                             ignore_eos=ignore_eos) for s in seeds]
+    params = [
+        SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=s, ignore_eos=ignore_eos)
+        for s in seeds
+    ]
     before = read_spec_decode_counters(llm) if worker.speculative else SpecDecodeCounters()
     timer = StepTimer(llm)
     try:
@@ -166,8 +196,12 @@ def run_requests(worker, prompts: list[list[int]], seeds: list[int], temperature
         sched.max_num_active_reqs = saved_cap
     llm.reset_prefix_cache()
     counters = (read_spec_decode_counters(llm) - before) if worker.speculative else SpecDecodeCounters()
-    return {"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": seconds, "counters": counters,
-            "steps": timer.records}
+    return {
+        "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "seconds": seconds,
+        "counters": counters,
+        "steps": timer.records,
+    }
 
 
 def decode_step_cost(res: dict[str, Any], batch: int, k: int) -> float:
@@ -226,8 +260,11 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
         tokens = int((out["unpadded_sequence_lengths"] - out["input_lengths"]).sum())
         counters = (worker.spec_counters() - before) if before is not None else None
-        return {"seconds": seconds, "tokens": tokens,
-                "acceptance_length": counters.acceptance_length if counters else None}
+        return {
+            "seconds": seconds,
+            "tokens": tokens,
+            "acceptance_length": counters.acceptance_length if counters else None,
+        }
 
     t_start = time.perf_counter()
     ar = build_worker(gen_cfg, model_path, seed)
@@ -237,45 +274,65 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     rollout_runs: dict[str, list[dict]] = {"ar": []}
     rollout_pairs: dict[str, list[tuple[float, float]]] = {}
     for k in ks:
-        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
-                "draft_sample_method": opts["draft_sample_method"]}
+        spec = {
+            "method": "eagle3",
+            "model": draft,
+            "num_speculative_tokens": k,
+            "draft_sample_method": opts["draft_sample_method"],
+        }
         w = build_worker(gen_cfg, model_path, seed, spec)
         refit_drafter(w.llm, bad_w)
         spec_step[k] = {}
         nm_acc = {}
-        for b in batches:                                   # step costs, never-matching draft, interleaved with AR
+        for b in batches:  # step costs, never-matching draft, interleaved with AR
             a_runs, s_runs = [], []
-            for _ in range(opts["step_cost_repeats"]):      # other jobs only add time: keep the quietest run
+            for _ in range(opts["step_cost_repeats"]):  # other jobs only add time: keep the quietest run
                 a_runs.append(step_cost(ar, b, 0))
                 s_runs.append(step_cost(w, b, k))
             a_s, s_s = min(x["s"] for x in a_runs), min(x["s"] for x in s_runs)
             ar_step[b].append(a_s)
             spec_step[k][b] = s_s
             nm_acc[b] = s_runs[0]["counters"].acceptance_length
-            rows[f"k{k}_b{b}"] = {"k": k, "batch": b, "ar_step_s": a_s, "spec_step_s": s_s,
-                                  "step_cost_ratio": s_s / a_s,
-                                  "ar_step_s_runs": [x["s"] for x in a_runs], "spec_step_s_runs": [x["s"] for x in s_runs],
-                                  "never_match_acceptance_length": nm_acc[b]}
+            rows[f"k{k}_b{b}"] = {
+                "k": k,
+                "batch": b,
+                "ar_step_s": a_s,
+                "spec_step_s": s_s,
+                "step_cost_ratio": s_s / a_s,
+                "ar_step_s_runs": [x["s"] for x in a_runs],
+                "spec_step_s_runs": [x["s"] for x in s_runs],
+                "never_match_acceptance_length": nm_acc[b],
+            }
         refit_drafter(w.llm, good_w)
-        for b in batches:                                   # throughput with the in-domain draft
+        for b in batches:  # throughput with the in-domain draft
             a_run, s_run = throughput(ar, b), throughput(w, b)
             row = rows[f"k{k}_b{b}"]
             L = s_run["counters"].acceptance_length
             a = fit_acceptance(L, k)
-            row.update({
-                "tokens_per_s": s_run["tokens"] / s_run["seconds"], "ar_tokens_per_s": a_run["tokens"] / a_run["seconds"],
-                "tokens": s_run["tokens"], "ar_tokens": a_run["tokens"], "requests": n_requests(b),
-                "acceptance_length": L, "vllm_acceptance_rate": s_run["counters"].acceptance_rate, "a": a,
-                "acceptance_rate_per_pos": [x / max(s_run["counters"].num_drafts, 1)
-                                            for x in s_run["counters"].accepted_per_pos],
-            })
+            row.update(
+                {
+                    "tokens_per_s": s_run["tokens"] / s_run["seconds"],
+                    "ar_tokens_per_s": a_run["tokens"] / a_run["seconds"],
+                    "tokens": s_run["tokens"],
+                    "ar_tokens": a_run["tokens"],
+                    "requests": n_requests(b),
+                    "acceptance_length": L,
+                    "vllm_acceptance_rate": s_run["counters"].acceptance_rate,
+                    "a": a,
+                    "acceptance_rate_per_pos": [
+                        x / max(s_run["counters"].num_drafts, 1) for x in s_run["counters"].accepted_per_pos
+                    ],
+                }
+            )
             row["speedup"] = row["tokens_per_s"] / row["ar_tokens_per_s"]
             row["bound"] = expected_tokens(a, k) / row["step_cost_ratio"]
             row["speedup_over_bound"] = row["speedup"] / row["bound"]
-            log(f"k={k} b={b}: speedup {row['speedup']:.2f} bound {row['bound']:.2f} L {L:.2f} "
-                f"r {row['step_cost_ratio']:.2f} [{time.perf_counter() - t_start:.0f} s]")
+            log(
+                f"k={k} b={b}: speedup {row['speedup']:.2f} bound {row['bound']:.2f} L {L:.2f} "
+                f"r {row['step_cost_ratio']:.2f} [{time.perf_counter() - t_start:.0f} s]"
+            )
         pairs = []
-        for r in range(len(groups)):                        # rollout phase, interleaved with AR
+        for r in range(len(groups)):  # rollout phase, interleaved with AR
             a_roll, s_roll = rollout(ar, r), rollout(w, r)
             rollout_runs["ar"].append(a_roll)
             rollout_runs.setdefault(f"k{k}", []).append(s_roll)
@@ -287,32 +344,48 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
 
     # batch-size-aware speculation from the step costs and acceptance just measured
     a_by_k = {}
-    for k in ks:   # per-token acceptance of each draft length: median over batch sizes
+    for k in ks:  # per-token acceptance of each draft length: median over batch sizes
         fitted = [r["a"] for r in rows.values() if r["k"] == k and not math.isnan(r["a"])]
         a_by_k[k] = statistics.median(fitted) if fitted else 0.0
-    step_costs = {"ar_step_s": {b: statistics.median(v) for b, v in ar_step.items()},
-                  "spec_step_s": spec_step, "acceptance_rate": a_by_k}
-    schedule = derive_schedule(step_costs["ar_step_s"], spec_step, a_by_k, max_batch_size=max(batches),
-                               max_k=max(ks))
+    step_costs = {
+        "ar_step_s": {b: statistics.median(v) for b, v in ar_step.items()},
+        "spec_step_s": spec_step,
+        "acceptance_rate": a_by_k,
+    }
+    schedule = derive_schedule(step_costs["ar_step_s"], spec_step, a_by_k, max_batch_size=max(batches), max_k=max(ks))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump({"step_costs": step_costs}, fh)
-    aware_spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": max(ks),
-                  "draft_sample_method": opts["draft_sample_method"]}
+    aware_spec = {
+        "method": "eagle3",
+        "model": draft,
+        "num_speculative_tokens": max(ks),
+        "draft_sample_method": opts["draft_sample_method"],
+    }
 
     def measure_aware(name: str, drafter_pass_at_k0: bool) -> dict[str, Any]:
-        w = build_worker(gen_cfg, model_path, seed, aware_spec,
-                         {"step_costs": fh.name, "max_batch_size": max(batches),
-                          "drafter_pass_at_k0": drafter_pass_at_k0})
+        w = build_worker(
+            gen_cfg,
+            model_path,
+            seed,
+            aware_spec,
+            {"step_costs": fh.name, "max_batch_size": max(batches), "drafter_pass_at_k0": drafter_pass_at_k0},
+        )
         engine_schedule = w.llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
         if [list(x) for x in engine_schedule] != [list(x) for x in schedule]:
             raise RuntimeError(f"engine schedule {engine_schedule} != derived {schedule}")
-        res: dict[str, Any] = {"schedule": [list(x) for x in engine_schedule], "acceptance_rate": a_by_k,
-                               "drafter_pass_at_k0": drafter_pass_at_k0}
+        res: dict[str, Any] = {
+            "schedule": [list(x) for x in engine_schedule],
+            "acceptance_rate": a_by_k,
+            "drafter_pass_at_k0": drafter_pass_at_k0,
+        }
         for b in batches:
             a_run, s_run = throughput(ar, b), throughput(w, b)
-            row = {"batch": b, "tokens_per_s": s_run["tokens"] / s_run["seconds"],
-                   "ar_tokens_per_s": a_run["tokens"] / a_run["seconds"],
-                   "acceptance_length": s_run["counters"].acceptance_length}
+            row = {
+                "batch": b,
+                "tokens_per_s": s_run["tokens"] / s_run["seconds"],
+                "ar_tokens_per_s": a_run["tokens"] / a_run["seconds"],
+                "acceptance_length": s_run["counters"].acceptance_length,
+            }
             row["speedup"] = row["tokens_per_s"] / row["ar_tokens_per_s"]
             res[f"b{b}"] = row
             log(f"{name} b={b}: speedup {row['speedup']:.2f}")
@@ -335,46 +408,65 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
     fixed = {n: s for n, s in phase.items() if not n.startswith("batch_aware")}
     best_fixed = max(fixed, key=fixed.get)
     return {
-        "rows": rows, "batch_aware": aware, "batch_aware_skip_k0": aware_skip, "step_costs": step_costs,
-        "rollout_phase": {"speedup": phase, "runs": rollout_runs, "pairs_s": rollout_pairs,
-                          "rollout_batch": rollout_batch},
-        "rollout_phase_speedup": {"with_batch_aware": phase["batch_aware"],
-                                  "with_batch_aware_skip_k0": phase.get("batch_aware_skip_k0"),
-                                  "without_batch_aware": fixed[best_fixed],
-                                  "without_batch_aware_best_k": best_fixed},
+        "rows": rows,
+        "batch_aware": aware,
+        "batch_aware_skip_k0": aware_skip,
+        "step_costs": step_costs,
+        "rollout_phase": {
+            "speedup": phase,
+            "runs": rollout_runs,
+            "pairs_s": rollout_pairs,
+            "rollout_batch": rollout_batch,
+        },
+        "rollout_phase_speedup": {
+            "with_batch_aware": phase["batch_aware"],
+            "with_batch_aware_skip_k0": phase.get("batch_aware_skip_k0"),
+            "without_batch_aware": fixed[best_fixed],
+            "without_batch_aware_best_k": best_fixed,
+        },
         "bench_seconds": time.perf_counter() - t_start,
     }
 
 
 def format_table(res: dict[str, Any]) -> str:
     """Markdown table of the per-(k, batch) rows and the rollout-phase line."""
-    header = ("| k | batch | AR tok/s | spec tok/s | speedup | acc. length L | a | step cost ratio r | bound E/r | "
-              "speedup/bound |")
+    header = (
+        "| k | batch | AR tok/s | spec tok/s | speedup | acc. length L | a | step cost ratio r | bound E/r | "
+        "speedup/bound |"
+    )
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for row in sorted(res["rows"].values(), key=lambda r: (r["k"], r["batch"])):
-        lines.append(f"| {row['k']} | {row['batch']} | {row['ar_tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | "
-                     f"{row['speedup']:.2f} | {row['acceptance_length']:.2f} | {row['a']:.2f} | "
-                     f"{row['step_cost_ratio']:.2f} | {row['bound']:.2f} | {row['speedup_over_bound']:.2f} |")
+        lines.append(
+            f"| {row['k']} | {row['batch']} | {row['ar_tokens_per_s']:.1f} | {row['tokens_per_s']:.1f} | "
+            f"{row['speedup']:.2f} | {row['acceptance_length']:.2f} | {row['a']:.2f} | "
+            f"{row['step_cost_ratio']:.2f} | {row['bound']:.2f} | {row['speedup_over_bound']:.2f} |"
+        )
     aware = res["batch_aware"]
     lines.append("")
     a_txt = ", ".join(f"k={k}: {a:.2f}" for k, a in aware["acceptance_rate"].items())
     lines.append(f"batch-aware schedule [first, last, k]: {aware['schedule']} (per-token acceptance {a_txt})")
     skip = res.get("batch_aware_skip_k0")
-    lines.append("| batch | AR tok/s | batch-aware tok/s | speedup | acc. length L |"
-                 + (" skip-k0 tok/s | skip-k0 speedup | skip-k0 L |" if skip else ""))
+    lines.append(
+        "| batch | AR tok/s | batch-aware tok/s | speedup | acc. length L |"
+        + (" skip-k0 tok/s | skip-k0 speedup | skip-k0 L |" if skip else "")
+    )
     lines.append("|---|---|---|---|---|" + ("---|---|---|" if skip else ""))
     for key, v in aware.items():
         if key.startswith("b") and isinstance(v, dict):
-            line = (f"| {v['batch']} | {v['ar_tokens_per_s']:.1f} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f} | "
-                    f"{v['acceptance_length']:.2f} |")
+            line = (
+                f"| {v['batch']} | {v['ar_tokens_per_s']:.1f} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f} | "
+                f"{v['acceptance_length']:.2f} |"
+            )
             if skip:
                 w = skip[key]
                 line += f" {w['tokens_per_s']:.1f} | {w['speedup']:.2f} | {w['acceptance_length']:.2f} |"
             lines.append(line)
     rp = res["rollout_phase"]
     lines.append("")
-    lines.append(f"rollout phase ({rp['rollout_batch']} rows per GRPO step, natural lengths), speedup over AR: "
-                 + ", ".join(f"{n} {s:.2f}x" for n, s in rp["speedup"].items()))
+    lines.append(
+        f"rollout phase ({rp['rollout_batch']} rows per GRPO step, natural lengths), speedup over AR: "
+        + ", ".join(f"{n} {s:.2f}x" for n, s in rp["speedup"].items())
+    )
     return "\n".join(lines)
 
 
@@ -467,7 +559,13 @@ def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
     from nemo_rl_spec.models.generation.vllm_worker import derive_row_seeds
 
     gen_cfg, model_path, prompts = opts["gen_cfg"], opts["model_path"], opts["prompts"]
-    groups, G, T, M, seed = opts["groups"], opts["generations"], opts["temperature"], opts["step_cost_tokens"], opts["seed"]
+    groups, G, T, M, seed = (
+        opts["groups"],
+        opts["generations"],
+        opts["temperature"],
+        opts["step_cost_tokens"],
+        opts["seed"],
+    )
     log = opts.get("log", print)
     t_start = time.perf_counter()
     draft = opts["draft"] or fresh_draft(model_path, tempfile.mkdtemp(prefix="k0_draft_"))
@@ -481,68 +579,99 @@ def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
     log(f"engines up [{time.perf_counter() - t_start:.0f} s]")
     step_engines = [n for n in K0_ENGINES if not n.startswith("aware")]
     comp: dict[str, dict[int, list[dict[str, float]]]] = {n: {b: [] for b in opts["batches"]} for n in step_engines}
-    for rep in range(opts["step_cost_repeats"]):            # per-step components at constant batch, interleaved
+    for rep in range(opts["step_cost_repeats"]):  # per-step components at constant batch, interleaved
         for b in opts["batches"]:
-            for name in (step_engines if rep % 2 == 0 else step_engines[::-1]):
+            for name in step_engines if rep % 2 == 0 else step_engines[::-1]:
                 llm = workers[name].llm
                 timer = ComponentTimer(llm)
                 try:
-                    run_requests(workers[name], prompts[:b], derive_row_seeds(seed + 7 * b, b), T, M, cap=b,
-                                 ignore_eos=True)
+                    run_requests(
+                        workers[name], prompts[:b], derive_row_seeds(seed + 7 * b, b), T, M, cap=b, ignore_eos=True
+                    )
                 finally:
                     timer.remove()
                 steps = [parts | {"step": s} for s, n, tok, parts in timer.records if n == b and tok == b]
-                comp[name][b].append({key: statistics.median(x[key] for x in steps)
-                                      for key in (*COMPONENTS, "step")} | {"n_steps": len(steps)})
+                comp[name][b].append(
+                    {key: statistics.median(x[key] for x in steps) for key in (*COMPONENTS, "step")}
+                    | {"n_steps": len(steps)}
+                )
         log(f"component repeat {rep + 1} [{time.perf_counter() - t_start:.0f} s]")
-    table = {name: {b: {key: min(r[key] for r in runs) for key in (*COMPONENTS, "step")}
-                    for b, runs in by_b.items()} for name, by_b in comp.items()}
+    table = {
+        name: {b: {key: min(r[key] for r in runs) for key in (*COMPONENTS, "step")} for b, runs in by_b.items()}
+        for name, by_b in comp.items()
+    }
     rollouts: dict[str, list[dict[str, Any]]] = {n: [] for n in K0_ENGINES}
     names = list(K0_ENGINES)
-    for rep in range(opts["rollout_repeats"]):              # the GRPO rollout call, engines interleaved
+    for rep in range(opts["rollout_repeats"]):  # the GRPO rollout call, engines interleaved
         for r in range(len(groups)):
-            for name in (names if rep % 2 == 0 else names[::-1]):
+            for name in names if rep % 2 == 0 else names[::-1]:
                 w = workers[name]
                 before = w.spec_counters()
                 t0 = time.perf_counter()
                 out = w.generate({"prompt_token_ids": groups[r]}, n=G, seed=seed + 1000 + r)
                 seconds = time.perf_counter() - t0
                 counters = (w.spec_counters() - before) if before is not None else None
-                rollouts[name].append({"repeat": rep, "group": r, "seconds": seconds,
-                                       "tokens": int((out["unpadded_sequence_lengths"] - out["input_lengths"]).sum()),
-                                       "acceptance_length": counters.acceptance_length if counters else None,
-                                       "num_drafts": counters.num_drafts if counters else 0})
+                rollouts[name].append(
+                    {
+                        "repeat": rep,
+                        "group": r,
+                        "seconds": seconds,
+                        "tokens": int((out["unpadded_sequence_lengths"] - out["input_lengths"]).sum()),
+                        "acceptance_length": counters.acceptance_length if counters else None,
+                        "num_drafts": counters.num_drafts if counters else 0,
+                    }
+                )
         log(f"rollout repeat {rep + 1} [{time.perf_counter() - t_start:.0f} s]")
     for w in workers.values():
         w.shutdown()
     ar_total = [x["seconds"] for x in rollouts["ar"]]
-    ratio = {name: {"per_run": [x["seconds"] / a for x, a in zip(runs, ar_total, strict=True)],
-                    "total": sum(x["seconds"] for x in runs) / sum(ar_total)} for name, runs in rollouts.items()}
-    return {"components_s": table, "component_runs": comp, "rollouts": rollouts, "rollout_ratio_vs_ar": ratio,
-            "engines": {n: {"schedule": s, **e} for n, (s, e) in K0_ENGINES.items()},
-            "draft": draft if opts["draft"] else "fresh head (lm_head = target output layer)",
-            "bench_seconds": time.perf_counter() - t_start}
+    ratio = {
+        name: {
+            "per_run": [x["seconds"] / a for x, a in zip(runs, ar_total, strict=True)],
+            "total": sum(x["seconds"] for x in runs) / sum(ar_total),
+        }
+        for name, runs in rollouts.items()
+    }
+    return {
+        "components_s": table,
+        "component_runs": comp,
+        "rollouts": rollouts,
+        "rollout_ratio_vs_ar": ratio,
+        "engines": {n: {"schedule": s, **e} for n, (s, e) in K0_ENGINES.items()},
+        "draft": draft if opts["draft"] else "fresh head (lm_head = target output layer)",
+        "bench_seconds": time.perf_counter() - t_start,
+    }
 
 
 def format_k0_table(res: dict[str, Any]) -> str:
     """Per-component ms per decode step by engine and batch, and the rollout-phase ratios."""
-    lines = ["| engine | batch | step ms | target forward | target logits | sampling | drafter | bookkeeping | "
-             "step / AR |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| engine | batch | step ms | target forward | target logits | sampling | drafter | bookkeeping | step / AR |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     comps = res["components_s"]
     for b in sorted(next(iter(comps.values()))):
         for name, by_b in comps.items():
             c = by_b[b]
-            lines.append(f"| {name} | {b} | {1e3 * c['step']:.1f} | " + " | ".join(
-                f"{1e3 * c[key]:.1f}" for key in COMPONENTS) + f" | {c['step'] / comps['ar'][b]['step']:.3f} |")
-    lines += ["", "| engine | rollout s (per run) | ratio to AR (per run) | total ratio | acc. length |",
-              "|---|---|---|---|---|"]
+            lines.append(
+                f"| {name} | {b} | {1e3 * c['step']:.1f} | "
+                + " | ".join(f"{1e3 * c[key]:.1f}" for key in COMPONENTS)
+                + f" | {c['step'] / comps['ar'][b]['step']:.3f} |"
+            )
+    lines += [
+        "",
+        "| engine | rollout s (per run) | ratio to AR (per run) | total ratio | acc. length |",
+        "|---|---|---|---|---|",
+    ]
     for name, runs in res["rollouts"].items():
         rr = res["rollout_ratio_vs_ar"][name]
         acc = [x["acceptance_length"] for x in runs if x["acceptance_length"] is not None and x["num_drafts"]]
         secs = " ".join(f"{x['seconds']:.2f}" for x in runs)
-        lines.append(f"| {name} | {secs} | "
-                     f"{' '.join(f'{x:.3f}' for x in rr['per_run'])} | {rr['total']:.3f} | "
-                     f"{statistics.mean(acc) if acc else float('nan'):.2f} |")
+        lines.append(
+            f"| {name} | {secs} | "
+            f"{' '.join(f'{x:.3f}' for x in rr['per_run'])} | {rr['total']:.3f} | "
+            f"{statistics.mean(acc) if acc else float('nan'):.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -569,8 +698,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.k0_profile and not (Path(draft) / "config.json").is_file():
         draft = None  # a fresh head (k = 0: the draft's quality does not enter)
     elif not (Path(draft) / "config.json").is_file():
-        print(f"error: --draft {draft}: no EAGLE-3 draft there (make one with examples/init_draft.py --config "
-              f"{args.config} --out {draft})", file=sys.stderr)
+        print(
+            f"error: --draft {draft}: no EAGLE-3 draft there (make one with examples/init_draft.py --config "
+            f"{args.config} --out {draft})",
+            file=sys.stderr,
+        )
         return 2
     quick = args.quick
     ks = args.ks or ([1, 3] if quick else [1, 3, 5, 7])
@@ -586,19 +718,32 @@ def main(argv: list[str] | None = None) -> int:
     n_needed = max(max(3, (3 * max(batches)) // 2), P * repeats)
     pool = [format_prompt(tok, cfg.data.system_prompt, p["question"], **kw) for p in train[::-1][:n_needed]]
     if len(pool) < n_needed:
-        print(f"error: --config {args.config}: data.train.size={len(train)} < {n_needed} prompts needed",
-              file=sys.stderr)
+        print(
+            f"error: --config {args.config}: data.train.size={len(train)} < {n_needed} prompts needed", file=sys.stderr
+        )
         return 2
     gen_cfg = cfg.policy.generation.model_dump()
-    gen_cfg["vllm_cfg"]["max_model_len"] = max(gen_cfg["vllm_cfg"]["max_model_len"],
-                                               max(len(p) for p in pool) + max_new + max(ks) + 8)
-    opts = {"gen_cfg": gen_cfg, "model_path": model_path, "prompts": pool,
-            "groups": [pool[r * P:(r + 1) * P] for r in range(repeats)], "generations": G, "ks": ks,
-            "batches": batches, "temperature": cfg.policy.generation.temperature, "max_new_tokens": max_new,
-            "step_cost_tokens": 6 if quick else args.step_cost_tokens, "seed": args.seed, "draft": str(draft),
-            "step_cost_repeats": 1 if quick else args.step_cost_repeats,
-            "draft_sample_method": args.draft_sample_method, "skip_k0": not args.no_skip_k0,
-            "quick": quick}
+    gen_cfg["vllm_cfg"]["max_model_len"] = max(
+        gen_cfg["vllm_cfg"]["max_model_len"], max(len(p) for p in pool) + max_new + max(ks) + 8
+    )
+    opts = {
+        "gen_cfg": gen_cfg,
+        "model_path": model_path,
+        "prompts": pool,
+        "groups": [pool[r * P : (r + 1) * P] for r in range(repeats)],
+        "generations": G,
+        "ks": ks,
+        "batches": batches,
+        "temperature": cfg.policy.generation.temperature,
+        "max_new_tokens": max_new,
+        "step_cost_tokens": 6 if quick else args.step_cost_tokens,
+        "seed": args.seed,
+        "draft": str(draft),
+        "step_cost_repeats": 1 if quick else args.step_cost_repeats,
+        "draft_sample_method": args.draft_sample_method,
+        "skip_k0": not args.no_skip_k0,
+        "quick": quick,
+    }
     if args.k0_profile:
         opts["draft"] = None if draft is None else str(draft)
         opts["step_cost_tokens"] = args.step_cost_tokens
@@ -607,12 +752,17 @@ def main(argv: list[str] | None = None) -> int:
         opts["groups"] = opts["groups"][:1]
         opts["precision"] = cfg.policy.engine_precision
         res = checks.run_isolated(run_k0_profile, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
-        res["meta"] = {"command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else
-                                                                                    sys.argv[1:])]),
-                       "config": args.config, "batches": batches, "rollout_batch": R,
-                       "temperature": cfg.policy.generation.temperature, "max_new_tokens": max_new,
-                       "engine_dtype": opts["precision"], "seed": args.seed,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        res["meta"] = {
+            "command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else sys.argv[1:])]),
+            "config": args.config,
+            "batches": batches,
+            "rollout_batch": R,
+            "temperature": cfg.policy.generation.temperature,
+            "max_new_tokens": max_new,
+            "engine_dtype": opts["precision"],
+            "seed": args.seed,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        }
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=1, default=float) + "\n")
@@ -620,21 +770,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out} ({res['bench_seconds']:.0f} s)")
         return 0
     res = checks.run_isolated(run_bench, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
-    res["meta"] = {"command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else
-                                                                                sys.argv[1:])]),
-                   "config": args.config, "model": cfg.policy.model_name, "draft": str(draft), "ks": ks,
-                   "batches": batches, "rollout_batch": R, "temperature": cfg.policy.generation.temperature,
-                   "max_new_tokens": max_new, "rollout_repeats": repeats, "seed": args.seed,
-                   "draft_sample_method": args.draft_sample_method,
-                   "prompt_tokens_mean": sum(len(p) for p in pool) / len(pool),
-                   "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    res["meta"] = {
+        "command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else sys.argv[1:])]),
+        "config": args.config,
+        "model": cfg.policy.model_name,
+        "draft": str(draft),
+        "ks": ks,
+        "batches": batches,
+        "rollout_batch": R,
+        "temperature": cfg.policy.generation.temperature,
+        "max_new_tokens": max_new,
+        "rollout_repeats": repeats,
+        "seed": args.seed,
+        "draft_sample_method": args.draft_sample_method,
+        "prompt_tokens_mean": sum(len(p) for p in pool) / len(pool),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
     draft_summary = Path(draft) / "init_draft.json"
     if draft_summary.is_file():
         d = json.loads(draft_summary.read_text())
-        res["meta"]["draft_training"] = {k: d.get(k) for k in ("num_prompts", "steps", "ttt_steps",
-                                                                "draft_vocab_size", "temperature", "start", "end",
-                                                                "samples_per_prompt", "train_sequences",
-                                                                "acceptance_vs_steps")}
+        res["meta"]["draft_training"] = {
+            k: d.get(k)
+            for k in (
+                "num_prompts",
+                "steps",
+                "ttt_steps",
+                "draft_vocab_size",
+                "temperature",
+                "start",
+                "end",
+                "samples_per_prompt",
+                "train_sequences",
+                "acceptance_vs_steps",
+            )
+        }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=float) + "\n")

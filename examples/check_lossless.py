@@ -14,6 +14,7 @@ layers; mtp = a tiny Llama exported as MiMo (vLLM's MTP architecture on CPU) who
 trained for seconds on the Llama's greedy continuations (``--mtp-train-steps 0``: a random layer), checked against
 the same checkpoint without speculation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-qwen3")
-    ap.add_argument("--methods", nargs="+", default=["eagle3", "draft_model", "mtp"],
-                    choices=["eagle3", "draft_model", "mtp"])
+    ap.add_argument(
+        "--methods", nargs="+", default=["eagle3", "draft_model", "mtp"], choices=["eagle3", "draft_model", "mtp"]
+    )
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens (mtp uses 1: one MiMo MTP layer)")
@@ -59,12 +61,16 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(target)
     prompts = lossless_prompts(tok, args.num_prompts)
     work = Path(tempfile.mkdtemp(prefix="check_lossless_"))
-    report: dict = {"model": args.model, "num_prompts": len(prompts), "max_tokens": args.max_tokens, "k": args.k,
-                    "methods": {}}
+    report: dict = {
+        "model": args.model,
+        "num_prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "k": args.k,
+        "methods": {},
+    }
 
     def run(model, spec=None):
-        return checks.run_isolated(checks.greedy_generate, model, prompts, args.max_tokens, spec,
-                                   threads=args.threads)
+        return checks.run_isolated(checks.greedy_generate, model, prompts, args.max_tokens, spec, threads=args.threads)
 
     plain = run(target) if {"eagle3", "draft_model"} & set(args.methods) else None
     for method in args.methods:
@@ -72,8 +78,13 @@ def main() -> int:
         if method == "eagle3":
             head = args.eagle3_head
             if head is None and args.train_steps > 0:
-                head = checks.train_tiny_head(target, prompts[:16], str(work / "eagle3"), steps=args.train_steps,
-                                              cache_dir=checks.default_draft_cache())["path"]
+                head = checks.train_tiny_head(
+                    target,
+                    prompts[:16],
+                    str(work / "eagle3"),
+                    steps=args.train_steps,
+                    cache_dir=checks.default_draft_cache(),
+                )["path"]
             elif head is None:
                 policy = AutoModelForCausalLM.from_pretrained(target)
                 head = str(Eagle3DraftHead.from_target(policy).save_pretrained(work / "eagle3"))
@@ -84,25 +95,35 @@ def main() -> int:
         else:
             llama = str(build_tiny_llama(target, work / "llama"))
             greedy = run(llama)["outputs"]
-            checks.run_isolated(export_trained_mimo, llama, str(work / "mimo"),
-                                [p + o for p, o in zip(prompts, greedy)], [len(p) for p in prompts],
-                                args.mtp_train_steps)
+            checks.run_isolated(
+                export_trained_mimo,
+                llama,
+                str(work / "mimo"),
+                [p + o for p, o in zip(prompts, greedy)],
+                [len(p) for p in prompts],
+                args.mtp_train_steps,
+            )
             reference = run(str(work / "mimo"))
             res = run(str(work / "mimo"), {"method": "mtp", "num_speculative_tokens": 1})
         c = res["counters"]
         mismatch = first_mismatch(reference["outputs"], res["outputs"])
         report["methods"][method] = {
-            "identical": mismatch is None, "first_mismatch": mismatch,
+            "identical": mismatch is None,
+            "first_mismatch": mismatch,
             "accepted": c.num_drafts > 0 and c.acceptance_length >= MIN_ACCEPTANCE_LENGTH,
-            "spec_generate_s": res["generate_s"], "plain_generate_s": reference["generate_s"],
-            "acceptance_length": c.acceptance_length, "acceptance_rate": c.acceptance_rate,
+            "spec_generate_s": res["generate_s"],
+            "plain_generate_s": reference["generate_s"],
+            "acceptance_length": c.acceptance_length,
+            "acceptance_rate": c.acceptance_rate,
             "per_position": [a / c.num_drafts for a in c.accepted_per_pos] if c.num_drafts else [],
             "num_drafts": c.num_drafts,
         }
     print(f"{'method':12s} {'identical':>9s} {'accepted':>9s} {'spec s':>8s} {'plain s':>8s} {'acc.len':>8s}")
     for m, r in report["methods"].items():
-        print(f"{m:12s} {r['identical']!s:>9s} {r['accepted']!s:>9s} {r['spec_generate_s']:8.1f} "
-              f"{r['plain_generate_s']:8.1f} {r['acceptance_length']:8.3f}")
+        print(
+            f"{m:12s} {r['identical']!s:>9s} {r['accepted']!s:>9s} {r['spec_generate_s']:8.1f} "
+            f"{r['plain_generate_s']:8.1f} {r['acceptance_length']:8.3f}"
+        )
         if not r["accepted"]:
             print(f"  {m}: acceptance length < {MIN_ACCEPTANCE_LENGTH}: equality checks only the target's own tokens")
     if args.out:

@@ -9,6 +9,7 @@ the fraction of GRPO groups with a non-zero advantage). Problems: the recipe's h
 (``data.validation``; ``--problems`` overrides its size). Writes the numbers as JSON with ``--out``.
 Used to choose the default recipe's task mix and to check the testbed policy (README, "Learning").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,13 @@ def pass_rate_summary(rewards, n: int) -> dict[str, float]:
 
     per_prompt = rewards.view(-1, n).float().mean(1)
     hist = torch.histc(per_prompt, bins=5, min=0.0, max=1.0) / per_prompt.numel()
-    return {"mean_pass_rate": float(per_prompt.mean()),
-            "share_zero": float((per_prompt == 0).float().mean()),
-            "share_one": float((per_prompt == 1).float().mean()),
-            "share_mixed": float(((per_prompt > 0) & (per_prompt < 1)).float().mean()),
-            "histogram_5_bins": [round(float(h), 4) for h in hist]}
+    return {
+        "mean_pass_rate": float(per_prompt.mean()),
+        "share_zero": float((per_prompt == 0).float().mean()),
+        "share_one": float((per_prompt == 1).float().mean()),
+        "share_mixed": float(((per_prompt > 0) & (per_prompt < 1)).float().mean()),
+        "histogram_5_bins": [round(float(h), 4) for h in hist],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     from nemo_rl_spec.utils.config import load_config
+
     if args.problems is not None:
         overrides = [*overrides, f"data.validation.max_samples={args.problems}"]
     cfg = load_config(args.config, overrides)
@@ -58,22 +62,29 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     _, val = load_datasets(cfg)
     problems = list(val)
-    prompts = [format_prompt(tokenizer, cfg.data.system_prompt, p["question"],
-                             **cfg.policy.tokenizer.chat_template_kwargs) for p in problems]
-    engine = VllmGenerationWorker(cfg.policy.generation, model_path, seed=cfg.grpo.seed,
-                                  precision=cfg.policy.precision)
+    prompts = [
+        format_prompt(tokenizer, cfg.data.system_prompt, p["question"], **cfg.policy.tokenizer.chat_template_kwargs)
+        for p in problems
+    ]
+    engine = VllmGenerationWorker(cfg.policy.generation, model_path, seed=cfg.grpo.seed, precision=cfg.policy.precision)
     env = MathEnvironment({"num_workers": cfg.env.math.num_workers})
     start = time.perf_counter()
     greedy = generate_rollouts(engine, tokenizer, env, problems, prompts, n=1, seed=0, temperature=0.0)
     sampled = generate_rollouts(engine, tokenizer, env, problems, prompts, n=args.n, seed=cfg.grpo.seed)
     lengths = (sampled.generation["unpadded_sequence_lengths"] - sampled.generation["input_lengths"]).float()
-    result = {"config": args.config, "overrides": overrides, "model": cfg.policy.model_name,
-              "problems": len(problems), "n": args.n, "temperature": cfg.policy.generation.temperature,
-              "greedy_accuracy": float(greedy.rewards.mean()),
-              **pass_rate_summary(sampled.rewards, args.n),
-              "mean_response_tokens": float(lengths.mean()),
-              "seconds": round(time.perf_counter() - start, 1),
-              "example_response": sampled.responses[0][:300]}
+    result = {
+        "config": args.config,
+        "overrides": overrides,
+        "model": cfg.policy.model_name,
+        "problems": len(problems),
+        "n": args.n,
+        "temperature": cfg.policy.generation.temperature,
+        "greedy_accuracy": float(greedy.rewards.mean()),
+        **pass_rate_summary(sampled.rewards, args.n),
+        "mean_response_tokens": float(lengths.mean()),
+        "seconds": round(time.perf_counter() - start, 1),
+        "example_response": sampled.responses[0][:300],
+    }
     for key, value in result.items():
         print(f"{key:>22}: {value}")
     if args.out:

@@ -15,6 +15,7 @@ and in bf16, and check, for each:
 
 Prints one table line per check and writes ``$OUT/gpu_check.json`` (or ``D/gpu_check.json``); exits 1 if a check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,14 @@ def _batch(vocab: int) -> dict[str, torch.Tensor]:
     token_mask = torch.zeros(4, 24)
     for b, n in enumerate(lengths.tolist()):
         token_mask[b, 8:n] = 1.0
-    return {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask, "sample_mask": torch.ones(4),
-            "advantages": torch.tensor([1.0, -0.5, 0.8, -1.3]), "generation_logprobs": torch.zeros(4, 24)}
+    return {
+        "input_ids": ids,
+        "input_lengths": lengths,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(4),
+        "advantages": torch.tensor([1.0, -0.5, 0.8, -1.3]),
+        "generation_logprobs": torch.zeros(4, 24),
+    }
 
 
 def prepare(out: Path) -> None:
@@ -83,15 +90,21 @@ def _check_precision(model_dir: str, precision: str, data: dict, ref: dict) -> l
     diff = (logprobs - ref["logprobs"]).abs()[mask]
     train = worker.train({**data, "prev_logprobs": logprobs})
     finite = all(torch.isfinite(torch.tensor(float(train[k]))) for k in ("loss", "grad_norm"))
-    rows = [{"check": f"{precision} log-probs vs CPU fp32", "value": float(diff.max()),
-             "limit": 1e-4 if precision == "float32" else None,
-             "ok": bool(diff.max() <= 1e-4) if precision == "float32" else bool(diff.mean() <= 0.1)},
-            {"check": f"{precision} train step finite", "value": float(train["loss"]), "limit": None, "ok": finite}]
+    rows = [
+        {
+            "check": f"{precision} log-probs vs CPU fp32",
+            "value": float(diff.max()),
+            "limit": 1e-4 if precision == "float32" else None,
+            "ok": bool(diff.max() <= 1e-4) if precision == "float32" else bool(diff.mean() <= 0.1),
+        },
+        {"check": f"{precision} train step finite", "value": float(train["loss"]), "limit": None, "ok": finite},
+    ]
     if precision == "float32":
         rel = abs(train["loss"] - ref["train"]["loss"]) / max(abs(ref["train"]["loss"]), 1e-12)
         rows.append({"check": "float32 train loss vs CPU", "value": rel, "limit": 1e-4, "ok": rel <= 1e-4})
-    rows.append({"check": f"{precision} worker seconds", "value": time.perf_counter() - start, "limit": None,
-                 "ok": True})
+    rows.append(
+        {"check": f"{precision} worker seconds", "value": time.perf_counter() - start, "limit": None, "ok": True}
+    )
     return rows
 
 

@@ -3,6 +3,7 @@
 The command line of :mod:`nemo_rl_spec.cli.init_draft` (the code lives in the package, where the tests reach
 it; ``--help`` lists the options).
 """
+
 import sys
 
 from nemo_rl_spec.cli.init_draft import main

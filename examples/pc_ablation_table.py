@@ -4,6 +4,7 @@
 The command line of :mod:`nemo_rl_spec.bench.pc_ablation_table` (the code lives in the package, where the tests reach
 it; ``--help`` lists the options).
 """
+
 import sys
 
 from nemo_rl_spec.bench.pc_ablation_table import main

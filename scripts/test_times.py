@@ -15,6 +15,7 @@ slurm, or slow for a test marked slow); for an XML
 without it (runs before the tiers existed), the directory (tests/unit, tests/functional) and test_slurm.py decide.
 Standard library only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,14 @@ def read_junit(path: Path) -> list[TimedTest]:
     for case in ET.parse(path).getroot().iter("testcase"):
         nodeid = _nodeid(case.get("classname", ""), case.get("name", ""))
         props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        tests.append(TimedTest(nodeid=nodeid, tier=props.get("tier") or _fallback_tier(nodeid),
-                              outcome=_outcome(case), total=float(case.get("time", 0.0))))
+        tests.append(
+            TimedTest(
+                nodeid=nodeid,
+                tier=props.get("tier") or _fallback_tier(nodeid),
+                outcome=_outcome(case),
+                total=float(case.get("time", 0.0)),
+            )
+        )
     return tests
 
 
@@ -79,8 +86,10 @@ def junit_run_info(path: Path) -> str:
     suite = next(ET.parse(path).getroot().iter("testsuite"), None)
     if suite is None:
         return ""
-    return (f"started {suite.get('timestamp', '?')} on {suite.get('hostname', '?')}, "
-            f"pytest's own total {float(suite.get('time', 0.0)):.0f} s")
+    return (
+        f"started {suite.get('timestamp', '?')} on {suite.get('hostname', '?')}, "
+        f"pytest's own total {float(suite.get('time', 0.0)):.0f} s"
+    )
 
 
 def read_phases_json(path: Path) -> dict[str, dict[str, float]]:
@@ -130,20 +139,34 @@ def _hms(seconds: float) -> str:
 def render_markdown(tests: list[TimedTest], title: str, source: str) -> str:
     """The time table as Markdown: per-tier totals, then every test, slowest first."""
     totals = tier_totals(tests)
-    lines = [f"# {title}", "", f"Source: {source}. Seconds; total = setup + call + teardown (JUnit). "
-             "Refresh: `make test-times` after `make test` (docs/testing.md).", "",
-             "| tier | tests | total | setup | call | teardown |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"# {title}",
+        "",
+        f"Source: {source}. Seconds; total = setup + call + teardown (JUnit). "
+        "Refresh: `make test-times` after `make test` (docs/testing.md).",
+        "",
+        "| tier | tests | total | setup | call | teardown |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for tier, row in totals.items():
-        lines.append(f"| {tier} | {int(row['tests'])} | {row['seconds']:.1f} ({_hms(row['seconds'])}) | "
-                     f"{row['setup']:.1f} | {row['call']:.1f} | {row['teardown']:.1f} |")
+        lines.append(
+            f"| {tier} | {int(row['tests'])} | {row['seconds']:.1f} ({_hms(row['seconds'])}) | "
+            f"{row['setup']:.1f} | {row['call']:.1f} | {row['teardown']:.1f} |"
+        )
     everything = sum(row["seconds"] for row in totals.values())
-    lines += [f"| all | {len(tests)} | {everything:.1f} ({_hms(everything)}) | | | |", "",
-              "| # | test | tier | outcome | total | setup | call | teardown |",
-              "|---:|---|---|---|---:|---:|---:|---:|"]
+    lines += [
+        f"| all | {len(tests)} | {everything:.1f} ({_hms(everything)}) | | | |",
+        "",
+        "| # | test | tier | outcome | total | setup | call | teardown |",
+        "|---:|---|---|---|---:|---:|---:|---:|",
+    ]
     for rank, test in enumerate(sorted(tests, key=lambda t: -t.total), 1):
         # plain text, not a code span: tests/unit/test_docs_overrides.py reads code spans in docs/ as commands
-        lines.append(f"| {rank} | {test.nodeid.replace('|', '&#124;')} | {test.tier} | {test.outcome} | {test.total:.2f} | "
-                     + " | ".join(_fmt(test.phases[p]) for p in PHASES) + " |")
+        lines.append(
+            f"| {rank} | {test.nodeid.replace('|', '&#124;')} | {test.tier} | {test.outcome} | {test.total:.2f} | "
+            + " | ".join(_fmt(test.phases[p]) for p in PHASES)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -195,9 +218,17 @@ def main(argv: list[str] | None = None) -> int:
     source += f" ({junit_run_info(Path(args.junit))})"
     out = Path(args.out)
     out.with_suffix(".md").write_text(render_markdown(tests, args.title, source))
-    out.with_suffix(".json").write_text(json.dumps(
-        {"source": source, "tiers": tier_totals(tests),
-         "tests": [asdict(t) for t in sorted(tests, key=lambda t: -t.total)]}, indent=1) + "\n")
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "source": source,
+                "tiers": tier_totals(tests),
+                "tests": [asdict(t) for t in sorted(tests, key=lambda t: -t.total)],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"test_times: {len(tests)} tests -> {out.with_suffix('.md')}, {out.with_suffix('.json')}")
     return 0
 

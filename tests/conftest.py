@@ -14,6 +14,7 @@ otherwise collect tests/functional first), keeping the order within each tier (m
 With ``TEST_PHASES_JSON=<path>`` set, the session writes ``{nodeid: {"setup": s, "call": s, "teardown": s}}``
 (seconds) there at its end; ``scripts/test_times.py`` joins it with the JUnit XML into the time table.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Write the recorded phase durations to $TEST_PHASES_JSON, when set."""
     path = os.environ.get("TEST_PHASES_JSON")
-    if path and _PHASES and not hasattr(session.config, "workerinput"):   # pytest-xdist: the controller writes
+    if path and _PHASES and not hasattr(session.config, "workerinput"):  # pytest-xdist: the controller writes
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(_PHASES, indent=0, sort_keys=True))
 

@@ -2,12 +2,21 @@
 
 Import from a test with ``sys.path.insert(0, <tests dir>)`` then ``import fixtures_models``.
 """
+
 from __future__ import annotations
 
 import torch
 
-TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, rms_norm_eps=1e-6)
+TINY_DIMS = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 
 
 def tiny_hf_config(arch: str, tie_word_embeddings: bool):
@@ -17,8 +26,9 @@ def tiny_hf_config(arch: str, tie_word_embeddings: bool):
     if arch == "llama":
         return LlamaConfig(**TINY_DIMS, tie_word_embeddings=tie_word_embeddings, architectures=["LlamaForCausalLM"])
     if arch == "qwen3":
-        return Qwen3Config(**TINY_DIMS, head_dim=32, tie_word_embeddings=tie_word_embeddings,
-                           architectures=["Qwen3ForCausalLM"])
+        return Qwen3Config(
+            **TINY_DIMS, head_dim=32, tie_word_embeddings=tie_word_embeddings, architectures=["Qwen3ForCausalLM"]
+        )
     raise ValueError(arch)
 
 
@@ -79,8 +89,9 @@ def base_recipe_section(section: str) -> dict:
         return yaml.safe_load(f)[section]
 
 
-def train_batch(seed: int = 0, batch: int = 4, seq: int = 16, vocab: int = 512,
-                sample_mask: list[float] | None = None) -> dict:
+def train_batch(
+    seed: int = 0, batch: int = 4, seq: int = 16, vocab: int = 512, sample_mask: list[float] | None = None
+) -> dict:
     """A training batch for ``MegatronPolicyWorker.train`` on random tokens: lengths 16, 11, 14, 7 (padding 0 after
     them), response mask from position 3, advantages 1.0, -0.5, 0.8, -1.3, zero generation log-probs.
     Shapes: input_ids / token_mask / generation_logprobs [batch, seq]; input_lengths / sample_mask / advantages
@@ -93,8 +104,14 @@ def train_batch(seed: int = 0, batch: int = 4, seq: int = 16, vocab: int = 512,
         ids[b, n:] = 0
         token_mask[b, 3:n] = 1.0
     mask = torch.ones(batch) if sample_mask is None else torch.tensor(sample_mask[:batch])
-    return dict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=mask,
-                advantages=torch.tensor([1.0, -0.5, 0.8, -1.3])[:batch], generation_logprobs=torch.zeros(batch, seq))
+    return dict(
+        input_ids=ids,
+        input_lengths=lengths,
+        token_mask=token_mask,
+        sample_mask=mask,
+        advantages=torch.tensor([1.0, -0.5, 0.8, -1.3])[:batch],
+        generation_logprobs=torch.zeros(batch, seq),
+    )
 
 
 def on_policy(worker, data: dict) -> dict:
@@ -110,8 +127,14 @@ def train_data_from_generation(setup, gen: dict, step: int) -> dict:
 
     ids, prompt_lens, seq_lens = gen["output_ids"], gen["input_lengths"], gen["unpadded_sequence_lengths"]
     adv = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(step))
-    data = {"input_ids": ids, "input_lengths": seq_lens, "token_mask": response_mask(prompt_lens, seq_lens, ids.shape[1]),
-            "sample_mask": torch.ones(ids.shape[0]), "advantages": adv, "generation_logprobs": gen["generation_logprobs"]}
+    data = {
+        "input_ids": ids,
+        "input_lengths": seq_lens,
+        "token_mask": response_mask(prompt_lens, seq_lens, ids.shape[1]),
+        "sample_mask": torch.ones(ids.shape[0]),
+        "advantages": adv,
+        "generation_logprobs": gen["generation_logprobs"],
+    }
     data["prev_logprobs"] = setup.policy.get_logprobs(data, setup.cfg.policy.generation.temperature)
     return data
 

@@ -12,6 +12,7 @@ switch gives one variant: the recipe with that one key changed as a user would c
 
 A key added to the schema is covered without editing this file. Import with ``sys.path.insert(0, <tests dir>)``.
 """
+
 from __future__ import annotations
 
 import types
@@ -55,6 +56,7 @@ def schema_switches(model: type[BaseModel] | None = None, prefix: str = "") -> l
     paths, in declaration order."""
     if model is None:
         from nemo_rl_spec.utils.config_schema import MasterConfig
+
         model = MasterConfig
     out: list[Switch] = []
     for name, field in model.model_fields.items():
@@ -174,14 +176,11 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
     "policy.megatron_cfg.scheduler.end_weight_decay": "start_weight_decay=0.0 / end_weight_decay=2.0 must satisfy",
     "policy.generation.colocated.enabled": "split placement on one node needs the slots given to generation",
     "policy.generation.dynamic_speculation": "set exactly one of num_speculative_tokens_per_batch_size",
-    "policy.generation.dynamic_speculation.num_speculative_tokens_per_batch_size":
-        "dynamic_speculation needs policy.generation.vllm_kwargs.speculative_config",
+    "policy.generation.dynamic_speculation.num_speculative_tokens_per_batch_size": "dynamic_speculation needs policy.generation.vllm_kwargs.speculative_config",
     "policy.generation.dynamic_speculation.step_costs": "step_costs: no file train/reward",
     "policy.generation.dynamic_speculation.acceptance_rate": "set exactly one of num_speculative_tokens_per_batch_size",
-    "policy.generation.dynamic_speculation.drafter_pass_at_k0":
-        "set exactly one of num_speculative_tokens_per_batch_size",
-    "policy.generation.dynamic_speculation.plain_step_at_k0":
-        "set exactly one of num_speculative_tokens_per_batch_size",
+    "policy.generation.dynamic_speculation.drafter_pass_at_k0": "set exactly one of num_speculative_tokens_per_batch_size",
+    "policy.generation.dynamic_speculation.plain_step_at_k0": "set exactly one of num_speculative_tokens_per_batch_size",
     "policy.generation.debug_lossy_sampler": "needs policy.generation.vllm_kwargs.speculative_config",
     "policy.draft.model_name": "no draft there (config.json missing)",
     "policy.draft.online": "needs policy.generation.vllm_kwargs.speculative_config.method=eagle3",
@@ -214,21 +213,32 @@ def conflicts(a: Switch, b: Switch) -> bool:
     """True when one switch's variant could disable (or redefine) the path the other's variant exercises, so they
     must not share one packed run: e.g. ``checkpointing.enabled=false`` with ``checkpointing.save_consolidated=true``,
     ``+grpo.dynamic_sampling={}`` with ``+grpo.dynamic_sampling.enabled=false``."""
-    return (_under(b.path, _scope(a)) or _under(a.path, _scope(b))
-            or any(b.path.startswith(h) for h in HIDES.get(a.path, ())) or any(
-                a.path.startswith(h) for h in HIDES.get(b.path, ())))
+    return (
+        _under(b.path, _scope(a))
+        or _under(a.path, _scope(b))
+        or any(b.path.startswith(h) for h in HIDES.get(a.path, ()))
+        or any(a.path.startswith(h) for h in HIDES.get(b.path, ()))
+    )
 
 
 # Hand-written exclusions packing cannot see from the key paths: dynamic sampling on the random tiny model keeps no
 # group (all rewards 0), so its step trains on nothing and would hide every training-side switch packed with it.
 HIDES: dict[str, tuple[str, ...]] = {
-    "grpo.dynamic_sampling": ("loss_fn.", "policy.megatron_cfg.", "policy.dynamic_batching", "policy.sequence_packing",
-                              "policy.draft", "grpo.normalize_rewards", "grpo.use_leave_one_out_baseline"),
+    "grpo.dynamic_sampling": (
+        "loss_fn.",
+        "policy.megatron_cfg.",
+        "policy.dynamic_batching",
+        "policy.sequence_packing",
+        "policy.draft",
+        "grpo.normalize_rewards",
+        "grpo.use_leave_one_out_baseline",
+    ),
 }
 
 
-def packed_groups(variants: list[tuple[Switch, list[str]]], outcome=pre_ray_outcome) -> list[
-        list[tuple[Switch, list[str]]]]:
+def packed_groups(
+    variants: list[tuple[Switch, list[str]]], outcome=pre_ray_outcome
+) -> list[list[tuple[Switch, list[str]]]]:
     """The expected-to-pass switches packed greedily into groups for one run each. In schema order, a switch joins
     the first group whose switches it does not :func:`conflict <conflicts>` with and whose combined overrides plus
     its own still pass ``outcome`` (the pre-Ray checks); otherwise it opens a new group. A switch that fails

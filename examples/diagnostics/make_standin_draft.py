@@ -8,6 +8,7 @@ chat-formatted training prompts and their answers, then the lowest ids (only 44 
 online draft's training cost depends on the vocabulary's size, not on which tokens it holds; its acceptance is low,
 so use it for cost, never for acceptance (issue 35, docs/speculative.md).
 """
+
 import os
 import sys
 

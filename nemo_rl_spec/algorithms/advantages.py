@@ -23,6 +23,7 @@ exactly 0.0, with or without normalisation and for either baseline. Rewards are 
 Statistics are computed in float64 with a two-pass (mean, then centred squares) formula; the result has the
 dtype of ``rewards``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -99,9 +100,7 @@ def compute_grpo_advantages_by_group(
         ValueError: rewards or group_ids not 1-D, or their lengths differ.
     """
     if rewards.dim() != 1 or group_ids.dim() != 1:
-        raise ValueError(
-            f"rewards and group_ids must be 1-D, got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
-        )
+        raise ValueError(f"rewards and group_ids must be 1-D, got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
     if rewards.numel() != group_ids.numel():
         raise ValueError(f"len(rewards)={rewards.numel()} != len(group_ids)={group_ids.numel()}")
     if rewards.numel() == 0:

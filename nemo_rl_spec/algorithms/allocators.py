@@ -1,5 +1,6 @@
 """The rollout allocator a run uses, picked from its config: uniform GRPO, DAPO dynamic sampling
 (:mod:`nemo_rl_spec.algorithms.rollout_allocation`) or Pilot-Commit (:mod:`nemo_rl_spec.algorithms.pilot_commit`)."""
+
 from __future__ import annotations
 
 from typing import Any, Iterable
@@ -10,9 +11,16 @@ from nemo_rl_spec.algorithms.rollout_allocation import DynamicSamplingAllocator,
 from nemo_rl_spec.utils.feature_configs import DynamicSamplingConfig
 
 
-def build_rollout_allocator(prompt_ids: Iterable[int], *, num_prompts_per_step: int, num_generations_per_prompt: int,
-                            seed: int, pilot_commit: Any = None, dynamic_sampling: DynamicSamplingConfig | None = None,
-                            shuffle: bool = True) -> RolloutAllocator:
+def build_rollout_allocator(
+    prompt_ids: Iterable[int],
+    *,
+    num_prompts_per_step: int,
+    num_generations_per_prompt: int,
+    seed: int,
+    pilot_commit: Any = None,
+    dynamic_sampling: DynamicSamplingConfig | None = None,
+    shuffle: bool = True,
+) -> RolloutAllocator:
     """The allocator selected by config: Pilot-Commit if ``grpo.pilot_commit`` is present and enabled, DAPO dynamic
     sampling if ``grpo.dynamic_sampling`` is, else uniform GRPO.
 
@@ -30,9 +38,20 @@ def build_rollout_allocator(prompt_ids: Iterable[int], *, num_prompts_per_step: 
     if pc_on and ds_on:
         raise ValueError("grpo.pilot_commit and grpo.dynamic_sampling are both enabled; choose one")
     if pc_on:
-        return PilotCommitAllocator(prompt_ids, pilot_commit, seed=seed, shuffle=shuffle,
-                                    default_rollout_budget=num_prompts_per_step * num_generations_per_prompt)
+        return PilotCommitAllocator(
+            prompt_ids,
+            pilot_commit,
+            seed=seed,
+            shuffle=shuffle,
+            default_rollout_budget=num_prompts_per_step * num_generations_per_prompt,
+        )
     if ds_on:
-        return DynamicSamplingAllocator(prompt_ids, num_prompts_per_step, num_generations_per_prompt,
-                                        dynamic_sampling.max_gen_batches, seed=seed, shuffle=shuffle)
+        return DynamicSamplingAllocator(
+            prompt_ids,
+            num_prompts_per_step,
+            num_generations_per_prompt,
+            dynamic_sampling.max_gen_batches,
+            seed=seed,
+            shuffle=shuffle,
+        )
     return UniformAllocator(prompt_ids, num_prompts_per_step, num_generations_per_prompt, seed=seed, shuffle=shuffle)

@@ -37,6 +37,7 @@ the allocator state *as of the last buffered batch* go into ``train_state.pt`` t
 resumed run continues generation right after the last buffered batch (the batch that was in flight is generated
 again with the same request seeds) and trains the buffered batches first.
 """
+
 from __future__ import annotations
 
 import copy
@@ -172,8 +173,16 @@ class TrajectoryProducer(threading.Thread):
         max_num_epochs: ``grpo.max_num_epochs`` (None: no epoch limit).
     """
 
-    def __init__(self, s: GRPOSetup, buffer: TrajectoryBuffer, gate: GenerationGate, version: int,
-                 last_index: int, carried_lag: int = 0, max_num_epochs: int | None = None) -> None:
+    def __init__(
+        self,
+        s: GRPOSetup,
+        buffer: TrajectoryBuffer,
+        gate: GenerationGate,
+        version: int,
+        last_index: int,
+        carried_lag: int = 0,
+        max_num_epochs: int | None = None,
+    ) -> None:
         super().__init__(name="trajectory-producer", daemon=True)
         self.s, self.buffer, self.gate = s, buffer, gate
         self.max_age, self.last_index = max(0, buffer.max_age - carried_lag), last_index
@@ -214,9 +223,15 @@ class TrajectoryProducer(threading.Thread):
                 generate = make_async_generator(self.s, self.gate)
                 selection = self.s.allocator.step(generate)
                 stats = generate.stats
-                batch = TrajectoryBatch(index, selection, stats.draft_version,
-                                        copy.deepcopy(self.s.allocator.state_dict()), stats.generation_s,
-                                        stats.generated_tokens, SpeculationMonitor.counts_to_metrics(stats.spec_counters))
+                batch = TrajectoryBatch(
+                    index,
+                    selection,
+                    stats.draft_version,
+                    copy.deepcopy(self.s.allocator.state_dict()),
+                    stats.generation_s,
+                    stats.generated_tokens,
+                    SpeculationMonitor.counts_to_metrics(stats.spec_counters),
+                )
                 if not self.buffer.put(batch):
                     return
                 index += 1
@@ -240,13 +255,16 @@ def _take_batch(buffer: TrajectoryBuffer, producer: TrajectoryProducer, version:
 
 def _async_metrics(batch: TrajectoryBatch, buffer: TrajectoryBuffer, step: int) -> dict[str, float]:
     ages = [group_age(g, step) for g in batch.selection.groups]
-    out = {"async/trajectory_age_max": float(max(ages, default=0)),
-           "async/trajectory_age_mean": sum(ages) / len(ages) if ages else 0.0,
-           "async/evicted_groups_total": float(buffer.evicted_groups),
-           "async/evicted_batches_total": float(buffer.evicted_batches),
-           "async/buffer_batches": float(len(buffer)), "async/batch_index": float(batch.index),
-           "async/batch_generation_s": batch.generation_s,
-           "async/batch_generated_tokens": float(batch.generated_tokens)}
+    out = {
+        "async/trajectory_age_max": float(max(ages, default=0)),
+        "async/trajectory_age_mean": sum(ages) / len(ages) if ages else 0.0,
+        "async/evicted_groups_total": float(buffer.evicted_groups),
+        "async/evicted_batches_total": float(buffer.evicted_batches),
+        "async/buffer_batches": float(len(buffer)),
+        "async/batch_index": float(batch.index),
+        "async/batch_generation_s": batch.generation_s,
+        "async/batch_generated_tokens": float(batch.generated_tokens),
+    }
     if batch.min_version() is not None:
         out["async/batch_policy_version"] = float(batch.min_version())
     if batch.draft_version is not None:
@@ -260,8 +278,9 @@ def _spec_metrics(s: GRPOSetup, batch: TrajectoryBatch) -> dict[str, float]:
     return {} if s.spec is None else s.spec.step_metrics(batch.metrics)
 
 
-def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer: TrajectoryProducer,
-                     gate: GenerationGate, timer: Timer) -> tuple[dict[str, float], bool] | None:
+def async_train_step(
+    s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer: TrajectoryProducer, gate: GenerationGate, timer: Timer
+) -> tuple[dict[str, float], bool] | None:
     """One trainer step at version ``step``: wait for a batch, train, refit to ``step + 1``.
 
     Returns (metrics, exhausted), or None when the producer has nothing more to give.
@@ -274,10 +293,14 @@ def async_train_step(s: GRPOSetup, step: int, buffer: TrajectoryBuffer, producer
     if batch is None:
         return None
     selection = batch.selection
-    metrics = {"train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
-               **selection.metrics, **_async_metrics(batch, buffer, step), **_spec_metrics(s, batch),
-               "timing/train/idle/buffer_starvation": wait_end - wait_start,
-               "timing/train/exposed_generation": gate.generation_overlap(wait_start, wait_end)}
+    metrics = {
+        "train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
+        **selection.metrics,
+        **_async_metrics(batch, buffer, step),
+        **_spec_metrics(s, batch),
+        "timing/train/idle/buffer_starvation": wait_end - wait_start,
+        "timing/train/exposed_generation": gate.generation_overlap(wait_start, wait_end),
+    }
     if selection.groups:
         metrics.update(train_on_selection(s, selection, timer))
     with gate.exclusive() as waited:
@@ -329,12 +352,24 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
 
     if cfg.grpo.val_at_start and start == 0:
         s.logger.log_metrics(val(), step=0)
-    producer = TrajectoryProducer(s, buffer, gate, version=start, last_index=cfg.grpo.max_num_steps,
-                                  carried_lag=carried_lag(cfg), max_num_epochs=cfg.grpo.max_num_epochs)
+    producer = TrajectoryProducer(
+        s,
+        buffer,
+        gate,
+        version=start,
+        last_index=cfg.grpo.max_num_steps,
+        carried_lag=carried_lag(cfg),
+        max_num_epochs=cfg.grpo.max_num_epochs,
+    )
     producer.start()
     try:
-        for step in tqdm(range(start, cfg.grpo.max_num_steps), desc="async GRPO",
-                         disable=not cfg.logger.progress_bar, initial=start, total=cfg.grpo.max_num_steps):
+        for step in tqdm(
+            range(start, cfg.grpo.max_num_steps),
+            desc="async GRPO",
+            disable=not cfg.logger.progress_bar,
+            initial=start,
+            total=cfg.grpo.max_num_steps,
+        ):
             timer.reset()
             with timer.time("total_step_time"):
                 out = async_train_step(s, step, buffer, producer, gate, timer)

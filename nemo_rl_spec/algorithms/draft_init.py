@@ -15,6 +15,7 @@ Three stages under ``<out>/work/``, each resumable after an interruption:
 The draft vocabulary is sized by measurement: the smallest number of most-frequent response tokens covering
 ``vocab_coverage`` of the sampled response tokens (+ EOS), unless a size is given.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,9 +47,16 @@ class Samples:
     prompt_lengths: list[int]
 
 
-def sample_to_file(gen_cfg: dict[str, Any], model_path: str, prompts: Sequence[Sequence[int]],
-                   samples_per_prompt: int, seed: int, max_new_tokens: int, prompts_per_call: int,
-                   path: str) -> int:
+def sample_to_file(
+    gen_cfg: dict[str, Any],
+    model_path: str,
+    prompts: Sequence[Sequence[int]],
+    samples_per_prompt: int,
+    seed: int,
+    max_new_tokens: int,
+    prompts_per_call: int,
+    path: str,
+) -> int:
     """Stage 1: sample ``samples_per_prompt`` responses per prompt with the rollout engine
     (:class:`VllmGenerationWorker`, no speculation), ``prompts_per_call`` prompts per ``generate`` call with seed
     ``seed + call``, appending one JSON line per call to ``path``; calls already in the file are skipped.
@@ -62,13 +70,18 @@ def sample_to_file(gen_cfg: dict[str, Any], model_path: str, prompts: Sequence[S
         return 0
     worker = VllmGenerationWorker(gen_cfg, model_path, seed)
     try:
-        bar = tqdm(total=len(prompts) * samples_per_prompt, initial=len(done) * prompts_per_call * samples_per_prompt,
-                   desc="sampling", unit="seq")
+        bar = tqdm(
+            total=len(prompts) * samples_per_prompt,
+            initial=len(done) * prompts_per_call * samples_per_prompt,
+            desc="sampling",
+            unit="seq",
+        )
         for c in calls:
             lo = c * prompts_per_call
-            chunk = [list(p) for p in prompts[lo:lo + prompts_per_call]]
-            out = worker.generate({"prompt_token_ids": chunk}, n=samples_per_prompt, seed=seed + c,
-                                  max_new_tokens=max_new_tokens)
+            chunk = [list(p) for p in prompts[lo : lo + prompts_per_call]]
+            out = worker.generate(
+                {"prompt_token_ids": chunk}, n=samples_per_prompt, seed=seed + c, max_new_tokens=max_new_tokens
+            )
             rows = []
             for r in range(out["output_ids"].shape[0]):
                 p, e = int(out["input_lengths"][r]), int(out["unpadded_sequence_lengths"][r])
@@ -89,8 +102,14 @@ def read_samples(path: str | Path) -> Samples:
     return Samples([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
-def measured_vocab(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], vocab_size: int,
-                   eos_ids: Sequence[int], coverage: float, size: int | None) -> tuple[torch.Tensor, dict[str, float]]:
+def measured_vocab(
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    vocab_size: int,
+    eos_ids: Sequence[int],
+    coverage: float,
+    size: int | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The draft vocabulary (sorted target ids) and its measured coverage of the response tokens of
     ``sequences`` (prompt + response ids; responses start at ``prompt_lengths``).
 
@@ -112,16 +131,22 @@ def _padded_batch(cache: PolicyOutputCache, samples: Samples, rows: Sequence[int
     """(aux [B, S, n_aux * H], log-probs [B, S, Vd], input_ids [B, S], response mask [B, S]) of ``rows``."""
     aux, target = cache.batch(rows)
     ids, mask = pad_sequences([samples.sequences[r] for r in rows], [samples.prompt_lengths[r] for r in rows])
-    return aux, target, ids[:, :aux.shape[1]], mask[:, :aux.shape[1]]
+    return aux, target, ids[:, : aux.shape[1]], mask[:, : aux.shape[1]]
 
 
-def evaluate(head: Eagle3DraftHead, cache: PolicyOutputCache, samples: Samples, rows: Sequence[int], num_steps: int,
-             batch_size: int = 16) -> dict[str, float]:
+def evaluate(
+    head: Eagle3DraftHead,
+    cache: PolicyOutputCache,
+    samples: Samples,
+    rows: Sequence[int],
+    num_steps: int,
+    batch_size: int = 16,
+) -> dict[str, float]:
     """Chain-weighted mean of :func:`expected_acceptance` over ``rows`` at the cache's temperature."""
     sums: dict[str, float] = {}
     total = 0.0
     for lo in range(0, len(rows), batch_size):
-        part = list(rows[lo:lo + batch_size])
+        part = list(rows[lo : lo + batch_size])
         aux, _, ids, mask = _padded_batch(cache, samples, part)
         res = expected_acceptance(head, aux, ids, mask, cache.tempered_logprobs(part), cache.temperature, num_steps)
         n = res.pop("chains")
@@ -142,13 +167,24 @@ def batch_rows(train_rows: Sequence[int], batch_size: int, seed: int, step: int)
     per_epoch = max(len(train_rows) // batch_size, 1)
     epoch, k = divmod(step, per_epoch)
     order = epoch_order(len(train_rows), seed, epoch)
-    return [train_rows[i] for i in order[k * batch_size:(k + 1) * batch_size]]
+    return [train_rows[i] for i in order[k * batch_size : (k + 1) * batch_size]]
 
 
-def train(trainer: DraftTrainer, cache: PolicyOutputCache, samples: Samples, train_rows: Sequence[int],
-          eval_rows: Sequence[int], steps: int, batch_size: int, seed: int, eval_every: int,
-          state: dict[str, Any], save: Callable[[dict[str, Any]], None] | None = None, save_every: int = 0,
-          desc: str = "training") -> dict[str, Any]:
+def train(
+    trainer: DraftTrainer,
+    cache: PolicyOutputCache,
+    samples: Samples,
+    train_rows: Sequence[int],
+    eval_rows: Sequence[int],
+    steps: int,
+    batch_size: int,
+    seed: int,
+    eval_every: int,
+    state: dict[str, Any],
+    save: Callable[[dict[str, Any]], None] | None = None,
+    save_every: int = 0,
+    desc: str = "training",
+) -> dict[str, Any]:
     """Stage 3: train from ``state["step"]`` to ``steps``; ``state`` holds ``step``, ``history`` (per-step
     metrics) and ``curve`` (held-out estimates every ``eval_every`` steps and at the end). ``save(state)`` is
     called every ``save_every`` steps and at the end. Returns ``state``."""
@@ -164,9 +200,11 @@ def train(trainer: DraftTrainer, cache: PolicyOutputCache, samples: Samples, tra
         if state["step"] % eval_every == 0 or state["step"] == steps:
             point = {"step": state["step"], **evaluate(trainer.head, cache, samples, eval_rows, trainer.ttt_steps)}
             state["curve"].append(point)
-            bar.write(f"step {state['step']}: held-out acceptance length (k={trainer.ttt_steps}) greedy "
-                      f"{point['greedy/acceptance_length']:.3f}, probabilistic "
-                      f"{point['probabilistic/acceptance_length']:.3f}")
+            bar.write(
+                f"step {state['step']}: held-out acceptance length (k={trainer.ttt_steps}) greedy "
+                f"{point['greedy/acceptance_length']:.3f}, probabilistic "
+                f"{point['probabilistic/acceptance_length']:.3f}"
+            )
         if save is not None and (state["step"] == steps or (save_every and state["step"] % save_every == 0)):
             save(state)
     bar.close()
@@ -201,14 +239,23 @@ def plot_curves(summary: dict[str, Any], path: str | Path) -> None:
 
     k = summary["ttt_steps"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, points, x_key, x_label in ((axes[0], summary["acceptance_vs_steps"], "step", "draft optimizer steps"),
-                                       (axes[1], summary["acceptance_vs_data"], "train_sequences",
-                                        "training sequences (policy samples)")):
+    for ax, points, x_key, x_label in (
+        (axes[0], summary["acceptance_vs_steps"], "step", "draft optimizer steps"),
+        (axes[1], summary["acceptance_vs_data"], "train_sequences", "training sequences (policy samples)"),
+    ):
         xs = [p[x_key] for p in points]
-        for key, label in (("probabilistic", "probabilistic drafting"), ("greedy", "greedy drafting"),
-                           ("oracle_greedy", "greedy oracle (target's mode)")):
-            ax.plot(xs, [p[f"{key}/acceptance_length"] for p in points], marker="o", label=label,
-                    linestyle="--" if key.startswith("oracle") else "-")
+        for key, label in (
+            ("probabilistic", "probabilistic drafting"),
+            ("greedy", "greedy drafting"),
+            ("oracle_greedy", "greedy oracle (target's mode)"),
+        ):
+            ax.plot(
+                xs,
+                [p[f"{key}/acceptance_length"] for p in points],
+                marker="o",
+                label=label,
+                linestyle="--" if key.startswith("oracle") else "-",
+            )
         ax.set_xlabel(x_label)
         ax.set_ylabel(f"held-out acceptance length, k = {k}")
         ax.grid(alpha=0.3)

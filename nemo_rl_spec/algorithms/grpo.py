@@ -4,6 +4,7 @@ train -> refit, with validation, logging and checkpoints.
 Weight versions: the generation workers hold version ``step`` while sampling step ``step``; after training they
 receive version ``step + 1``.
 """
+
 from __future__ import annotations
 
 from tqdm import tqdm
@@ -22,8 +23,11 @@ def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> tuple[dict[str, float], 
     with timer.time("generation"):
         generate = s.rollout_generator(version=step)
         selection = s.allocator.step(generate)
-    metrics = {"train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
-               **selection.metrics, **s.spec_step_metrics(generate.stats.spec_counters)}
+    metrics = {
+        "train/reward": float(selection.rewards.mean()) if selection.groups else float("nan"),
+        **selection.metrics,
+        **s.spec_step_metrics(generate.stats.spec_counters),
+    }
     if selection.groups:
         metrics.update(train_on_selection(s, selection, timer))
     with timer.time("weight_sync"):
@@ -37,22 +41,32 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float
     """Advantages -> trainer log-probs (pi_old) -> one policy update, for the rollouts of ``selection``."""
     cfg = s.cfg
     valid = selection_reward_valid(selection)  # False: a masked NaN/inf reward (grpo.non_finite_reward=mask)
-    advantages = compute_grpo_advantages(selection.rewards, selection.group_size,
-                                         cfg.grpo.use_leave_one_out_baseline, cfg.grpo.normalize_rewards, valid=valid)
+    advantages = compute_grpo_advantages(
+        selection.rewards,
+        selection.group_size,
+        cfg.grpo.use_leave_one_out_baseline,
+        cfg.grpo.normalize_rewards,
+        valid=valid,
+    )
     data = build_train_data(selection, advantages, s.pad_token_id)
     overlong = overlong_metrics(s, data)
     with timer.time("policy_and_reference_logprobs"):
         data["prev_logprobs"] = s.policy.get_logprobs(data, cfg.policy.generation.temperature)
         if cfg.loss_fn.reference_policy_kl_penalty > 0:
             data["reference_policy_logprobs"] = s.policy.get_reference_policy_logprobs(
-                data, cfg.policy.generation.temperature)
+                data, cfg.policy.generation.temperature
+            )
     with timer.time("policy_training"):
         train_metrics = s.policy.train(data)
     agreement = logprob_agreement_metrics(data["prev_logprobs"], data["generation_logprobs"], data["token_mask"])
-    return {"train/mean_response_length": float(data["token_mask"].sum(1).mean()),
-            "train/non_finite_rewards": float((~valid).sum()),
-            **({"train/reward": float(selection.rewards[valid].mean())} if not valid.all() else {}),
-            **{f"train/{k}": v for k, v in train_metrics.items()}, **agreement, **overlong}
+    return {
+        "train/mean_response_length": float(data["token_mask"].sum(1).mean()),
+        "train/non_finite_rewards": float((~valid).sum()),
+        **({"train/reward": float(selection.rewards[valid].mean())} if not valid.all() else {}),
+        **{f"train/{k}": v for k, v in train_metrics.items()},
+        **agreement,
+        **overlong,
+    }
 
 
 def overlong_metrics(s: GRPOSetup, data) -> dict[str, float]:
@@ -61,8 +75,9 @@ def overlong_metrics(s: GRPOSetup, data) -> dict[str, float]:
         return {}
     gen = s.cfg.policy.generation
     ends = [int(s.tokenizer.eos_token_id), *(gen.stop_token_ids or ())]  # a stop token ends a response like EOS
-    truncated = truncated_rows(data, gen.max_new_tokens, gen.vllm_cfg.max_model_len, ends, gen.stop_strings or (),
-                               s.tokenizer.decode)
+    truncated = truncated_rows(
+        data, gen.max_new_tokens, gen.vllm_cfg.max_model_len, ends, gen.stop_strings or (), s.tokenizer.decode
+    )
     return apply_overlong_filtering(data, truncated)
 
 
@@ -73,9 +88,12 @@ def grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
     if cfg.grpo.val_at_start and start == 0:
         s.logger.log_metrics(run_validation(s), step=0)
     steps = range(start, cfg.grpo.max_num_steps)
-    for step in tqdm(steps, desc="GRPO", disable=not cfg.logger.progress_bar, initial=start,
-                     total=cfg.grpo.max_num_steps):
-        if epochs_finished(cfg.grpo.max_num_epochs, s.allocator.epochs_completed()):  # resumed after the last epoch's final step
+    for step in tqdm(
+        steps, desc="GRPO", disable=not cfg.logger.progress_bar, initial=start, total=cfg.grpo.max_num_steps
+    ):
+        if epochs_finished(
+            cfg.grpo.max_num_epochs, s.allocator.epochs_completed()
+        ):  # resumed after the last epoch's final step
             break
         timer.reset()
         with timer.time("total_step_time"):
@@ -113,4 +131,3 @@ def end_step(s: GRPOSetup, step: int, metrics: dict[str, float], exhausted: bool
     elif epochs_done and step + 1 < cfg.grpo.max_num_steps:
         print(f"grpo.max_num_epochs={cfg.grpo.max_num_epochs} epochs done; stopping after step {step + 1}")
     return exhausted or epochs_done
-

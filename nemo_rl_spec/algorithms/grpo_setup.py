@@ -3,6 +3,7 @@ resume.
 
 Kept out of ``grpo.py`` so the training loop reads in one screen.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,13 +95,22 @@ class GRPOSetup:
         """Chat-formatted token ids of ``problems``."""
         return chat_prompt_ids(self.cfg, self.tokenizer, problems)
 
-    def rollout_generator(self, version: int | None = None, gate=None, tag_draft_version: bool = False
-                          ) -> RolloutGenerator:
+    def rollout_generator(
+        self, version: int | None = None, gate=None, tag_draft_version: bool = False
+    ) -> RolloutGenerator:
         """The run's :class:`RolloutGenerator` over the training pool (the one generate path of sync and async
         GRPO; arguments as there)."""
-        return RolloutGenerator(self.generation, self.tokenizer, self.env, self.train_problems, self.prompt_ids,
-                                self.cfg.grpo.non_finite_reward, version=version, gate=gate,
-                                tag_draft_version=tag_draft_version)
+        return RolloutGenerator(
+            self.generation,
+            self.tokenizer,
+            self.env,
+            self.train_problems,
+            self.prompt_ids,
+            self.cfg.grpo.non_finite_reward,
+            version=version,
+            gate=gate,
+            tag_draft_version=tag_draft_version,
+        )
 
     def spec_step_metrics(self, counters: SpecDecodeCounters | None) -> dict[str, float]:
         """``vllm/spec_*`` metrics of one step's generate calls and the alarm's verdict (empty without
@@ -200,10 +210,12 @@ def check_mtp_drafter_model(cfg: MasterConfig, model_path: str) -> None:
         return
     error = mtp_drafter_support_error(json.loads((Path(model_path) / "config.json").read_text()))
     if error is not None:
-        raise ConfigError(f"policy.generation.vllm_kwargs.speculative_config.method=mtp serves the policy as a MiMo "
-                          f"checkpoint, which policy.model_name={cfg.policy.model_name!r} cannot be: {error}. Use a "
-                          "Llama/Qwen model with head_dim == hidden_size / num_attention_heads (e.g. tiny-llama, "
-                          "smollm2-135m-instruct) or another speculative_config.method")
+        raise ConfigError(
+            f"policy.generation.vllm_kwargs.speculative_config.method=mtp serves the policy as a MiMo "
+            f"checkpoint, which policy.model_name={cfg.policy.model_name!r} cannot be: {error}. Use a "
+            "Llama/Qwen model with head_dim == hidden_size / num_attention_heads (e.g. tiny-llama, "
+            "smollm2-135m-instruct) or another speculative_config.method"
+        )
 
 
 def check_tensor_parallel_model(cfg: MasterConfig, model_path: str) -> None:
@@ -235,8 +247,10 @@ def check_ray_address(cfg: MasterConfig, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as exc:
-        raise ConfigError(f"cluster.ray_address={addr!r}: nothing answers at {host}:{port} ({exc}); start the "
-                          "cluster first (slurm/ray.sub, `ray start --head`) or set cluster.ray_address=null") from None
+        raise ConfigError(
+            f"cluster.ray_address={addr!r}: nothing answers at {host}:{port} ({exc}); start the "
+            "cluster first (slurm/ray.sub, `ray start --head`) or set cluster.ray_address=null"
+        ) from None
 
 
 def check_draft_dir(cfg: MasterConfig) -> None:
@@ -244,12 +258,18 @@ def check_draft_dir(cfg: MasterConfig) -> None:
     or ``speculative_config.model`` has no ``config.json`` (e.g. ``make draft`` was not run)."""
     spec = cfg.policy.generation.speculative_config
     draft = enabled_draft(cfg)
-    for key, path in (("policy.draft.model_name", draft.model_name if draft is not None else None),
-                      ("policy.generation.vllm_kwargs.speculative_config.model",
-                       spec.model if spec is not None and spec.method == "eagle3" else None)):
+    for key, path in (
+        ("policy.draft.model_name", draft.model_name if draft is not None else None),
+        (
+            "policy.generation.vllm_kwargs.speculative_config.model",
+            spec.model if spec is not None and spec.method == "eagle3" else None,
+        ),
+    ):
         if path and not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"{key}={path!r}: no draft there (config.json missing); create it with "
-                              "examples/init_draft.py (make draft) or point the key at an EAGLE-3 head directory")
+            raise ConfigError(
+                f"{key}={path!r}: no draft there (config.json missing); create it with "
+                "examples/init_draft.py (make draft) or point the key at an EAGLE-3 head directory"
+            )
 
 
 def _engine_model_path(cfg: MasterConfig, policy, model_path: str) -> str:
@@ -271,10 +291,14 @@ class Workers:
 
     def placement_lines(self) -> list[str]:
         """One line per actor: role, rank, the Ray node id it reports (the multi-node check reads these)."""
-        lines = [f"[placement] policy rank {r} (node {n}) on ray node {i}"
-                 for r, (n, i) in enumerate(zip(self.plan.policy_nodes, self.policy.node_ids()))]
-        lines += [f"[placement] generation engine {e} (node {n}) on ray node {i}"
-                  for e, (n, i) in enumerate(zip(self.plan.engine_nodes, self.generation.node_ids()))]
+        lines = [
+            f"[placement] policy rank {r} (node {n}) on ray node {i}"
+            for r, (n, i) in enumerate(zip(self.plan.policy_nodes, self.policy.node_ids()))
+        ]
+        lines += [
+            f"[placement] generation engine {e} (node {n}) on ray node {i}"
+            for e, (n, i) in enumerate(zip(self.plan.engine_nodes, self.generation.node_ids()))
+        ]
         return lines
 
     def shutdown(self) -> None:
@@ -298,19 +322,35 @@ def start_workers(cfg: MasterConfig, model_path: str, plan: PlacementPlan) -> Wo
 
 
 def _start_controllers(cfg: MasterConfig, model_path: str, plan: PlacementPlan, cluster: RayVirtualCluster) -> Workers:
-    policy = Policy(cluster, plan.policy_nodes, cfg.policy, ClippedPGLossFn(cfg.loss_fn), model_path,
-                    cfg.grpo.seed, num_cpus=plan.policy_num_cpus, num_gpus=plan.policy_num_gpus,
-                    env_vars=_policy_env(cfg), rank_env=lambda r: plan.visible_devices_env("policy", r),
-                    init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
-                    block=False)  # the engines start while the policy workers import and build (2 cores: ~10 s)
+    policy = Policy(
+        cluster,
+        plan.policy_nodes,
+        cfg.policy,
+        ClippedPGLossFn(cfg.loss_fn),
+        model_path,
+        cfg.grpo.seed,
+        num_cpus=plan.policy_num_cpus,
+        num_gpus=plan.policy_num_gpus,
+        env_vars=_policy_env(cfg),
+        rank_env=lambda r: plan.visible_devices_env("policy", r),
+        init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
+        block=False,
+    )  # the engines start while the policy workers import and build (2 cores: ~10 s)
     draft = enabled_draft(cfg)
     try:
-        generation = VllmGeneration(cluster, plan.engine_nodes, cfg.policy.generation,
-                                    _engine_model_path(cfg, policy, model_path), cfg.grpo.seed,
-                                    num_cpus=plan.generation_num_cpus, num_gpus=plan.generation_num_gpus,
-                                    allow_stale_draft=draft is not None and draft.allow_stale_draft,
-                                    draft_dir=_engine_draft_dir(cfg, policy), precision=cfg.policy.engine_precision,
-                                    engine_env=lambda e: plan.visible_devices_env("generation", e))
+        generation = VllmGeneration(
+            cluster,
+            plan.engine_nodes,
+            cfg.policy.generation,
+            _engine_model_path(cfg, policy, model_path),
+            cfg.grpo.seed,
+            num_cpus=plan.generation_num_cpus,
+            num_gpus=plan.generation_num_gpus,
+            allow_stale_draft=draft is not None and draft.allow_stale_draft,
+            draft_dir=_engine_draft_dir(cfg, policy),
+            precision=cfg.policy.engine_precision,
+            engine_env=lambda e: plan.visible_devices_env("generation", e),
+        )
     except BaseException:
         policy.shutdown()
         raise
@@ -330,8 +370,10 @@ def starting_line(plan: PlacementPlan) -> str:
     policy rank, 1 vLLM engine); full console in logs/x/console.log`` (the file part only with a console log)."""
     ranks, engines = len(plan.policy_nodes), len(plan.engine_nodes)
     nodes = f"{plan.num_nodes} node{'s' if plan.num_nodes > 1 else ''}"
-    line = (f"starting {ranks + engines} Ray workers on {nodes} ({ranks} Megatron policy "
-            f"rank{'s' if ranks > 1 else ''}, {engines} vLLM engine{'s' if engines > 1 else ''})")
+    line = (
+        f"starting {ranks + engines} Ray workers on {nodes} ({ranks} Megatron policy "
+        f"rank{'s' if ranks > 1 else ''}, {engines} vLLM engine{'s' if engines > 1 else ''})"
+    )
     console_log = active_console_log()
     return line if console_log is None else f"{line}; full console in {console_log.path}"
 
@@ -343,9 +385,14 @@ def build_allocator(cfg: MasterConfig, pool_size: int, problems: list[dict] | No
     :func:`~nemo_rl_spec.algorithms.rollout_allocation.difficulty_bucket`, logged per step as
     ``rollout_alloc/trained_bucket/*``; without it only the bucket metrics are missing."""
     g = cfg.grpo
-    alloc = build_rollout_allocator(range(pool_size), num_prompts_per_step=g.num_prompts_per_step,
-                                    num_generations_per_prompt=g.num_generations_per_prompt, seed=g.seed,
-                                    pilot_commit=g.pilot_commit, dynamic_sampling=g.dynamic_sampling)
+    alloc = build_rollout_allocator(
+        range(pool_size),
+        num_prompts_per_step=g.num_prompts_per_step,
+        num_generations_per_prompt=g.num_generations_per_prompt,
+        seed=g.seed,
+        pilot_commit=g.pilot_commit,
+        dynamic_sampling=g.dynamic_sampling,
+    )
     if problems is not None and hasattr(alloc, "set_prompt_buckets"):
         alloc.set_prompt_buckets([difficulty_bucket(p) for p in problems[:pool_size]])
     return alloc
@@ -392,22 +439,45 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
     policy, generation = workers.policy, workers.generation
     val_prompt_ids = chat_prompt_ids(cfg, tokenizer, val)
     draft = enabled_draft(cfg)
-    refitter = WeightRefitter(policy, generation, val_prompt_ids[: cfg.policy.refit.probe_batch_size],
-                              cfg.policy.refit_threshold, pad_token_id(tokenizer), engine_dtype=cfg.policy.engine_precision,
-                              sync_draft=(draft is not None and draft.online) or serves_policy_mtp(cfg))
+    refitter = WeightRefitter(
+        policy,
+        generation,
+        val_prompt_ids[: cfg.policy.refit.probe_batch_size],
+        cfg.policy.refit_threshold,
+        pad_token_id(tokenizer),
+        engine_dtype=cfg.policy.engine_precision,
+        sync_draft=(draft is not None and draft.online) or serves_policy_mtp(cfg),
+    )
     spec = None
     if cfg.policy.generation.speculative_config is not None:
         spec = SpeculationMonitor((cfg.policy.draft or DraftConfig()).acceptance_alarm_floor)
-    logger = Logger(cfg.logger.log_dir, cfg.logger.tensorboard_enabled, console=True,
-                    trackers=build_trackers(cfg.logger, cfg.model_dump(mode="json")))  # W&B / MLflow start here
+    logger = Logger(
+        cfg.logger.log_dir,
+        cfg.logger.tensorboard_enabled,
+        console=True,
+        trackers=build_trackers(cfg.logger, cfg.model_dump(mode="json")),
+    )  # W&B / MLflow start here
     s = GRPOSetup(
-        cfg=cfg, policy=policy, generation=generation, refitter=refitter, tokenizer=tokenizer, workers=workers,
+        cfg=cfg,
+        policy=policy,
+        generation=generation,
+        refitter=refitter,
+        tokenizer=tokenizer,
+        workers=workers,
         env=build_environment(cfg.env),
-        train_problems=train, allocator=build_allocator(cfg, len(train), train),
-        val_problems=val, val_prompt_ids=val_prompt_ids, logger=logger,
-        checkpoints=CheckpointManager(cfg.checkpointing.checkpoint_dir, cfg.checkpointing.keep_top_k,
-                                      cfg.checkpointing.metric_name, cfg.checkpointing.higher_is_better)
-        if cfg.checkpointing.enabled else None,
+        train_problems=train,
+        allocator=build_allocator(cfg, len(train), train),
+        val_problems=val,
+        val_prompt_ids=val_prompt_ids,
+        logger=logger,
+        checkpoints=CheckpointManager(
+            cfg.checkpointing.checkpoint_dir,
+            cfg.checkpointing.keep_top_k,
+            cfg.checkpointing.metric_name,
+            cfg.checkpointing.higher_is_better,
+        )
+        if cfg.checkpointing.enabled
+        else None,
         spec=spec,
     )
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
@@ -415,8 +485,7 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
     return s
 
 
-def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float], extra_state: dict | None = None
-                    ) -> Path | None:
+def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float], extra_state: dict | None = None) -> Path | None:
     """Write ``step_<step>`` atomically: policy (model + optimizer, the optimizer unless ``checkpointing.save_optimizer``
     is false; with ``checkpointing.save_consolidated`` also ``policy/consolidated``, an HF checkpoint),
     rollout-allocator state (prompt stream, Pilot-Commit pool and replay buffer), info (``optimizer_saved`` too).
@@ -429,15 +498,20 @@ def save_checkpoint(s: GRPOSetup, step: int, metrics: dict[str, float], extra_st
     save_optimizer = s.cfg.checkpointing.save_optimizer
     s.policy.save_checkpoint(str(tmp / "policy"), save_optimizer)
     if s.cfg.checkpointing.save_consolidated:  # NeMo-RL: also an HF checkpoint (transformers / vLLM / model_name)
-        write_consolidated_hf(s.policy.export_hf_weights(None, s.cfg.checkpointing.consolidated_dtype).get(),
-                              resolve_model(s.cfg.policy.model_name),
-                              tmp / "policy" / "consolidated")
+        write_consolidated_hf(
+            s.policy.export_hf_weights(None, s.cfg.checkpointing.consolidated_dtype).get(),
+            resolve_model(s.cfg.policy.model_name),
+            tmp / "policy" / "consolidated",
+        )
     state = dict(extra_state or {})
     if "allocator" not in state:  # async GRPO passes the allocator state of its last buffered batch instead
         state["allocator"] = s.allocator.state_dict()
     torch.save(state, tmp / "train_state.pt")
-    info = {k: v for k, v in metrics.items()
-            if k.startswith(("train/reward", "validation/")) or k == s.cfg.checkpointing.metric_name}
+    info = {
+        k: v
+        for k, v in metrics.items()
+        if k.startswith(("train/reward", "validation/")) or k == s.cfg.checkpointing.metric_name
+    }
     return s.checkpoints.finalize(tmp, step, {**info, "optimizer_saved": save_optimizer}, to_yaml(s.cfg))
 
 
@@ -463,8 +537,10 @@ def resume_line(latest: Path, info: dict) -> str:
     line = f"resumed from {latest} (step {info['step']})"
     if info.get("optimizer_saved", True):
         return line
-    return (f"{line}; it holds no optimizer state (written with checkpointing.save_optimizer=false): the optimizer "
-            "restarts (Adam moments at zero, fp32 masters from the saved weights), so this is not an exact resume")
+    return (
+        f"{line}; it holds no optimizer state (written with checkpointing.save_optimizer=false): the optimizer "
+        "restarts (Adam moments at zero, fp32 masters from the saved weights), so this is not an exact resume"
+    )
 
 
 def teardown(s: GRPOSetup | None) -> None:

@@ -29,6 +29,7 @@ call) and ``RolloutRequest(prompt_id=12, n=2, stage=PILOT, target_step=6, seed=.
 prompt 7 is its 2 pilot rewards (policy_version 4) followed by its 4 commit rewards (policy_version 5):
 ``TrainGroup(prompt_id=7).rewards = [1., 0., 1., 1., 0., 1.]``, ``.policy_versions = [4, 4, 5, 5, 5, 5]``.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -76,8 +77,10 @@ class RolloutRequest:
         """Build the :class:`RolloutResult` answering this request (``rewards``: [n])."""
         res = RolloutResult(self.prompt_id, self.stage, rewards, policy_version, payload)
         if res.rewards.numel() != self.n:
-            raise ValueError(f"request for prompt {self.prompt_id} ({self.stage.value}) asked for {self.n} rollouts, "
-                             f"got {res.rewards.numel()} rewards")
+            raise ValueError(
+                f"request for prompt {self.prompt_id} ({self.stage.value}) asked for {self.n} rollouts, "
+                f"got {res.rewards.numel()} rewards"
+            )
         return res
 
 
@@ -109,21 +112,29 @@ class RolloutResult:
         self.stage = Stage(self.stage)
         self.rewards = torch.as_tensor(self.rewards, dtype=torch.float32).detach().cpu()
         if self.rewards.dim() != 1 or self.rewards.numel() == 0:
-            raise ValueError(f"rewards of prompt {self.prompt_id} must be a non-empty 1-D tensor, "
-                             f"got shape {tuple(self.rewards.shape)}")
+            raise ValueError(
+                f"rewards of prompt {self.prompt_id} must be a non-empty 1-D tensor, "
+                f"got shape {tuple(self.rewards.shape)}"
+            )
         if not torch.isfinite(self.rewards).all():
             raise ValueError(f"rewards of prompt {self.prompt_id} contain NaN/inf: {self.rewards.tolist()}")
 
     def to_state(self) -> dict[str, Any]:
         """Plain-container form for checkpoints (inverse: :meth:`from_state`)."""
-        return {"prompt_id": self.prompt_id, "stage": self.stage.value, "rewards": self.rewards.clone(),
-                "policy_version": self.policy_version, "payload": self.payload}
+        return {
+            "prompt_id": self.prompt_id,
+            "stage": self.stage.value,
+            "rewards": self.rewards.clone(),
+            "policy_version": self.policy_version,
+            "payload": self.payload,
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "RolloutResult":
         """Rebuild a result written by :meth:`to_state`."""
-        return cls(state["prompt_id"], Stage(state["stage"]), state["rewards"], state["policy_version"],
-                   state["payload"])
+        return cls(
+            state["prompt_id"], Stage(state["stage"]), state["rewards"], state["policy_version"], state["payload"]
+        )
 
 
 @dataclass
@@ -146,8 +157,7 @@ class TrainGroup:
     @property
     def policy_versions(self) -> torch.Tensor:
         """Shape: [size] int64, generating policy version of each rollout, aligned with :attr:`rewards`."""
-        return torch.cat([torch.full((r.rewards.numel(),), r.policy_version, dtype=torch.int64)
-                          for r in self.results])
+        return torch.cat([torch.full((r.rewards.numel(),), r.policy_version, dtype=torch.int64) for r in self.results])
 
     @property
     def size(self) -> int:

@@ -3,6 +3,7 @@
 The math lives in :mod:`nemo_rl_spec.models.policy.occ` (the Megatron worker applies it inside its backward, and
 models must not import algorithms); this module re-exports it under its algorithmic name.
 """
+
 from nemo_rl_spec.models.policy.occ import (
     MODES,
     PROXIES,
@@ -13,5 +14,12 @@ from nemo_rl_spec.models.policy.occ import (
     occ_proxies,
 )
 
-__all__ = ["MODES", "PROXIES", "MTPCoefficient", "closed_form_lambda", "logprob_delta_lambda", "occ_lambda",
-           "occ_proxies"]
+__all__ = [
+    "MODES",
+    "PROXIES",
+    "MTPCoefficient",
+    "closed_form_lambda",
+    "logprob_delta_lambda",
+    "occ_lambda",
+    "occ_proxies",
+]

@@ -14,6 +14,7 @@ A stop token (``policy.generation.stop_token_ids``) ends a response like EOS, an
 (``policy.generation.stop_strings``): vLLM keeps the token that completes it as the last one, so a row whose decoded
 response contains a stop string ended there.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -23,8 +24,14 @@ import torch
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 
 
-def truncated_rows(data: TrainDatumSpec, max_new_tokens: int, max_model_len: int, eos_token_id: int | Sequence[int],
-                   stop_strings: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> torch.Tensor:
+def truncated_rows(
+    data: TrainDatumSpec,
+    max_new_tokens: int,
+    max_model_len: int,
+    eos_token_id: int | Sequence[int],
+    stop_strings: Sequence[str] = (),
+    decode: Callable[[list[int]], str] | None = None,
+) -> torch.Tensor:
     """Rows whose response was cut off by a length limit (module docstring).
 
     Args:

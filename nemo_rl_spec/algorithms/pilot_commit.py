@@ -41,6 +41,7 @@ deferred_in_epoch; pool_size, buffer_size, buffer_mean_age (steps, relative to t
 buffer_dropped (overflow of max_buffer_size). The ``rollout_alloc/*`` metrics are listed in
 :mod:`nemo_rl_spec.algorithms.rollout_allocation`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,8 +71,12 @@ class PilotEntry:
 
     def to_state(self) -> dict[str, Any]:
         """Plain-container form for checkpoints."""
-        return {"prompt_id": self.prompt_id, "target_step": self.target_step, "p_hat": self.p_hat,
-                "results": [r.to_state() for r in self.results]}
+        return {
+            "prompt_id": self.prompt_id,
+            "target_step": self.target_step,
+            "p_hat": self.p_hat,
+            "results": [r.to_state() for r in self.results],
+        }
 
     @classmethod
     def from_state(cls, s: dict[str, Any]) -> "PilotEntry":
@@ -79,8 +84,20 @@ class PilotEntry:
         return cls(s["prompt_id"], s["target_step"], s["p_hat"], [RolloutResult.from_state(r) for r in s["results"]])
 
 
-_STEP_COUNTERS = ("pilot_rollouts", "commit_rollouts", "piloted", "selected", "deferred", "too_easy", "evicted",
-                  "committed", "from_buffer", "fallback_used", "buffer_expired", "buffer_dropped")
+_STEP_COUNTERS = (
+    "pilot_rollouts",
+    "commit_rollouts",
+    "piloted",
+    "selected",
+    "deferred",
+    "too_easy",
+    "evicted",
+    "committed",
+    "from_buffer",
+    "fallback_used",
+    "buffer_expired",
+    "buffer_dropped",
+)
 _TOTALS = ("pilot_rollouts", "commit_rollouts", "evicted", "deferred", "fallback")
 
 
@@ -101,8 +118,15 @@ class PilotCommitAllocator(AllocatorBase):
     kind = "pilot_commit"
     max_rounds_per_step = 2
 
-    def __init__(self, prompt_ids: Iterable[int], config: PilotCommitConfig, *, seed: int = 0, shuffle: bool = True,
-                 default_rollout_budget: int | None = None) -> None:
+    def __init__(
+        self,
+        prompt_ids: Iterable[int],
+        config: PilotCommitConfig,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        default_rollout_budget: int | None = None,
+    ) -> None:
         super().__init__(prompt_ids, seed, shuffle)
         budget = config.rollout_budget_per_step or default_rollout_budget
         if budget is None:
@@ -111,12 +135,12 @@ class PilotCommitAllocator(AllocatorBase):
         self.rollout_budget = budget
         self.commit_slots = config.commit_slots(budget)
         self._consecutive_solved: dict[int, int] = {}
-        self._deferred: set[int] = set()          # too hard in the current epoch
+        self._deferred: set[int] = set()  # too hard in the current epoch
         self._deferred_epoch = self.stream.epoch
-        self._pending: list[PilotEntry] = []       # selected by the pilot of step _pilot_target
+        self._pending: list[PilotEntry] = []  # selected by the pilot of step _pilot_target
         self._pending_hard: list[PilotEntry] = []  # too hard in that pilot (fallback candidates)
         self._pilot_target: int | None = None
-        self._buffer: list[PilotEntry] = []        # oldest first
+        self._buffer: list[PilotEntry] = []  # oldest first
         self._commit_entries: list[PilotEntry] = []
         self._round_kind = ""
         self._totals = {k: 0 for k in _TOTALS}
@@ -162,12 +186,14 @@ class PilotCommitAllocator(AllocatorBase):
     # ------------------------------------------------------------------ internals
     def _validate(self, result: RolloutResult) -> None:
         if bool((result.rewards < 0).any() or (result.rewards > 1).any()):
-            raise ValueError(f"Pilot-Commit needs rewards in [0, 1] (success), prompt {result.prompt_id} "
-                             f"({result.stage.value}) has {result.rewards.tolist()}")
+            raise ValueError(
+                f"Pilot-Commit needs rewards in [0, 1] (success), prompt {result.prompt_id} "
+                f"({result.stage.value}) has {result.rewards.tolist()}"
+            )
 
     def _pilot_requests(self, target_step: int) -> list[RolloutRequest]:
         batch = self.stream.next_batch(self.cfg.pilot_batch_size)
-        if self.stream.epoch != self._deferred_epoch:   # deferred prompts are back in the new epoch
+        if self.stream.epoch != self._deferred_epoch:  # deferred prompts are back in the new epoch
             self._deferred, self._deferred_epoch = set(), self.stream.epoch
         self._pilot_target = target_step
         return [self._request(pid, self.cfg.n_pilot, Stage.PILOT, target_step) for pid in batch]
@@ -176,7 +202,7 @@ class PilotCommitAllocator(AllocatorBase):
         pid, rewards = res.prompt_id, res.rewards
         p_hat = float(rewards.mean())
         self._counts["piloted"] += 1
-        self._buffer = [e for e in self._buffer if e.prompt_id != pid]   # a fresh pilot supersedes a buffered one
+        self._buffer = [e for e in self._buffer if e.prompt_id != pid]  # a fresh pilot supersedes a buffered one
         if bool((rewards == 1.0).all()):
             self._consecutive_solved[pid] = self._consecutive_solved.get(pid, 0) + 1
         else:
@@ -229,14 +255,23 @@ class PilotCommitAllocator(AllocatorBase):
         self._totals["fallback"] += 1
         hard = self._pending_hard
         if self.cfg.all_too_hard_fallback == "skip":
-            logger.warning("Pilot-Commit step %d: no prompt selected, replay buffer empty, %d piloted prompts too "
-                           "hard (p_hat < p_lower=%g); fallback 'skip': no training this step", t, len(hard),
-                           self.cfg.p_lower)
+            logger.warning(
+                "Pilot-Commit step %d: no prompt selected, replay buffer empty, %d piloted prompts too "
+                "hard (p_hat < p_lower=%g); fallback 'skip': no training this step",
+                t,
+                len(hard),
+                self.cfg.p_lower,
+            )
             return []
-        top = sorted(hard, key=lambda e: -e.p_hat)[:k]   # stable: ties keep pilot order
-        logger.warning("Pilot-Commit step %d: no prompt selected, replay buffer empty, %d piloted prompts too hard "
-                       "(p_hat < p_lower=%g); fallback 'commit_top': committing prompts %s", t, len(hard),
-                       self.cfg.p_lower, [e.prompt_id for e in top])
+        top = sorted(hard, key=lambda e: -e.p_hat)[:k]  # stable: ties keep pilot order
+        logger.warning(
+            "Pilot-Commit step %d: no prompt selected, replay buffer empty, %d piloted prompts too hard "
+            "(p_hat < p_lower=%g); fallback 'commit_top': committing prompts %s",
+            t,
+            len(hard),
+            self.cfg.p_lower,
+            [e.prompt_id for e in top],
+        )
         return top
 
     def _finish_step(self, groups: list[TrainGroup]) -> TrainSelection:
@@ -245,17 +280,19 @@ class PilotCommitAllocator(AllocatorBase):
         self._totals["commit_rollouts"] += self._counts["commit_rollouts"]
         ages = [t - e.target_step for e in self._buffer]
         extra = {f"pilot_commit/{k}": float(v) for k, v in self._counts.items()}
-        extra.update({
-            "pilot_commit/cumulative_pilot_rollouts": float(self._totals["pilot_rollouts"]),
-            "pilot_commit/cumulative_commit_rollouts": float(self._totals["commit_rollouts"]),
-            "pilot_commit/evicted_total": float(self._totals["evicted"]),
-            "pilot_commit/deferred_total": float(self._totals["deferred"]),
-            "pilot_commit/fallback_total": float(self._totals["fallback"]),
-            "pilot_commit/deferred_in_epoch": float(len(self._deferred)),
-            "pilot_commit/pool_size": float(self.stream.pool_size),
-            "pilot_commit/buffer_size": float(len(self._buffer)),
-            "pilot_commit/buffer_mean_age": sum(ages) / len(ages) if ages else 0.0,
-        })
+        extra.update(
+            {
+                "pilot_commit/cumulative_pilot_rollouts": float(self._totals["pilot_rollouts"]),
+                "pilot_commit/cumulative_commit_rollouts": float(self._totals["commit_rollouts"]),
+                "pilot_commit/evicted_total": float(self._totals["evicted"]),
+                "pilot_commit/deferred_total": float(self._totals["deferred"]),
+                "pilot_commit/fallback_total": float(self._totals["fallback"]),
+                "pilot_commit/deferred_in_epoch": float(len(self._deferred)),
+                "pilot_commit/pool_size": float(self.stream.pool_size),
+                "pilot_commit/buffer_size": float(len(self._buffer)),
+                "pilot_commit/buffer_mean_age": sum(ages) / len(ages) if ages else 0.0,
+            }
+        )
         self._counts = {k: 0 for k in _STEP_COUNTERS}
         return self._finish(groups, extra, exhausted=self.stream.pool_size == 0)
 
@@ -264,16 +301,18 @@ class PilotCommitAllocator(AllocatorBase):
         """Pool and epoch position, evictions, consecutive-solved counts, deferrals, pending pilot results, replay
         buffer (with their payloads), counters."""
         state = self._base_state()
-        state.update({
-            "consecutive_solved": dict(self._consecutive_solved),
-            "deferred": sorted(self._deferred),
-            "deferred_epoch": self._deferred_epoch,
-            "pending": [e.to_state() for e in self._pending],
-            "pending_hard": [e.to_state() for e in self._pending_hard],
-            "pilot_target": self._pilot_target,
-            "buffer": [e.to_state() for e in self._buffer],
-            "totals": dict(self._totals),
-        })
+        state.update(
+            {
+                "consecutive_solved": dict(self._consecutive_solved),
+                "deferred": sorted(self._deferred),
+                "deferred_epoch": self._deferred_epoch,
+                "pending": [e.to_state() for e in self._pending],
+                "pending_hard": [e.to_state() for e in self._pending_hard],
+                "pilot_target": self._pilot_target,
+                "buffer": [e.to_state() for e in self._buffer],
+                "totals": dict(self._totals),
+            }
+        )
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

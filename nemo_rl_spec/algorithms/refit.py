@@ -8,6 +8,7 @@ weight shows up here immediately (docs/install.md: an untied ``lm_head`` left vL
 probe, every engine must report the policy version just pushed (and, with draft sync, a draft paired with it): an engine
 that a refit skipped is named by :class:`EngineVersionMismatchError`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,16 @@ class WeightRefitter:
             the weights to it once before sending (bf16 engines get half the bytes).
     """
 
-    def __init__(self, policy, generation, probe_sequences: list[list[int]], threshold: float | None,
-                 pad_token_id: int, sync_draft: bool = False, engine_dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        policy,
+        generation,
+        probe_sequences: list[list[int]],
+        threshold: float | None,
+        pad_token_id: int,
+        sync_draft: bool = False,
+        engine_dtype: str = "float32",
+    ) -> None:
         self.policy, self.generation, self.threshold = policy, generation, threshold
         self.engine_dtype = engine_dtype
         self.sync_draft = sync_draft
@@ -89,8 +98,9 @@ class WeightRefitter:
             if v["policy_version"] != version or (self.sync_draft and v.get("draft_policy_version") != version):
                 stale.append(f"engine {e}: {v}")
         if stale:
-            raise EngineVersionMismatchError(f"after the refit to version {version}, engines do not hold it: "
-                                             + "; ".join(stale))
+            raise EngineVersionMismatchError(
+                f"after the refit to version {version}, engines do not hold it: " + "; ".join(stale)
+            )
 
     def probe(self) -> list[float]:
         """Mean |vLLM log-prob - trainer log-prob| over every scored token of the probe sequences (nats), one value
@@ -99,5 +109,7 @@ class WeightRefitter:
         data = {"input_ids": self.probe_ids, "input_lengths": self.probe_lengths}
         trainer_lp = self.policy.get_logprobs(data, 1.0).float()
         mask = response_mask(torch.ones_like(self.probe_lengths), self.probe_lengths, self.probe_ids.shape[1])
-        return [masked_mean_abs_diff(lp.float(), trainer_lp, mask)
-                for lp in self.generation.score(self.probe_ids, self.probe_lengths)]
+        return [
+            masked_mean_abs_diff(lp.float(), trainer_lp, mask)
+            for lp in self.generation.score(self.probe_ids, self.probe_lengths)
+        ]

@@ -33,6 +33,7 @@ pool is visible:
         driver gave the allocator the pool's buckets (:meth:`AllocatorBase.set_prompt_buckets`, e.g.
         :func:`difficulty_bucket` of each problem: ``terms_3`` for a 3-term chain sum).
 """
+
 from __future__ import annotations
 
 import re
@@ -160,8 +161,13 @@ class PromptStream:
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, order, position and evictions."""
-        return {"prompt_ids": list(self.prompt_ids), "evicted": sorted(self.evicted), "epoch": self.epoch,
-                "order": list(self.order), "pos": self.pos}
+        return {
+            "prompt_ids": list(self.prompt_ids),
+            "evicted": sorted(self.evicted),
+            "epoch": self.epoch,
+            "order": list(self.order),
+            "pos": self.pos,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
@@ -207,7 +213,7 @@ class AllocatorBase(RolloutAllocator):
         self._cum = {"rollouts": 0, "useful_rollouts": 0}
         self._step_rollouts = 0
         self._step_max_version: int | None = None
-        self._times_trained: dict[int, int] = {}   # prompt -> steps it was in a train batch
+        self._times_trained: dict[int, int] = {}  # prompt -> steps it was in a train batch
         self._train_groups_total = 0
         self._buckets: dict[int, str] | None = None
 
@@ -231,8 +237,9 @@ class AllocatorBase(RolloutAllocator):
             "rollout_alloc/trained_times_seen_mean": sum(seen) / len(seen) if seen else 0.0,
             "rollout_alloc/trained_times_seen_max": float(max(seen, default=0)),
             "rollout_alloc/trained_unique_frac": len(self._times_trained) / max(self._train_groups_total, 1),
-            "rollout_alloc/trained_group_reward_mean": (sum(float(g.rewards.sum()) for g in groups) / n_rows
-                                                        if n_rows else 0.0),
+            "rollout_alloc/trained_group_reward_mean": (
+                sum(float(g.rewards.sum()) for g in groups) / n_rows if n_rows else 0.0
+            ),
         }
         if self._buckets is not None:
             counts = {b: 0 for b in sorted(set(self._buckets.values()))}
@@ -281,8 +288,9 @@ class AllocatorBase(RolloutAllocator):
             if res is None:
                 raise ValueError(f"missing result for prompt {req.prompt_id} ({req.stage.value})")
             if res.rewards.numel() != req.n:
-                raise ValueError(f"prompt {req.prompt_id} ({req.stage.value}): expected {req.n} rewards, "
-                                 f"got {res.rewards.numel()}")
+                raise ValueError(
+                    f"prompt {req.prompt_id} ({req.stage.value}): expected {req.n} rewards, got {res.rewards.numel()}"
+                )
             self._validate(res)
             ordered.append(res)
         if by_key:
@@ -333,8 +341,14 @@ class AllocatorBase(RolloutAllocator):
 
     def _base_state(self) -> dict[str, Any]:
         self._check_between_steps()
-        return {"kind": self.kind, "step": self._step, "cum": dict(self._cum), "stream": self.stream.state_dict(),
-                "times_trained": dict(self._times_trained), "train_groups_total": self._train_groups_total}
+        return {
+            "kind": self.kind,
+            "step": self._step,
+            "cum": dict(self._cum),
+            "stream": self.stream.state_dict(),
+            "times_trained": dict(self._times_trained),
+            "train_groups_total": self._train_groups_total,
+        }
 
     def _load_base_state(self, state: dict[str, Any]) -> None:
         if state.get("kind") != self.kind:
@@ -358,8 +372,14 @@ class UniformAllocator(AllocatorBase):
     kind = "uniform"
     max_rounds_per_step = 1
 
-    def __init__(self, prompt_ids: Iterable[int], num_prompts_per_step: int, num_generations_per_prompt: int,
-                 seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        prompt_ids: Iterable[int],
+        num_prompts_per_step: int,
+        num_generations_per_prompt: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
         if num_prompts_per_step < 1 or num_generations_per_prompt < 1:
             raise ValueError("num_prompts_per_step and num_generations_per_prompt must be >= 1")
         super().__init__(prompt_ids, seed, shuffle)
@@ -401,8 +421,15 @@ class DynamicSamplingAllocator(AllocatorBase):
 
     kind = "dynamic_sampling"
 
-    def __init__(self, prompt_ids: Iterable[int], num_prompts_per_step: int, num_generations_per_prompt: int,
-                 max_gen_batches: int, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        prompt_ids: Iterable[int],
+        num_prompts_per_step: int,
+        num_generations_per_prompt: int,
+        max_gen_batches: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
         if num_prompts_per_step < 1 or num_generations_per_prompt < 1 or max_gen_batches < 1:
             raise ValueError("num_prompts_per_step, num_generations_per_prompt and max_gen_batches must be >= 1")
         super().__init__(prompt_ids, seed, shuffle)

@@ -1,4 +1,5 @@
 """Rollouts: prompts -> vLLM samples -> math rewards -> a padded training batch (TrainDatumSpec)."""
+
 from __future__ import annotations
 
 import time
@@ -47,12 +48,20 @@ def response_mask(input_lengths: torch.Tensor, sequence_lengths: torch.Tensor, w
 def decode_responses(tokenizer, gen: GenerationOutputSpec) -> list[str]:
     """Decode the response part of each row (special tokens dropped)."""
     out_ids, starts, ends = gen["output_ids"], gen["input_lengths"], gen["unpadded_sequence_lengths"]
-    return [tokenizer.decode(out_ids[i, starts[i] : ends[i]].tolist(), skip_special_tokens=True) for i in range(len(starts))]
+    return [
+        tokenizer.decode(out_ids[i, starts[i] : ends[i]].tolist(), skip_special_tokens=True) for i in range(len(starts))
+    ]
 
 
-def score_rollouts(env, responses: list[str], problems: list[dict], gen: GenerationOutputSpec, n: int,
-                   non_finite_reward: str = "error",
-                   prompt_names: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def score_rollouts(
+    env,
+    responses: list[str],
+    problems: list[dict],
+    gen: GenerationOutputSpec,
+    n: int,
+    non_finite_reward: str = "error",
+    prompt_names: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Score the rows of one generation call with ``env`` and check the rewards for NaN / inf.
 
     Shape: N responses (prompt-major, ``n`` per prompt) -> (rewards [N] float32, finite; valid [N] bool).
@@ -69,9 +78,18 @@ def score_rollouts(env, responses: list[str], problems: list[dict], gen: Generat
     return check_rewards(rewards, n, non_finite_reward, prompt_names)
 
 
-def generate_rollouts(generation, tokenizer, env, problems: list[dict], prompt_ids: list[list[int]], n: int,
-                      seed: int, non_finite_reward: str = "error", prompt_names: list[int] | None = None,
-                      **overrides) -> RolloutBatch:
+def generate_rollouts(
+    generation,
+    tokenizer,
+    env,
+    problems: list[dict],
+    prompt_ids: list[list[int]],
+    n: int,
+    seed: int,
+    non_finite_reward: str = "error",
+    prompt_names: list[int] | None = None,
+    **overrides,
+) -> RolloutBatch:
     """Sample ``n`` responses for each prompt on the generation engines and score them with ``env``.
 
     Args:
@@ -140,9 +158,18 @@ class RolloutGenerator:
         NonFiniteRewardError: from a call, see :func:`score_rollouts`.
     """
 
-    def __init__(self, generation, tokenizer, env, problems: list[dict], prompt_ids_of,
-                 non_finite_reward: str = "error", version: int | None = None,
-                 gate: Callable[[], AbstractContextManager] | None = None, tag_draft_version: bool = False) -> None:
+    def __init__(
+        self,
+        generation,
+        tokenizer,
+        env,
+        problems: list[dict],
+        prompt_ids_of,
+        non_finite_reward: str = "error",
+        version: int | None = None,
+        gate: Callable[[], AbstractContextManager] | None = None,
+        tag_draft_version: bool = False,
+    ) -> None:
         self.generation, self.tokenizer, self.env = generation, tokenizer, env
         self.problems, self.prompt_ids_of, self.non_finite_reward = problems, prompt_ids_of, non_finite_reward
         self.version, self.gate, self.tag_draft_version = version, gate or nullcontext, tag_draft_version
@@ -158,8 +185,15 @@ class RolloutGenerator:
                 start = time.perf_counter()
                 gen = self.generation.generate(prompts, n, mix_seed(*(r.seed for r in reqs)))
                 self.stats.add(gen, time.perf_counter() - start)
-            rewards, valid = score_rollouts(self.env, decode_responses(self.tokenizer, gen), chosen, gen, n,
-                                            self.non_finite_reward, [r.prompt_id for r in reqs])
+            rewards, valid = score_rollouts(
+                self.env,
+                decode_responses(self.tokenizer, gen),
+                chosen,
+                gen,
+                n,
+                self.non_finite_reward,
+                [r.prompt_id for r in reqs],
+            )
             version = int(gen["policy_version"]) if self.version is None else self.version
             extra = {"draft_version": gen.get("draft_version")} if self.tag_draft_version else {}
             for j, req in enumerate(reqs):
@@ -172,9 +206,12 @@ class RolloutGenerator:
 def _row_payload(gen: GenerationOutputSpec, rows: slice) -> dict[str, torch.Tensor]:
     lengths = gen["unpadded_sequence_lengths"][rows]
     width = int(lengths.max())
-    return {"output_ids": gen["output_ids"][rows, :width].clone(), "input_lengths": gen["input_lengths"][rows].clone(),
-            "sequence_lengths": lengths.clone(),
-            "generation_logprobs": gen["generation_logprobs"][rows, :width].float().clone()}
+    return {
+        "output_ids": gen["output_ids"][rows, :width].clone(),
+        "input_lengths": gen["input_lengths"][rows].clone(),
+        "sequence_lengths": lengths.clone(),
+        "generation_logprobs": gen["generation_logprobs"][rows, :width].float().clone(),
+    }
 
 
 def _pad_cat(tensors: list[torch.Tensor], pad_value: float) -> torch.Tensor:
@@ -185,8 +222,13 @@ def _pad_cat(tensors: list[torch.Tensor], pad_value: float) -> torch.Tensor:
 def selection_reward_valid(selection: TrainSelection) -> torch.Tensor:
     """Shape: [N] bool, aligned with ``selection.rewards``: False for rows whose non-finite reward was masked
     (payload ``reward_valid``; payloads without it count as valid)."""
-    return torch.cat([r.payload.get("reward_valid", torch.ones(r.rewards.numel(), dtype=torch.bool))
-                      for r in selection.results]) if selection.results else torch.zeros(0, dtype=torch.bool)
+    return (
+        torch.cat(
+            [r.payload.get("reward_valid", torch.ones(r.rewards.numel(), dtype=torch.bool)) for r in selection.results]
+        )
+        if selection.results
+        else torch.zeros(0, dtype=torch.bool)
+    )
 
 
 def build_train_data(selection: TrainSelection, advantages: torch.Tensor, pad_token_id: int) -> TrainDatumSpec:
@@ -198,8 +240,11 @@ def build_train_data(selection: TrainSelection, advantages: torch.Tensor, pad_to
     prompt_lens = torch.cat([p["input_lengths"] for p in payloads])
     seq_lens = torch.cat([p["sequence_lengths"] for p in payloads])
     return TrainDatumSpec(
-        input_ids=ids, input_lengths=seq_lens, token_mask=response_mask(prompt_lens, seq_lens, ids.shape[1]),
-        sample_mask=selection_reward_valid(selection).float(), advantages=advantages.float(),
+        input_ids=ids,
+        input_lengths=seq_lens,
+        token_mask=response_mask(prompt_lens, seq_lens, ids.shape[1]),
+        sample_mask=selection_reward_valid(selection).float(),
+        advantages=advantages.float(),
         generation_logprobs=_pad_cat([p["generation_logprobs"] for p in payloads], 0.0),
     )
 
@@ -210,8 +255,9 @@ def masked_mean_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -
     return float(((a - b).abs() * mask).sum() / count) if count > 0 else 0.0
 
 
-def logprob_agreement_metrics(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor,
-                              mask: torch.Tensor) -> dict[str, float]:
+def logprob_agreement_metrics(
+    prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """How far the trainer's log-probs are from the sampler's on the sampled tokens.
 
     Shapes: [N, S] each (mask 1 on response tokens). Returns

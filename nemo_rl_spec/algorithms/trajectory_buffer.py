@@ -17,6 +17,7 @@ groups counted in ``evicted_batches`` / ``evicted_groups``), while ``get(4)`` wo
 Whole groups only: a batch holds whole prompt groups (each produced by one generation call, which the generation
 actor runs between refits), so a refit never splits a group; eviction drops whole groups.
 """
+
 from __future__ import annotations
 
 import threading
@@ -67,11 +68,21 @@ class TrajectoryBatch:
         """Plain containers for ``torch.save`` (inverse: :meth:`from_state`); the allocator state is not included
         (the buffer keeps only the newest one)."""
         sel = self.selection
-        return {"index": self.index, "draft_version": self.draft_version, "generation_s": self.generation_s,
-                "generated_tokens": self.generated_tokens, "metrics": dict(self.metrics),
-                "selection": {"step": sel.step, "metrics": dict(sel.metrics), "exhausted": sel.exhausted,
-                              "groups": [{"prompt_id": g.prompt_id, "results": [r.to_state() for r in g.results]}
-                                         for g in sel.groups]}}
+        return {
+            "index": self.index,
+            "draft_version": self.draft_version,
+            "generation_s": self.generation_s,
+            "generated_tokens": self.generated_tokens,
+            "metrics": dict(self.metrics),
+            "selection": {
+                "step": sel.step,
+                "metrics": dict(sel.metrics),
+                "exhausted": sel.exhausted,
+                "groups": [
+                    {"prompt_id": g.prompt_id, "results": [r.to_state() for r in g.results]} for g in sel.groups
+                ],
+            },
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> TrajectoryBatch:
@@ -79,8 +90,15 @@ class TrajectoryBatch:
         s = state["selection"]
         groups = [TrainGroup(g["prompt_id"], [RolloutResult.from_state(r) for r in g["results"]]) for g in s["groups"]]
         sel = TrainSelection(s["step"], groups, dict(s["metrics"]), s["exhausted"])
-        return cls(state["index"], sel, state["draft_version"], None, state["generation_s"],
-                   state["generated_tokens"], dict(state["metrics"]))
+        return cls(
+            state["index"],
+            sel,
+            state["draft_version"],
+            None,
+            state["generation_s"],
+            state["generated_tokens"],
+            dict(state["metrics"]),
+        )
 
 
 class BufferClosed(RuntimeError):
@@ -197,9 +215,14 @@ class TrajectoryBuffer:
     def state_dict(self) -> dict[str, Any]:
         """Buffered batches, counters, next batch index and the newest allocator state, taken atomically."""
         with self._cond:
-            return {"max_age": self.max_age, "batches": [b.to_state() for b in self._batches],
-                    "evicted_groups": self.evicted_groups, "evicted_batches": self.evicted_batches,
-                    "next_index": self.next_index, "allocator_state": self.last_allocator_state}
+            return {
+                "max_age": self.max_age,
+                "batches": [b.to_state() for b in self._batches],
+                "evicted_groups": self.evicted_groups,
+                "evicted_batches": self.evicted_batches,
+                "next_index": self.next_index,
+                "allocator_state": self.last_allocator_state,
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output. The age bound and capacity stay this buffer's own, so a resume may

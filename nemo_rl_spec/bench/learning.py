@@ -15,6 +15,7 @@ trainer-vs-sampler probability error, 1.0 is perfect). Over seeds: mean gain and
 present in both, final accuracy and gain of this run minus the baseline's, and the mean final-accuracy difference with
 its bootstrap 90% interval (paired by seed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,41 +65,67 @@ def seed_summary(records: list[dict]) -> dict:
     final = val[-1][1] if val and val[-1][0] > 0 else None
     times = [r["timing/train/total_step_time"] for r in steps if "timing/train/total_step_time" in r]
     tmpe = [float(r[TMPE]) for r in steps if TMPE in r]
-    return {"validation": val, "start_accuracy": start, "final_accuracy": final,
-            "gain": None if start is None or final is None else final - start,
-            "train_reward": [float(r[REWARD]) for r in steps], "reward_first_third": first, "reward_last_third": last,
-            "steps_run": len(steps), "mean_step_time_s": statistics.fmean(times) if times else None,
-            "token_mult_prob_error": tmpe, "mean_token_mult_prob_error": statistics.fmean(tmpe) if tmpe else None}
+    return {
+        "validation": val,
+        "start_accuracy": start,
+        "final_accuracy": final,
+        "gain": None if start is None or final is None else final - start,
+        "train_reward": [float(r[REWARD]) for r in steps],
+        "reward_first_third": first,
+        "reward_last_third": last,
+        "steps_run": len(steps),
+        "mean_step_time_s": statistics.fmean(times) if times else None,
+        "token_mult_prob_error": tmpe,
+        "mean_token_mult_prob_error": statistics.fmean(tmpe) if tmpe else None,
+    }
 
 
 def summarize(per_seed: dict[str, dict]) -> dict:
     """Mean gain over the seeds that finished, its bootstrap 90% interval, and the per-seed summaries."""
     gains = [s["gain"] for s in per_seed.values() if s["gain"] is not None]
-    trend = [s["reward_last_third"] - s["reward_first_third"] for s in per_seed.values()
-             if s["reward_first_third"] is not None]
-    tmpe = [s["mean_token_mult_prob_error"] for s in per_seed.values()
-            if s.get("mean_token_mult_prob_error") is not None]
+    trend = [
+        s["reward_last_third"] - s["reward_first_third"]
+        for s in per_seed.values()
+        if s["reward_first_third"] is not None
+    ]
+    tmpe = [
+        s["mean_token_mult_prob_error"] for s in per_seed.values() if s.get("mean_token_mult_prob_error") is not None
+    ]
     times = [s["mean_step_time_s"] for s in per_seed.values() if s["mean_step_time_s"] is not None]
-    return {"mean_gain": statistics.fmean(gains) if gains else None, "gain_interval_90": bootstrap_interval(gains),
-            "mean_reward_trend": statistics.fmean(trend) if trend else None,
-            "mean_token_mult_prob_error": statistics.fmean(tmpe) if tmpe else None,
-            "mean_step_time_s": statistics.fmean(times) if times else None, "seeds": per_seed}
+    return {
+        "mean_gain": statistics.fmean(gains) if gains else None,
+        "gain_interval_90": bootstrap_interval(gains),
+        "mean_reward_trend": statistics.fmean(trend) if trend else None,
+        "mean_token_mult_prob_error": statistics.fmean(tmpe) if tmpe else None,
+        "mean_step_time_s": statistics.fmean(times) if times else None,
+        "seeds": per_seed,
+    }
 
 
 def compare(result: dict, baseline: dict) -> dict:
     """This result minus ``baseline`` (both :func:`summarize` outputs), paired by seed over the seeds where both have a
     final accuracy: per-seed final / gain differences, the mean final-accuracy difference and its bootstrap 90%
     interval, and the mean gain difference."""
-    pairs = {seed: {"final": s["final_accuracy"], "baseline_final": baseline["seeds"][seed]["final_accuracy"],
-                    "final_diff": s["final_accuracy"] - baseline["seeds"][seed]["final_accuracy"],
-                    "gain_diff": s["gain"] - baseline["seeds"][seed]["gain"]}
-             for seed, s in result["seeds"].items() if s["final_accuracy"] is not None and s["gain"] is not None
-             and (baseline["seeds"].get(seed) or {}).get("gain") is not None}
+    pairs = {
+        seed: {
+            "final": s["final_accuracy"],
+            "baseline_final": baseline["seeds"][seed]["final_accuracy"],
+            "final_diff": s["final_accuracy"] - baseline["seeds"][seed]["final_accuracy"],
+            "gain_diff": s["gain"] - baseline["seeds"][seed]["gain"],
+        }
+        for seed, s in result["seeds"].items()
+        if s["final_accuracy"] is not None
+        and s["gain"] is not None
+        and (baseline["seeds"].get(seed) or {}).get("gain") is not None
+    }
     diffs = [p["final_diff"] for p in pairs.values()]
     gain_diffs = [p["gain_diff"] for p in pairs.values()]
-    return {"seeds": pairs, "mean_final_diff": statistics.fmean(diffs) if diffs else None,
-            "final_diff_interval_90": bootstrap_interval(diffs),
-            "mean_gain_diff": statistics.fmean(gain_diffs) if gain_diffs else None}
+    return {
+        "seeds": pairs,
+        "mean_final_diff": statistics.fmean(diffs) if diffs else None,
+        "final_diff_interval_90": bootstrap_interval(diffs),
+        "mean_gain_diff": statistics.fmean(gain_diffs) if gain_diffs else None,
+    }
 
 
 def plot(per_seed: dict[str, dict], png: Path) -> None:
@@ -110,8 +137,14 @@ def plot(per_seed: dict[str, dict], png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (seed, s) in enumerate(per_seed.items()):
         color = f"C{i}"
-        ax.plot(range(1, len(s["train_reward"]) + 1), s["train_reward"], "-", color=color, alpha=0.5,
-                label=f"train/reward seed {seed}")
+        ax.plot(
+            range(1, len(s["train_reward"]) + 1),
+            s["train_reward"],
+            "-",
+            color=color,
+            alpha=0.5,
+            label=f"train/reward seed {seed}",
+        )
         if s["validation"]:
             ax.plot(*zip(*s["validation"]), "--s", color=color, label=f"held-out accuracy seed {seed}")
     finish_plot(fig, ax, png, "GRPO step", "reward / accuracy")
@@ -120,32 +153,44 @@ def plot(per_seed: dict[str, dict], png: Path) -> None:
 def table(result: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     fmt4 = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-    lines = [f"{'seed':>5}{'start':>8}{'final':>8}{'gain':>8}{'reward 1st/3':>14}{'last/3':>8}{'steps':>6}{'s/step':>8}"
-             f"{'tok_mult_err':>14}"]
+    lines = [
+        f"{'seed':>5}{'start':>8}{'final':>8}{'gain':>8}{'reward 1st/3':>14}{'last/3':>8}{'steps':>6}{'s/step':>8}"
+        f"{'tok_mult_err':>14}"
+    ]
     for seed, s in result["seeds"].items():
-        lines.append(f"{seed:>5}{fmt(s['start_accuracy']):>8}{fmt(s['final_accuracy']):>8}{fmt(s['gain']):>8}"
-                     f"{fmt(s['reward_first_third']):>14}{fmt(s['reward_last_third']):>8}{s['steps_run']:>6}"
-                     f"{fmt(s['mean_step_time_s']):>8}{fmt4(s.get('mean_token_mult_prob_error')):>14}")
+        lines.append(
+            f"{seed:>5}{fmt(s['start_accuracy']):>8}{fmt(s['final_accuracy']):>8}{fmt(s['gain']):>8}"
+            f"{fmt(s['reward_first_third']):>14}{fmt(s['reward_last_third']):>8}{s['steps_run']:>6}"
+            f"{fmt(s['mean_step_time_s']):>8}{fmt4(s.get('mean_token_mult_prob_error')):>14}"
+        )
     ci = result["gain_interval_90"]
-    lines.append(f"mean gain {fmt(result['mean_gain'])}, bootstrap 90% interval "
-                 f"{'-' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'}; mean reward trend (last - first third) "
-                 f"{fmt(result['mean_reward_trend'])}; mean token_mult_prob_error "
-                 f"{fmt4(result.get('mean_token_mult_prob_error'))}")
+    lines.append(
+        f"mean gain {fmt(result['mean_gain'])}, bootstrap 90% interval "
+        f"{'-' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'}; mean reward trend (last - first third) "
+        f"{fmt(result['mean_reward_trend'])}; mean token_mult_prob_error "
+        f"{fmt4(result.get('mean_token_mult_prob_error'))}"
+    )
     tmpe = {seed: s.get("token_mult_prob_error") or [] for seed, s in result["seeds"].items()}
     if any(tmpe.values()):
-        lines.append("token_mult_prob_error per step: " + "; ".join(
-            f"seed {seed}: " + " ".join(f"{v:.4f}" for v in vals) for seed, vals in tmpe.items()))
+        lines.append(
+            "token_mult_prob_error per step: "
+            + "; ".join(f"seed {seed}: " + " ".join(f"{v:.4f}" for v in vals) for seed, vals in tmpe.items())
+        )
     if result.get("comparison"):
         c = result["comparison"]
         lines.append(f"vs baseline {result['meta'].get('baseline')}:")
         lines.append(f"{'seed':>5}{'final':>8}{'base':>8}{'diff':>8}{'gain diff':>11}")
         for seed, p in c["seeds"].items():
-            lines.append(f"{seed:>5}{fmt(p['final']):>8}{fmt(p['baseline_final']):>8}{p['final_diff']:>+8.3f}"
-                         f"{p['gain_diff']:>+11.3f}")
+            lines.append(
+                f"{seed:>5}{fmt(p['final']):>8}{fmt(p['baseline_final']):>8}{p['final_diff']:>+8.3f}"
+                f"{p['gain_diff']:>+11.3f}"
+            )
         ci = c["final_diff_interval_90"]
-        lines.append(f"mean final-accuracy difference {fmt(c['mean_final_diff'])}, bootstrap 90% interval "
-                     f"{'-' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'}; mean gain difference "
-                     f"{fmt(c['mean_gain_diff'])}")
+        lines.append(
+            f"mean final-accuracy difference {fmt(c['mean_final_diff'])}, bootstrap 90% interval "
+            f"{'-' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'}; mean gain difference "
+            f"{fmt(c['mean_gain_diff'])}"
+        )
     return "\n".join(lines)
 
 
@@ -157,12 +202,29 @@ def main(argv=None) -> int:
     t0, per_seed, infos = time.time(), {}, {}
     for seed in args.seeds:
         run_dir = work / f"seed{seed}"
-        infos[str(seed)] = run_grpo_subprocess(args.config, [f"grpo.seed={seed}", *extra], run_dir,
-                                               label=f"seed {seed}", timeout_s=args.run_timeout, reuse=args.reuse)
-        per_seed[str(seed)] = {**seed_summary(read_metrics(run_dir / "logs" / "metrics.jsonl")),
-                               "returncode": infos[str(seed)]["returncode"], "wall_s": infos[str(seed)]["wall_s"]}
-        result = {**summarize(per_seed), "meta": {"config": args.config, "overrides": extra, "seeds": args.seeds,
-                                                 "total_wall_s": round(time.time() - t0), "baseline": args.baseline}}
+        infos[str(seed)] = run_grpo_subprocess(
+            args.config,
+            [f"grpo.seed={seed}", *extra],
+            run_dir,
+            label=f"seed {seed}",
+            timeout_s=args.run_timeout,
+            reuse=args.reuse,
+        )
+        per_seed[str(seed)] = {
+            **seed_summary(read_metrics(run_dir / "logs" / "metrics.jsonl")),
+            "returncode": infos[str(seed)]["returncode"],
+            "wall_s": infos[str(seed)]["wall_s"],
+        }
+        result = {
+            **summarize(per_seed),
+            "meta": {
+                "config": args.config,
+                "overrides": extra,
+                "seeds": args.seeds,
+                "total_wall_s": round(time.time() - t0),
+                "baseline": args.baseline,
+            },
+        }
         if baseline is not None:
             result["comparison"] = compare(result, baseline)
         out.write_text(json.dumps(result, indent=1))

@@ -27,6 +27,7 @@ validation)}, "k1_greedy": {...}}}}, "per_mode": {"<mode>": {"k<k>": {"per_seed"
 "interval90"}}}}`` (bootstrap 90% intervals over seeds, :func:`~nemo_rl_spec.utils.bench_runs.mean_and_interval`).
 Resumable: the JSON is rewritten after every run, and ``--reuse`` keeps the runs already in it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,11 @@ CKPT_FILE = "megatron_policy_tp0.pt"
 
 def final_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     """(step, policy folder) of the highest ``ckpt/step_<N>`` of a bench run, or None."""
-    found = [(int(m.group(1)), p) for p in (run_dir / "ckpt").glob("step_*")
-             if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "policy" / CKPT_FILE).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in (run_dir / "ckpt").glob("step_*")
+        if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "policy" / CKPT_FILE).is_file()
+    ]
     if not found:
         return None
     step, path = max(found)
@@ -77,12 +81,20 @@ def export_mimo(policy_dir: Path, model_path: str, out_dir: Path) -> Path:
     return write_mimo_checkpoint(trunk, cfg, mtp, out_dir, tokenizer_dir=model_path)
 
 
-def measure(mimo_dir: str, prompts: list[list[int]], k: int, temperature: float, max_tokens: int, n: int,
-            max_model_len: int, greedy: bool = False, seed: int = 0) -> dict:
+def measure(
+    mimo_dir: str,
+    prompts: list[list[int]],
+    k: int,
+    temperature: float,
+    max_tokens: int,
+    n: int,
+    max_model_len: int,
+    greedy: bool = False,
+    seed: int = 0,
+) -> dict:
     """In this (fresh) process: serve ``mimo_dir`` with vLLM's ``mtp`` drafter at ``k`` and sample ``n`` answers
     per prompt; with ``greedy`` also one T = 0 answer per prompt. Returns the counters per decode."""
     from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
-
 
     llm = make_llm(mimo_dir, {"method": "mtp", "num_speculative_tokens": k}, max_model_len=max_model_len, seed=seed)
     hooked = install_post_norm_mtp_input(llm)
@@ -97,11 +109,18 @@ def measure(mimo_dir: str, prompts: list[list[int]], k: int, temperature: float,
         gen_s = time.perf_counter() - t0
         c = read_spec_decode_counters(llm) - before
         tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
-        out[name] = {"acceptance_length": c.acceptance_length, "acceptance_rate": c.acceptance_rate,
-                     "rate_pos": [a / c.num_drafts for a in c.accepted_per_pos] if c.num_drafts else [],
-                     "drafts": c.num_drafts, "accepted": c.num_accepted_tokens, "generate_s": gen_s,
-                     "tokens": tokens, "mtp_layers_hooked": hooked, "temperature": params.temperature,
-                     "texts": [[o.text for o in r.outputs] for r in results]}
+        out[name] = {
+            "acceptance_length": c.acceptance_length,
+            "acceptance_rate": c.acceptance_rate,
+            "rate_pos": [a / c.num_drafts for a in c.accepted_per_pos] if c.num_drafts else [],
+            "drafts": c.num_drafts,
+            "accepted": c.num_accepted_tokens,
+            "generate_s": gen_s,
+            "tokens": tokens,
+            "mtp_layers_hooked": hooked,
+            "temperature": params.temperature,
+            "texts": [[o.text for o in r.outputs] for r in results],
+        }
     shutdown(llm)
     return out
 
@@ -118,10 +137,18 @@ def heldout_prompts(config: str, overrides: list[str]) -> tuple[list[list[int]],
     tok = AutoTokenizer.from_pretrained(model_path)
     gen = cfg.policy.generation
     temperature = gen.temperature if cfg.grpo.val_temperature is None else cfg.grpo.val_temperature
-    return chat_prompt_ids(cfg, tok, val), [p["answer"] for p in val], {
-        "model_path": model_path, "temperature": float(temperature), "max_tokens": int(gen.max_new_tokens),
-        "n": int(cfg.grpo.val_num_generations), "max_model_len": int(gen.vllm_cfg.max_model_len),
-        "num_prompts": len(val)}
+    return (
+        chat_prompt_ids(cfg, tok, val),
+        [p["answer"] for p in val],
+        {
+            "model_path": model_path,
+            "temperature": float(temperature),
+            "max_tokens": int(gen.max_new_tokens),
+            "n": int(cfg.grpo.val_num_generations),
+            "max_model_len": int(gen.vllm_cfg.max_model_len),
+            "num_prompts": len(val),
+        },
+    )
 
 
 def summarise(runs: dict, ks: list[str]) -> dict:
@@ -129,8 +156,11 @@ def summarise(runs: dict, ks: list[str]) -> dict:
     for mode, seeds in runs.items():
         out[mode] = {}
         for key in ks + ["train_mtp_acceptance"]:
-            per_seed = {s: (r[key]["acceptance_length"] if isinstance(r.get(key), dict) else r.get(key))
-                        for s, r in seeds.items() if key in r}
+            per_seed = {
+                s: (r[key]["acceptance_length"] if isinstance(r.get(key), dict) else r.get(key))
+                for s, r in seeds.items()
+                if key in r
+            }
             out[mode][key] = {"per_seed": per_seed, **mean_and_interval(list(per_seed.values()))}
     return out
 
@@ -172,20 +202,32 @@ def main(argv: list[str] | None = None) -> int:
             rec = {"step": step, "train_mtp_acceptance": train_acc[-1] if train_acc else None}
             for k in args.ks:
                 t0 = time.perf_counter()
-                got = run_isolated(measure, str(mimo), prompts, k, sampling["temperature"], sampling["max_tokens"],
-                                   sampling["n"], sampling["max_model_len"], greedy=args.greedy and k == 1,
-                                   threads=args.threads)
+                got = run_isolated(
+                    measure,
+                    str(mimo),
+                    prompts,
+                    k,
+                    sampling["temperature"],
+                    sampling["max_tokens"],
+                    sampling["n"],
+                    sampling["max_model_len"],
+                    greedy=args.greedy and k == 1,
+                    threads=args.threads,
+                )
                 for decode in got.values():  # sanity: the served policy's accuracy (cf. the run's validation)
                     texts = decode.pop("texts")
-                    decode["accuracy"] = sum(score_response(t, a, None) for ts, a in zip(texts, answers)
-                                             for t in ts) / sum(len(ts) for ts in texts)
+                    decode["accuracy"] = sum(
+                        score_response(t, a, None) for ts, a in zip(texts, answers) for t in ts
+                    ) / sum(len(ts) for ts in texts)
                 rec.update(got)
-                print(f"{mode} seed {seed} step {step} k={k}: acceptance length "
-                      f"{rec[f'k{k}']['acceptance_length']:.3f} (pos rates "
-                      f"{[round(x, 3) for x in rec[f'k{k}']['rate_pos']]}), "
-                      + (f"greedy {rec['k1_greedy']['acceptance_length']:.3f}, " if f"k{k}_greedy" in rec else "")
-                      + f"answers' accuracy {rec[f'k{k}']['accuracy']:.3f}, train/mtp/acceptance {rec['train_mtp_acceptance']}; {time.perf_counter() - t0:.0f} s",
-                      flush=True)
+                print(
+                    f"{mode} seed {seed} step {step} k={k}: acceptance length "
+                    f"{rec[f'k{k}']['acceptance_length']:.3f} (pos rates "
+                    f"{[round(x, 3) for x in rec[f'k{k}']['rate_pos']]}), "
+                    + (f"greedy {rec['k1_greedy']['acceptance_length']:.3f}, " if f"k{k}_greedy" in rec else "")
+                    + f"answers' accuracy {rec[f'k{k}']['accuracy']:.3f}, train/mtp/acceptance {rec['train_mtp_acceptance']}; {time.perf_counter() - t0:.0f} s",
+                    flush=True,
+                )
             result["runs"].setdefault(mode, {})[str(seed)] = rec
             result["per_mode"] = summarise(result["runs"], keys)
             out.parent.mkdir(parents=True, exist_ok=True)

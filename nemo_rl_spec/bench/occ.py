@@ -40,6 +40,7 @@ the exit code is 1. Written JSON::
 Also prints a table and writes ``<out>.png`` (per-step curves per mode, mean over seeds). On 2 shared CPU cores the
 step times carry the noise of whatever else runs; compare the training-phase times, which the MTP mode changes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,11 +57,20 @@ from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.utils.bench_runs import mean_and_interval, read_metrics, result_paths, run_grpo_subprocess
 from nemo_rl_spec.utils.config import load_config
 
-SERIES = {"reward": "train/reward", "lambda": "train/mtp/lambda", "c_hat": "train/mtp/c_hat",
-          "v2_hat": "train/mtp/v2_hat", "mtp_ce": "train/mtp/ce_0", "mtp_acceptance": "train/mtp/acceptance",
-          "c_ref": "train/mtp/c_ref", "v2_ref": "train/mtp/v2_ref", "lambda_ref": "train/mtp/lambda_ref",
-          "c_ref_decoder": "train/mtp/c_ref_decoder", "v2_ref_decoder": "train/mtp/v2_ref_decoder",
-          "lambda_hidden_grad": "train/mtp/lambda_hidden_grad"}
+SERIES = {
+    "reward": "train/reward",
+    "lambda": "train/mtp/lambda",
+    "c_hat": "train/mtp/c_hat",
+    "v2_hat": "train/mtp/v2_hat",
+    "mtp_ce": "train/mtp/ce_0",
+    "mtp_acceptance": "train/mtp/acceptance",
+    "c_ref": "train/mtp/c_ref",
+    "v2_ref": "train/mtp/v2_ref",
+    "lambda_ref": "train/mtp/lambda_ref",
+    "c_ref_decoder": "train/mtp/c_ref_decoder",
+    "v2_ref_decoder": "train/mtp/v2_ref_decoder",
+    "lambda_hidden_grad": "train/mtp/lambda_hidden_grad",
+}
 PROXY_SERIES = ("c_hat", "c_ref", "v2_hat", "v2_ref", "lambda", "lambda_ref", "c_ref_decoder", "v2_ref_decoder")
 REFERENCE = "+ref"  # mode suffix: also compute the full-gradient reference (policy.megatron_cfg.mtp_occ_reference)
 FLAGS = {"ref": "mtp_occ_reference", "lpd": "mtp_occ_proxy"}  # mode flags -> policy.megatron_cfg keys
@@ -78,18 +88,31 @@ def parse_mode(mode: str) -> tuple[str, bool, str]:
 def mode_overrides(mode: str) -> list[str]:
     """``occ`` -> the loss mode; ``+ref`` adds the full-gradient reference, ``+lpd`` the paper's proxy."""
     base, reference, proxy = parse_mode(mode)
-    return [f"policy.megatron_cfg.mtp_loss_mode={base}"] + \
-        (["+policy.megatron_cfg.mtp_occ_reference=true"] if reference else []) + \
-        ([f"+policy.megatron_cfg.mtp_occ_proxy={proxy}"] if proxy != "hidden_grad" else [])
+    return (
+        [f"policy.megatron_cfg.mtp_loss_mode={base}"]
+        + (["+policy.megatron_cfg.mtp_occ_reference=true"] if reference else [])
+        + ([f"+policy.megatron_cfg.mtp_occ_proxy={proxy}"] if proxy != "hidden_grad" else [])
+    )
 
 
 def run_one(args, mode: str, seed: int, extra: list[str], run_dir: Path) -> tuple[dict, list[dict]]:
     """One GRPO run (``examples/run_grpo.py`` in a subprocess, logs in ``run_dir``; with ``--reuse`` a finished run is
     read back, not rerun). Returns its ``run.json`` record and its JSONL records (one per step, plus step 0)."""
-    overrides = [*mode_overrides(mode), f"grpo.seed={seed}", f"grpo.max_num_steps={args.steps}",
-                 "checkpointing.enabled=false", *extra]
-    info = run_grpo_subprocess(args.config, overrides, run_dir, label=f"{mode} seed {seed}",
-                               timeout_s=args.run_timeout, reuse=args.reuse or getattr(args, "analyse_only", False))
+    overrides = [
+        *mode_overrides(mode),
+        f"grpo.seed={seed}",
+        f"grpo.max_num_steps={args.steps}",
+        "checkpointing.enabled=false",
+        *extra,
+    ]
+    info = run_grpo_subprocess(
+        args.config,
+        overrides,
+        run_dir,
+        label=f"{mode} seed {seed}",
+        timeout_s=args.run_timeout,
+        reuse=args.reuse or getattr(args, "analyse_only", False),
+    )
     return info, read_metrics(run_dir / "logs" / "metrics.jsonl")
 
 
@@ -104,7 +127,7 @@ def mode_stats(seeds: dict) -> dict:
     the final accuracy, the MTP acceptance and the step time."""
     out = {}
     for key in ("final_accuracy", "peak_accuracy", "mtp_acceptance", "step_time_s", "train_time_s"):
-        vals = [r[key] for r in seeds.values() if r.get(key) is not None and r[key] == r[key]]   # drop NaN
+        vals = [r[key] for r in seeds.values() if r.get(key) is not None and r[key] == r[key]]  # drop NaN
         out[key] = {"per_seed": {s: r.get(key) for s, r in seeds.items()}, **mean_and_interval(vals)}
     return out
 
@@ -121,8 +144,12 @@ def paired_vs(runs: dict, base: str = "detach") -> dict:
         out[mode] = {}
         for key in ("final_accuracy", "peak_accuracy"):
             diffs = {s: seeds[s][key] - runs[base][s][key] for s in common}
-            out[mode][key] = {"per_seed": diffs, **mean_and_interval(list(diffs.values())),
-                              "above": sum(d > 0 for d in diffs.values()), "below": sum(d < 0 for d in diffs.values())}
+            out[mode][key] = {
+                "per_seed": diffs,
+                **mean_and_interval(list(diffs.values())),
+                "above": sum(d > 0 for d in diffs.values()),
+                "below": sum(d < 0 for d in diffs.values()),
+            }
     return out
 
 
@@ -132,22 +159,30 @@ def summarise(records: list[dict]) -> dict:
     last_val = [r["validation/accuracy"] for r in records if "validation/accuracy" in r]
     trained_val = [r["validation/accuracy"] for r in records if "validation/accuracy" in r and r["step"] > 0]
     mean = lambda key: sum(r[key] for r in later) / len(later)  # noqa: E731
-    return {"final_accuracy": last_val[-1] if last_val else float("nan"),
-            "peak_accuracy": max(trained_val) if trained_val else float("nan"),
-            "validation": [(r["step"], r["validation/accuracy"]) for r in records if "validation/accuracy" in r],
-            "mtp_acceptance": steps[-1].get("train/mtp/acceptance", float("nan")),
-            "step_time_s": mean("timing/train/total_step_time"),
-            "train_time_s": mean("timing/train/policy_training"),
-            "series": {name: [r.get(key, float("nan")) for r in steps] for name, key in SERIES.items()}}
+    return {
+        "final_accuracy": last_val[-1] if last_val else float("nan"),
+        "peak_accuracy": max(trained_val) if trained_val else float("nan"),
+        "validation": [(r["step"], r["validation/accuracy"]) for r in records if "validation/accuracy" in r],
+        "mtp_acceptance": steps[-1].get("train/mtp/acceptance", float("nan")),
+        "step_time_s": mean("timing/train/total_step_time"),
+        "train_time_s": mean("timing/train/policy_training"),
+        "series": {name: [r.get(key, float("nan")) for r in steps] for name, key in SERIES.items()},
+    }
 
 
 def proxy_validation(seeds: dict) -> dict:
     """Pearson and Spearman (rank) correlation of the proxies (c_hat, v2_hat, lambda) with the full-gradient reference (c, v2,
     lambda_ref; and c, v2 over the decoder layers only, when the series have them) over every step of every seed,
     and the fraction of steps where sign(c_hat) == sign(c) (``sign_agreement_c``, ``sign_agreement_c_decoder``)."""
-    names = {"c": ("c_hat", "c_ref"), "v2": ("v2_hat", "v2_ref"), "lambda": ("lambda", "lambda_ref"),
-             "lambda_hidden_grad": ("lambda_hidden_grad", "lambda_ref"), "lambda_vs_c": ("lambda", "c_ref"),
-             "c_decoder": ("c_hat", "c_ref_decoder"), "v2_decoder": ("v2_hat", "v2_ref_decoder")}
+    names = {
+        "c": ("c_hat", "c_ref"),
+        "v2": ("v2_hat", "v2_ref"),
+        "lambda": ("lambda", "lambda_ref"),
+        "lambda_hidden_grad": ("lambda_hidden_grad", "lambda_ref"),
+        "lambda_vs_c": ("lambda", "c_ref"),
+        "c_decoder": ("c_hat", "c_ref_decoder"),
+        "v2_decoder": ("v2_hat", "v2_ref_decoder"),
+    }
     pairs = {name: ([], []) for name in names}
     for r in seeds.values():
         s = r["series"]
@@ -181,8 +216,9 @@ def plot(result: dict, path: Path) -> None:
         for ax, name in zip(axes, ("reward", "mtp_acceptance", "mtp_ce", "lambda")):
             curves = [s["series"][name] for s in seeds.values()]
             n = min(len(c) for c in curves)
-            ax.plot(range(1, n + 1), [sum(c[i] for c in curves) / len(curves) for i in range(n)], label=mode,
-                    marker="o")
+            ax.plot(
+                range(1, n + 1), [sum(c[i] for c in curves) / len(curves) for i in range(n)], label=mode, marker="o"
+            )
             ax.set_title(name), ax.set_xlabel("step")
     axes[0].legend()
     fig.tight_layout()
@@ -212,9 +248,14 @@ def random_train_batch(worker, seed: int, batch: int = 8, seq: int = 160, prompt
     ids = torch.randint(1, worker.spec.vocab_size, (batch, seq), generator=gen)
     mask = torch.zeros(batch, seq)
     mask[:, prompt:] = 1.0
-    data = dict(input_ids=ids, input_lengths=torch.full((batch,), seq), token_mask=mask,
-                sample_mask=torch.ones(batch), advantages=torch.randn(batch, generator=gen),
-                generation_logprobs=torch.zeros(batch, seq))
+    data = dict(
+        input_ids=ids,
+        input_lengths=torch.full((batch,), seq),
+        token_mask=mask,
+        sample_mask=torch.ones(batch),
+        advantages=torch.randn(batch, generator=gen),
+        generation_logprobs=torch.zeros(batch, seq),
+    )
     data["prev_logprobs"] = worker.get_logprobs(data)
     return data
 
@@ -251,10 +292,18 @@ def proxy_steps(config: str, steps: int, extra: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--overhead-repeats", type=int, default=0,
-                        help="also time worker.train per mode in one process (median of N rounds)")
-    parser.add_argument("--proxy-steps", type=int, default=0,
-                        help="also validate the proxies: N occ+ref worker steps on random batches and advantages")
+    parser.add_argument(
+        "--overhead-repeats",
+        type=int,
+        default=0,
+        help="also time worker.train per mode in one process (median of N rounds)",
+    )
+    parser.add_argument(
+        "--proxy-steps",
+        type=int,
+        default=0,
+        help="also validate the proxies: N occ+ref worker steps on random batches and advantages",
+    )
     parser.add_argument("--config", default="configs/grpo_math_tiny_mtp.yaml")
     parser.add_argument("--modes", nargs="+", default=["detach", "ce", "policy", "occ"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
@@ -262,8 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="per-run log dirs (default: <out stem>_runs/ next to --out)")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     parser.add_argument("--reuse", action="store_true", help="skip runs that finished (re-analysis, resume)")
-    parser.add_argument("--analyse-only", action="store_true",
-                        help="read the finished runs back, start none (unfinished ones are listed in failed_runs)")
+    parser.add_argument(
+        "--analyse-only",
+        action="store_true",
+        help="read the finished runs back, start none (unfinished ones are listed in failed_runs)",
+    )
     args, extra = parser.parse_known_args(argv)
     out, work = result_paths(args.out, args.work_dir)
     result = {"config": args.config, "steps": args.steps, "overrides": extra, "runs": {}}
@@ -294,9 +346,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             result["runs"].setdefault(mode, {})[str(seed)] = r = summarise(records)
             result["per_mode"] = {m: mode_stats(by) for m, by in result["runs"].items()}
-            out.write_text(json.dumps(result, indent=1))   # after every run: an interrupted benchmark keeps them
-            print(f"{mode:7s} seed {seed}: acc {r['final_accuracy']:.3f}  mtp_acc {r['mtp_acceptance']:.3f}  "
-                  f"step {r['step_time_s']:.2f}s  train {r['train_time_s']:.2f}s", flush=True)
+            out.write_text(json.dumps(result, indent=1))  # after every run: an interrupted benchmark keeps them
+            print(
+                f"{mode:7s} seed {seed}: acc {r['final_accuracy']:.3f}  mtp_acc {r['mtp_acceptance']:.3f}  "
+                f"step {r['step_time_s']:.2f}s  train {r['train_time_s']:.2f}s",
+                flush=True,
+            )
     runs = result["runs"]
     if "detach" in runs:
         result["vs_detach"] = paired_vs(runs)
@@ -308,22 +363,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"proxy validation {mode}:", json.dumps(result[f"proxy_validation_{mode}"]), flush=True)
     if "occ" in runs and "detach" in runs:
         mean = lambda mode, key: sum(s[key] for s in runs[mode].values()) / len(runs[mode])  # noqa: E731
-        result["overhead"] = {f"occ_vs_detach_{k}": mean("occ", f"{k}_s") / mean("detach", f"{k}_s")
-                              for k in ("step_time", "train_time")}
+        result["overhead"] = {
+            f"occ_vs_detach_{k}": mean("occ", f"{k}_s") / mean("detach", f"{k}_s") for k in ("step_time", "train_time")
+        }
     print(f"\n{'mode':8s} {'seed':>4s} {'final_acc':>9s} {'mtp_accept':>10s} {'step_s':>7s} {'train_s':>7s}")
     for mode, seeds in runs.items():
         for seed, r in seeds.items():
-            print(f"{mode:8s} {seed:>4s} {r['final_accuracy']:9.3f} {r['mtp_acceptance']:10.3f} "
-                  f"{r['step_time_s']:7.2f} {r['train_time_s']:7.2f}")
+            print(
+                f"{mode:8s} {seed:>4s} {r['final_accuracy']:9.3f} {r['mtp_acceptance']:10.3f} "
+                f"{r['step_time_s']:7.2f} {r['train_time_s']:7.2f}"
+            )
     for mode, st in result.get("per_mode", {}).items():
         acc = st["final_accuracy"]
         ci = acc["interval90"]
-        print(f"{mode}: final accuracy mean {acc['mean']:.3f}, 90% CI "
-              f"{'-' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'}")
+        print(
+            f"{mode}: final accuracy mean {acc['mean']:.3f}, 90% CI "
+            f"{'-' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'}"
+        )
     result["failed_runs"] = failed
     out.write_text(json.dumps(result, indent=1))
     if runs:
         plot(result, out.with_suffix(".png"))
-    print(json.dumps({"out": str(out), "plot": str(out.with_suffix(".png")), **result.get("overhead", {}),
-                      "failed_runs": failed}))
+    print(
+        json.dumps(
+            {"out": str(out), "plot": str(out.with_suffix(".png")), **result.get("overhead", {}), "failed_runs": failed}
+        )
+    )
     return 1 if failed else 0

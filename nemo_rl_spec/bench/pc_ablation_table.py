@@ -12,6 +12,7 @@ mean times seen of the trained prompts and the run's final distinct-prompt fract
 each of those per seed and their mean with a bootstrap 90% interval over seeds
 (:func:`nemo_rl_spec.utils.bench_runs.mean_and_interval`). Prints a markdown table; ``--out`` writes the numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,20 @@ from pathlib import Path
 
 from nemo_rl_spec.utils.bench_runs import finish_plot, mean_and_interval
 
-FIELDS = ("final", "peak", "drop", "dip_last10", "max_drawdown", "peak_step", "rollouts", "rows_per_step", "grad_norm", "grad_norm_max",
-          "times_seen", "unique_frac")
+FIELDS = (
+    "final",
+    "peak",
+    "drop",
+    "dip_last10",
+    "max_drawdown",
+    "peak_step",
+    "rollouts",
+    "rows_per_step",
+    "grad_norm",
+    "grad_norm_max",
+    "times_seen",
+    "unique_frac",
+)
 
 
 def run_row(run: dict) -> dict:
@@ -29,21 +42,28 @@ def run_row(run: dict) -> dict:
     the data (no validation after step 0, or a run written before the diagnostics existed)."""
     pts = [p for p in run.get("curve", []) if p[0] > 0]
     final = pts[-1][2] if pts else None
-    peak_pt = max(pts, key=lambda p: (p[2], -p[0])) if pts else None   # earliest step at the peak accuracy
+    peak_pt = max(pts, key=lambda p: (p[2], -p[0])) if pts else None  # earliest step at the peak accuracy
     cum = run.get("cumulative_rollouts") or []
     running, drawdown, dip = 0.0, 0.0, 0.0
-    for step, _, acc in run.get("curve", []):   # step 0 included in the running peak
+    for step, _, acc in run.get("curve", []):  # step 0 included in the running peak
         running = max(running, acc)
         drawdown = max(drawdown, running - acc)
         if pts and step >= pts[-1][0] - 10:
             dip = max(dip, running - acc)
-    return {"final": final, "peak": peak_pt[2] if peak_pt else None,
-            "drop": (peak_pt[2] - final) if pts else None,
-            "dip_last10": dip if pts else None, "max_drawdown": drawdown if pts else None,
-            "peak_step": peak_pt[0] if peak_pt else None,
-            "rollouts": cum[-1][1] if cum else None, "rows_per_step": run.get("mean_train_rows"),
-            "grad_norm": run.get("mean_grad_norm"), "grad_norm_max": run.get("max_grad_norm"),
-            "times_seen": run.get("mean_trained_times_seen"), "unique_frac": run.get("final_trained_unique_frac")}
+    return {
+        "final": final,
+        "peak": peak_pt[2] if peak_pt else None,
+        "drop": (peak_pt[2] - final) if pts else None,
+        "dip_last10": dip if pts else None,
+        "max_drawdown": drawdown if pts else None,
+        "peak_step": peak_pt[0] if peak_pt else None,
+        "rollouts": cum[-1][1] if cum else None,
+        "rows_per_step": run.get("mean_train_rows"),
+        "grad_norm": run.get("mean_grad_norm"),
+        "grad_norm_max": run.get("max_grad_norm"),
+        "times_seen": run.get("mean_trained_times_seen"),
+        "unique_frac": run.get("final_trained_unique_frac"),
+    }
 
 
 def summarize_file(path: Path) -> dict[str, dict]:
@@ -56,8 +76,13 @@ def summarize_file(path: Path) -> dict[str, dict]:
         label = path.stem if len(methods) == 1 else f"{path.stem}/{method}"
         rows = {s: run_row(r) for s, r in by_seed.items()}
         mean = {f: mean_and_interval([r[f] for r in rows.values() if r[f] is not None]) for f in FIELDS}
-        out[label] = {"file": str(path), "method": method, "overrides": data.get("meta", {}).get("overrides", []),
-                      "seeds": rows, "mean": mean}
+        out[label] = {
+            "file": str(path),
+            "method": method,
+            "overrides": data.get("meta", {}).get("overrides", []),
+            "seeds": rows,
+            "mean": mean,
+        }
     return out
 
 
@@ -68,21 +93,27 @@ def _fmt(v, d=3) -> str:
 def markdown(summary: dict) -> str:
     """One markdown row per ablation: per-seed values (seed order) and the mean [90% interval] of final, peak, drop;
     means of rows per step, grad norm, times seen, distinct-prompt fraction."""
-    head = ("| ablation | final, per seed | final mean [90%] | peak, per seed | peak mean | drop, per seed | "
-            "drop mean [90%] | dip last 10 steps, per seed | rows/step | grad norm mean (max) | times seen | "
-            "distinct frac |")
+    head = (
+        "| ablation | final, per seed | final mean [90%] | peak, per seed | peak mean | drop, per seed | "
+        "drop mean [90%] | dip last 10 steps, per seed | rows/step | grad norm mean (max) | times seen | "
+        "distinct frac |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for label, s in summary.items():
         seeds = sorted(s["seeds"], key=int)
-        per = lambda f: " ".join(_fmt(s["seeds"][k][f]) for k in seeds)   # noqa: E731, B023 (used in this iteration)
+        per = lambda f: " ".join(_fmt(s["seeds"][k][f]) for k in seeds)  # noqa: E731, B023 (used in this iteration)
         m = s["mean"]
-        ci = lambda f: "-" if m[f]["interval90"] is None else f"[{m[f]['interval90'][0]:.3f}, {m[f]['interval90'][1]:.3f}]"  # noqa: E731, B023
+        ci = lambda f, m=m: (  # noqa: E731
+            "-" if m[f]["interval90"] is None else f"[{m[f]['interval90'][0]:.3f}, {m[f]['interval90'][1]:.3f}]"
+        )
         gmax = max((v for k in seeds if (v := s["seeds"][k]["grad_norm_max"]) is not None), default=None)
-        lines.append(f"| {label} | {per('final')} | {_fmt(m['final']['mean'])} {ci('final')} | {per('peak')} | "
-                     f"{_fmt(m['peak']['mean'])} | {per('drop')} | {_fmt(m['drop']['mean'])} {ci('drop')} | "
-                     f"{per('dip_last10')} | "
-                     f"{_fmt(m['rows_per_step']['mean'], 1)} | {_fmt(m['grad_norm']['mean'], 2)} ({_fmt(gmax, 1)}) | "
-                     f"{_fmt(m['times_seen']['mean'], 2)} | {_fmt(m['unique_frac']['mean'], 2)} |")
+        lines.append(
+            f"| {label} | {per('final')} | {_fmt(m['final']['mean'])} {ci('final')} | {per('peak')} | "
+            f"{_fmt(m['peak']['mean'])} | {per('drop')} | {_fmt(m['drop']['mean'])} {ci('drop')} | "
+            f"{per('dip_last10')} | "
+            f"{_fmt(m['rows_per_step']['mean'], 1)} | {_fmt(m['grad_norm']['mean'], 2)} ({_fmt(gmax, 1)}) | "
+            f"{_fmt(m['times_seen']['mean'], 2)} | {_fmt(m['unique_frac']['mean'], 2)} |"
+        )
     return "\n".join(lines)
 
 
@@ -118,7 +149,9 @@ def plot(files: list[Path], png: Path) -> None:
             if rows:
                 steps = sorted(rows)
                 means = [sum(rows[k]) / len(rows[k]) for k in steps]
-                smooth = [sum(means[max(0, i - 4):i + 1]) / len(means[max(0, i - 4):i + 1]) for i in range(len(means))]
+                smooth = [
+                    sum(means[max(0, i - 4) : i + 1]) / len(means[max(0, i - 4) : i + 1]) for i in range(len(means))
+                ]
                 ax_rows.plot(steps, smooth, label=label)
     ax_rows.set_xlabel("step")
     ax_rows.set_ylabel("train rows per step (mean over seeds, 5-step mean)")

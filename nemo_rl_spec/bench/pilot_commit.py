@@ -22,6 +22,7 @@ seed). Lower targets and paired ratios with intervals: :func:`gain_fraction_targ
 Output: ``--out`` JSON, a PNG next to it (same stem: accuracy vs cumulative rollouts, and the group reward variance
 per step), and a table on stdout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,22 +87,33 @@ def rollouts_to(points: list[tuple[int, float, float]], target: float) -> float 
 def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> dict:
     """Run one (method, seed) subprocess unless ``--reuse`` finds it complete; returns its record."""
     metrics = run_dir / "logs" / "metrics.jsonl"
-    overrides = [*METHODS[method], f"grpo.seed={seed}", *([f"grpo.max_num_steps={args.steps}"] if args.steps else []),
-                 *extra]
-    info = run_grpo_subprocess(args.config, overrides, run_dir, label=f"{method} seed {seed}",
-                               timeout_s=args.run_timeout, reuse=args.reuse)
+    overrides = [
+        *METHODS[method],
+        f"grpo.seed={seed}",
+        *([f"grpo.max_num_steps={args.steps}"] if args.steps else []),
+        *extra,
+    ]
+    info = run_grpo_subprocess(
+        args.config, overrides, run_dir, label=f"{method} seed {seed}", timeout_s=args.run_timeout, reuse=args.reuse
+    )
     records = read_metrics(metrics)
     steps = [r for r in records if r["step"] > 0]
     mean = lambda key: statistics.fmean(r[key] for r in steps if key in r) if any(key in r for r in steps) else None  # noqa: E731
-    return {"returncode": info["returncode"], "wall_s": info["wall_s"], "steps_run": len(steps),
-            "curve": curve(records), "mean_step_time_s": mean("timing/train/total_step_time"),
-            "mean_group_reward_var": mean(VAR),
-            "group_reward_var_curve": [(int(r["step"]), r[VAR]) for r in steps if VAR in r],
-            "zero_adv_group_frac": mean("rollout_alloc/zero_adv_group_frac"),
-            "mean_train_reward": mean("train/reward"),
-            "cumulative_rollouts": [(int(r["step"]), r[CUM]) for r in steps if CUM in r],
-            "useful_rollout_frac": steps[-1].get("rollout_alloc/useful_rollout_frac") if steps else None,
-            **training_diagnostics(steps), "log_dir": str(run_dir / "logs")}
+    return {
+        "returncode": info["returncode"],
+        "wall_s": info["wall_s"],
+        "steps_run": len(steps),
+        "curve": curve(records),
+        "mean_step_time_s": mean("timing/train/total_step_time"),
+        "mean_group_reward_var": mean(VAR),
+        "group_reward_var_curve": [(int(r["step"]), r[VAR]) for r in steps if VAR in r],
+        "zero_adv_group_frac": mean("rollout_alloc/zero_adv_group_frac"),
+        "mean_train_reward": mean("train/reward"),
+        "cumulative_rollouts": [(int(r["step"]), r[CUM]) for r in steps if CUM in r],
+        "useful_rollout_frac": steps[-1].get("rollout_alloc/useful_rollout_frac") if steps else None,
+        **training_diagnostics(steps),
+        "log_dir": str(run_dir / "logs"),
+    }
 
 
 def training_diagnostics(steps: list[dict]) -> dict:
@@ -111,9 +123,11 @@ def training_diagnostics(steps: list[dict]) -> dict:
     (distinct prompts / train groups over the run), ``trained_bucket_share`` (each difficulty bucket's share of the
     train groups of the run, summed over steps), ``mean_train_group_reward``. A value is None when no step logged it
     (e.g. runs from before the metric existed)."""
+
     def mean(key):
-        vals = [r[key] for r in steps if key in r and r[key] == r[key]]   # NaN (no update) left out
+        vals = [r[key] for r in steps if key in r and r[key] == r[key]]  # NaN (no update) left out
         return statistics.fmean(vals) if vals else None
+
     rows = "rollout_alloc/train_rollouts"
     buckets: dict[str, float] = {}
     for r in steps:
@@ -122,13 +136,16 @@ def training_diagnostics(steps: list[dict]) -> dict:
                 buckets[k.rsplit("/", 1)[1]] = buckets.get(k.rsplit("/", 1)[1], 0.0) + v
     total = sum(buckets.values())
     unique = [r["rollout_alloc/trained_unique_frac"] for r in steps if "rollout_alloc/trained_unique_frac" in r]
-    return {"mean_train_rows": mean(rows), "train_rows_curve": [(int(r["step"]), r[rows]) for r in steps if rows in r],
-            "mean_grad_norm": mean("train/grad_norm"),
-            "max_grad_norm": max((r["train/grad_norm"] for r in steps if "train/grad_norm" in r), default=None),
-            "mean_trained_times_seen": mean("rollout_alloc/trained_times_seen_mean"),
-            "final_trained_unique_frac": unique[-1] if unique else None,
-            "trained_bucket_share": {b: c / total for b, c in sorted(buckets.items())} if total else None,
-            "mean_train_group_reward": mean("rollout_alloc/trained_group_reward_mean")}
+    return {
+        "mean_train_rows": mean(rows),
+        "train_rows_curve": [(int(r["step"]), r[rows]) for r in steps if rows in r],
+        "mean_grad_norm": mean("train/grad_norm"),
+        "max_grad_norm": max((r["train/grad_norm"] for r in steps if "train/grad_norm" in r), default=None),
+        "mean_trained_times_seen": mean("rollout_alloc/trained_times_seen_mean"),
+        "final_trained_unique_frac": unique[-1] if unique else None,
+        "trained_bucket_share": {b: c / total for b, c in sorted(buckets.items())} if total else None,
+        "mean_train_group_reward": mean("rollout_alloc/trained_group_reward_mean"),
+    }
 
 
 def start_accuracies(runs: dict) -> list[float]:
@@ -151,24 +168,36 @@ def choose_target(spec: str, runs: dict, n_val: int) -> tuple[float | None, str]
     floor = max(starts) + 1.0 / n_val
     return max(statistics.fmean(finals), floor), (
         f"auto: max(mean final accuracy of uniform GRPO = {statistics.fmean(finals):.4f}, "
-        f"start accuracy {max(starts):.4f} + 1/{n_val} validation problems)")
+        f"start accuracy {max(starts):.4f} + 1/{n_val} validation problems)"
+    )
 
 
 def summarize(runs: dict, target_spec: str, n_val: int) -> dict:
     target, how = choose_target(target_spec, runs, n_val)
-    rtt = {m: {str(s): (rollouts_to(r["curve"], target) if target is not None else None) for s, r in by.items()}
-           for m, by in runs.items()}
+    rtt = {
+        m: {str(s): (rollouts_to(r["curve"], target) if target is not None else None) for s, r in by.items()}
+        for m, by in runs.items()
+    }
     final = {m: {str(s): final_accuracy(r) for s, r in by.items()} for m, by in runs.items()}
-    ratios = {f"{base}_over_pilot_commit": ratio_stats(rtt.get(base, {}), rtt.get("pilot_commit", {}))
-              for base in ("uniform", "dapo")}
+    ratios = {
+        f"{base}_over_pilot_commit": ratio_stats(rtt.get(base, {}), rtt.get("pilot_commit", {}))
+        for base in ("uniform", "dapo")
+    }
     cumulative = {m: {str(s): r["cumulative_rollouts"] for s, r in by.items()} for m, by in runs.items()}
     accuracy = {m: {str(s): [[c, a] for _, c, a in r["curve"]] for s, r in by.items()} for m, by in runs.items()}
-    return {"target_accuracy": target, "target_rule": how, "rollouts_to_target": rtt, "final_accuracy": final,
-            "cumulative_rollouts": cumulative, "accuracy_vs_cumulative_rollouts": accuracy,
-            "ratios": ratios, "paper_goal": {"uniform_over_pilot_commit": 1.5, "dapo_over_pilot_commit": 2.3},
-            "gain_fraction_targets": gain_fraction_targets(runs, target),
-            "per_method": {m: per_method_stats(by) for m, by in runs.items()},
-            "runs": {m: {str(s): r for s, r in by.items()} for m, by in runs.items()}}
+    return {
+        "target_accuracy": target,
+        "target_rule": how,
+        "rollouts_to_target": rtt,
+        "final_accuracy": final,
+        "cumulative_rollouts": cumulative,
+        "accuracy_vs_cumulative_rollouts": accuracy,
+        "ratios": ratios,
+        "paper_goal": {"uniform_over_pilot_commit": 1.5, "dapo_over_pilot_commit": 2.3},
+        "gain_fraction_targets": gain_fraction_targets(runs, target),
+        "per_method": {m: per_method_stats(by) for m, by in runs.items()},
+        "runs": {m: {str(s): r for s, r in by.items()} for m, by in runs.items()},
+    }
 
 
 def ratio_stats(base: dict, pc: dict) -> dict:
@@ -178,12 +207,20 @@ def ratio_stats(base: dict, pc: dict) -> dict:
     the side that missed (the ratio is then only bounded, so it is left out of the mean, median and interval).
     The interval is :func:`mean_and_interval`'s bootstrap 90% over the uncensored seeds (None below 2)."""
     per_seed = {s: base[s] / pc[s] for s in pc if base.get(s) and pc[s]}
-    censored = {s: ("pilot_commit missed" if base.get(s) else "both missed" if not pc[s] else "base missed")
-                for s in pc if s in base and not (base.get(s) and pc[s])}
+    censored = {
+        s: ("pilot_commit missed" if base.get(s) else "both missed" if not pc[s] else "base missed")
+        for s in pc
+        if s in base and not (base.get(s) and pc[s])
+    }
     values = list(per_seed.values())
-    return {"per_seed": per_seed, "censored": censored, "n": len(values), **mean_and_interval(values),
-            "median": statistics.median(values) if values else None,
-            "note": "rollouts to target, base / pilot_commit per seed (>1: Pilot-Commit needed fewer)"}
+    return {
+        "per_seed": per_seed,
+        "censored": censored,
+        "n": len(values),
+        **mean_and_interval(values),
+        "median": statistics.median(values) if values else None,
+        "note": "rollouts to target, base / pilot_commit per seed (>1: Pilot-Commit needed fewer)",
+    }
 
 
 def gain_fraction_targets(runs: dict, target: float | None) -> dict:
@@ -196,9 +233,15 @@ def gain_fraction_targets(runs: dict, target: float | None) -> dict:
     for f in GAIN_FRACTIONS:
         acc = max(starts) + f * (target - max(starts))
         rtt = {m: {str(s): rollouts_to(r["curve"], acc) for s, r in by.items()} for m, by in runs.items()}
-        out[f"{f:g}"] = {"accuracy": acc, "rollouts_to_target": rtt,
-                         "ratios": {f"{b}_over_pilot_commit": ratio_stats(rtt.get(b, {}), rtt.get("pilot_commit", {}))
-                                    for b in ("uniform", "dapo") if b in rtt and "pilot_commit" in rtt}}
+        out[f"{f:g}"] = {
+            "accuracy": acc,
+            "rollouts_to_target": rtt,
+            "ratios": {
+                f"{b}_over_pilot_commit": ratio_stats(rtt.get(b, {}), rtt.get("pilot_commit", {}))
+                for b in ("uniform", "dapo")
+                if b in rtt and "pilot_commit" in rtt
+            },
+        }
     return out
 
 
@@ -233,8 +276,7 @@ def plot(result: dict, png: Path) -> None:
         for i, (s, r) in enumerate(by.items()):
             if r["curve"]:
                 _, xs, ys = zip(*r["curve"])
-                ax.plot(xs, ys, styles[i % len(styles)], color=colors.get(m), label=f"{m} seed {s}", alpha=0.85,
-                        ms=3)
+                ax.plot(xs, ys, styles[i % len(styles)], color=colors.get(m), label=f"{m} seed {s}", alpha=0.85, ms=3)
     for m, st in result.get("per_method", {}).items():
         if st["group_reward_var_per_step"]:
             steps, var = zip(*st["group_reward_var_per_step"])
@@ -249,24 +291,32 @@ def plot(result: dict, png: Path) -> None:
 
 
 def table(result: dict) -> str:
-    fmt = lambda v, d=3: "-" if v is None else (f"{v:.{d}f}" if isinstance(v, float) and not v.is_integer() else f"{v:g}")  # noqa: E731
-    lines = [f"target accuracy {fmt(result['target_accuracy'])} ({result['target_rule']})",
-             f"{'method':<13}{'seed':>5}{'to_target':>11}{'final_acc':>10}{'peak_acc':>9}{'rollouts':>9}"
-             f"{'steps':>6}{'zero_adv':>9}{'grp_var':>8}{'s/step':>8}{'wall_s':>8}"]
+    fmt = lambda v, d=3: (
+        "-" if v is None else (f"{v:.{d}f}" if isinstance(v, float) and not v.is_integer() else f"{v:g}")
+    )  # noqa: E731
+    lines = [
+        f"target accuracy {fmt(result['target_accuracy'])} ({result['target_rule']})",
+        f"{'method':<13}{'seed':>5}{'to_target':>11}{'final_acc':>10}{'peak_acc':>9}{'rollouts':>9}"
+        f"{'steps':>6}{'zero_adv':>9}{'grp_var':>8}{'s/step':>8}{'wall_s':>8}",
+    ]
     for m, by in result["runs"].items():
         for s, r in by.items():
             peak = max((a for _, _, a in r["curve"]), default=None)
             total = r["cumulative_rollouts"][-1][1] if r["cumulative_rollouts"] else None
-            lines.append(f"{m:<13}{s:>5}{fmt(result['rollouts_to_target'][m][s]):>11}"
-                         f"{fmt(result['final_accuracy'][m][s]):>10}{fmt(peak):>9}{fmt(total):>9}{r['steps_run']:>6}"
-                         f"{fmt(r['zero_adv_group_frac'], 2):>9}{fmt(r['mean_group_reward_var'], 3):>8}"
-                         f"{fmt(r['mean_step_time_s'], 0):>8}{fmt(r['wall_s'], 0):>8}")
+            lines.append(
+                f"{m:<13}{s:>5}{fmt(result['rollouts_to_target'][m][s]):>11}"
+                f"{fmt(result['final_accuracy'][m][s]):>10}{fmt(peak):>9}{fmt(total):>9}{r['steps_run']:>6}"
+                f"{fmt(r['zero_adv_group_frac'], 2):>9}{fmt(r['mean_group_reward_var'], 3):>8}"
+                f"{fmt(r['mean_step_time_s'], 0):>8}{fmt(r['wall_s'], 0):>8}"
+            )
     for k, v in result["ratios"].items():
         ci = v.get("interval90")
-        lines.append(f"{k}: mean {fmt(v['mean'], 2)} median {fmt(v.get('median'), 2)} 90% CI "
-                     f"{'-' if ci is None else f'[{ci[0]:.2f}, {ci[1]:.2f}]'} over {v.get('n', 0)} seeds; per seed "
-                     f"{json.dumps({s: round(x, 2) for s, x in v['per_seed'].items()})}; censored "
-                     f"{json.dumps(v.get('censored', {}))}")
+        lines.append(
+            f"{k}: mean {fmt(v['mean'], 2)} median {fmt(v.get('median'), 2)} 90% CI "
+            f"{'-' if ci is None else f'[{ci[0]:.2f}, {ci[1]:.2f}]'} over {v.get('n', 0)} seeds; per seed "
+            f"{json.dumps({s: round(x, 2) for s, x in v['per_seed'].items()})}; censored "
+            f"{json.dumps(v.get('censored', {}))}"
+        )
     for f, g in result.get("gain_fraction_targets", {}).items():
         parts = [f"{k} {fmt(v['mean'], 2)} (n={v['n']})" for k, v in g["ratios"].items()]
         lines.append(f"gain fraction {f} (accuracy {g['accuracy']:.3f}): mean ratio " + ", ".join(parts))
@@ -284,16 +334,24 @@ def main(argv=None) -> int:
 
     train, val = load_datasets(cfg)
     t0, runs = time.time(), {m: {} for m in args.methods}
-    meta = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-            "config": args.config, "overrides": extra, "methods": {m: METHODS[m] for m in args.methods},
-            "seeds": args.seeds, "train_pool": {"size": len(train), "sources": sorted({p["source"] for p in train})},
-            "validation_size": len(val)}
+    meta = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "config": args.config,
+        "overrides": extra,
+        "methods": {m: METHODS[m] for m in args.methods},
+        "seeds": args.seeds,
+        "train_pool": {"size": len(train), "sources": sorted({p["source"] for p in train})},
+        "validation_size": len(val),
+    }
     result = {}
     for seed in args.seeds:
         for m in args.methods:
             run_dir = work / f"{m}_seed{seed}"
             runs[m][seed] = run_one(args, extra, m, seed, run_dir)
-            result = {**summarize(runs, args.target, len(val)), "meta": {**meta, "total_wall_s": round(time.time() - t0)}}
+            result = {
+                **summarize(runs, args.target, len(val)),
+                "meta": {**meta, "total_wall_s": round(time.time() - t0)},
+            }
             out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     print(table(result))

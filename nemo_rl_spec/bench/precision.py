@@ -31,6 +31,7 @@ Writes ``--out`` (JSON: every run's per-step values, the summary, the machine, t
 overrides and each precision's resolved config), ``<out stem>.png`` (bars per phase, fp32 beside bf16, whiskers at
 the repeats' min / max) and prints the table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,13 @@ from nemo_rl_spec.utils.bench_runs import ROOT, finish_plot, read_metrics, run_g
 from nemo_rl_spec.utils.config import load_config
 
 #: (short name, metrics.jsonl key) of the step phases, in the order of the table.
-PHASES = [("generation", "timing/train/generation"), ("logprobs", "timing/train/policy_and_reference_logprobs"),
-          ("training", "timing/train/policy_training"), ("refit", "timing/train/weight_sync"),
-          ("total_step", "timing/train/total_step_time")]
+PHASES = [
+    ("generation", "timing/train/generation"),
+    ("logprobs", "timing/train/policy_and_reference_logprobs"),
+    ("training", "timing/train/policy_training"),
+    ("refit", "timing/train/weight_sync"),
+    ("total_step", "timing/train/total_step_time"),
+]
 STEP_KEY = "timing/train/total_step_time"
 #: numerics per step, averaged over every step of a run: (short name, metrics.jsonl key)
 NUMERICS = [("token_mult_prob_error", "train/token_mult_prob_error"), ("logprob_mismatch", "refit/logprob_mismatch")]
@@ -65,8 +70,13 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--config", default="configs/grpo_math_smollm2_135m.yaml", help="recipe")
     p.add_argument("--repeats", type=int, default=3, help="runs per precision, interleaved fp32, bf16, fp32, ...")
     p.add_argument("--steps", type=int, default=3, help="grpo.max_num_steps of each run (the first is warm-up if > 1)")
-    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS,
-                   help="precisions to run (both for the ratios)")
+    p.add_argument(
+        "--precisions",
+        nargs="+",
+        default=list(PRECISIONS),
+        choices=PRECISIONS,
+        help="precisions to run (both for the ratios)",
+    )
     p.add_argument("--work-dir", default=None, help="per-run dirs (default: results/<out stem>_runs/)")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     p.add_argument("--reuse", action="store_true", help="skip runs that finished (resume / re-analysis)")
@@ -98,8 +108,15 @@ def run_overrides(precision: str, steps: int, extra: list[str], engine_key: bool
     (when the schema has ``policy.generation.vllm_cfg.precision``: ``engine_key``), then ``extra``, then
     ``policy.precision`` last."""
     engine = [f"policy.generation.vllm_cfg.precision={precision}"] if engine_key else []
-    return [f"grpo.max_num_steps={steps}", "grpo.val_at_start=false", "grpo.val_period=0",
-            "checkpointing.enabled=false", *engine, *extra, f"policy.precision={precision}"]
+    return [
+        f"grpo.max_num_steps={steps}",
+        "grpo.val_at_start=false",
+        "grpo.val_period=0",
+        "checkpointing.enabled=false",
+        *engine,
+        *extra,
+        f"policy.precision={precision}",
+    ]
 
 
 def step_records(records: list[dict]) -> list[dict]:
@@ -139,8 +156,10 @@ def summarize(runs: list[dict], precisions: list[str]) -> dict:
     for name, _ in PHASES:
         by = {p: spread([r["phases"][name] for r in ok[p] if r["phases"][name] is not None]) for p in precisions}
         phases[name] = {**by, **ratio_entry(name, by)}
-    numerics = {name: {p: spread([r["numerics"][name] for r in ok[p] if r["numerics"][name] is not None])
-                       for p in precisions} for name, _ in NUMERICS}
+    numerics = {
+        name: {p: spread([r["numerics"][name] for r in ok[p] if r["numerics"][name] is not None]) for p in precisions}
+        for name, _ in NUMERICS
+    }
     return {"phases": phases, "numerics": numerics, "runs_ok": {p: len(ok[p]) for p in precisions}}
 
 
@@ -149,8 +168,12 @@ def ratio_entry(phase: str, by: dict) -> dict:
     fp, bf = by.get("float32", {}).get("mean"), by.get("bfloat16", {}).get("mean")
     ratio = bf / fp if fp and bf is not None else None
     goal = GOALS.get(phase)
-    return {"ratio": ratio, "goal": goal, "meets_goal": None if ratio is None or goal is None else ratio <= goal,
-            "moonshot": MOONSHOT.get(phase)}
+    return {
+        "ratio": ratio,
+        "goal": goal,
+        "meets_goal": None if ratio is None or goal is None else ratio <= goal,
+        "moonshot": MOONSHOT.get(phase),
+    }
 
 
 def parse_cpuinfo(text: str) -> dict:
@@ -164,8 +187,12 @@ def parse_cpuinfo(text: str) -> dict:
         elif key.strip() == "flags" and not flags:
             flags = set(value.split())
     wanted = sorted(f for f in flags if f in BF16_FLAGS or f.startswith("amx"))
-    return {"cpu_model": model, "bf16_flags": wanted, "native_bf16": any(f in flags for f in BF16_FLAGS),
-            "logical_cpus_listed": sum(1 for line in text.splitlines() if line.startswith("processor"))}
+    return {
+        "cpu_model": model,
+        "bf16_flags": wanted,
+        "native_bf16": any(f in flags for f in BF16_FLAGS),
+        "logical_cpus_listed": sum(1 for line in text.splitlines() if line.startswith("processor")),
+    }
 
 
 def machine_info() -> dict:
@@ -189,16 +216,19 @@ def table(summary: dict, precisions: list[str], warmup: bool) -> str:
     lines = [head]
     for name, _ in PHASES:
         e = summary["phases"][name]
-        cells = "".join(f"{_fmt(e[p]['mean']) + ' (' + ' '.join(_fmt(v) for v in e[p]['values']) + ')':>34}"
-                        for p in precisions)
+        cells = "".join(
+            f"{_fmt(e[p]['mean']) + ' (' + ' '.join(_fmt(v) for v in e[p]['values']) + ')':>34}" for p in precisions
+        )
         lines.append(f"{name:<22}{cells}{_fmt(e['ratio'], '.3f'):>11}  {goal_text(e)}")
     lines.append("numerics, mean over every step of every run (warm-up included):")
     for name, _ in NUMERICS:
-        lines.append(f"{name:<22}" + "".join(f"{_fmt(summary['numerics'][name][p]['mean'], '.4g'):>34}"
-                                            for p in precisions))
+        lines.append(
+            f"{name:<22}" + "".join(f"{_fmt(summary['numerics'][name][p]['mean'], '.4g'):>34}" for p in precisions)
+        )
     note = "first step of each run dropped as warm-up" if warmup else "every step timed (one-step runs: no warm-up)"
-    lines.append(f"seconds per step, mean over repeats of each run's mean; {note}; "
-                 f"successful runs {summary['runs_ok']}")
+    lines.append(
+        f"seconds per step, mean over repeats of each run's mean; {note}; successful runs {summary['runs_ok']}"
+    )
     return "\n".join(lines)
 
 
@@ -224,16 +254,25 @@ def plot(summary: dict, precisions: list[str], png: Path) -> None:
     for i, p in enumerate(precisions):
         entries = [summary["phases"][n][p] for n in names]
         means = [e["mean"] or 0.0 for e in entries]
-        err = [[m - (e["min"] if e["min"] is not None else m) for m, e in zip(means, entries)],
-               [(e["max"] if e["max"] is not None else m) - m for m, e in zip(means, entries)]]
+        err = [
+            [m - (e["min"] if e["min"] is not None else m) for m, e in zip(means, entries)],
+            [(e["max"] if e["max"] is not None else m) - m for m, e in zip(means, entries)],
+        ]
         xs = [k + (i - (len(precisions) - 1) / 2) * width for k in range(len(names))]
         ax.bar(xs, means, width, yerr=err, capsize=3, label=p, color=f"C{i}")
     for k, n in enumerate(names):
         e = summary["phases"][n]
         if e["ratio"] is not None:
             top = max((e[p]["max"] or 0.0) for p in precisions)
-            ax.annotate(f"{e['ratio']:.2f}x" + (f" (goal {e['goal']})" if e["goal"] else ""), (k, top),
-                        ha="center", va="bottom", fontsize=7, xytext=(0, 3), textcoords="offset points")
+            ax.annotate(
+                f"{e['ratio']:.2f}x" + (f" (goal {e['goal']})" if e["goal"] else ""),
+                (k, top),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                xytext=(0, 3),
+                textcoords="offset points",
+            )
     ax.set_xticks(range(len(names)), names)
     ax.set_title("GRPO seconds per step by phase, fp32 vs bf16 (CPU)", fontsize=10)
     finish_plot(fig, ax, png, "phase (label: bf16 / fp32)", "seconds per step (mean over repeats)")
@@ -246,9 +285,11 @@ def resolved_configs(config: str, precisions: list[str], steps: int, extra: list
     out = {}
     for p in precisions:
         cfg = load_config(config, run_overrides(p, steps, extra, engine_key))
-        out[p] = {"trainer": cfg.policy.precision,
-                  "engine": getattr(cfg.policy, "engine_precision", cfg.policy.precision),
-                  "config": cfg.model_dump(mode="json")}
+        out[p] = {
+            "trainer": cfg.policy.precision,
+            "engine": getattr(cfg.policy, "engine_precision", cfg.policy.precision),
+            "config": cfg.model_dump(mode="json"),
+        }
     return out, engine_key
 
 
@@ -257,11 +298,23 @@ def one_run(args, extra: list[str], engine_key: bool, repeat: int, precision: st
     benchmark reached the run; for a reused run, when it was reused)."""
     run_dir = work / f"{precision}_r{repeat}"
     load = list(os.getloadavg())
-    info = run_grpo_subprocess(args.config, run_overrides(precision, args.steps, extra, engine_key), run_dir,
-                               label=f"{precision} repeat {repeat}", timeout_s=args.run_timeout, reuse=args.reuse)
-    return {"precision": precision, "repeat": repeat, "run_dir": str(run_dir), "returncode": info["returncode"],
-            "wall_s": info["wall_s"], "loadavg_before": load,
-            **run_summary(read_metrics(run_dir / "logs" / "metrics.jsonl"))}
+    info = run_grpo_subprocess(
+        args.config,
+        run_overrides(precision, args.steps, extra, engine_key),
+        run_dir,
+        label=f"{precision} repeat {repeat}",
+        timeout_s=args.run_timeout,
+        reuse=args.reuse,
+    )
+    return {
+        "precision": precision,
+        "repeat": repeat,
+        "run_dir": str(run_dir),
+        "returncode": info["returncode"],
+        "wall_s": info["wall_s"],
+        "loadavg_before": load,
+        **run_summary(read_metrics(run_dir / "logs" / "metrics.jsonl")),
+    }
 
 
 def main(argv=None) -> int:
@@ -270,16 +323,26 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(args.work_dir).resolve() if args.work_dir else ROOT / "results" / f"{out.stem}_runs"
     configs, engine_key = resolved_configs(args.config, args.precisions, args.steps, extra)
-    meta = {"command": [sys.executable, *sys.argv] if argv is None else ["bench_precision.py", *argv],
-            "config": args.config, "overrides": extra, "steps": args.steps, "repeats": args.repeats,
-            "warmup_dropped": args.steps > 1, "order": schedule(args.precisions, args.repeats),
-            "machine": machine_info(), "resolved": configs}
+    meta = {
+        "command": [sys.executable, *sys.argv] if argv is None else ["bench_precision.py", *argv],
+        "config": args.config,
+        "overrides": extra,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "warmup_dropped": args.steps > 1,
+        "order": schedule(args.precisions, args.repeats),
+        "machine": machine_info(),
+        "resolved": configs,
+    }
     t0, runs = time.time(), []
     for repeat, precision in meta["order"]:
         runs.append(one_run(args, extra, engine_key, repeat, precision, work))
         summary = summarize(runs, args.precisions)
-        out.write_text(json.dumps({"summary": summary, "runs": runs,
-                                   "meta": {**meta, "total_wall_s": round(time.time() - t0)}}, indent=1))
+        out.write_text(
+            json.dumps(
+                {"summary": summary, "runs": runs, "meta": {**meta, "total_wall_s": round(time.time() - t0)}}, indent=1
+            )
+        )
     plot(summary, args.precisions, out.with_suffix(".png"))
     print(table(summary, args.precisions, args.steps > 1))
     print(json.dumps({"json": str(out), "plot": str(out.with_suffix(".png"))}))

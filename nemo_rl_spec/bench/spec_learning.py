@@ -24,6 +24,7 @@ Analysis (:func:`analyse`), every speculative method against ``ar`` over the see
   policy and draft: goal >= 0.8 after every refit).
 Writes ``--out`` (JSON), ``<out stem>.png`` (reward per step with +-2 SE bands; acceptance per step) and a table.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,11 +42,18 @@ STEP_TIME, GEN_TIME = "timing/train/total_step_time", "timing/train/generation"
 METHODS: dict[str, tuple[str, list[str]]] = {
     "ar": ("configs/grpo_math_testbed.yaml", []),
     "eagle3": ("configs/grpo_math_testbed_spec.yaml", []),
-    "eagle3_lossy": ("configs/grpo_math_testbed_spec.yaml",
-                     ["+policy.generation.debug_lossy_sampler=resample_from_target"]),
-    "mtp": ("configs/grpo_math_testbed.yaml",
-            ["+policy.megatron_cfg.mtp_num_layers=1", "+policy.megatron_cfg.mtp_loss_mode=detach",
-             "+policy.generation.vllm_kwargs.speculative_config={method: mtp, num_speculative_tokens: 1}"]),
+    "eagle3_lossy": (
+        "configs/grpo_math_testbed_spec.yaml",
+        ["+policy.generation.debug_lossy_sampler=resample_from_target"],
+    ),
+    "mtp": (
+        "configs/grpo_math_testbed.yaml",
+        [
+            "+policy.megatron_cfg.mtp_num_layers=1",
+            "+policy.megatron_cfg.mtp_loss_mode=detach",
+            "+policy.generation.vllm_kwargs.speculative_config={method: mtp, num_speculative_tokens: 1}",
+        ],
+    ),
 }
 
 
@@ -55,11 +63,14 @@ def run_summary(records: list[dict]) -> dict:
     steps = sorted((r for r in records if r.get("step", 0) > 0 and REWARD in r), key=lambda r: r["step"])
     val = [(int(r["step"]), float(r[ACC])) for r in records if ACC in r]
     nan = float("nan")
-    return {"reward": [float(r[REWARD]) for r in steps],
-            "acceptance_length": [float(r.get(ACCEPT, nan)) for r in steps],
-            "step_time_s": [float(r.get(STEP_TIME, nan)) for r in steps],
-            "generation_time_s": [float(r.get(GEN_TIME, nan)) for r in steps],
-            "validation": val, "final_accuracy": val[-1][1] if val and val[-1][0] > 0 else None}
+    return {
+        "reward": [float(r[REWARD]) for r in steps],
+        "acceptance_length": [float(r.get(ACCEPT, nan)) for r in steps],
+        "step_time_s": [float(r.get(STEP_TIME, nan)) for r in steps],
+        "generation_time_s": [float(r.get(GEN_TIME, nan)) for r in steps],
+        "validation": val,
+        "final_accuracy": val[-1][1] if val and val[-1][0] > 0 else None,
+    }
 
 
 def welch_se(a: list[float], b: list[float]) -> float:
@@ -95,7 +106,9 @@ def sign_flip_p(diffs: list[float]) -> float:
     """Exact two-sided paired permutation (sign-flip) p-value of |mean(diffs)| over all 2^n sign patterns."""
     observed = abs(statistics.fmean(diffs))
     pats = list(itertools.product((1.0, -1.0), repeat=len(diffs)))
-    return sum(abs(statistics.fmean([s * d for s, d in zip(pat, diffs)])) >= observed - 1e-12 for pat in pats) / len(pats)
+    return sum(abs(statistics.fmean([s * d for s, d in zip(pat, diffs)])) >= observed - 1e-12 for pat in pats) / len(
+        pats
+    )
 
 
 def paired_t_p(diffs: list[float]) -> float:
@@ -118,8 +131,15 @@ def _per_step(a_rows: list[list[float]], b_rows: list[list[float]], paired: bool
             diff, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
         else:
             diff, se = statistics.fmean(a) - statistics.fmean(b), welch_se(a, b)
-        out.append({"step": i + 1, "diff": diff, "se": se, "z": diff / se if se > 0 else 0.0,
-                    "within_2se": abs(diff) <= 2 * se})
+        out.append(
+            {
+                "step": i + 1,
+                "diff": diff,
+                "se": se,
+                "z": diff / se if se > 0 else 0.0,
+                "within_2se": abs(diff) <= 2 * se,
+            }
+        )
     return out
 
 
@@ -133,31 +153,42 @@ def compare(ref: dict[str, dict], other: dict[str, dict]) -> dict:
     a_rows, b_rows = [other[s]["reward"][:n_steps] for s in seeds], [ref[s]["reward"][:n_steps] for s in seeds]
     per_step = _per_step(a_rows, b_rows, paired=False)
     pstep = _per_step(a_rows, b_rows, paired=True)
-    fd = [other[s]["final_accuracy"] - ref[s]["final_accuracy"] for s in seeds
-          if other[s]["final_accuracy"] is not None and ref[s]["final_accuracy"] is not None]
+    fd = [
+        other[s]["final_accuracy"] - ref[s]["final_accuracy"]
+        for s in seeds
+        if other[s]["final_accuracy"] is not None and ref[s]["final_accuracy"] is not None
+    ]
     md = [statistics.fmean(x) - statistics.fmean(y) for x, y in zip(a_rows, b_rows)]
-    paired = {"per_step": pstep, "steps_outside_2se": [s["step"] for s in pstep if not s["within_2se"]],
-              "max_abs_z": max(abs(s["z"]) for s in pstep) if pstep else None,
-              "final_accuracy_diff_per_seed": dict(zip(seeds, fd)),
-              "final_accuracy_diff_interval90": bootstrap_interval(fd),
-              "final_accuracy_t_p": paired_t_p(fd) if len(fd) > 1 else None,
-              "final_accuracy_sign_flip_p": sign_flip_p(fd) if fd else None,
-              "mean_reward_diff_per_seed": dict(zip(seeds, md)), "mean_reward_diff_interval90": bootstrap_interval(md),
-              "mean_reward_t_p": paired_t_p(md) if len(md) > 1 else None,
-              "mean_reward_sign_flip_p": sign_flip_p(md)}
+    paired = {
+        "per_step": pstep,
+        "steps_outside_2se": [s["step"] for s in pstep if not s["within_2se"]],
+        "max_abs_z": max(abs(s["z"]) for s in pstep) if pstep else None,
+        "final_accuracy_diff_per_seed": dict(zip(seeds, fd)),
+        "final_accuracy_diff_interval90": bootstrap_interval(fd),
+        "final_accuracy_t_p": paired_t_p(fd) if len(fd) > 1 else None,
+        "final_accuracy_sign_flip_p": sign_flip_p(fd) if fd else None,
+        "mean_reward_diff_per_seed": dict(zip(seeds, md)),
+        "mean_reward_diff_interval90": bootstrap_interval(md),
+        "mean_reward_t_p": paired_t_p(md) if len(md) > 1 else None,
+        "mean_reward_sign_flip_p": sign_flip_p(md),
+    }
     fa = [r["final_accuracy"] for r in other.values() if r["final_accuracy"] is not None]
     fb = [r["final_accuracy"] for r in ref.values() if r["final_accuracy"] is not None]
     ma = [statistics.fmean(r["reward"][:n_steps]) for r in other.values()]
     mb = [statistics.fmean(r["reward"][:n_steps]) for r in ref.values()]
-    return {"steps": n_steps, "per_step": per_step,
-            "steps_outside_2se": [s["step"] for s in per_step if not s["within_2se"]],
-            "max_abs_z": max(abs(s["z"]) for s in per_step) if per_step else None,
-            "final_accuracy_diff": statistics.fmean(fa) - statistics.fmean(fb) if fa and fb else None,
-            "final_accuracy_welch_p": welch_p(fa, fb) if len(fa) > 1 and len(fb) > 1 else None,
-            "final_accuracy_permutation_p": permutation_p(fa, fb) if fa and fb else None,
-            "mean_reward_diff": statistics.fmean(ma) - statistics.fmean(mb),
-            "mean_reward_welch_p": welch_p(ma, mb) if len(ma) > 1 and len(mb) > 1 else None,
-            "mean_reward_permutation_p": permutation_p(ma, mb), "paired": paired}
+    return {
+        "steps": n_steps,
+        "per_step": per_step,
+        "steps_outside_2se": [s["step"] for s in per_step if not s["within_2se"]],
+        "max_abs_z": max(abs(s["z"]) for s in per_step) if per_step else None,
+        "final_accuracy_diff": statistics.fmean(fa) - statistics.fmean(fb) if fa and fb else None,
+        "final_accuracy_welch_p": welch_p(fa, fb) if len(fa) > 1 and len(fb) > 1 else None,
+        "final_accuracy_permutation_p": permutation_p(fa, fb) if fa and fb else None,
+        "mean_reward_diff": statistics.fmean(ma) - statistics.fmean(mb),
+        "mean_reward_welch_p": welch_p(ma, mb) if len(ma) > 1 and len(mb) > 1 else None,
+        "mean_reward_permutation_p": permutation_p(ma, mb),
+        "paired": paired,
+    }
 
 
 def acceptance_summary(runs: dict[str, dict], goal: float = 2.0, refit_floor: float = 0.8) -> dict:
@@ -169,14 +200,20 @@ def acceptance_summary(runs: dict[str, dict], goal: float = 2.0, refit_floor: fl
         acc = [a for a in r["acceptance_length"] if a == a]
         rs = [b / a for a, b in zip(acc, acc[1:]) if a > 0]
         ratios += rs
-        per_seed[seed] = {"late_mean": statistics.fmean(acc[-5:]) if acc else None,
-                          "min_refit_ratio": min(rs) if rs else None}
+        per_seed[seed] = {
+            "late_mean": statistics.fmean(acc[-5:]) if acc else None,
+            "min_refit_ratio": min(rs) if rs else None,
+        }
     late = [s["late_mean"] for s in per_seed.values() if s["late_mean"] is not None]
-    return {"per_seed": per_seed, "late_mean": mean_and_interval(late), "goal": goal,
-            "meets_goal": bool(late) and statistics.fmean(late) >= goal,
-            "min_refit_ratio": min(ratios) if ratios else None,
-            "refits_at_or_above_floor": sum(x >= refit_floor for x in ratios) / len(ratios) if ratios else None,
-            "refits": len(ratios)}
+    return {
+        "per_seed": per_seed,
+        "late_mean": mean_and_interval(late),
+        "goal": goal,
+        "meets_goal": bool(late) and statistics.fmean(late) >= goal,
+        "min_refit_ratio": min(ratios) if ratios else None,
+        "refits_at_or_above_floor": sum(x >= refit_floor for x in ratios) / len(ratios) if ratios else None,
+        "refits": len(ratios),
+    }
 
 
 def analyse(runs: dict[str, dict[str, dict]]) -> dict:
@@ -185,15 +222,20 @@ def analyse(runs: dict[str, dict[str, dict]]) -> dict:
     out = {"per_method": {}, "vs_ar": {}, "acceptance": {}}
     for method, by_seed in runs.items():
         finals = {s: r["final_accuracy"] for s, r in by_seed.items()}
-        times = [statistics.fmean(r["step_time_s"][1:] or r["step_time_s"]) for r in by_seed.values()
-                 if r["step_time_s"]]
-        out["per_method"][method] = {"final_accuracy": {"per_seed": finals, **mean_and_interval(
-            [v for v in finals.values() if v is not None])}, "mean_step_time_s": mean_and_interval(times)}
+        times = [
+            statistics.fmean(r["step_time_s"][1:] or r["step_time_s"]) for r in by_seed.values() if r["step_time_s"]
+        ]
+        out["per_method"][method] = {
+            "final_accuracy": {"per_seed": finals, **mean_and_interval([v for v in finals.values() if v is not None])},
+            "mean_step_time_s": mean_and_interval(times),
+        }
         if method != "ar" and "ar" in runs:
             common = sorted(set(by_seed) & set(runs["ar"]))
             if len(common) >= 2:
-                out["vs_ar"][method] = {"seeds": common, **compare({s: runs["ar"][s] for s in common},
-                                                                   {s: by_seed[s] for s in common})}
+                out["vs_ar"][method] = {
+                    "seeds": common,
+                    **compare({s: runs["ar"][s] for s in common}, {s: by_seed[s] for s in common}),
+                }
         if any(a == a for r in by_seed.values() for a in r["acceptance_length"]):
             out["acceptance"][method] = acceptance_summary(by_seed)
     return out
@@ -209,21 +251,43 @@ def plot(runs: dict, analysis: dict, png: Path) -> None:
     for i, (method, by_seed) in enumerate(runs.items()):
         n = min(len(r["reward"]) for r in by_seed.values())
         mean = [statistics.fmean(r["reward"][k] for r in by_seed.values()) for k in range(n)]
-        se = [statistics.stdev([r["reward"][k] for r in by_seed.values()]) / math.sqrt(len(by_seed))
-              if len(by_seed) > 1 else 0.0 for k in range(n)]
+        se = [
+            statistics.stdev([r["reward"][k] for r in by_seed.values()]) / math.sqrt(len(by_seed))
+            if len(by_seed) > 1
+            else 0.0
+            for k in range(n)
+        ]
         steps = range(1, n + 1)
         ax1.plot(steps, mean, color=f"C{i}", label=f"{method} ({len(by_seed)} seeds)")
-        ax1.fill_between(steps, [m - 2 * s for m, s in zip(mean, se)], [m + 2 * s for m, s in zip(mean, se)],
-                         color=f"C{i}", alpha=0.12)
+        ax1.fill_between(
+            steps,
+            [m - 2 * s for m, s in zip(mean, se)],
+            [m + 2 * s for m, s in zip(mean, se)],
+            color=f"C{i}",
+            alpha=0.12,
+        )
         for j, r in enumerate(by_seed.values()):
             if any(a == a for a in r["acceptance_length"]):
-                ax3.plot(range(1, len(r["acceptance_length"]) + 1), r["acceptance_length"], color=f"C{i}",
-                         alpha=0.6, label=method if j == 0 else None)
+                ax3.plot(
+                    range(1, len(r["acceptance_length"]) + 1),
+                    r["acceptance_length"],
+                    color=f"C{i}",
+                    alpha=0.6,
+                    label=method if j == 0 else None,
+                )
     for method, c in analysis["vs_ar"].items():
         ps = c["per_step"]
-        ax2.errorbar([p["step"] for p in ps], [p["diff"] for p in ps], yerr=[2 * p["se"] for p in ps],
-                     color=f"C{list(runs).index(method)}", fmt="o-", ms=3, capsize=2, alpha=0.8,
-                     label=f"{method} - ar (+-2 SE)")
+        ax2.errorbar(
+            [p["step"] for p in ps],
+            [p["diff"] for p in ps],
+            yerr=[2 * p["se"] for p in ps],
+            color=f"C{list(runs).index(method)}",
+            fmt="o-",
+            ms=3,
+            capsize=2,
+            alpha=0.8,
+            label=f"{method} - ar (+-2 SE)",
+        )
     ax2.axhline(0, color="k", lw=0.8)
     ax1.set_title("train/reward, mean over seeds +-2 SE"), ax2.set_title("reward difference vs ar")
     ax3.axhline(2.0, color="k", ls="--", lw=0.8, label="goal 2.0 (k=3)")
@@ -241,25 +305,33 @@ def table(analysis: dict) -> str:
     lines = ["method         final acc per seed                       mean  90% interval      s/step"]
     for m, st in analysis["per_method"].items():
         fa = st["final_accuracy"]
-        lines.append(f"{m:14s} {' '.join(f(v) for v in fa['per_seed'].values()):40s} {f(fa['mean'])} "
-                     f"{ci(fa['interval90']):17s} {f(st['mean_step_time_s']['mean'])}")
+        lines.append(
+            f"{m:14s} {' '.join(f(v) for v in fa['per_seed'].values()):40s} {f(fa['mean'])} "
+            f"{ci(fa['interval90']):17s} {f(st['mean_step_time_s']['mean'])}"
+        )
     for m, c in analysis["vs_ar"].items():
-        lines.append(f"{m} vs ar ({len(c['seeds'])} seeds, {c['steps']} steps): steps outside 2 SE "
-                     f"{c['steps_outside_2se']} (max |z| {c['max_abs_z']:.2f}); final acc diff "
-                     f"{c['final_accuracy_diff']:+.3f} Welch p {f(c['final_accuracy_welch_p'])} permutation p "
-                     f"{f(c['final_accuracy_permutation_p'])}; mean reward diff {c['mean_reward_diff']:+.4f} "
-                     f"Welch p {f(c['mean_reward_welch_p'])} permutation p {f(c['mean_reward_permutation_p'])}")
+        lines.append(
+            f"{m} vs ar ({len(c['seeds'])} seeds, {c['steps']} steps): steps outside 2 SE "
+            f"{c['steps_outside_2se']} (max |z| {c['max_abs_z']:.2f}); final acc diff "
+            f"{c['final_accuracy_diff']:+.3f} Welch p {f(c['final_accuracy_welch_p'])} permutation p "
+            f"{f(c['final_accuracy_permutation_p'])}; mean reward diff {c['mean_reward_diff']:+.4f} "
+            f"Welch p {f(c['mean_reward_welch_p'])} permutation p {f(c['mean_reward_permutation_p'])}"
+        )
         q = c["paired"]
-        lines.append(f"  paired by seed: steps outside 2 SE {q['steps_outside_2se']} (max |z| {q['max_abs_z']:.2f}); "
-                     f"final acc diff per seed {' '.join(f'{v:+.3f}' for v in q['final_accuracy_diff_per_seed'].values())}"
-                     f" {ci(q['final_accuracy_diff_interval90'])} t p {f(q['final_accuracy_t_p'])} sign-flip p "
-                     f"{f(q['final_accuracy_sign_flip_p'])}; mean reward diff {ci(q['mean_reward_diff_interval90'])} "
-                     f"t p {f(q['mean_reward_t_p'])} sign-flip p {f(q['mean_reward_sign_flip_p'])}")
+        lines.append(
+            f"  paired by seed: steps outside 2 SE {q['steps_outside_2se']} (max |z| {q['max_abs_z']:.2f}); "
+            f"final acc diff per seed {' '.join(f'{v:+.3f}' for v in q['final_accuracy_diff_per_seed'].values())}"
+            f" {ci(q['final_accuracy_diff_interval90'])} t p {f(q['final_accuracy_t_p'])} sign-flip p "
+            f"{f(q['final_accuracy_sign_flip_p'])}; mean reward diff {ci(q['mean_reward_diff_interval90'])} "
+            f"t p {f(q['mean_reward_t_p'])} sign-flip p {f(q['mean_reward_sign_flip_p'])}"
+        )
     for m, a in analysis["acceptance"].items():
-        lines.append(f"{m} acceptance (last 5 steps) per seed "
-                     f"{' '.join(f(s['late_mean']) for s in a['per_seed'].values())}, mean {f(a['late_mean']['mean'])} "
-                     f"{ci(a['late_mean']['interval90'])} (goal {a['goal']}); min after-refit ratio "
-                     f"{f(a['min_refit_ratio'])}, refits >= 0.8: {f(a['refits_at_or_above_floor'])} of {a['refits']}")
+        lines.append(
+            f"{m} acceptance (last 5 steps) per seed "
+            f"{' '.join(f(s['late_mean']) for s in a['per_seed'].values())}, mean {f(a['late_mean']['mean'])} "
+            f"{ci(a['late_mean']['interval90'])} (goal {a['goal']}); min after-refit ratio "
+            f"{f(a['min_refit_ratio'])}, refits >= 0.8: {f(a['refits_at_or_above_floor'])} of {a['refits']}"
+        )
     return "\n".join(lines)
 
 
@@ -284,21 +356,43 @@ def main(argv=None) -> int:
             config, overrides = METHODS[method]
             run_dir = work / f"{method}_seed{seed}"
             if args.analyse_only:
-                ok = (run_dir / "run.json").is_file() and \
-                    json.loads((run_dir / "run.json").read_text()).get("returncode") == 0
+                ok = (run_dir / "run.json").is_file() and json.loads((run_dir / "run.json").read_text()).get(
+                    "returncode"
+                ) == 0
                 info = {"returncode": 0 if ok else "missing"}
             else:
-                info = run_grpo_subprocess(config, [*overrides, f"grpo.seed={seed}", f"grpo.max_num_steps={args.steps}",
-                                                    "checkpointing.enabled=false", *extra], run_dir,
-                                           label=f"{method} seed {seed}", timeout_s=args.run_timeout, reuse=args.reuse)
+                info = run_grpo_subprocess(
+                    config,
+                    [
+                        *overrides,
+                        f"grpo.seed={seed}",
+                        f"grpo.max_num_steps={args.steps}",
+                        "checkpointing.enabled=false",
+                        *extra,
+                    ],
+                    run_dir,
+                    label=f"{method} seed {seed}",
+                    timeout_s=args.run_timeout,
+                    reuse=args.reuse,
+                )
             infos[f"{method} seed {seed}"] = info
             if info["returncode"] == 0:
-                runs.setdefault(method, {})[str(seed)] = {**run_summary(read_metrics(run_dir / "logs" / "metrics.jsonl")),
-                                                         "wall_s": info.get("wall_s")}
-            result = {"meta": {"methods": {m: METHODS[m] for m in args.methods}, "seeds": args.seeds,
-                               "steps": args.steps, "overrides": extra, "total_wall_s": round(time.time() - t0),
-                               "failed": [k for k, i in infos.items() if i["returncode"] != 0]},
-                      "runs": runs, **analyse(runs)}
+                runs.setdefault(method, {})[str(seed)] = {
+                    **run_summary(read_metrics(run_dir / "logs" / "metrics.jsonl")),
+                    "wall_s": info.get("wall_s"),
+                }
+            result = {
+                "meta": {
+                    "methods": {m: METHODS[m] for m in args.methods},
+                    "seeds": args.seeds,
+                    "steps": args.steps,
+                    "overrides": extra,
+                    "total_wall_s": round(time.time() - t0),
+                    "failed": [k for k, i in infos.items() if i["returncode"] != 0],
+                },
+                "runs": runs,
+                **analyse(runs),
+            }
             out.write_text(json.dumps(result, indent=1))
     plot(runs, result, out.with_suffix(".png"))
     print(table(result))

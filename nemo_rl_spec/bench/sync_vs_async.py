@@ -35,6 +35,7 @@ settings (e.g. ``configs/grpo_math_smollm2_135m_spec.yaml``: online EAGLE-3, ref
 the speculative engine cannot start, those modes are reported with their error and the
 autoregressive half still runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,23 +59,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default="configs/grpo_math_tiny.yaml")
     p.add_argument("--steps", type=int, default=8, help="GRPO steps per mode")
     p.add_argument("--spec-config", default=None, help="JSON speculative_config (default: 1-layer draft_model, k=3)")
-    p.add_argument("--spec-recipe", default=None,
-                   help="run the speculative modes on this recipe as written (its speculative_config and policy.draft, "
-                        "e.g. online EAGLE-3 refit every step) instead of --config + --spec-config")
+    p.add_argument(
+        "--spec-recipe",
+        default=None,
+        help="run the speculative modes on this recipe as written (its speculative_config and policy.draft, "
+        "e.g. online EAGLE-3 refit every step) instead of --config + --spec-config",
+    )
     p.add_argument("--workdir", default=None, help="keep per-mode logs here (default: a fresh temp dir)")
-    p.add_argument("--decoding", nargs="+", default=["autoregressive", "speculative"],
-                   help="autoregressive, speculative, or speculative@NAME: the speculative run with the overrides "
-                        "of --spec-variant NAME")
-    p.add_argument("--spec-variant", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
-                   help="a named speculative variant: NAME then key=value overrides added to the speculative run "
-                        "(e.g. before policy.generation.dynamic_speculation.plain_step_at_k0=false); repeatable")
+    p.add_argument(
+        "--decoding",
+        nargs="+",
+        default=["autoregressive", "speculative"],
+        help="autoregressive, speculative, or speculative@NAME: the speculative run with the overrides "
+        "of --spec-variant NAME",
+    )
+    p.add_argument(
+        "--spec-variant",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("NAME", "KEY=VALUE"),
+        help="a named speculative variant: NAME then key=value overrides added to the speculative run "
+        "(e.g. before policy.generation.dynamic_speculation.plain_step_at_k0=false); repeatable",
+    )
     p.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
     p.add_argument("--replot", action="store_true", help="only rewrite the table and plot from an existing --out")
-    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="only combine the modes of earlier outputs into --out (a later file's mode replaces an "
-                        "earlier one: for re-running single modes), recompute speedup_vs_sync, rewrite table and plot")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="passes over the modes, alternating forward and reverse order (interleaved modes)")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="only combine the modes of earlier outputs into --out (a later file's mode replaces an "
+        "earlier one: for re-running single modes), recompute speedup_vs_sync, rewrite table and plot",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="passes over the modes, alternating forward and reverse order (interleaved modes)",
+    )
     p.add_argument("--attempts", type=int, default=3, help="tries per mode (Ray startup can time out under load)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides applied to every mode")
     args = p.parse_args(argv)
@@ -83,9 +106,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.variants = {v[0]: list(v[1:]) for v in args.spec_variant}
     for d in args.decoding:
         base, _, name = d.partition("@")
-        if base not in ("autoregressive", "speculative") or (name and (base != "speculative"
-                                                                       or name not in args.variants)):
-            p.error(f"--decoding {d}: expected autoregressive, speculative or speculative@NAME with --spec-variant NAME")
+        if base not in ("autoregressive", "speculative") or (
+            name and (base != "speculative" or name not in args.variants)
+        ):
+            p.error(
+                f"--decoding {d}: expected autoregressive, speculative or speculative@NAME with --spec-variant NAME"
+            )
     return args
 
 
@@ -119,8 +145,9 @@ def summarize(history: list[dict], is_async: bool) -> dict:
         gen_s = sum(m.get("async/batch_generation_s", 0.0) for m in history)
     else:
         exposed = [m.get("timing/train/generation", 0.0) for m in steady]
-        tokens = sum(m.get("train/mean_response_length", 0.0) * m.get("rollout_alloc/train_rollouts", 0.0)
-                     for m in history)
+        tokens = sum(
+            m.get("train/mean_response_length", 0.0) * m.get("rollout_alloc/train_rollouts", 0.0) for m in history
+        )
         gen_s = sum(m.get("timing/train/generation", 0.0) for m in history)
     last = history[-1] if history else {}
     key = lambda k: _mean([m.get(k, 0.0) for m in steady])
@@ -161,8 +188,11 @@ def combine_repeats(runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {**runs[-1], "repeats": runs}
-    out = {k: _mean([r.get(k) for r in ok]) for k, v in ok[0].items()
-           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out = {
+        k: _mean([r.get(k) for r in ok])
+        for k, v in ok[0].items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     return {**out, "repeats": runs}
 
 
@@ -233,19 +263,40 @@ def mode_overrides(name: str, age: int, decoding: str, spec: dict | None, steps:
     vllm_kwargs = {"disable_log_stats": False}
     if decoding.startswith("speculative"):
         vllm_kwargs["speculative_config"] = spec
-    out = [f"grpo.max_num_steps={steps}", "grpo.val_at_start=false", "grpo.val_period=0",
-           "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_ratio=2.0",
-           f"policy.generation.vllm_kwargs={json.dumps(vllm_kwargs)}", "checkpointing.enabled=false",
-           f"logger.log_dir={workdir}/{name}_{decoding}/logs", "logger.progress_bar=false"]
+    out = [
+        f"grpo.max_num_steps={steps}",
+        "grpo.val_at_start=false",
+        "grpo.val_period=0",
+        "loss_fn.use_importance_sampling_correction=true",
+        "loss_fn.truncated_importance_sampling_ratio=2.0",
+        f"policy.generation.vllm_kwargs={json.dumps(vllm_kwargs)}",
+        "checkpointing.enabled=false",
+        f"logger.log_dir={workdir}/{name}_{decoding}/logs",
+        "logger.progress_bar=false",
+    ]
     if age:
         out.append("+grpo.async_grpo=" + json.dumps({"enabled": True, "max_trajectory_age_steps": age}))
     return out
 
 
 def table(results: dict) -> str:
-    cols = ["step_time_s", "exposed_generation_s", "logprobs_s", "training_s", "weight_sync_s",
-            "buffer_starvation_s", "refit_bubble_s", "tokens_per_s", "acceptance_length", "final_reward", "mean_reward",
-            "final_accuracy", "max_trajectory_age", "speedup_vs_sync", "overlap_bound"]
+    cols = [
+        "step_time_s",
+        "exposed_generation_s",
+        "logprobs_s",
+        "training_s",
+        "weight_sync_s",
+        "buffer_starvation_s",
+        "refit_bubble_s",
+        "tokens_per_s",
+        "acceptance_length",
+        "final_reward",
+        "mean_reward",
+        "final_accuracy",
+        "max_trajectory_age",
+        "speedup_vs_sync",
+        "overlap_bound",
+    ]
     lines = ["| mode | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
     for name, r in results.items():
         if "error" in r:
@@ -266,8 +317,12 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt  # lazy: matplotlib only for the plot
 
     names = [n for n, r in results.items() if "error" not in r]
-    parts = [("exposed_generation_s", "exposed generation"), ("logprobs_s", "log-probs"),
-             ("training_s", "training"), ("weight_sync_s", "refit")]
+    parts = [
+        ("exposed_generation_s", "exposed generation"),
+        ("logprobs_s", "log-probs"),
+        ("training_s", "training"),
+        ("weight_sync_s", "refit"),
+    ]
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(names)), 4))
     bottom = [0.0] * len(names)
     for key, label in parts:
@@ -326,9 +381,12 @@ def ratios_vs_autoregressive(runs: dict[str, list[dict]]) -> dict[str, dict]:
         row = {}
         for label, field in RATIO_KEYS.items():
             per = [s[field] / a[field] for s, a in pairs if a.get(field)]
-            row[label] = {"per_repeat": per,
-                          "of_means": _mean([s[field] for s, _ in pairs]) / _mean([a[field] for _, a in pairs]),
-                          "spec_s": [s[field] for s, _ in pairs], "ar_s": [a[field] for _, a in pairs]}
+            row[label] = {
+                "per_repeat": per,
+                "of_means": _mean([s[field] for s, _ in pairs]) / _mean([a[field] for _, a in pairs]),
+                "spec_s": [s[field] for s, _ in pairs],
+                "ar_s": [a[field] for _, a in pairs],
+            }
         row["draft_train_s"] = [s.get("draft_train_s") for s, _ in pairs]
         row["spec_num_drafts"] = [s.get("spec_num_drafts") for s, _ in pairs]
         out[key] = row
@@ -337,16 +395,22 @@ def ratios_vs_autoregressive(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 def ratio_table(ratios: dict[str, dict]) -> str:
     """Markdown: per speculative mode, generation / step / training seconds over autoregressive's."""
-    lines = ["| mode | generation ratio (per repeat) | generation, of means | step ratio (per repeat) | "
-             "step, of means | training, of means | draft training s | drafts |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | generation ratio (per repeat) | generation, of means | step ratio (per repeat) | "
+        "step, of means | training, of means | draft training s | drafts |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, r in ratios.items():
+
         def per(label: str, r: dict = r) -> str:
             return " ".join(f"{x:.3f}" for x in r[label]["per_repeat"])
 
         draft = [x for x in r["draft_train_s"] if x is not None and not math.isnan(x)]
-        lines.append(f"| {key} | {per('generation')} | {r['generation']['of_means']:.3f} | {per('step')} | "
-                     f"{r['step']['of_means']:.3f} | {r['training']['of_means']:.3f} | "
-                     f"{_mean(draft):.2f} | {r['spec_num_drafts']} |")
+        lines.append(
+            f"| {key} | {per('generation')} | {r['generation']['of_means']:.3f} | {per('step')} | "
+            f"{r['step']['of_means']:.3f} | {r['training']['of_means']:.3f} | "
+            f"{_mean(draft):.2f} | {r['spec_num_drafts']} |"
+        )
     return "\n".join(lines)
 
 
@@ -363,8 +427,9 @@ def merge(paths: list[str], out: Path) -> str:
     return write_reports(out, results)
 
 
-def run_with_attempts(args: argparse.Namespace, key: str, spec: dict | None, spec_error: str | None,
-                      workdir: Path) -> dict:
+def run_with_attempts(
+    args: argparse.Namespace, key: str, spec: dict | None, spec_error: str | None, workdir: Path
+) -> dict:
     """One run of mode ``key`` ("<name>/<decoding>"), retried up to ``--attempts`` times (Ray's startup can time out
     on a loaded machine); a mode that keeps failing returns ``{"error": traceback}`` so the others still run."""
     name, decoding = key.split("/")
@@ -418,11 +483,20 @@ def main(argv=None) -> int:
         out.write_text(json.dumps({"modes": results}, indent=2, default=str))
     add_speedups(results)
     ratios = ratios_vs_autoregressive(runs)
-    settings = {"config": args.config, "spec_recipe": args.spec_recipe, "steps": args.steps, "overrides": args.overrides,
-                "repeats": args.repeats, "order": [k for _, k in order], "spec_variants": args.variants,
-                "speculative_config": spec, "note": "means over steps 2..N; see examples/bench_sync_vs_async.py"}
-    out.write_text(json.dumps({"modes": results, "ratios_vs_autoregressive": ratios, "settings": settings}, indent=2,
-                              default=str))
+    settings = {
+        "config": args.config,
+        "spec_recipe": args.spec_recipe,
+        "steps": args.steps,
+        "overrides": args.overrides,
+        "repeats": args.repeats,
+        "order": [k for _, k in order],
+        "spec_variants": args.variants,
+        "speculative_config": spec,
+        "note": "means over steps 2..N; see examples/bench_sync_vs_async.py",
+    }
+    out.write_text(
+        json.dumps({"modes": results, "ratios_vs_autoregressive": ratios, "settings": settings}, indent=2, default=str)
+    )
     print(write_reports(out, results))
     if ratios:
         print(ratio_table(ratios))

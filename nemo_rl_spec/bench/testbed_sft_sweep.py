@@ -12,6 +12,7 @@ recipe's validation seed) with HF ``generate``: one greedy and ``--n`` at T = 1.
 nor never solved at T = 1. ``--save DIR`` writes the final model as the build does (``testbed.save_testbed``: an
 HF checkpoint and ``sft.json``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,13 +80,20 @@ def sample(model, tokenizer, prompts: list[list[int]], n: int, greedy: bool, see
     x = torch.full((len(ids), width), tokenizer.pad_token_id)
     mask = torch.zeros_like(x)
     for i, p in enumerate(ids):
-        x[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        x[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=48, do_sample=not greedy,
-                             temperature=None if greedy else 1.0, top_p=1.0, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            input_ids=x,
+            attention_mask=mask,
+            max_new_tokens=48,
+            do_sample=not greedy,
+            temperature=None if greedy else 1.0,
+            top_p=1.0,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out]
 
 
@@ -94,11 +102,14 @@ def score(texts: list[str], answers: list[str], n: int) -> dict[str, float]:
     right = [score_response(t, answers[i // n], None) for i, t in enumerate(texts)]
     direct = [t.strip().startswith("\\boxed") for t in texts]
     n_direct = sum(direct)
-    per_prompt = [sum(right[i * n:(i + 1) * n]) / n for i in range(len(answers))]
-    return {"accuracy": sum(right) / len(right), "p_direct": n_direct / len(right),
-            "chain_accuracy": sum(r for r, d in zip(right, direct) if not d) / max(1, len(right) - n_direct),
-            "direct_accuracy": sum(r for r, d in zip(right, direct) if d) / max(1, n_direct),
-            "share_mixed": sum(0 < p < 1 for p in per_prompt) / len(per_prompt)}
+    per_prompt = [sum(right[i * n : (i + 1) * n]) / n for i in range(len(answers))]
+    return {
+        "accuracy": sum(right) / len(right),
+        "p_direct": n_direct / len(right),
+        "chain_accuracy": sum(r for r, d in zip(right, direct) if not d) / max(1, len(right) - n_direct),
+        "direct_accuracy": sum(r for r, d in zip(right, direct) if d) / max(1, n_direct),
+        "share_mixed": sum(0 < p < 1 for p in per_prompt) / len(per_prompt),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

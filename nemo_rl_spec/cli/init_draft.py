@@ -18,6 +18,7 @@ the result with::
 Extra ``key=value`` arguments override the recipe as in ``examples/run_grpo.py`` (e.g.
 ``policy.generation.temperature=0``). Exit status 2 with one message naming the flag or file on bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,45 +55,76 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--out", required=True, help="output directory of the draft checkpoint")
     parser.add_argument("--num-prompts", type=int, default=64, help="training-set prompts to sample (default 64)")
     parser.add_argument("--samples-per-prompt", type=int, default=1, help="responses per prompt (default 1)")
-    parser.add_argument("--eval-prompts", type=int, default=0,
-                        help="of --num-prompts, the last N are held out for the acceptance curves (default 0: none)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="response cap (default: policy.generation.max_new_tokens)")
+    parser.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=0,
+        help="of --num-prompts, the last N are held out for the acceptance curves (default 0: none)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="response cap (default: policy.generation.max_new_tokens)"
+    )
     parser.add_argument("--steps", type=int, default=100, help="draft optimizer steps (default 100)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per draft step (default 8)")
     parser.add_argument("--lr", type=float, default=3e-3, help="draft AdamW learning rate (default 3e-3)")
     parser.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll length (default 3)")
-    parser.add_argument("--draft-vocab-size", type=int, default=None,
-                        help="reduced draft vocabulary: this many most frequent response tokens + EOS; 0: full "
-                             "vocabulary (default: sized by --vocab-coverage)")
-    parser.add_argument("--vocab-coverage", type=float, default=0.999,
-                        help="without --draft-vocab-size: the smallest vocabulary covering this fraction of the "
-                             "sampled response tokens (default 0.999)")
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="reduced draft vocabulary: this many most frequent response tokens + EOS; 0: full "
+        "vocabulary (default: sized by --vocab-coverage)",
+    )
+    parser.add_argument(
+        "--vocab-coverage",
+        type=float,
+        default=0.999,
+        help="without --draft-vocab-size: the smallest vocabulary covering this fraction of the "
+        "sampled response tokens (default 0.999)",
+    )
     parser.add_argument("--eval-every", type=int, default=50, help="held-out acceptance every N steps (default 50)")
     parser.add_argument("--save-every", type=int, default=50, help="training checkpoint every N steps (default 50)")
-    parser.add_argument("--data-sizes", type=int, nargs="*", default=[],
-                        help="also train heads on the first N training sequences (same steps) for the "
-                             "acceptance-vs-data curve")
-    parser.add_argument("--data-curve-steps", type=int, default=None,
-                        help="steps of each --data-sizes head (default --steps; a multiple of --eval-every, so the "
-                             "full set's point is the main curve's at that step)")
+    parser.add_argument(
+        "--data-sizes",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also train heads on the first N training sequences (same steps) for the acceptance-vs-data curve",
+    )
+    parser.add_argument(
+        "--data-curve-steps",
+        type=int,
+        default=None,
+        help="steps of each --data-sizes head (default --steps; a multiple of --eval-every, so the "
+        "full set's point is the main curve's at that step)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="sampling / init seed (default: grpo.seed)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads for training (default 1: on this shared 2-core machine 2 threads ran "
-                             "up to 30x slower than 1; alone, use 2)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for training (default 1: on this shared 2-core machine 2 threads ran "
+        "up to 30x slower than 1; alone, use 2)",
+    )
     return parser.parse_known_args(argv)
 
 
 def validate_args(args: argparse.Namespace) -> None:
     """Raises UsageError naming the first bad flag."""
-    for flag, value, low in (("--num-prompts", args.num_prompts, 1), ("--steps", args.steps, 1),
-                             ("--batch-size", args.batch_size, 1), ("--ttt-steps", args.ttt_steps, 1),
-                             ("--draft-vocab-size", args.draft_vocab_size, 0),
-                             ("--samples-per-prompt", args.samples_per_prompt, 1),
-                             ("--eval-prompts", args.eval_prompts, 0), ("--eval-every", args.eval_every, 1),
-                             ("--save-every", args.save_every, 1),
-                             ("--max-new-tokens", args.max_new_tokens, 1), ("--threads", args.threads, 1),
-                             *(("--data-sizes", n, 1) for n in args.data_sizes)):
+    for flag, value, low in (
+        ("--num-prompts", args.num_prompts, 1),
+        ("--steps", args.steps, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--ttt-steps", args.ttt_steps, 1),
+        ("--draft-vocab-size", args.draft_vocab_size, 0),
+        ("--samples-per-prompt", args.samples_per_prompt, 1),
+        ("--eval-prompts", args.eval_prompts, 0),
+        ("--eval-every", args.eval_every, 1),
+        ("--save-every", args.save_every, 1),
+        ("--max-new-tokens", args.max_new_tokens, 1),
+        ("--threads", args.threads, 1),
+        *(("--data-sizes", n, 1) for n in args.data_sizes),
+    ):
         if value is not None and value < low:
             raise UsageError(f"{flag}={value}: must be >= {low}")
     if not args.lr > 0:
@@ -101,8 +133,10 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--vocab-coverage={args.vocab_coverage}: must be in (0, 1]")
     curve_steps = args.data_curve_steps or args.steps
     if args.data_sizes and (curve_steps > args.steps or (curve_steps != args.steps and curve_steps % args.eval_every)):
-        raise UsageError(f"--data-curve-steps={curve_steps}: must be --steps or a multiple of --eval-every="
-                         f"{args.eval_every} up to --steps={args.steps}")
+        raise UsageError(
+            f"--data-curve-steps={curve_steps}: must be --steps or a multiple of --eval-every="
+            f"{args.eval_every} up to --steps={args.steps}"
+        )
     if args.eval_prompts >= args.num_prompts:
         raise UsageError(f"--eval-prompts={args.eval_prompts}: must be < --num-prompts={args.num_prompts}")
     out = Path(args.out)
@@ -120,8 +154,9 @@ def in_domain_prompts(cfg, tokenizer, num_prompts: int) -> list[list[int]]:
 
     train, _ = load_datasets(cfg)
     if num_prompts > len(train):
-        raise UsageError(f"--num-prompts={num_prompts}: the recipe's training set (data.train.size) has only "
-                         f"{len(train)} problems")
+        raise UsageError(
+            f"--num-prompts={num_prompts}: the recipe's training set (data.train.size) has only {len(train)} problems"
+        )
     kwargs = cfg.policy.tokenizer.chat_template_kwargs
     return [format_prompt(tokenizer, cfg.data.system_prompt, p["question"], **kwargs) for p in train[:num_prompts]]
 
@@ -148,11 +183,20 @@ def _load(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     max_new = args.max_new_tokens or gen_cfg["max_new_tokens"]
     longest = max(len(p) for p in prompts) + max_new
     if longest > gen_cfg["vllm_cfg"]["max_model_len"]:
-        raise UsageError(f"--max-new-tokens={max_new}: the longest prompt ({longest - max_new} tokens) plus the "
-                         f"response exceeds policy.generation.vllm_cfg.max_model_len={gen_cfg['vllm_cfg']['max_model_len']}")
+        raise UsageError(
+            f"--max-new-tokens={max_new}: the longest prompt ({longest - max_new} tokens) plus the "
+            f"response exceeds policy.generation.vllm_cfg.max_model_len={gen_cfg['vllm_cfg']['max_model_len']}"
+        )
     seed = cfg.grpo.seed if args.seed is None else args.seed
-    return {"cfg": cfg, "model_path": model_path, "tokenizer": tokenizer, "prompts": prompts, "gen_cfg": gen_cfg, "max_new": max_new,
-            "seed": seed}
+    return {
+        "cfg": cfg,
+        "model_path": model_path,
+        "tokenizer": tokenizer,
+        "prompts": prompts,
+        "gen_cfg": gen_cfg,
+        "max_new": max_new,
+        "seed": seed,
+    }
 
 
 def _make_trainer(args, policy, vocab, aux, seed):
@@ -175,9 +219,18 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     work.mkdir(parents=True, exist_ok=True)
     samples_file = str(work / draft_init.SAMPLES_FILE)
     t0 = time.perf_counter()
-    checks.run_isolated(draft_init.sample_to_file, run["gen_cfg"], run["model_path"], run["prompts"],
-                        args.samples_per_prompt, seed, run["max_new"], PROMPTS_PER_CALL, samples_file,
-                        threads=int(run["gen_cfg"]["vllm_cfg"]["num_threads"]))
+    checks.run_isolated(
+        draft_init.sample_to_file,
+        run["gen_cfg"],
+        run["model_path"],
+        run["prompts"],
+        args.samples_per_prompt,
+        seed,
+        run["max_new"],
+        PROMPTS_PER_CALL,
+        samples_file,
+        threads=int(run["gen_cfg"]["vllm_cfg"]["num_threads"]),
+    )
     generate_s = time.perf_counter() - t0
     samples = draft_init.read_samples(samples_file)
     n_train_prompts = args.num_prompts - args.eval_prompts
@@ -190,23 +243,44 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
         vocab, vocab_info = None, {"draft_vocab_size": policy.config.vocab_size, "coverage": 1.0}
     else:
         vocab, vocab_info = draft_init.measured_vocab(
-            [samples.sequences[i] for i in train_rows], [samples.prompt_lengths[i] for i in train_rows],
-            policy.config.vocab_size, _eos_ids(run["tokenizer"], policy.config), args.vocab_coverage,
-            args.draft_vocab_size)
+            [samples.sequences[i] for i in train_rows],
+            [samples.prompt_lengths[i] for i in train_rows],
+            policy.config.vocab_size,
+            _eos_ids(run["tokenizer"], policy.config),
+            args.vocab_coverage,
+            args.draft_vocab_size,
+        )
     draft_cfg = run["cfg"].policy.draft
     aux = draft_cfg.aux_layer_ids if draft_cfg is not None and draft_cfg.aux_layer_ids else None
     trainer = _make_trainer(args, policy, vocab, aux, seed)
     temperature = run["gen_cfg"]["temperature"]
     bar = tqdm(total=len(samples.sequences), desc="policy outputs", unit="seq")
-    cache = build_policy_cache(policy, trainer.head, samples.sequences, args.batch_size, True,
-                               temperature if temperature > 0 else 1.0, on_batch=bar.update)
+    cache = build_policy_cache(
+        policy,
+        trainer.head,
+        samples.sequences,
+        args.batch_size,
+        True,
+        temperature if temperature > 0 else 1.0,
+        on_batch=bar.update,
+    )
     bar.close()
     state = draft_init.load_state(work / draft_init.STATE_FILE, trainer)
     t1 = time.perf_counter()
-    state = draft_init.train(trainer, cache, samples, train_rows, eval_rows or train_rows[:64], args.steps,
-                             args.batch_size, seed, args.eval_every, state,
-                             lambda st: draft_init.save_state(work / draft_init.STATE_FILE, trainer, st),
-                             args.save_every)
+    state = draft_init.train(
+        trainer,
+        cache,
+        samples,
+        train_rows,
+        eval_rows or train_rows[:64],
+        args.steps,
+        args.batch_size,
+        seed,
+        args.eval_every,
+        state,
+        lambda st: draft_init.save_state(work / draft_init.STATE_FILE, trainer, st),
+        args.save_every,
+    )
     train_s = time.perf_counter() - t1
     trainer.save_checkpoint(out)
     data_curve = _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval_rows, work, state)
@@ -219,17 +293,34 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     n = max(1, min(5, len(history) // 4))
     resp_lens = [len(q) - p for q, p in zip(samples.sequences, samples.prompt_lengths)]
     summary = {
-        "config": str(args.config), "overrides": overrides, "model": run["cfg"].policy.model_name, "out": str(out),
-        "num_prompts": args.num_prompts, "samples_per_prompt": args.samples_per_prompt,
-        "eval_prompts": args.eval_prompts, "train_sequences": len(train_rows), "eval_sequences": len(eval_rows),
-        "seed": seed, "temperature": temperature, "max_new_tokens": run["max_new"], "steps": args.steps,
-        "batch_size": args.batch_size, "lr": args.lr, "ttt_steps": args.ttt_steps, **vocab_info,
+        "config": str(args.config),
+        "overrides": overrides,
+        "model": run["cfg"].policy.model_name,
+        "out": str(out),
+        "num_prompts": args.num_prompts,
+        "samples_per_prompt": args.samples_per_prompt,
+        "eval_prompts": args.eval_prompts,
+        "train_sequences": len(train_rows),
+        "eval_sequences": len(eval_rows),
+        "seed": seed,
+        "temperature": temperature,
+        "max_new_tokens": run["max_new"],
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "ttt_steps": args.ttt_steps,
+        **vocab_info,
         "aux_layer_ids": list(trainer.head.cfg.aux_layer_ids),
-        "response_tokens_mean": sum(resp_lens) / len(resp_lens), "response_tokens_max": max(resp_lens),
-        "generate_s": generate_s, "train_s": train_s,
-        "start": window(history[:n]), "end": window(history[-n:]),
-        "acceptance_vs_steps": state["curve"], "acceptance_vs_data": data_curve,
-        "prompt_lengths": samples.prompt_lengths, "sequences": samples.sequences,
+        "response_tokens_mean": sum(resp_lens) / len(resp_lens),
+        "response_tokens_max": max(resp_lens),
+        "generate_s": generate_s,
+        "train_s": train_s,
+        "start": window(history[:n]),
+        "end": window(history[-n:]),
+        "acceptance_vs_steps": state["curve"],
+        "acceptance_vs_data": data_curve,
+        "prompt_lengths": samples.prompt_lengths,
+        "sequences": samples.sequences,
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary) + "\n")
     draft_init.plot_curves(summary, out / "acceptance_curves.png")
@@ -248,9 +339,19 @@ def _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval
         if n >= len(train_rows) or key in done:
             continue
         trainer = _make_trainer(args, policy, vocab, aux, seed)
-        st = draft_init.train(trainer, cache, samples, train_rows[:n], eval_rows or train_rows[:64], steps,
-                              args.batch_size, seed, steps, {"step": 0, "history": [], "curve": []},
-                              desc=f"data curve: {n} sequences")
+        st = draft_init.train(
+            trainer,
+            cache,
+            samples,
+            train_rows[:n],
+            eval_rows or train_rows[:64],
+            steps,
+            args.batch_size,
+            seed,
+            steps,
+            {"step": 0, "history": [], "curve": []},
+            desc=f"data curve: {n} sequences",
+        )
         done[key] = st["curve"][-1]
         path.write_text(json.dumps(done))
     points = [{"train_sequences": int(k.split("@")[0]), **v} for k, v in done.items() if k.endswith(f"@{steps}")]
@@ -267,17 +368,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     st, en = s["start"], s["end"]
     last = f"train/draft_acc_step{s['ttt_steps'] - 1}"
-    print(f"sampled {s['train_sequences'] + s['eval_sequences']} responses (mean {s['response_tokens_mean']:.0f}, max "
-          f"{s['response_tokens_max']} tokens, T={s['temperature']}) in {s['generate_s']:.0f} s; "
-          f"trained {s['steps']} steps in {s['train_s']:.0f} s")
-    print(f"draft loss {st['train/draft_loss']:.3f} -> {en['train/draft_loss']:.3f}; "
-          f"acc step0 {st['train/draft_acc_step0']:.3f} -> {en['train/draft_acc_step0']:.3f}; "
-          f"acc step{s['ttt_steps'] - 1} {st[last]:.3f} -> {en[last]:.3f}")
+    print(
+        f"sampled {s['train_sequences'] + s['eval_sequences']} responses (mean {s['response_tokens_mean']:.0f}, max "
+        f"{s['response_tokens_max']} tokens, T={s['temperature']}) in {s['generate_s']:.0f} s; "
+        f"trained {s['steps']} steps in {s['train_s']:.0f} s"
+    )
+    print(
+        f"draft loss {st['train/draft_loss']:.3f} -> {en['train/draft_loss']:.3f}; "
+        f"acc step0 {st['train/draft_acc_step0']:.3f} -> {en['train/draft_acc_step0']:.3f}; "
+        f"acc step{s['ttt_steps'] - 1} {st[last]:.3f} -> {en[last]:.3f}"
+    )
     print(f"draft vocabulary {s['draft_vocab_size']} (covers {s['coverage']:.4f} of the sampled response tokens)")
     for p in s["acceptance_vs_data"]:
-        print(f"{p['train_sequences']} training sequences: held-out acceptance length (k={s['ttt_steps']}) greedy "
-              f"{p['greedy/acceptance_length']:.3f}, probabilistic {p['probabilistic/acceptance_length']:.3f} "
-              f"(greedy oracle {p['oracle_greedy/acceptance_length']:.3f})")
-    print(f"wrote {s['out']} (vLLM eagle3: config.json, model.safetensors; draft_trainer.pt; {SUMMARY_FILE}; "
-          "acceptance_curves.png)")
+        print(
+            f"{p['train_sequences']} training sequences: held-out acceptance length (k={s['ttt_steps']}) greedy "
+            f"{p['greedy/acceptance_length']:.3f}, probabilistic {p['probabilistic/acceptance_length']:.3f} "
+            f"(greedy oracle {p['oracle_greedy/acceptance_length']:.3f})"
+        )
+    print(
+        f"wrote {s['out']} (vLLM eagle3: config.json, model.safetensors; draft_trainer.pt; {SUMMARY_FILE}; "
+        "acceptance_curves.png)"
+    )
     return 0

@@ -11,6 +11,7 @@ progress bar and one line per step, plus errors; everything else the driver and 
 warnings, loading bars, where each actor runs) is kept in ``<logger.log_dir>/console.log`` with the console itself
 (nemo_rl_spec/utils/console_log.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ from nemo_rl_spec.utils.precision import precision_line
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/grpo_math_smollm2_135m.yaml", help="recipe YAML")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="validate the recipe and print its placement plan; start no Ray worker")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="validate the recipe and print its placement plan; start no Ray worker"
+    )
     return parser.parse_known_args(argv)
 
 
@@ -89,8 +91,16 @@ def train(cfg) -> int:
             history = grpo_train(s)
         png = plot_training_curves(s.logger.jsonl_path, Path(cfg.logger.log_dir) / "training_curves.png")
         s.logger.log_image(png)  # to W&B / MLflow when enabled
-        print(json.dumps({"steps_run": len(history), "metrics": str(s.logger.jsonl_path), "plot": str(png),
-                          "latest_checkpoint": str(s.checkpoints.latest()) if s.checkpoints else None}))
+        print(
+            json.dumps(
+                {
+                    "steps_run": len(history),
+                    "metrics": str(s.logger.jsonl_path),
+                    "plot": str(png),
+                    "latest_checkpoint": str(s.checkpoints.latest()) if s.checkpoints else None,
+                }
+            )
+        )
     finally:
         teardown(s)
     return 0

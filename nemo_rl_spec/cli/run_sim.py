@@ -29,6 +29,7 @@ Projection of a measured rollout benchmark to GPUs (same acceptance, simulated c
     python examples/run_sim.py project-spec --bench docs/bench_spec_rollouts_default.json \
         --out docs/sim_projection_spec_default.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,15 +60,30 @@ PUBLISHED_FORMULA_CASES = ((0.8, 3, 0.05), (0.6, 2, 0.1), (0.0, 3, 0.05))
 
 def formula_checks() -> list[dict[str, float]]:
     """Expected tokens per pass and speedup for the published (alpha, k, c) cases."""
-    return [{"alpha": a, "k": k, "draft_cost": c, "tokens_per_pass": expected_tokens_per_pass(a, k),
-             "speedup": speculative_speedup(a, k, c)} for a, k, c in PUBLISHED_FORMULA_CASES]
+    return [
+        {
+            "alpha": a,
+            "k": k,
+            "draft_cost": c,
+            "tokens_per_pass": expected_tokens_per_pass(a, k),
+            "speedup": speculative_speedup(a, k, c),
+        }
+        for a, k, c in PUBLISHED_FORMULA_CASES
+    ]
 
 
 def result_entry(scn, res) -> dict[str, Any]:
     """JSON entry of one scenario: speedups, phases, drivers and the paper comparison when published values exist."""
-    entry = {"generation_speedup": res.generation_speedup, "e2e_speedup": res.e2e_speedup,
-             "ar_step_s": res.ar_step_s, "spec_step_s": res.spec_step_s, "ar": res.ar.model_dump(),
-             "spec": res.spec.model_dump(), "details": res.details, "description": scn.description}
+    entry = {
+        "generation_speedup": res.generation_speedup,
+        "e2e_speedup": res.e2e_speedup,
+        "ar_step_s": res.ar_step_s,
+        "spec_step_s": res.spec_step_s,
+        "ar": res.ar.model_dump(),
+        "spec": res.spec.model_dump(),
+        "details": res.details,
+        "description": scn.description,
+    }
     if scn.paper:
         entry["paper_comparison"] = paper.compare_to_paper(scn, res)
     return entry
@@ -78,15 +94,23 @@ def run_sweeps(scns: dict[str, Any]) -> dict[str, Any]:
     zero, think = scns["paper_8b_rl_zero"], scns["paper_8b_rl_think"]
     big, cpu = scns["qwen3_235b_2048gb200_async"], scns["cpu_smollm2_default"]
     batches = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    batch = {f"{hw} 8B, {ctx} ctx": sweeps.pass_speedup_vs_batch(zero, batches, float(ctx), hw)
-             for hw in ("h100", "gb200") for ctx in (512, 4096)}
+    batch = {
+        f"{hw} 8B, {ctx} ctx": sweeps.pass_speedup_vs_batch(zero, batches, float(ctx), hw)
+        for hw in ("h100", "gb200")
+        for ctx in (512, 4096)
+    }
     batch["cpu smollm2 (random head), 128 ctx"] = sweeps.pass_speedup_vs_batch(cpu, [1, 2, 4, 8, 16, 32, 64], 128.0)
-    return {"k": {name: sweeps.k_sweep(s) for name, s in (("paper_8b_rl_zero", zero), ("paper_8b_rl_think", think))},
-            "k_shape": {name: paper.k_sweep_shape(s) for name, s in (("paper_8b_rl_zero", zero),
-                                                                    ("paper_8b_rl_think", think))},
-            "acceptance": sweeps.acceptance_sweep(zero), "batch": batch,
-            "concurrency": sweeps.concurrency_sweep(zero),
-            "hardware": sweeps.hardware_sweep(zero), "scale": sweeps.scale_sweep(big)}
+    return {
+        "k": {name: sweeps.k_sweep(s) for name, s in (("paper_8b_rl_zero", zero), ("paper_8b_rl_think", think))},
+        "k_shape": {
+            name: paper.k_sweep_shape(s) for name, s in (("paper_8b_rl_zero", zero), ("paper_8b_rl_think", think))
+        },
+        "acceptance": sweeps.acceptance_sweep(zero),
+        "batch": batch,
+        "concurrency": sweeps.concurrency_sweep(zero),
+        "hardware": sweeps.hardware_sweep(zero),
+        "scale": sweeps.scale_sweep(big),
+    }
 
 
 FIDELITY_DIR = REPO / "docs" / "sim_fidelity"
@@ -98,8 +122,11 @@ def measured_fidelity() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for path in sorted(FIDELITY_DIR.glob("fidelity_*.json")):
         rep = json.loads(path.read_text())
-        out[path.stem] = {key: {ph: v["error"] for ph, v in rep[key]["phases"].items()}
-                          for key in ("ar_holdout", "ar_prior", "spec", "spec_prior") if key in rep}
+        out[path.stem] = {
+            key: {ph: v["error"] for ph, v in rep[key]["phases"].items()}
+            for key in ("ar_holdout", "ar_prior", "spec", "spec_prior")
+            if key in rep
+        }
     return out
 
 
@@ -111,11 +138,13 @@ def write_plots(out: Path, scns: dict[str, Any], sw: dict[str, Any]) -> list[str
     closed = [speculative_speedup(r["alpha"], 3, c1) for r in sw["acceptance"]]
     measured = [(b, plain / eagle) for b, (plain, eagle) in DESIGN_DECODE_STEPS.items()]
     ar, sp = generation_traces(scns["paper_8b_rl_zero"])
-    paths = [report.plot_k_sweep(sw["k"], pub, Path(f"{stem}_k_sweep.png")),
-             report.plot_acceptance(sw["acceptance"], closed, Path(f"{stem}_acceptance.png")),
-             report.plot_batch(sw["batch"], sw["concurrency"], measured, Path(f"{stem}_batch.png")),
-             report.plot_scale(sw["scale"], Path(f"{stem}_scale.png")),
-             report.plot_traces(ar, sp, "RL-Zero generation, slowest engine", Path(f"{stem}_trace.png"))]
+    paths = [
+        report.plot_k_sweep(sw["k"], pub, Path(f"{stem}_k_sweep.png")),
+        report.plot_acceptance(sw["acceptance"], closed, Path(f"{stem}_acceptance.png")),
+        report.plot_batch(sw["batch"], sw["concurrency"], measured, Path(f"{stem}_batch.png")),
+        report.plot_scale(sw["scale"], Path(f"{stem}_scale.png")),
+        report.plot_traces(ar, sp, "RL-Zero generation, slowest engine", Path(f"{stem}_trace.png")),
+    ]
     return [str(p) for p in paths]
 
 
@@ -128,14 +157,22 @@ def sweep_main(args: argparse.Namespace) -> int:
     sw = run_sweeps(scns)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"formulas": formula_checks(),
-           "scenarios": {n: result_entry(scns[n], r) for n, r in results.items()},
-           "projection_235b": proj, "sweeps": sw,
-           "cpu_profile": {"design_fit_errors": design_fit_errors().tolist(),
-                           "fidelity_vs_measured_run": measured_fidelity()}}
+    doc = {
+        "formulas": formula_checks(),
+        "scenarios": {n: result_entry(scns[n], r) for n, r in results.items()},
+        "projection_235b": proj,
+        "sweeps": sw,
+        "cpu_profile": {
+            "design_fit_errors": design_fit_errors().tolist(),
+            "fidelity_vs_measured_run": measured_fidelity(),
+        },
+    }
     for row in proj["rows"]:
-        doc["scenarios"][f"{big.name}_k{row['k']}"] = {"generation_speedup": row["generation_speedup"],
-                                                       "e2e_speedup": row["e2e_speedup"], **row}
+        doc["scenarios"][f"{big.name}_k{row['k']}"] = {
+            "generation_speedup": row["generation_speedup"],
+            "e2e_speedup": row["e2e_speedup"],
+            **row,
+        }
     doc["hardware_8b_rl_zero"] = {r["hardware"]: r for r in sw["hardware"]}
     if not args.no_plots:
         doc["plots"] = write_plots(out, scns, sw)
@@ -150,15 +187,19 @@ def print_summary(results: list, doc: dict[str, Any]) -> None:
     print(report.table(results))
     for name, entry in doc["scenarios"].items():
         for key, cmp in entry.get("paper_comparison", {}).items():
-            print(f"  {name:<22} {key:<20} predicted {cmp['predicted']:8.3f}  paper {cmp['paper']:8.3f}"
-                  f"  error {100 * cmp['error']:+6.1f}%")
+            print(
+                f"  {name:<22} {key:<20} predicted {cmp['predicted']:8.3f}  paper {cmp['paper']:8.3f}"
+                f"  error {100 * cmp['error']:+6.1f}%"
+            )
     for name, shape in doc["sweeps"]["k_shape"].items():
         steps = ", ".join(f"k={k}: {t:.1f}s" for k, t in shape["spec_step_s"].items())
         print(f"  k sweep {name}: {steps}; best k={shape['best_k']}; k7 slower than k3: {shape['k7_slower_than_k3']}")
     for row in doc["projection_235b"]["rows"]:
-        print(f"  235B async k={row['k']}: generation {row['generation_speedup']:.2f}x, e2e {row['e2e_speedup']:.2f}x"
-              f" (vs sync AR: e2e {row['e2e_speedup_vs_sync_ar']:.2f}x; sync only: generation "
-              f"{row['sync_generation_speedup']:.2f}x, e2e {row['sync_e2e_speedup']:.2f}x)")
+        print(
+            f"  235B async k={row['k']}: generation {row['generation_speedup']:.2f}x, e2e {row['e2e_speedup']:.2f}x"
+            f" (vs sync AR: e2e {row['e2e_speedup_vs_sync_ar']:.2f}x; sync only: generation "
+            f"{row['sync_generation_speedup']:.2f}x, e2e {row['sync_e2e_speedup']:.2f}x)"
+        )
 
 
 def calibrate_main(argv: list[str]) -> int:
@@ -192,37 +233,57 @@ def fidelity_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="run_sim.py fidelity", description=fidelity.__doc__)
     p.add_argument("--metrics", required=True, help="metrics.jsonl of the autoregressive run")
     p.add_argument("--config", default=str(CONFIG_DIR / "cpu_smollm2_default.yaml"), help="scenario YAML")
-    p.add_argument("--recipe", default=str(REPO / "configs" / "grpo_math_smollm2_135m.yaml"),
-                   help="GRPO recipe of the AR run (batch sizes, response cap)")
+    p.add_argument(
+        "--recipe",
+        default=str(REPO / "configs" / "grpo_math_smollm2_135m.yaml"),
+        help="GRPO recipe of the AR run (batch sizes, response cap)",
+    )
     p.add_argument("--override", action="append", default=[], help="recipe override of the AR run, key=value")
     p.add_argument("--spec-metrics", help="metrics.jsonl of a speculative run (predicted, never fitted)")
     p.add_argument("--spec-recipe", help="GRPO recipe of the speculative run (k, draft); default --recipe")
     p.add_argument("--spec-override", action="append", default=[], help="override of the speculative recipe")
     p.add_argument("--warmup", type=int, default=1, help="timed steps dropped at the start of each run")
     p.add_argument("--n-fit", type=int, default=None, help="AR steps after warm-up to fit on (default: half)")
-    p.add_argument("--fit-metrics", help="fit on this other AR run instead (all steps after warm-up) and hold out "
-                   "every step of --metrics after warm-up (cross-run check)")
+    p.add_argument(
+        "--fit-metrics",
+        help="fit on this other AR run instead (all steps after warm-up) and hold out "
+        "every step of --metrics after warm-up (cross-run check)",
+    )
     p.add_argument("--out", required=True, help="JSON report")
     args = p.parse_args(argv)
     scn = scenario_from_recipe(load_scenario(args.config), load_recipe(args.recipe, args.override))
     spec_scn = spec = None
     if args.spec_metrics:
         spec = read_jsonl(args.spec_metrics)
-        spec_scn = scenario_from_recipe(load_scenario(args.config),
-                                        load_recipe(args.spec_recipe or args.recipe, args.spec_override))
+        spec_scn = scenario_from_recipe(
+            load_scenario(args.config), load_recipe(args.spec_recipe or args.recipe, args.spec_override)
+        )
     fit_runs = read_jsonl(args.fit_metrics) if args.fit_metrics else None
     rep = fidelity(scn, read_jsonl(args.metrics), spec, args.warmup, args.n_fit, spec_scn, fit_runs)
-    rep["inputs"] = {"metrics": args.metrics, "config": args.config, "recipe": args.recipe,
-                     "override": args.override, "spec_metrics": args.spec_metrics,
-                     "spec_recipe": args.spec_recipe, "spec_override": args.spec_override, "warmup": args.warmup,
-                     "n_fit": args.n_fit, "fit_metrics": args.fit_metrics}
+    rep["inputs"] = {
+        "metrics": args.metrics,
+        "config": args.config,
+        "recipe": args.recipe,
+        "override": args.override,
+        "spec_metrics": args.spec_metrics,
+        "spec_recipe": args.spec_recipe,
+        "spec_override": args.spec_override,
+        "warmup": args.warmup,
+        "n_fit": args.n_fit,
+        "fit_metrics": args.fit_metrics,
+    }
     fit = rep["fit"]
-    print(f"fit on AR steps {fit['steps']}: measured/predicted "
-          + ", ".join(f"{k} {v:.3f}" for k, v in fit["ratios"].items())
-          + f"; refit fixed cost {fit['refit_overhead_s']:.2f} s; other {fit['other_s']:.2f} s")
-    for key, title in (("ar_holdout", "AR, held-out steps, fitted profile"),
-                       ("ar_prior", "AR, same steps, a-priori profile (docs/install.md micro-benchmarks)"),
-                       ("spec", "speculative run, AR-fitted profile"), ("spec_prior", "speculative, a-priori")):
+    print(
+        f"fit on AR steps {fit['steps']}: measured/predicted "
+        + ", ".join(f"{k} {v:.3f}" for k, v in fit["ratios"].items())
+        + f"; refit fixed cost {fit['refit_overhead_s']:.2f} s; other {fit['other_s']:.2f} s"
+    )
+    for key, title in (
+        ("ar_holdout", "AR, held-out steps, fitted profile"),
+        ("ar_prior", "AR, same steps, a-priori profile (docs/install.md micro-benchmarks)"),
+        ("spec", "speculative run, AR-fitted profile"),
+        ("spec_prior", "speculative, a-priori"),
+    ):
         if key in rep:
             print(f"\n{title} (steps {rep[key]['steps']}):\n{format_table(rep, key)}")
     out = Path(args.out)

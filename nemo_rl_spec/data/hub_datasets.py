@@ -23,6 +23,7 @@ Record layouts understood (both datasets are published in one of these):
 
 Every loader returns :class:`~nemo_rl_spec.data.interfaces.MathProblem` dicts in file order.
 """
+
 from __future__ import annotations
 
 import json
@@ -82,8 +83,12 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     raise ValueError(f"{path}: unsupported data file type {path.suffix!r} (use {', '.join(DATA_SUFFIXES)})")
 
 
-def download(repo_id: str, allow_patterns: Iterable[str] = ("*.parquet", "*.jsonl", "*.json"),
-             cache_dir: str | Path | None = None, revision: str | None = None) -> Path:
+def download(
+    repo_id: str,
+    allow_patterns: Iterable[str] = ("*.parquet", "*.jsonl", "*.json"),
+    cache_dir: str | Path | None = None,
+    revision: str | None = None,
+) -> Path:
     """Download (or find in the hub cache) a dataset repository's data files; the local snapshot directory.
 
     With ``HF_HUB_OFFLINE=1`` only the cache is used. Raises whatever ``huggingface_hub`` raises when the files
@@ -92,8 +97,15 @@ def download(repo_id: str, allow_patterns: Iterable[str] = ("*.parquet", "*.json
     from huggingface_hub import snapshot_download  # lazy: only the explicit download path
 
     try:
-        return Path(snapshot_download(repo_id=repo_id, repo_type="dataset", allow_patterns=list(allow_patterns),
-                                      cache_dir=cache_dir, revision=revision))
+        return Path(
+            snapshot_download(
+                repo_id=repo_id,
+                repo_type="dataset",
+                allow_patterns=list(allow_patterns),
+                cache_dir=cache_dir,
+                revision=revision,
+            )
+        )
     except Exception as exc:
         raise RuntimeError(
             f"could not get dataset {repo_id} from the hub or its cache ({type(exc).__name__}: {exc}); download it "
@@ -113,7 +125,7 @@ def _strip_dapo_instruction(text: str) -> str:
     """The problem inside DAPO's "Solve ... Answer: $Answer ... Remember ..." wrapper (unchanged if absent)."""
     text = text.strip()
     if text.startswith(DAPO_PREFIX.strip()):
-        text = text[len(DAPO_PREFIX.strip()):]
+        text = text[len(DAPO_PREFIX.strip()) :]
     if text.endswith(DAPO_SUFFIX.strip()):
         text = text[: -len(DAPO_SUFFIX.strip())]
     return text.strip()
@@ -148,8 +160,14 @@ def problem_from_record(record: dict[str, Any], source: str, where: str = "recor
     return MathProblem(question=question, answer=answer, source=source)
 
 
-def _load(path: str | Path | None, repo_id: str, source: str, max_samples: int | None, dedup: bool,
-          downloader: Callable[[str], Path]) -> list[MathProblem]:
+def _load(
+    path: str | Path | None,
+    repo_id: str,
+    source: str,
+    max_samples: int | None,
+    dedup: bool,
+    downloader: Callable[[str], Path],
+) -> list[MathProblem]:
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be >= 1 or None, got {max_samples}")
     root = Path(path) if path is not None else downloader(repo_id)
@@ -168,9 +186,13 @@ def _load(path: str | Path | None, repo_id: str, source: str, max_samples: int |
     return problems
 
 
-def load_dapo_math_17k(path: str | Path | None = None, max_samples: int | None = None, dedup: bool = True,
-                       repo_id: str = DAPO_MATH_17K_REPO,
-                       downloader: Callable[[str], Path] = download) -> list[MathProblem]:
+def load_dapo_math_17k(
+    path: str | Path | None = None,
+    max_samples: int | None = None,
+    dedup: bool = True,
+    repo_id: str = DAPO_MATH_17K_REPO,
+    downloader: Callable[[str], Path] = download,
+) -> list[MathProblem]:
     """DAPO-Math-17K training problems (17,917 distinct after dropping the published file's repeats).
 
     Args:
@@ -191,9 +213,13 @@ def load_dapo_math_17k(path: str | Path | None = None, max_samples: int | None =
     return _load(path, repo_id, DAPO_MATH_17K, max_samples, dedup, downloader)
 
 
-def load_aime_2024(path: str | Path | None = None, max_samples: int | None = None, dedup: bool = True,
-                   repo_id: str = AIME_2024_REPO,
-                   downloader: Callable[[str], Path] = download) -> list[MathProblem]:
+def load_aime_2024(
+    path: str | Path | None = None,
+    max_samples: int | None = None,
+    dedup: bool = True,
+    repo_id: str = AIME_2024_REPO,
+    downloader: Callable[[str], Path] = download,
+) -> list[MathProblem]:
     """The 30 AIME-2024 problems (AIME I and II) for validation; same arguments as :func:`load_dapo_math_17k`.
 
     Returns:

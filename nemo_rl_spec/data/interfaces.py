@@ -1,4 +1,5 @@
 """Data specs: one math problem. (Prompt order and resume state live in the rollout allocator's PromptStream.)"""
+
 from __future__ import annotations
 
 from typing import TypedDict

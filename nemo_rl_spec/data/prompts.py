@@ -1,4 +1,5 @@
 """Prompt formatting through the tokenizer's own chat template."""
+
 from __future__ import annotations
 
 
@@ -23,8 +24,7 @@ def format_prompt(tokenizer, system_prompt: str | None, question: str, **chat_te
         raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat_template")
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": question})
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        **chat_template_kwargs)
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **chat_template_kwargs)
     if not isinstance(ids, list):  # transformers >= 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(i) for i in ids]

@@ -7,6 +7,7 @@ Worked example (B=5 rows, dp_size=2): shard 0 gets rows 0..2, shard 1 rows 3..4 
 ``B % dp_size`` shards get one row more). :func:`gather_batch` of the two shards' per-row outputs, right-padded to
 a common width, gives rows 0..4 again.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -61,6 +62,7 @@ def gather_batch(shards: list[torch.Tensor], pad_value: float = 0.0) -> torch.Te
     if shards[0].dim() < 2:
         return torch.cat(shards)
     width = max(s.shape[1] for s in shards)
-    padded = [torch.nn.functional.pad(s, (0, 0) * (s.dim() - 2) + (0, width - s.shape[1]), value=pad_value)
-              for s in shards]
+    padded = [
+        torch.nn.functional.pad(s, (0, 0) * (s.dim() - 2) + (0, width - s.shape[1]), value=pad_value) for s in shards
+    ]
     return torch.cat(padded)

@@ -14,6 +14,7 @@ Worked example (B=2 sequences, pad id 0, prompt lengths 3 and 2, response length
 Log-prob tensors are aligned with ``input_ids`` (position s holds the log-prob *of* token s), so position 0 is
 always 0.
 """
+
 from __future__ import annotations
 
 from typing import TypedDict

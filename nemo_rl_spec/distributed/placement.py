@@ -38,6 +38,7 @@ Ray's fractional-GPU allocator fills a partly used GPU first. Measured here with
 both got GPU ``s``. So on GPU either the reservation has one bundle per GPU (NeMo-RL's layout) or the setup pins
 every worker to its ``policy_slots`` / ``engine_slots`` GPU; fractional requests alone do not. (No real GPU here.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 from nemo_rl_spec.utils.config import ConfigError
 from nemo_rl_spec.utils.config_schema import MasterConfig
 
-COLOCATED_GPU_SHARE = 0.5   # GPU fraction of each of the two colocated actors on one GPU
+COLOCATED_GPU_SHARE = 0.5  # GPU fraction of each of the two colocated actors on one GPU
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,11 @@ class PlacementPlan:
 
     def _slot_workers(self, node: int, slot: int) -> list[str]:
         """Descriptions of the Megatron rank and the engine that hold ``slot`` of ``node``."""
-        out = [f"policy rank {r} (dp {self.dp_rank_of[r]}, tp {self.tp_rank_of[r]}, pp {self.pp_rank_of[r]})"
-               for r, (n, s) in enumerate(zip(self.policy_nodes, self.policy_slots)) if (n, s) == (node, slot)]
+        out = [
+            f"policy rank {r} (dp {self.dp_rank_of[r]}, tp {self.tp_rank_of[r]}, pp {self.pp_rank_of[r]})"
+            for r, (n, s) in enumerate(zip(self.policy_nodes, self.policy_slots))
+            if (n, s) == (node, slot)
+        ]
         for e, (n, slots) in enumerate(zip(self.engine_nodes, self.engine_slots)):
             if n == node and slot in slots:
                 part = f", tp rank {slots.index(slot)} of {self.vllm_tp}" if self.vllm_tp > 1 else ""
@@ -170,21 +174,29 @@ def _split_layout(cfg: MasterConfig, slots: int) -> tuple[list[tuple[int, int]],
     key = "policy.generation.colocated.resources"
     if nodes == 1:
         if res.num_nodes not in (None, 1):
-            raise ConfigError(f"{key}.num_nodes={res.num_nodes} with cluster.num_nodes=1: on one node generation "
-                              f"gets {key}.gpus_per_node slots of it; set {key}.num_nodes to null or 1")
+            raise ConfigError(
+                f"{key}.num_nodes={res.num_nodes} with cluster.num_nodes=1: on one node generation "
+                f"gets {key}.gpus_per_node slots of it; set {key}.num_nodes to null or 1"
+            )
         gen = res.gpus_per_node
         if gen is None or gen >= slots:
-            raise ConfigError(f"{key}.gpus_per_node={gen}: split placement on one node needs the slots given to "
-                              f"generation, 1 .. {slots - 1} of the node's {slots} ({_slot_key(cfg)}={slots}), so "
-                              "that the policy keeps at least one")
+            raise ConfigError(
+                f"{key}.gpus_per_node={gen}: split placement on one node needs the slots given to "
+                f"generation, 1 .. {slots - 1} of the node's {slots} ({_slot_key(cfg)}={slots}), so "
+                "that the policy keeps at least one"
+            )
         return [(0, s) for s in range(slots - gen)], [(0, s) for s in range(slots - gen, slots)]
     gen_nodes = res.num_nodes
     if gen_nodes is None or gen_nodes >= nodes:
-        raise ConfigError(f"{key}.num_nodes={gen_nodes}: split placement on {nodes} nodes gives generation the last "
-                          f"{key}.num_nodes nodes whole; set it to 1 .. {nodes - 1} (cluster.num_nodes={nodes})")
+        raise ConfigError(
+            f"{key}.num_nodes={gen_nodes}: split placement on {nodes} nodes gives generation the last "
+            f"{key}.num_nodes nodes whole; set it to 1 .. {nodes - 1} (cluster.num_nodes={nodes})"
+        )
     if res.gpus_per_node not in (None, slots):
-        raise ConfigError(f"{key}.gpus_per_node={res.gpus_per_node}: with several nodes generation takes whole "
-                          f"nodes ({slots} slots each, {_slot_key(cfg)}); set it to {slots} or null")
+        raise ConfigError(
+            f"{key}.gpus_per_node={res.gpus_per_node}: with several nodes generation takes whole "
+            f"nodes ({slots} slots each, {_slot_key(cfg)}); set it to {slots} or null"
+        )
     policy = [(n, s) for n in range(nodes - gen_nodes) for s in range(slots)]
     return policy, [(n, s) for n in range(nodes - gen_nodes, nodes) for s in range(slots)]
 
@@ -202,10 +214,12 @@ def _engines(gen_slots: list[tuple[int, int]], vllm_tp: int, slots: int) -> tupl
     key = "policy.generation.vllm_cfg.tensor_parallel_size"
     if len(gen_slots) % vllm_tp:
         raise ConfigError(f"{key}={vllm_tp} does not divide the {len(gen_slots)} generation slot(s)")
-    groups = [gen_slots[i:i + vllm_tp] for i in range(0, len(gen_slots), vllm_tp)]
+    groups = [gen_slots[i : i + vllm_tp] for i in range(0, len(gen_slots), vllm_tp)]
     if any(len({n for n, _ in g}) > 1 for g in groups):
-        raise ConfigError(f"{key}={vllm_tp} does not divide the {slots} slots per node: an engine would span two "
-                          "nodes (vLLM tensor parallelism stays inside a node here)")
+        raise ConfigError(
+            f"{key}={vllm_tp} does not divide the {slots} slots per node: an engine would span two "
+            "nodes (vLLM tensor parallelism stays inside a node here)"
+        )
     return [g[0][0] for g in groups], [[s for _, s in g] for g in groups]
 
 
@@ -218,9 +232,11 @@ def _parallel_sizes(cfg: MasterConfig, world: int) -> tuple[int, int, int]:
     mc = cfg.policy.megatron_cfg
     tp, pp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
     if world % (tp * pp):
-        raise ConfigError(f"policy.megatron_cfg.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} "
-                          f"= {tp * pp} does not divide the {world} policy rank(s) of this placement "
-                          f"({_slot_key(cfg)}, cluster.num_nodes, policy.generation.colocated)")
+        raise ConfigError(
+            f"policy.megatron_cfg.tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} "
+            f"= {tp * pp} does not divide the {world} policy rank(s) of this placement "
+            f"({_slot_key(cfg)}, cluster.num_nodes, policy.generation.colocated)"
+        )
     return tp, pp, world // (tp * pp)
 
 
@@ -256,12 +272,16 @@ def _check_local_fit(cfg: MasterConfig, cpus_per_node: float) -> None:
     if c.ray_address:
         return
     if c.num_nodes > 1:
-        raise ConfigError(f"cluster.num_nodes={c.num_nodes} with cluster.ray_address=null: a local Ray start has one "
-                          "node; join a multi-node Ray cluster (cluster.ray_address=auto under slurm/ray.sub)")
+        raise ConfigError(
+            f"cluster.num_nodes={c.num_nodes} with cluster.ray_address=null: a local Ray start has one "
+            "node; join a multi-node Ray cluster (cluster.ray_address=auto under slurm/ray.sub)"
+        )
     if cpus_per_node > c.num_cpus + 1e-9:
-        raise ConfigError(f"the placement needs {cpus_per_node:g} CPUs on the node (cluster.policy_num_cpus="
-                          f"{c.policy_num_cpus:g} and cluster.generation_num_cpus={c.generation_num_cpus:g} per slot, "
-                          f"{_slot_key(cfg)}={slots_per_node(cfg)}) but cluster.num_cpus={c.num_cpus:g}")
+        raise ConfigError(
+            f"the placement needs {cpus_per_node:g} CPUs on the node (cluster.policy_num_cpus="
+            f"{c.policy_num_cpus:g} and cluster.generation_num_cpus={c.generation_num_cpus:g} per slot, "
+            f"{_slot_key(cfg)}={slots_per_node(cfg)}) but cluster.num_cpus={c.num_cpus:g}"
+        )
 
 
 def plan_placement(cfg: MasterConfig) -> PlacementPlan:
@@ -285,11 +305,25 @@ def plan_placement(cfg: MasterConfig) -> PlacementPlan:
     p_cpu, p_gpu, g_cpu, g_gpu = _requests(cfg, vllm_tp)
     coords = [megatron_coordinates(r, tp, dp) for r in range(len(policy))]
     return PlacementPlan(
-        num_nodes=nodes, slots_per_node=slots, use_gpus=cfg.cluster.gpus_per_node > 0,
-        colocated=cfg.policy.generation.colocated.enabled, cpus_per_node=cpus, gpus_per_node=cfg.cluster.gpus_per_node,
-        tp_size=tp, pp_size=pp, dp_size=dp, vllm_tp=vllm_tp,
-        policy_nodes=[n for n, _ in policy], policy_slots=[s for _, s in policy],
-        engine_nodes=engine_nodes, engine_slots=engine_slots,
-        policy_num_cpus=p_cpu, policy_num_gpus=p_gpu, generation_num_cpus=g_cpu, generation_num_gpus=g_gpu,
-        tp_rank_of=[c[0] for c in coords], dp_rank_of=[c[1] for c in coords], pp_rank_of=[c[2] for c in coords],
+        num_nodes=nodes,
+        slots_per_node=slots,
+        use_gpus=cfg.cluster.gpus_per_node > 0,
+        colocated=cfg.policy.generation.colocated.enabled,
+        cpus_per_node=cpus,
+        gpus_per_node=cfg.cluster.gpus_per_node,
+        tp_size=tp,
+        pp_size=pp,
+        dp_size=dp,
+        vllm_tp=vllm_tp,
+        policy_nodes=[n for n, _ in policy],
+        policy_slots=[s for _, s in policy],
+        engine_nodes=engine_nodes,
+        engine_slots=engine_slots,
+        policy_num_cpus=p_cpu,
+        policy_num_gpus=p_gpu,
+        generation_num_cpus=g_cpu,
+        generation_num_gpus=g_gpu,
+        tp_rank_of=[c[0] for c in coords],
+        dp_rank_of=[c[1] for c in coords],
+        pp_rank_of=[c[2] for c in coords],
     )

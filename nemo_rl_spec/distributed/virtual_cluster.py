@@ -9,6 +9,7 @@ cores), so the bundle index of a worker is its node index.
 On CPU (``gpus_per_node == 0``) a node's share is CPUs only; the Megatron workers and vLLM engines on it ask for
 fractions of them (``cluster.policy_num_cpus``, ``cluster.generation_num_cpus``).
 """
+
 from __future__ import annotations
 
 import socket
@@ -38,23 +39,35 @@ class RayVirtualCluster:
             and their CPUs / GPUs).
     """
 
-    def __init__(self, num_nodes: int, cpus_per_node: float, gpus_per_node: int = 0, name: str = "nemo_rl_spec",
-                 timeout_s: float = 120.0):
+    def __init__(
+        self,
+        num_nodes: int,
+        cpus_per_node: float,
+        gpus_per_node: int = 0,
+        name: str = "nemo_rl_spec",
+        timeout_s: float = 120.0,
+    ):
         if num_nodes < 1 or cpus_per_node <= 0 or gpus_per_node < 0:
-            raise ValueError(f"num_nodes={num_nodes} must be >= 1, cpus_per_node={cpus_per_node} > 0, "
-                             f"gpus_per_node={gpus_per_node} >= 0")
+            raise ValueError(
+                f"num_nodes={num_nodes} must be >= 1, cpus_per_node={cpus_per_node} > 0, "
+                f"gpus_per_node={gpus_per_node} >= 0"
+            )
         self.num_nodes, self.cpus_per_node, self.gpus_per_node = num_nodes, float(cpus_per_node), int(gpus_per_node)
         bundle = {"CPU": self.cpus_per_node, **({"GPU": self.gpus_per_node} if self.gpus_per_node else {})}
         strategy = "STRICT_SPREAD" if num_nodes > 1 else "PACK"
         self.placement_group = placement_group([dict(bundle) for _ in range(num_nodes)], strategy=strategy, name=name)
         if not self._wait(timeout_s):
-            nodes = [(n["NodeManagerAddress"], n["Resources"].get("CPU", 0), n["Resources"].get("GPU", 0))
-                     for n in ray.nodes() if n["Alive"]]
+            nodes = [
+                (n["NodeManagerAddress"], n["Resources"].get("CPU", 0), n["Resources"].get("GPU", 0))
+                for n in ray.nodes()
+                if n["Alive"]
+            ]
             remove_placement_group(self.placement_group)
             raise ClusterResourcesError(
                 f"cannot reserve {num_nodes} node(s) x {bundle} ({strategy}) within {timeout_s:.0f} s; Ray nodes "
                 f"(address, CPUs, GPUs): {nodes}. Check cluster.num_nodes, cluster.gpus_per_node and the per-worker "
-                "CPU shares")
+                "CPU shares"
+            )
 
     def _wait(self, timeout_s: float) -> bool:
         ready, _ = ray.wait([self.placement_group.ready()], timeout=timeout_s)
@@ -68,9 +81,11 @@ class RayVirtualCluster:
         """
         if not 0 <= node < self.num_nodes:
             raise IndexError(f"node {node} outside 0..{self.num_nodes - 1}")
-        return PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
-                                                placement_group_bundle_index=node,
-                                                placement_group_capture_child_tasks=False)
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group,
+            placement_group_bundle_index=node,
+            placement_group_capture_child_tasks=False,
+        )
 
     def node_address(self, node: int) -> tuple[str, int]:
         """(IP address, a free TCP port) on node ``node``, probed by a tiny task scheduled into its bundle (the

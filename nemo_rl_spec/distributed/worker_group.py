@@ -12,6 +12,7 @@ Methods run on all workers or on a subset (``ranks``); :meth:`run_all_workers_sh
 data-parallel rank (:func:`~nemo_rl_spec.distributed.batch.shard_batch`): every worker of DP rank ``d`` (its TP/PP
 peers too) receives shard ``d``.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,13 +50,13 @@ def init_process_group_from_env(timeout_minutes: float = 30.0) -> tuple[int, int
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                                             timeout=timeout)
+        torch.distributed.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
+        )
         return 0, 1
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.distributed.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
     return rank, world
-
 
 
 class RemoteValue:
@@ -101,10 +102,18 @@ class RayWorkerGroup:
         ValueError: empty ``nodes``.
     """
 
-    def __init__(self, cluster: RayVirtualCluster, actor_cls: type, nodes: Sequence[int],
-                 init_args: Callable[[int], tuple[tuple, dict]], num_cpus: float, num_gpus: float = 0.0,
-                 env_vars: Callable[[int], dict[str, str]] | None = None, torch_distributed: bool = True,
-                 name: str = "worker"):
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        actor_cls: type,
+        nodes: Sequence[int],
+        init_args: Callable[[int], tuple[tuple, dict]],
+        num_cpus: float,
+        num_gpus: float = 0.0,
+        env_vars: Callable[[int], dict[str, str]] | None = None,
+        torch_distributed: bool = True,
+        name: str = "worker",
+    ):
         if not nodes:
             raise ValueError("a worker group needs at least one worker (nodes is empty)")
         self.cluster, self.nodes, self.name = cluster, list(nodes), name
@@ -114,14 +123,23 @@ class RayWorkerGroup:
         for rank, node in enumerate(self.nodes):
             env = dict(env_vars(rank) if env_vars is not None else {})
             if rendezvous is not None:
-                env.update(RANK=str(rank), WORLD_SIZE=str(len(self.nodes)),
-                           LOCAL_RANK=str(self.nodes[:rank].count(node)), MASTER_ADDR=rendezvous[0],
-                           MASTER_PORT=str(rendezvous[1]))
+                env.update(
+                    RANK=str(rank),
+                    WORLD_SIZE=str(len(self.nodes)),
+                    LOCAL_RANK=str(self.nodes[:rank].count(node)),
+                    MASTER_ADDR=rendezvous[0],
+                    MASTER_PORT=str(rendezvous[1]),
+                )
             args, kwargs = init_args(rank)
-            self.workers.append(remote_cls.options(
-                num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=cluster.scheduling(node),
-                runtime_env={"env_vars": env}, name=f"{name}-{rank}-{os.getpid()}-{id(self):x}",
-            ).remote(*args, **kwargs))
+            self.workers.append(
+                remote_cls.options(
+                    num_cpus=num_cpus,
+                    num_gpus=num_gpus,
+                    scheduling_strategy=cluster.scheduling(node),
+                    runtime_env={"env_vars": env},
+                    name=f"{name}-{rank}-{os.getpid()}-{id(self):x}",
+                ).remote(*args, **kwargs)
+            )
 
     @property
     def world_size(self) -> int:
@@ -131,13 +149,15 @@ class RayWorkerGroup:
     def _targets(self, ranks: Sequence[int] | None) -> list[int]:
         return list(range(self.world_size)) if ranks is None else list(ranks)
 
-    def run_all_workers_single_data(self, method: str, *args, ranks: Sequence[int] | None = None,
-                                    **kwargs) -> list[ray.ObjectRef]:
+    def run_all_workers_single_data(
+        self, method: str, *args, ranks: Sequence[int] | None = None, **kwargs
+    ) -> list[ray.ObjectRef]:
         """Call ``method(*args, **kwargs)`` on every worker (or on ``ranks``); returns the futures in rank order."""
         return [getattr(self.workers[r], method).remote(*args, **kwargs) for r in self._targets(ranks)]
 
-    def run_all_workers_multiple_data(self, method: str, per_worker: Sequence[tuple[tuple, dict]],
-                                      ranks: Sequence[int] | None = None) -> list[ray.ObjectRef]:
+    def run_all_workers_multiple_data(
+        self, method: str, per_worker: Sequence[tuple[tuple, dict]], ranks: Sequence[int] | None = None
+    ) -> list[ray.ObjectRef]:
         """Call ``method(*args_i, **kwargs_i)`` on worker ``ranks[i]`` (default: rank i) for each ``per_worker[i]``.
 
         Raises:
@@ -148,8 +168,9 @@ class RayWorkerGroup:
             raise ValueError(f"{len(per_worker)} argument sets for {len(targets)} workers")
         return [getattr(self.workers[r], method).remote(*a, **k) for r, (a, k) in zip(targets, per_worker)]
 
-    def run_all_workers_sharded_data(self, method: str, data: dict[str, Any], dp_rank_of: Sequence[int], dp_size: int,
-                                     *args, **kwargs) -> list[ray.ObjectRef]:
+    def run_all_workers_sharded_data(
+        self, method: str, data: dict[str, Any], dp_rank_of: Sequence[int], dp_size: int, *args, **kwargs
+    ) -> list[ray.ObjectRef]:
         """Shard ``data`` into ``dp_size`` contiguous row blocks and call ``method(shard, *args, **kwargs)`` on every
         worker, worker ``r`` receiving shard ``dp_rank_of[r]`` (its TP/PP peers get the same shard). Each shard is
         put in the object store once."""
@@ -169,8 +190,9 @@ class RayWorkerGroup:
 
     def node_ids(self) -> list[str]:
         """The Ray node id each worker runs on (rank order)."""
-        return ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
-                        for w in self.workers])
+        return ray.get(
+            [w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()) for w in self.workers]
+        )
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until every worker's constructor has finished (re-raises a constructor's error)."""

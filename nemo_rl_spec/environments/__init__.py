@@ -1,4 +1,5 @@
 """Reward environments: math-verify correctness (math_env) and the scripted char_fraction reward (char_fraction_env)."""
+
 from __future__ import annotations
 
 from nemo_rl_spec.environments.char_fraction_env import CharFractionEnvironment

@@ -11,6 +11,7 @@ responses of one prompt differ, so their fractions differ too: every group gets 
 advantages, which the math reward (always 0 on a random model) never gives. The ground truth is not used.
 Selected by ``env.reward: char_fraction`` (default ``math``).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -59,4 +60,3 @@ class CharFractionEnvironment(EnvironmentInterface):
         if len(responses) != len(metadata):
             raise ValueError(f"{len(responses)} responses but {len(metadata)} metadata dicts")
         return torch.tensor([char_fraction(r, self.characters) for r in responses], dtype=torch.float32)
-

@@ -1,4 +1,5 @@
 """Environment interface: score a batch of responses (NeMo-RL's EnvironmentInterface, single-turn)."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

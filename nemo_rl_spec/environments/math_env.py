@@ -17,6 +17,7 @@ sympy call; the risk is reduced (not removed) by scoring only the short extracte
 characters), never the whole response. For a hard bound use ``num_workers > 1``: scoring then runs in spawned
 worker processes, whose main thread does get the alarm.
 """
+
 from __future__ import annotations
 
 import concurrent.futures

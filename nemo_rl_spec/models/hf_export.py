@@ -2,6 +2,7 @@
 weights in one ``model.safetensors`` next to the policy model's ``config.json``, generation config and tokenizer
 files, so ``transformers.AutoModelForCausalLM.from_pretrained``, vLLM and ``policy.model_name`` load it directly.
 """
+
 from __future__ import annotations
 
 import json

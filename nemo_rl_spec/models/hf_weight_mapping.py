@@ -37,6 +37,7 @@ Tensor parallelism (megatron-core's TP layers, T ranks; :func:`tp_shard` / :func
     vocab-parallel   word_embeddings, output_layer   vocabulary rows split in T blocks (dim 0)
     replicated       every norm weight
 """
+
 from __future__ import annotations
 
 import glob
@@ -246,12 +247,18 @@ def tp_partition(name: str) -> str | None:
 def check_tp_size(spec: ModelSpec, tp_size: int) -> None:
     """Raise ValueError naming ``policy.megatron_cfg.tensor_model_parallel_size`` when ``spec`` cannot be split in
     ``tp_size`` ranks (heads, query groups, FFN width and vocabulary must all be divisible)."""
-    sizes = {"num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_query_groups,
-             "intermediate_size": spec.ffn_hidden_size, "vocab_size": spec.vocab_size}
+    sizes = {
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_query_groups,
+        "intermediate_size": spec.ffn_hidden_size,
+        "vocab_size": spec.vocab_size,
+    }
     bad = {k: v for k, v in sizes.items() if v % tp_size}
     if bad:
-        raise ValueError(f"policy.megatron_cfg.tensor_model_parallel_size={tp_size} does not divide the model's "
-                         f"{bad} ({spec.architecture})")
+        raise ValueError(
+            f"policy.megatron_cfg.tensor_model_parallel_size={tp_size} does not divide the model's "
+            f"{bad} ({spec.architecture})"
+        )
 
 
 def tp_shard(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:

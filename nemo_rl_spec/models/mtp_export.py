@@ -24,6 +24,7 @@ so acceptance, never correctness). vLLM requires ``head_dim == hidden_size / num
 Refit of the MTP layer in a running engine: ``refit_drafter(llm, with_zero_qkv_bias(megatron_mtp_to_mimo(state,
 spec)))`` (only ``model.mtp_layers.*``: the drafter shares embedding and output layer with the target).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,10 @@ def mtp_drafter_support_error(trunk_config: dict) -> str | None:
     num_attention_heads`` (vLLM's Qwen2 layer derives head_dim; tiny-qwen3 has 32 != 64/4)."""
     model_type = trunk_config.get("model_type")
     if model_type not in MTP_TRUNK_MODEL_TYPES:
-        return (f"model_type {model_type!r} is not one of {list(MTP_TRUNK_MODEL_TYPES)} (the MiMo export writes a "
-                "Qwen2 trunk)")
+        return (
+            f"model_type {model_type!r} is not one of {list(MTP_TRUNK_MODEL_TYPES)} (the MiMo export writes a "
+            "Qwen2 trunk)"
+        )
     hidden, heads = int(trunk_config["hidden_size"]), int(trunk_config["num_attention_heads"])
     head_dim = trunk_config.get("head_dim") or hidden // heads
     if head_dim * heads != hidden:
@@ -73,10 +76,18 @@ def megatron_mtp_to_mimo(mcore_state: dict[str, torch.Tensor], spec) -> dict[str
     for k in layers:
         pre = f"mtp.layers.{k}."
         synthetic = dict(globals_)
-        synthetic.update({"decoder.layers.0." + n[len(pre + "mtp_model_layer."):]: t for n, t in mcore_state.items()
-                          if n.startswith(pre + "mtp_model_layer.")})
-        layer = {n[len("model.layers.0."):]: t for n, t in megatron_to_hf(synthetic, one_layer).items()
-                 if n.startswith("model.layers.0.")}
+        synthetic.update(
+            {
+                "decoder.layers.0." + n[len(pre + "mtp_model_layer.") :]: t
+                for n, t in mcore_state.items()
+                if n.startswith(pre + "mtp_model_layer.")
+            }
+        )
+        layer = {
+            n[len("model.layers.0.") :]: t
+            for n, t in megatron_to_hf(synthetic, one_layer).items()
+            if n.startswith("model.layers.0.")
+        }
         eh = mcore_state[pre + "eh_proj.weight"]
         dst = f"model.mtp_layers.{k}."
         out.update({dst + n: t for n, t in layer.items()})
@@ -99,14 +110,18 @@ def _add_zero_qkv_bias(state: dict[str, torch.Tensor]) -> None:
     for name in list(state):
         for proj in ("q_proj", "k_proj", "v_proj"):
             if name.endswith(f"self_attn.{proj}.weight"):
-                bias = name[:-len("weight")] + "bias"
+                bias = name[: -len("weight")] + "bias"
                 if bias not in state:
                     state[bias] = torch.zeros(state[name].shape[0], dtype=state[name].dtype)
 
 
-def write_mimo_checkpoint(trunk_hf_state: dict[str, torch.Tensor], trunk_config: dict,
-                          mtp_state: dict[str, torch.Tensor], out_dir: str | Path,
-                          tokenizer_dir: str | Path | None = None) -> Path:
+def write_mimo_checkpoint(
+    trunk_hf_state: dict[str, torch.Tensor],
+    trunk_config: dict,
+    mtp_state: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
     """Write a ``MiMoForCausalLM`` checkpoint: the policy trunk (HF Llama / Qwen2 / Qwen3 names, e.g.
     ``megatron_to_hf`` output) plus MTP layers (:func:`megatron_mtp_to_mimo`).
 
@@ -118,8 +133,9 @@ def write_mimo_checkpoint(trunk_hf_state: dict[str, torch.Tensor], trunk_config:
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or hidden // heads
     if head_dim * heads != hidden:
-        raise ValueError(f"MiMo/Qwen2 needs head_dim == hidden_size / num_attention_heads; got {head_dim} != "
-                         f"{hidden}/{heads}")
+        raise ValueError(
+            f"MiMo/Qwen2 needs head_dim == hidden_size / num_attention_heads; got {head_dim} != {hidden}/{heads}"
+        )
     if cfg.get("mlp_bias"):
         raise ValueError("MLP biases are not supported by the Qwen2 layer")
     qk_norm = any(".self_attn.q_norm." in n for n in trunk_hf_state)
@@ -133,17 +149,28 @@ def write_mimo_checkpoint(trunk_hf_state: dict[str, torch.Tensor], trunk_config:
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     n_mtp = len({n.split(".")[2] for n in mtp_state if n.startswith("model.mtp_layers.")})
     out_cfg = {
-        "architectures": ["MiMoForCausalLM"], "model_type": "qwen2",
-        "vocab_size": cfg["vocab_size"], "hidden_size": hidden, "intermediate_size": cfg["intermediate_size"],
-        "num_hidden_layers": cfg["num_hidden_layers"], "num_attention_heads": heads,
-        "num_key_value_heads": cfg.get("num_key_value_heads") or heads, "head_dim": head_dim,
-        "hidden_act": cfg.get("hidden_act", "silu"), "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "architectures": ["MiMoForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": hidden,
+        "intermediate_size": cfg["intermediate_size"],
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": head_dim,
+        "hidden_act": cfg.get("hidden_act", "silu"),
+        "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
         "rope_theta": theta or cfg.get("rope_theta", 10000.0),
         "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
-        "tie_word_embeddings": tied, "use_sliding_window": False, "sliding_window": None,
-        "bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id"),
-        "pad_token_id": cfg.get("pad_token_id"), "torch_dtype": "float32",
-        "num_nextn_predict_layers": n_mtp, "qk_norm": qk_norm,
+        "tie_word_embeddings": tied,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "bos_token_id": cfg.get("bos_token_id"),
+        "eos_token_id": cfg.get("eos_token_id"),
+        "pad_token_id": cfg.get("pad_token_id"),
+        "torch_dtype": "float32",
+        "num_nextn_predict_layers": n_mtp,
+        "qk_norm": qk_norm,
         MTP_POST_NORM_FLAG: True,  # megatron-core's MTP reads the final-normed hidden state (module docstring)
     }
     out = Path(out_dir)
@@ -167,6 +194,7 @@ def install_post_norm_mtp_input(llm) -> int:
     Raises:
         RuntimeError: the engine's drafter is not a MiMo MTP model (no ``model.mtp_layers``).
     """
+
     def install(worker):
         norm = worker.model_runner.get_model().model.norm
         drafter = getattr(worker.model_runner, "drafter", None)
@@ -182,4 +210,5 @@ def install_post_norm_mtp_input(llm) -> int:
             if getattr(target, "_nrs_post_norm_hook", None) is None:
                 target._nrs_post_norm_hook = target.register_forward_pre_hook(pre_hook)
         return len(layers)
+
     return llm.collective_rpc(install)[0]

@@ -40,6 +40,7 @@ Stage-2 choices fixed in code (corpus seed ``seed + 2``, size ``direct_steps * b
 shuffle seed ``seed + 1``) are not recipe fields: changing one must bump ``hf_assets.ASSET_FORMAT_VERSION`` so that
 cached builds are rebuilt.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,9 +100,18 @@ class TestbedRecipe:
     seed: int = 20261201
     sft_examples: int = 32000
     vocab_size: int = 384
-    model: dict = field(default_factory=lambda: dict(
-        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=768, tie_word_embeddings=True, max_position_embeddings=512, rms_norm_eps=1e-6))
+    model: dict = field(
+        default_factory=lambda: dict(
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=768,
+            tie_word_embeddings=True,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-6,
+        )
+    )
     sft_steps: int = 500
     batch_size: int = 64
     lr: float = 1e-3
@@ -155,8 +165,9 @@ def draw_slips(num_steps: int, rate: float, rng) -> list[int]:
     return out
 
 
-def sft_conversations(recipe: TestbedRecipe, direct_rate: float = 0.0, seed: int | None = None,
-                      size: int | None = None) -> list[tuple[str, str]]:
+def sft_conversations(
+    recipe: TestbedRecipe, direct_rate: float = 0.0, seed: int | None = None, size: int | None = None
+) -> list[tuple[str, str]]:
     """(question, answer) pairs of an SFT corpus: ``size`` (default ``recipe.sft_examples``) chain sums drawn with
     ``seed`` (default ``recipe.seed``) and their chains, each step slipping with probability ``recipe.slip_rate``
     (:func:`draw_slips`, ``random.Random(seed)``); with probability ``direct_rate`` the answer is the bare
@@ -195,14 +206,20 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     from transformers import PreTrainedTokenizerFast  # lazy: transformers is slow to import
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", unk_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None
+    )
     fast.chat_template = CHATML_TEMPLATE
     return fast
 
@@ -249,16 +266,29 @@ def build_model(tokenizer, recipe: TestbedRecipe):
     import transformers  # lazy: transformers is slow to import
 
     vocab = -(-len(tokenizer) // 128) * 128
-    config = transformers.LlamaConfig(vocab_size=vocab, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id, **recipe.model)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **recipe.model,
+    )
     config.dtype = torch.float32
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     init_deterministic(model, recipe.seed, recipe.init_std, recipe.init_std)
     return model
 
 
-def sft(model, examples, pad_id: int, recipe: TestbedRecipe, steps: int | None = None,
-        progress: bool = True, on_step=None, lr_fn=None) -> list[float]:
+def sft(
+    model,
+    examples,
+    pad_id: int,
+    recipe: TestbedRecipe,
+    steps: int | None = None,
+    progress: bool = True,
+    on_step=None,
+    lr_fn=None,
+) -> list[float]:
     """Supervised fine-tuning of ``model`` in place; returns the loss (mean nats per response token) of each step.
 
     Batches: a seeded permutation of ``examples``, ``recipe.batch_size`` per step, reshuffled each epoch.
@@ -294,8 +324,7 @@ def sft(model, examples, pad_id: int, recipe: TestbedRecipe, steps: int | None =
     return losses
 
 
-def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, progress: bool = True,
-                  on_step=None):
+def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, progress: bool = True, on_step=None):
     """Both SFT stages from scratch (stage 1: ``steps`` or ``recipe.sft_steps`` steps on chains; stage 2:
     ``recipe.stage2_steps`` steps on the direct-answer mix), with ``recipe.threads`` torch threads.
     ``on_step(step, model, tokenizer)`` is called after every optimizer step, ``step`` counted over both stages
@@ -318,13 +347,21 @@ def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, pro
         def hook(offset: int):
             return None if on_step is None else (lambda step, m: on_step(offset + step, m, tokenizer))
 
-        losses = sft(model, encode_examples(tokenizer, pairs), tokenizer.pad_token_id, recipe, steps, progress,
-                     hook(0))
+        losses = sft(model, encode_examples(tokenizer, pairs), tokenizer.pad_token_id, recipe, steps, progress, hook(0))
         if recipe.stage2_steps > 0:
-            mixed = sft_conversations(recipe, recipe.direct_rate, recipe.seed + 2,
-                                      recipe.stage2_steps * recipe.batch_size)
-            losses += sft(model, encode_examples(tokenizer, mixed), tokenizer.pad_token_id, recipe,
-                          recipe.stage2_steps, progress, hook(len(losses)), lr_fn=lambda _step: recipe.direct_lr)
+            mixed = sft_conversations(
+                recipe, recipe.direct_rate, recipe.seed + 2, recipe.stage2_steps * recipe.batch_size
+            )
+            losses += sft(
+                model,
+                encode_examples(tokenizer, mixed),
+                tokenizer.pad_token_id,
+                recipe,
+                recipe.stage2_steps,
+                progress,
+                hook(len(losses)),
+                lr_fn=lambda _step: recipe.direct_lr,
+            )
     finally:
         torch.set_num_threads(threads)
     return model, tokenizer, losses
@@ -335,18 +372,20 @@ def save_testbed(out_dir: Path, model, tokenizer, recipe: TestbedRecipe, losses:
     config with the tokenizer's eos / pad) and ``sft.json`` (the recipe and the per-step losses)."""
     from transformers import GenerationConfig  # lazy: transformers is slow to import
 
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
-    (out_dir / "sft.json").write_text(json.dumps({"recipe": asdict(recipe), "steps": len(losses),
-                                                  "losses": [round(x, 6) for x in losses]}, indent=1) + "\n")
+    (out_dir / "sft.json").write_text(
+        json.dumps({"recipe": asdict(recipe), "steps": len(losses), "losses": [round(x, 6) for x in losses]}, indent=1)
+        + "\n"
+    )
 
 
-def build_testbed(out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | None = None,
-                  progress: bool = True) -> list[float]:
+def build_testbed(
+    out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | None = None, progress: bool = True
+) -> list[float]:
     """Build the testbed checkpoint into ``out_dir`` (:func:`train_testbed`, then :func:`save_testbed`). Returns the
     SFT losses. Deterministic: two builds are bitwise equal.
 
@@ -361,8 +400,12 @@ def build_testbed(out_dir: Path, recipe: TestbedRecipe = TESTBED, steps: int | N
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Build the testbed policy (SFT on chain sums) into --out.")
     parser.add_argument("--out", required=True, help="output directory (an HF checkpoint)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"stage-1 SFT steps (default {TESTBED.sft_steps}; stage 2 adds {TESTBED.direct_steps})")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"stage-1 SFT steps (default {TESTBED.sft_steps}; stage 2 adds {TESTBED.direct_steps})",
+    )
     args = parser.parse_args(argv)
     losses = build_testbed(Path(args.out), steps=args.steps)
     print(f"testbed written to {args.out}: {len(losses)} SFT steps, final loss {losses[-1]:.4f}")

@@ -1,4 +1,5 @@
 """Deterministic weight initialisation of the locally built HF models (tiny random models, the testbed)."""
+
 from __future__ import annotations
 
 

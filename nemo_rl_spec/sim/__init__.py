@@ -6,6 +6,7 @@ refit), ``step`` + ``simulate`` (sync/async RL step, AR vs speculative), ``sweep
 ``calibrate`` (CPU profile and measured-run fitting), ``report``; specs in ``interfaces``, presets in ``presets``,
 YAML scenarios (``configs/sim``) via ``config``. CLI: ``examples/run_sim.py``.
 """
+
 from nemo_rl_spec.sim.config import load_scenario
 from nemo_rl_spec.sim.simulate import simulate
 

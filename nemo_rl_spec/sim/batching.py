@@ -7,6 +7,7 @@ and take a free slot first-come-first-served; at most ``max_concurrency`` run at
 KV-cache capacity). Because every active sequence advances once per pass, the schedule does not depend on how
 long a pass takes, so it is computed once and costed with any :class:`~nemo_rl_spec.sim.interfaces.PassCostFn`.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -39,8 +40,9 @@ def admission_passes(passes: np.ndarray, max_concurrency: int) -> np.ndarray:
     return starts
 
 
-def active_batch_and_context(passes: np.ndarray, starts: np.ndarray, prompt_tokens: np.ndarray,
-                             tokens_per_pass: float) -> tuple[np.ndarray, np.ndarray]:
+def active_batch_and_context(
+    passes: np.ndarray, starts: np.ndarray, prompt_tokens: np.ndarray, tokens_per_pass: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Active sequences b(p) and summed KV context C(p) at every pass p of the engine. Shapes: [P], [P].
 
     Sequence i is active on passes [s_i, s_i + n_i) with context P_i + tau (p - s_i) at pass p, so
@@ -50,7 +52,9 @@ def active_batch_and_context(passes: np.ndarray, starts: np.ndarray, prompt_toke
     total = int(ends.max())
     b = np.cumsum(np.bincount(starts, minlength=total + 1) - np.bincount(ends, minlength=total + 1))[:total]
     offset = np.asarray(prompt_tokens, dtype=float) - tokens_per_pass * starts
-    a = np.cumsum(np.bincount(starts, weights=offset, minlength=total + 1)
-                  - np.bincount(ends, weights=offset, minlength=total + 1))[:total]
+    a = np.cumsum(
+        np.bincount(starts, weights=offset, minlength=total + 1)
+        - np.bincount(ends, weights=offset, minlength=total + 1)
+    )[:total]
     context = a + tokens_per_pass * np.arange(total) * b
     return b.astype(float), context

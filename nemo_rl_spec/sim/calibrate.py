@@ -16,6 +16,7 @@ Errors reported: ``prior_ar_errors`` (a-priori profile vs the AR run: independen
 length: a cross-run check). Held-out fidelity within one run (fit on some steps, predict the others) is
 :mod:`nemo_rl_spec.sim.fidelity` (``examples/run_sim.py fidelity``).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,12 @@ from nemo_rl_spec.sim.lengths import sample_lengths
 from nemo_rl_spec.sim.simulate import sync_phases
 from nemo_rl_spec.sim.step import resolve, rollout_counts
 
-PHASE_KEYS = {"generation": "timing/train/generation", "logprob": "timing/train/policy_and_reference_logprobs",
-              "training": "timing/train/policy_training", "refit": "timing/train/weight_sync"}
+PHASE_KEYS = {
+    "generation": "timing/train/generation",
+    "logprob": "timing/train/policy_and_reference_logprobs",
+    "training": "timing/train/policy_training",
+    "refit": "timing/train/weight_sync",
+}
 TOTAL_KEY = "timing/train/total_step_time"
 LENGTH_KEY = "train/mean_response_length"
 ACCEPTANCE_KEY = "vllm/spec_acceptance_length"
@@ -82,7 +87,9 @@ def fit_mean_length_scale(scenario: ScenarioSpec, mean_tokens: float, iters: int
     Raises ValueError when the mean lies outside [min_tokens, max_tokens]."""
     w = scenario.workload
     if not w.response.min_tokens <= mean_tokens <= w.response.max_tokens:
-        raise ValueError(f"mean response length {mean_tokens} outside [{w.response.min_tokens}, {w.response.max_tokens}]")
+        raise ValueError(
+            f"mean response length {mean_tokens} outside [{w.response.min_tokens}, {w.response.max_tokens}]"
+        )
     n, _ = rollout_counts(scenario)
     lo, hi = np.log(1e-4), np.log(1e4)
     for _ in range(iters):
@@ -111,13 +118,18 @@ def fitted_efficiency(scenario: ScenarioSpec, measured: PhaseTimes) -> dict[str,
     eff = resolve(scenario).profile.efficiency
     pred = predict(scenario, speculative=False)
     r_gen, r_refit = phase_ratio(measured.generation, pred.generation), phase_ratio(measured.refit, pred.refit)
-    return {**eff.model_dump(),
-            "decode_flops_eff": min(1.0, eff.decode_flops_eff / r_gen), "mem_bw_eff": min(1.0, eff.mem_bw_eff / r_gen),
-            "prefill_mfu": min(1.0, eff.prefill_mfu / r_gen), "forward_overhead_s": eff.forward_overhead_s * r_gen,
-            "draft_forward_overhead_s": eff.draft_forward_overhead_s * r_gen,
-            "logprob_mfu": min(1.0, eff.logprob_mfu / phase_ratio(measured.logprob, pred.logprob)),
-            "train_mfu": min(1.0, eff.train_mfu / phase_ratio(measured.training, pred.training)),
-            "refit_bw_eff": min(1.0, eff.refit_bw_eff / r_refit), "refit_overhead_s": eff.refit_overhead_s * r_refit}
+    return {
+        **eff.model_dump(),
+        "decode_flops_eff": min(1.0, eff.decode_flops_eff / r_gen),
+        "mem_bw_eff": min(1.0, eff.mem_bw_eff / r_gen),
+        "prefill_mfu": min(1.0, eff.prefill_mfu / r_gen),
+        "forward_overhead_s": eff.forward_overhead_s * r_gen,
+        "draft_forward_overhead_s": eff.draft_forward_overhead_s * r_gen,
+        "logprob_mfu": min(1.0, eff.logprob_mfu / phase_ratio(measured.logprob, pred.logprob)),
+        "train_mfu": min(1.0, eff.train_mfu / phase_ratio(measured.training, pred.training)),
+        "refit_bw_eff": min(1.0, eff.refit_bw_eff / r_refit),
+        "refit_overhead_s": eff.refit_overhead_s * r_refit,
+    }
 
 
 def phase_errors(predicted: PhaseTimes, measured: PhaseTimes) -> dict[str, float]:
@@ -127,24 +139,30 @@ def phase_errors(predicted: PhaseTimes, measured: PhaseTimes) -> dict[str, float
     return out
 
 
-def calibrate(scenario: ScenarioSpec, ar_records: list[dict], spec_records: list[dict] | None = None,
-              skip: int = 1) -> tuple[ScenarioSpec, dict[str, Any]]:
+def calibrate(
+    scenario: ScenarioSpec, ar_records: list[dict], spec_records: list[dict] | None = None, skip: int = 1
+) -> tuple[ScenarioSpec, dict[str, Any]]:
     """Fit ``scenario`` to a measured AR run; report prior and cross-run (AR fit -> speculative run) errors."""
     ar_summary = summarize(ar_records, skip)
     ar_meas = measured_phases(ar_summary)
     base = with_measured_inputs(scenario, ar_summary)
-    report: dict[str, Any] = {"measured_ar": ar_meas.model_dump(), "prior_ar_errors": phase_errors(
-        predict(base, False).model_copy(update=dict(other=ar_meas.other)), ar_meas)}
+    report: dict[str, Any] = {
+        "measured_ar": ar_meas.model_dump(),
+        "prior_ar_errors": phase_errors(predict(base, False).model_copy(update=dict(other=ar_meas.other)), ar_meas),
+    }
     fitted = base.model_copy(update=dict(efficiency=fitted_efficiency(base, ar_meas)))
     # In-sample residuals (fitted on these very numbers, ~0 by construction): not a fidelity measure; use
     # fidelity.fidelity (held-out steps) or spec_errors (another run) for that.
     report["in_sample_ar_residuals"] = phase_errors(
-        predict(fitted, False).model_copy(update=dict(other=ar_meas.other)), ar_meas)
+        predict(fitted, False).model_copy(update=dict(other=ar_meas.other)), ar_meas
+    )
     if spec_records:
         sp_summary = summarize(spec_records, skip)
         sp_meas = measured_phases(sp_summary)
         sp_scn = with_measured_inputs(scenario.model_copy(update=dict(efficiency=fitted.efficiency)), sp_summary)
         report["measured_spec"] = sp_meas.model_dump()
         # "other" (prepare, scoring, bookkeeping) is not modelled: the AR run's measured value is the prediction.
-        report["spec_errors"] = phase_errors(predict(sp_scn, True).model_copy(update=dict(other=ar_meas.other)), sp_meas)
+        report["spec_errors"] = phase_errors(
+            predict(sp_scn, True).model_copy(update=dict(other=ar_meas.other)), sp_meas
+        )
     return fitted, report

@@ -3,6 +3,7 @@
 A file may start with ``defaults: other.yaml`` (path relative to the file); the parent is loaded first and the
 file's own keys win, merged recursively (mappings merge, everything else replaces).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

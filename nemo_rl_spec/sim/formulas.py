@@ -4,6 +4,7 @@ Notation: ``alpha`` = probability that a draft token is accepted given all earli
 acceptance), ``k`` = draft tokens per target pass, ``draft_cost`` = c = cost of one draft forward relative to
 one target forward.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence

@@ -7,6 +7,7 @@ same weights and KV as a decode forward but does (k+1)x the FLOPs, so its extra 
 (small batch, the tail) and grows once the batch is compute-bound: the gain shrinks with batch size and returns
 as the batch drains.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,14 +19,16 @@ from nemo_rl_spec.sim.lengths import length_biased_mean_progress
 from nemo_rl_spec.sim.roofline import kv_capacity_tokens, tabulated_forward
 
 
-def ar_pass_cost(model: ModelSpec, profile: SystemProfile, devices: int, max_batch: int,
-                 pipeline: int = 1) -> PassCostFn:
+def ar_pass_cost(
+    model: ModelSpec, profile: SystemProfile, devices: int, max_batch: int, pipeline: int = 1
+) -> PassCostFn:
     """Cost of an autoregressive pass: one decode forward (query 1) plus the per-forward overhead."""
     return tabulated_forward(model, profile, devices, max_batch, 1, profile.efficiency.forward_overhead_s, pipeline)
 
 
-def spec_pass_cost(model: ModelSpec, draft: ModelSpec, profile: SystemProfile, devices: int, k: int,
-                   max_batch: int, pipeline: int = 1) -> PassCostFn:
+def spec_pass_cost(
+    model: ModelSpec, draft: ModelSpec, profile: SystemProfile, devices: int, k: int, max_batch: int, pipeline: int = 1
+) -> PassCostFn:
     """Cost of a speculative pass: k draft forwards + one (k+1)-token verification forward.
 
     Formula: t = t_target(b, C, query=k+1) + k * t_draft(b, C, query=1), each with its own fixed overhead; the
@@ -41,8 +44,16 @@ def spec_pass_cost(model: ModelSpec, draft: ModelSpec, profile: SystemProfile, d
     return cost
 
 
-def max_concurrency(model: ModelSpec, profile: SystemProfile, devices: int, max_num_seqs: int, kv_fraction: float,
-                    lengths: np.ndarray, prompt_tokens: int, draft: ModelSpec | None = None) -> int:
+def max_concurrency(
+    model: ModelSpec,
+    profile: SystemProfile,
+    devices: int,
+    max_num_seqs: int,
+    kv_fraction: float,
+    lengths: np.ndarray,
+    prompt_tokens: int,
+    draft: ModelSpec | None = None,
+) -> int:
     """Sequences an engine runs at once: min(max_num_seqs, KV capacity / live KV per sequence).
 
     Live KV per sequence = prompt + E[L^2] / (2 E[L]) (length-biased mean progress), a static stand-in for vLLM's
@@ -76,8 +87,9 @@ def critical_engines(parts: list[np.ndarray], per_criterion: int = 6) -> list[np
     return [parts[i] for i in sorted(set(longest) | set(biggest))]
 
 
-def engine_makespan(lengths: np.ndarray, prompt_tokens: int, tokens_per_pass: float, concurrency: int,
-                    cost: PassCostFn) -> tuple[float, np.ndarray, np.ndarray]:
+def engine_makespan(
+    lengths: np.ndarray, prompt_tokens: int, tokens_per_pass: float, concurrency: int, cost: PassCostFn
+) -> tuple[float, np.ndarray, np.ndarray]:
     """Seconds for one engine to finish ``lengths``, with its per-pass batch and time traces. Shapes: [P], [P]."""
     passes = passes_needed(lengths, tokens_per_pass)
     starts = admission_passes(passes, concurrency)
@@ -86,9 +98,16 @@ def engine_makespan(lengths: np.ndarray, prompt_tokens: int, tokens_per_pass: fl
     return float(times.sum()), batch, times
 
 
-def simulate_generation(lengths: np.ndarray, prompt_tokens: int, n_engines: int, tokens_per_pass: float,
-                        concurrency: int, cost: PassCostFn, prefill_per_engine_s: float,
-                        steps_in_flight: int = 1) -> GenerationResult:
+def simulate_generation(
+    lengths: np.ndarray,
+    prompt_tokens: int,
+    n_engines: int,
+    tokens_per_pass: float,
+    concurrency: int,
+    cost: PassCostFn,
+    prefill_per_engine_s: float,
+    steps_in_flight: int = 1,
+) -> GenerationResult:
     """Generation time of one RL step over ``n_engines`` engines: the slowest engine's makespan.
 
     ``steps_in_flight`` > 1 (async GRPO with policy lag = steps_in_flight - 1): the engines receive that many
@@ -102,5 +121,6 @@ def simulate_generation(lengths: np.ndarray, prompt_tokens: int, n_engines: int,
         best = max(best, result, key=lambda r: r[0])
     seconds, batch, times = best
     total = (seconds + prefill_per_engine_s * steps_in_flight) / steps_in_flight
-    return GenerationResult(seconds=total, passes=len(batch), tokens=int(lengths.sum()),
-                            batch_trace=batch, time_trace=times)
+    return GenerationResult(
+        seconds=total, passes=len(batch), tokens=int(lengths.sum()), batch_trace=batch, time_trace=times
+    )

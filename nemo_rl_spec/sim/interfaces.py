@@ -14,6 +14,7 @@ Worked example of the spec tree (``configs/sim/paper_8b_rl_zero.yaml`` resolves 
                  speculative=SpeculativeSpec(k=3, acceptance_length=2.47, draft="eagle3-qwen3-8b"),
                  baseline=PhaseTimes(generation=100.0, logprob=..., training=..., refit=..., other=...))
 """
+
 from __future__ import annotations
 
 from typing import Literal, Optional, Protocol, Union
@@ -138,8 +139,12 @@ class SpeculativeSpec(BaseModel):
     acceptance_length: Optional[float] = Field(None, ge=1)
     draft: Union[str, ModelSpec] = "eagle3"
     online_draft_training: bool = False
-    ttt_steps: Optional[int] = Field(None, ge=1, description="training-time-test unroll of online draft training "
-                                     "(draft forwards per trained token); None: k, as policy.draft.ttt_steps")
+    ttt_steps: Optional[int] = Field(
+        None,
+        ge=1,
+        description="training-time-test unroll of online draft training "
+        "(draft forwards per trained token); None: k, as policy.draft.ttt_steps",
+    )
 
     @model_validator(mode="after")
     def _one_acceptance(self) -> "SpeculativeSpec":
@@ -173,8 +178,10 @@ class LayoutSpec(BaseModel):
     @model_validator(mode="after")
     def _pipeline_divides(self) -> "LayoutSpec":
         if self.gen_devices_per_engine % self.gen_pipeline_parallel:
-            raise ValueError(f"gen_pipeline_parallel {self.gen_pipeline_parallel} does not divide "
-                             f"gen_devices_per_engine {self.gen_devices_per_engine}")
+            raise ValueError(
+                f"gen_pipeline_parallel {self.gen_pipeline_parallel} does not divide "
+                f"gen_devices_per_engine {self.gen_devices_per_engine}"
+            )
         return self
 
 

@@ -4,6 +4,7 @@ Why quantiles: the makespan of a synchronous generation phase is set by the long
 make it noisy from seed to seed. Sample i of n is the quantile (i + 0.5) / n, then the samples are shuffled
 (seeded) to model arrival order, so runs are reproducible and the tail of n samples is the expected tail.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache

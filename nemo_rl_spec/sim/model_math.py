@@ -4,6 +4,7 @@ Conventions: a matmul with an [n x m] weight costs 2 n m FLOPs per token; the in
 FLOPs and reads only the looked-up rows (counted as zero bytes); the output projection (lm_head, the embedding
 matrix itself when tied) is a full matmul. Norms, biases and the MoE router's softmax are ignored (< 0.1%).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,7 +19,9 @@ def attention_params_per_layer(model: ModelSpec) -> int:
     Qwen3-8B: 4096 * (32 + 16) * 128 + 32 * 128 * 4096 = 41,943,040.
     """
     h_in = model.hidden * model.attn_input_multiple
-    return h_in * (model.n_heads + 2 * model.n_kv_heads) * model.head_dim + model.n_heads * model.head_dim * model.hidden
+    return (
+        h_in * (model.n_heads + 2 * model.n_kv_heads) * model.head_dim + model.n_heads * model.head_dim * model.hidden
+    )
 
 
 def expert_params(model: ModelSpec) -> int:
@@ -42,7 +45,9 @@ def total_params(model: ModelSpec) -> int:
     if model.moe:
         per_layer += model.moe.n_experts * (expert_params(model) + model.hidden)  # experts + router
     embed = model.vocab * model.hidden
-    return model.n_layers * per_layer + embed + (0 if model.tied_embeddings else output_params(model)) + model.extra_params
+    return (
+        model.n_layers * per_layer + embed + (0 if model.tied_embeddings else output_params(model)) + model.extra_params
+    )
 
 
 def matmul_params_per_token(model: ModelSpec) -> int:

@@ -1,4 +1,5 @@
 """Non-generation phases of an RL step from FLOPs and MFU (log-probs, training) and bytes over links (refit)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,9 @@ from nemo_rl_spec.sim import model_math as mm
 from nemo_rl_spec.sim.interfaces import LayoutSpec, ModelSpec, SystemProfile
 
 
-def logprob_seconds(model: ModelSpec, profile: SystemProfile, devices: int, seq_tokens: np.ndarray,
-                    with_reference: bool = False) -> float:
+def logprob_seconds(
+    model: ModelSpec, profile: SystemProfile, devices: int, seq_tokens: np.ndarray, with_reference: bool = False
+) -> float:
     """Log-prob recompute: forward FLOPs / (devices * peak * logprob_mfu), twice with a reference model.
 
     Formula: (1 + ref) * sum_i [2 P s_i + 2 L H d s_i^2] / (d F mfu), s_i = prompt + response tokens.
@@ -23,8 +25,9 @@ def training_seconds(model: ModelSpec, profile: SystemProfile, devices: int, seq
     return flops / (devices * profile.hardware.peak_flops * profile.efficiency.train_mfu)
 
 
-def draft_training_seconds(draft: ModelSpec, profile: SystemProfile, devices: int, seq_tokens: np.ndarray,
-                           ttt_steps: int = 1) -> float:
+def draft_training_seconds(
+    draft: ModelSpec, profile: SystemProfile, devices: int, seq_tokens: np.ndarray, ttt_steps: int = 1
+) -> float:
     """Online EAGLE-3 training on captured (detached) hidden states with a training-time-test unroll of
     ``ttt_steps``: the head runs once per unroll step, so ``ttt_steps x 3 x`` the draft's forward FLOPs / (devices *
     peak * train_mfu)."""

@@ -17,6 +17,7 @@ the one machine where both exist.
 The batch-aware schedule each hardware would get is :func:`derive_schedule` on the projected costs with the
 measured per-token acceptance (``step_costs.acceptance_rate``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,14 @@ def bench_models(meta: Mapping[str, Any], hardware: str, target: str | None = No
     return spec, eagle3_draft(spec, vocab)
 
 
-def pass_costs(target: ModelSpec, draft: ModelSpec, hardware: str, ks: Sequence[int], batches: Sequence[int],
-               context_per_seq: float) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+def pass_costs(
+    target: ModelSpec,
+    draft: ModelSpec,
+    hardware: str,
+    ks: Sequence[int],
+    batches: Sequence[int],
+    context_per_seq: float,
+) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
     """Simulated seconds of one decode pass per running batch b (context b * ``context_per_seq`` tokens):
     ({b: t_ar}, {k: {b: t_spec}}), one engine on one device of ``hardware``."""
     profile = resolve_profile(hardware)
@@ -72,13 +79,18 @@ def pass_costs(target: ModelSpec, draft: ModelSpec, hardware: str, ks: Sequence[
     top = int(b.max())
     ar = ar_pass_cost(target, profile, 1, top)(b, ctx)
     spec = {int(k): spec_pass_cost(target, draft, profile, 1, int(k), top)(b, ctx) for k in ks}
-    return ({int(x): float(t) for x, t in zip(b, ar)},
-            {k: {int(x): float(t) for x, t in zip(b, v)} for k, v in spec.items()})
+    return (
+        {int(x): float(t) for x, t in zip(b, ar)},
+        {k: {int(x): float(t) for x, t in zip(b, v)} for k, v in spec.items()},
+    )
 
 
-def project_bench(bench: Mapping[str, Any], hardware: Sequence[str] = ("cpu", "h100", "gb200"),
-                  sweep_batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), target: str | None = None
-                  ) -> dict[str, Any]:
+def project_bench(
+    bench: Mapping[str, Any],
+    hardware: Sequence[str] = ("cpu", "h100", "gb200"),
+    sweep_batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+    target: str | None = None,
+) -> dict[str, Any]:
     """Project every measured (k, batch) row of a rollout-benchmark JSON to each hardware preset.
 
     Args:
@@ -103,17 +115,33 @@ def project_bench(bench: Mapping[str, Any], hardware: Sequence[str] = ("cpu", "h
     ks = sorted({int(r["k"]) for r in rows})
     batches = sorted({int(r["batch"]) for r in rows} | set(sweep_batches))
     accept = {int(k): float(a) for k, a in (bench.get("step_costs") or {}).get("acceptance_rate", {}).items()}
-    out: dict[str, Any] = {"context_per_seq": context, "hardware": list(hardware), "sweep": {}, "schedule": {},
-                           "target": target or BENCH_MODELS.get(meta.get("model"))}
+    out: dict[str, Any] = {
+        "context_per_seq": context,
+        "hardware": list(hardware),
+        "sweep": {},
+        "schedule": {},
+        "target": target or BENCH_MODELS.get(meta.get("model")),
+    }
     for hw in hardware:
         model, draft = bench_models(meta, hw, target)
         ar, spec = pass_costs(model, draft, hw, ks, batches, context)
         for r in rows:
             ratio = spec[int(r["k"])][int(r["batch"])] / ar[int(r["batch"])]
             r[f"r_{hw}"], r[f"speedup_{hw}"] = ratio, float(r["acceptance_length"]) / ratio
-        out["sweep"][hw] = [{"k": k, "batch": b, "r": spec[k][b] / ar[b],
-                             "speedup": _expected_tokens(accept.get(k), k) / (spec[k][b] / ar[b])}
-                            for k in ks for b in sweep_batches] if accept else []
+        out["sweep"][hw] = (
+            [
+                {
+                    "k": k,
+                    "batch": b,
+                    "r": spec[k][b] / ar[b],
+                    "speedup": _expected_tokens(accept.get(k), k) / (spec[k][b] / ar[b]),
+                }
+                for k in ks
+                for b in sweep_batches
+            ]
+            if accept
+            else []
+        )
         if accept:
             out["schedule"][hw] = derive_schedule(ar, spec, accept, max_batch_size=max(batches))
     out["rows"] = rows
@@ -130,12 +158,20 @@ def _expected_tokens(a: float | None, k: int) -> float:
 def format_projection(result: Mapping[str, Any]) -> str:
     """Markdown table of :func:`project_bench`'s rows (measured on the CPU, projected per hardware)."""
     hws = result["hardware"]
-    head = ("| k | batch | L (measured) | r CPU measured | speedup CPU measured | "
-            + " | ".join(f"r {h} | E/r {h}" for h in hws) + " |")
+    head = (
+        "| k | batch | L (measured) | r CPU measured | speedup CPU measured | "
+        + " | ".join(f"r {h} | E/r {h}" for h in hws)
+        + " |"
+    )
     lines = [head, "|" + "---|" * (5 + 2 * len(hws))]
     for r in sorted(result["rows"], key=lambda r: (r["k"], r["batch"])):
-        cells = [str(r["k"]), str(r["batch"]), f"{r['acceptance_length']:.2f}",
-                 f"{r.get('step_cost_ratio', float('nan')):.2f}", f"{r.get('speedup', float('nan')):.2f}"]
+        cells = [
+            str(r["k"]),
+            str(r["batch"]),
+            f"{r['acceptance_length']:.2f}",
+            f"{r.get('step_cost_ratio', float('nan')):.2f}",
+            f"{r.get('speedup', float('nan')):.2f}",
+        ]
         cells += [f"{r[f'r_{h}']:.2f} | {r[f'speedup_{h}']:.2f}" for h in hws]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -146,23 +182,31 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="run_sim.py project-spec", description=__doc__.splitlines()[0])
     p.add_argument("--bench", required=True, help="JSON written by examples/bench_spec_rollouts.py --out")
     p.add_argument("--hardware", nargs="+", default=["cpu", "h100", "gb200"])
-    p.add_argument("--what-if-target", default="qwen3-8b",
-                   help="also project the measured acceptance onto this model preset ('' to skip)")
+    p.add_argument(
+        "--what-if-target",
+        default="qwen3-8b",
+        help="also project the measured acceptance onto this model preset ('' to skip)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     path = Path(args.bench)
     if not path.is_file():
         raise SystemExit(f"--bench {path}: no such file (expected a bench_spec_rollouts JSON)")
     bench = json.loads(path.read_text())
-    result = {"label": "simulator projection from CPU measurements (not a GPU measurement)",
-              "bench": str(path), "measured_model": project_bench(bench, args.hardware)}
+    result = {
+        "label": "simulator projection from CPU measurements (not a GPU measurement)",
+        "bench": str(path),
+        "measured_model": project_bench(bench, args.hardware),
+    }
     if args.what_if_target:
         gpus = [h for h in args.hardware if h != "cpu"]
         result["what_if_target"] = project_bench(bench, gpus, target=args.what_if_target)
     for name, part in result.items():
         if isinstance(part, dict):
-            print(f"\n{name} ({part['target']}; context {part['context_per_seq']:.0f} tokens per sequence; "
-                  f"PROJECTION on GPUs)\n{format_projection(part)}\nschedule: {part['schedule']}")
+            print(
+                f"\n{name} ({part['target']}; context {part['context_per_seq']:.0f} tokens per sequence; "
+                f"PROJECTION on GPUs)\n{format_projection(part)}\nschedule: {part['schedule']}"
+            )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -1,4 +1,5 @@
 """Text table and plots of simulator results (matplotlib, Agg backend: no display needed)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,9 @@ def table(results: Sequence[StepResult]) -> str:
     lines = [f"{COLUMNS[0]:<{width}}" + "".join(f"{c:>11}" for c in COLUMNS[1:])]
     for r in results:
         vals = (r.ar.generation, r.spec.generation, r.ar_step_s, r.spec_step_s, r.generation_speedup, r.e2e_speedup)
-        lines.append(f"{r.name:<{width}}" + "".join(f"{v:>11.2f}" for v in vals[:4])
-                     + "".join(f"{v:>10.3f}x" for v in vals[4:]))
+        lines.append(
+            f"{r.name:<{width}}" + "".join(f"{v:>11.2f}" for v in vals[:4]) + "".join(f"{v:>10.3f}x" for v in vals[4:])
+        )
     return "\n".join(lines)
 
 
@@ -73,8 +75,9 @@ def plot_acceptance(rows: list[dict], closed_form: list[float], path: Path) -> P
     return _save(fig, path)
 
 
-def plot_batch(curves: dict[str, list[dict]], concurrency: list[dict], measured: list[tuple[int, float]],
-               path: Path) -> Path:
+def plot_batch(
+    curves: dict[str, list[dict]], concurrency: list[dict], measured: list[tuple[int, float]], path: Path
+) -> Path:
     """Left: per-pass speculative gain vs batch per hardware and context (docs/install.md's measured CPU points as
     crosses). Right: RL-Zero phase speedups vs the engine's batch cap."""
     fig, (ax, ax2) = _figure(2)

@@ -17,6 +17,7 @@ on an engine of ``devices`` = tp * pp devices (weights and KV sharded evenly; TP
 So pipeline stages add compute but not weight bandwidth per pass: in the memory-bound regime an engine of
 tp x pp devices decodes like one of tp devices.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,8 +26,9 @@ from nemo_rl_spec.sim import model_math as mm
 from nemo_rl_spec.sim.interfaces import ModelSpec, SystemProfile
 
 
-def compute_seconds(model: ModelSpec, profile: SystemProfile, devices: int, tokens: np.ndarray,
-                    query_context: np.ndarray) -> np.ndarray:
+def compute_seconds(
+    model: ModelSpec, profile: SystemProfile, devices: int, tokens: np.ndarray, query_context: np.ndarray
+) -> np.ndarray:
     """Seconds of the FLOPs: (2 P T + attention FLOPs) / (devices * peak * decode_flops_eff). Shape: like tokens."""
     flops = 2.0 * mm.matmul_params_per_token(model) * tokens + mm.attention_flops(model, query_context)
     hw, eff = profile.hardware, profile.efficiency
@@ -36,20 +38,29 @@ def compute_seconds(model: ModelSpec, profile: SystemProfile, devices: int, toke
 LOGIT_BYTES_PER_TOKEN_VOCAB = 8.0  # fp32 logits written by lm_head and read back by the (rejection) sampler
 
 
-def memory_seconds(model: ModelSpec, profile: SystemProfile, devices: int, tokens: np.ndarray,
-                   context_tokens: np.ndarray, pipeline: int = 1) -> np.ndarray:
+def memory_seconds(
+    model: ModelSpec,
+    profile: SystemProfile,
+    devices: int,
+    tokens: np.ndarray,
+    context_tokens: np.ndarray,
+    pipeline: int = 1,
+) -> np.ndarray:
     """Seconds of the bytes: (weights streamed once per micro-batch + KV read and written + fp32 logits written
     and read by the sampler) / (devices * bandwidth * mem_bw_eff)."""
     tokens = np.asarray(tokens, dtype=float)
-    nbytes = (pipeline * mm.weight_bytes_read(model, tokens / pipeline)
-              + mm.kv_bytes_per_token(model) * (context_tokens + tokens)
-              + LOGIT_BYTES_PER_TOKEN_VOCAB * model.vocab * tokens)
+    nbytes = (
+        pipeline * mm.weight_bytes_read(model, tokens / pipeline)
+        + mm.kv_bytes_per_token(model) * (context_tokens + tokens)
+        + LOGIT_BYTES_PER_TOKEN_VOCAB * model.vocab * tokens
+    )
     hw, eff = profile.hardware, profile.efficiency
     return nbytes / (devices * hw.mem_bw * eff.mem_bw_eff)
 
 
-def collective_seconds(model: ModelSpec, profile: SystemProfile, devices: int, tokens: np.ndarray,
-                       pipeline: int = 1) -> np.ndarray:
+def collective_seconds(
+    model: ModelSpec, profile: SystemProfile, devices: int, tokens: np.ndarray, pipeline: int = 1
+) -> np.ndarray:
     """Seconds of the collectives of a sharded engine (module formula); 0 on one device."""
     tokens = np.asarray(tokens, dtype=float)
     hw, tp = profile.hardware, devices // pipeline
@@ -62,8 +73,16 @@ def collective_seconds(model: ModelSpec, profile: SystemProfile, devices: int, t
     return out
 
 
-def forward_seconds(model: ModelSpec, profile: SystemProfile, devices: int, batch: np.ndarray,
-                    context_tokens: np.ndarray, query: int, overhead_s: float, pipeline: int = 1) -> np.ndarray:
+def forward_seconds(
+    model: ModelSpec,
+    profile: SystemProfile,
+    devices: int,
+    batch: np.ndarray,
+    context_tokens: np.ndarray,
+    query: int,
+    overhead_s: float,
+    pipeline: int = 1,
+) -> np.ndarray:
     """Seconds of one forward (module formula). Shapes: batch, context_tokens [P] -> [P].
 
     Args:
@@ -87,8 +106,15 @@ def forward_seconds(model: ModelSpec, profile: SystemProfile, devices: int, batc
     return np.where(batch > 0, total, 0.0)
 
 
-def tabulated_forward(model: ModelSpec, profile: SystemProfile, devices: int, max_batch: int, query: int,
-                      overhead_s: float, pipeline: int = 1):
+def tabulated_forward(
+    model: ModelSpec,
+    profile: SystemProfile,
+    devices: int,
+    max_batch: int,
+    query: int,
+    overhead_s: float,
+    pipeline: int = 1,
+):
     """:func:`forward_seconds` as a fast callable of (batch, context): the batch-only terms (weights, experts
     touched, collectives) are tabulated for batch 0..max_batch, the context terms are linear. Same values."""
     if devices % pipeline:
@@ -100,8 +126,10 @@ def tabulated_forward(model: ModelSpec, profile: SystemProfile, devices: int, ma
     fixed = overhead_s + collective_seconds(model, profile, devices, b * query, pipeline)
     one = np.ones(1)
     c_ctx = float(compute_seconds(model, profile, devices, 0 * one, query * one)[0])
-    m_ctx = float(memory_seconds(model, profile, devices, 0 * one, one, pipeline)[0]
-                  - memory_seconds(model, profile, devices, 0 * one, 0 * one, pipeline)[0])
+    m_ctx = float(
+        memory_seconds(model, profile, devices, 0 * one, one, pipeline)[0]
+        - memory_seconds(model, profile, devices, 0 * one, 0 * one, pipeline)[0]
+    )
     overlap = profile.efficiency.overlap
 
     def seconds(batch: np.ndarray, context_tokens: np.ndarray) -> np.ndarray:
@@ -114,8 +142,9 @@ def tabulated_forward(model: ModelSpec, profile: SystemProfile, devices: int, ma
     return seconds
 
 
-def kv_capacity_tokens(model: ModelSpec, profile: SystemProfile, devices: int, kv_fraction: float,
-                       extra_weight_params: int = 0) -> float:
+def kv_capacity_tokens(
+    model: ModelSpec, profile: SystemProfile, devices: int, kv_fraction: float, extra_weight_params: int = 0
+) -> float:
     """KV-cache tokens an engine holds: (devices * capacity * kv_fraction - weight bytes) / kv_bytes_per_token.
 
     Raises ValueError when the weights alone do not fit.
@@ -123,6 +152,8 @@ def kv_capacity_tokens(model: ModelSpec, profile: SystemProfile, devices: int, k
     budget = devices * profile.hardware.mem_capacity * kv_fraction
     weights = (mm.total_params(model) + extra_weight_params) * model.bytes_per_param
     if weights >= budget:
-        raise ValueError(f"{model.name} weights ({weights / 1e9:.1f} GB) do not fit in {devices} x "
-                         f"{profile.hardware.name} at kv_fraction {kv_fraction}")
+        raise ValueError(
+            f"{model.name} weights ({weights / 1e9:.1f} GB) do not fit in {devices} x "
+            f"{profile.hardware.name} at kv_fraction {kv_fraction}"
+        )
     return (budget - weights) / mm.kv_bytes_per_token(model)

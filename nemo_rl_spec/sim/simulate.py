@@ -1,4 +1,5 @@
 """Entry point: simulate a scenario autoregressive and speculative and report the speedups and their drivers."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -47,8 +48,9 @@ def baseline_phases(res: Resolved) -> tuple[PhaseTimes, PhaseTimes, GenerationRe
     gen_ar = generation(res, lengths, devices, False)
     gen_sp = generation(res, lengths, devices, True)
     extra_train, extra_refit = speculative_overheads(res, lengths, devices)
-    spec = base.model_copy(update=dict(generation=gen_sp.seconds, training=base.training + extra_train,
-                                       refit=base.refit + extra_refit))
+    spec = base.model_copy(
+        update=dict(generation=gen_sp.seconds, training=base.training + extra_train, refit=base.refit + extra_refit)
+    )
     return base.model_copy(update=dict(generation=gen_ar.seconds)), spec, gen_ar, gen_sp
 
 
@@ -77,8 +79,10 @@ def best_async_split(res: Resolved, lengths: np.ndarray, speculative: bool) -> t
     d = lay.gen_devices_per_engine
     lo, hi = 1, lay.total_devices // d - 1  # engines; at least one engine's worth of devices trains
     if hi < lo:
-        raise ValueError(f"{res.scenario.name}: {lay.total_devices} devices cannot hold a generation engine of "
-                         f"{d} and a training pool")
+        raise ValueError(
+            f"{res.scenario.name}: {lay.total_devices} devices cannot hold a generation engine of "
+            f"{d} and a training pool"
+        )
     while lo < hi:  # smallest engine count whose generation is no slower than training
         mid = (lo + hi) // 2
         step, ph = async_step(res, lengths, speculative, mid * d)
@@ -102,9 +106,15 @@ def drivers(res: Resolved, gen_ar: GenerationResult, gen_sp: GenerationResult, c
     share of AR generation time spent in the tail (batch below a quarter of its peak)."""
     peak = float(gen_ar.batch_trace.max())
     tail = gen_ar.batch_trace < 0.25 * peak
-    out = {"tokens_per_pass": res.tokens_per_pass, "alpha": res.alpha, "k": float(res.scenario.speculative.k),
-           "peak_batch": peak, "ar_tail_time_fraction": float(gen_ar.time_trace[tail].sum() / gen_ar.time_trace.sum()),
-           "ar_passes": float(gen_ar.passes), "spec_passes": float(gen_sp.passes)}
+    out = {
+        "tokens_per_pass": res.tokens_per_pass,
+        "alpha": res.alpha,
+        "k": float(res.scenario.speculative.k),
+        "peak_batch": peak,
+        "ar_tail_time_fraction": float(gen_ar.time_trace[tail].sum() / gen_ar.time_trace.sum()),
+        "ar_passes": float(gen_ar.passes),
+        "spec_passes": float(gen_sp.passes),
+    }
     out.update({f"tail_{k}": v for k, v in pass_cost_ratios(res, 1.0, conc_ctx).items()})
     out.update({f"bulk_{k}": v for k, v in pass_cost_ratios(res, peak, conc_ctx).items()})
     return out
@@ -123,9 +133,16 @@ def simulate(scenario: ScenarioSpec) -> StepResult:
     ctx = scenario.workload.prompt_tokens + scenario.workload.response.median_tokens
     details = drivers(res, gen_ar, gen_sp, ctx)
     details["ar_generation_fraction"] = ar.generation / ar.total
-    return StepResult(name=scenario.name, ar=ar, spec=sp, ar_step_s=ar.total, spec_step_s=sp.total,
-                      generation_speedup=ar.generation / sp.generation, e2e_speedup=ar.total / sp.total,
-                      details=details)
+    return StepResult(
+        name=scenario.name,
+        ar=ar,
+        spec=sp,
+        ar_step_s=ar.total,
+        spec_step_s=sp.total,
+        generation_speedup=ar.generation / sp.generation,
+        e2e_speedup=ar.total / sp.total,
+        details=details,
+    )
 
 
 def _simulate_async(res: Resolved) -> StepResult:
@@ -140,27 +157,45 @@ def _simulate_async(res: Resolved) -> StepResult:
     step_sp, sp, g_sp = best_async_split(res, lengths, True)
     gen_sp_same = async_generation(res, lengths, True, g_ar)
     _, sp_same = async_step(res, lengths, True, g_ar)
-    sync_res = Resolved(res.scenario.model_copy(update=dict(layout=lay.model_copy(update=dict(colocated=True)))),
-                        res.model, res.draft, res.profile, res.tokens_per_pass, res.alpha)
+    sync_res = Resolved(
+        res.scenario.model_copy(update=dict(layout=lay.model_copy(update=dict(colocated=True)))),
+        res.model,
+        res.draft,
+        res.profile,
+        res.tokens_per_pass,
+        res.alpha,
+    )
     sync_ar, gen_sync = sync_phases(sync_res, lengths, False)
     sync_sp, gen_sync_sp = sync_phases(sync_res, lengths, True)
     ctx = res.scenario.workload.prompt_tokens + res.scenario.workload.response.median_tokens
     details = drivers(sync_res, gen_sync, gen_sync_sp, ctx)
-    details.update({
-        "ar_gen_devices": float(g_ar), "spec_gen_devices": float(g_sp),
-        "sync_ar_step_s": sync_ar.total, "sync_spec_step_s": sync_sp.total,
-        "sync_generation_speedup": sync_ar.generation / sync_sp.generation,
-        "sync_e2e_speedup": sync_ar.total / sync_sp.total,
-        "async_ar_vs_sync_ar": sync_ar.total / step_ar,
-        "e2e_speedup_vs_sync_ar": sync_ar.total / step_sp,
-        "generation_speedup_vs_sync_ar": sync_ar.generation / sp.generation,
-        # generation on the trainer's critical path, max(0, generation - (logprob + training)), both at the AR split
-        "exposed_generation_ar_s": max(0.0, ar.generation - ar.logprob - ar.training),
-        "exposed_generation_spec_s": max(0.0, sp_same.generation - sp_same.logprob - sp_same.training),
-        "ar_generation_fraction": sync_ar.generation / sync_ar.total})
-    return StepResult(name=res.scenario.name, ar=ar, spec=sp, ar_step_s=step_ar, spec_step_s=step_sp,
-                      generation_speedup=ar.generation / gen_sp_same.seconds, e2e_speedup=step_ar / step_sp,
-                      details=details)
+    details.update(
+        {
+            "ar_gen_devices": float(g_ar),
+            "spec_gen_devices": float(g_sp),
+            "sync_ar_step_s": sync_ar.total,
+            "sync_spec_step_s": sync_sp.total,
+            "sync_generation_speedup": sync_ar.generation / sync_sp.generation,
+            "sync_e2e_speedup": sync_ar.total / sync_sp.total,
+            "async_ar_vs_sync_ar": sync_ar.total / step_ar,
+            "e2e_speedup_vs_sync_ar": sync_ar.total / step_sp,
+            "generation_speedup_vs_sync_ar": sync_ar.generation / sp.generation,
+            # generation on the trainer's critical path, max(0, generation - (logprob + training)), both at the AR split
+            "exposed_generation_ar_s": max(0.0, ar.generation - ar.logprob - ar.training),
+            "exposed_generation_spec_s": max(0.0, sp_same.generation - sp_same.logprob - sp_same.training),
+            "ar_generation_fraction": sync_ar.generation / sync_ar.total,
+        }
+    )
+    return StepResult(
+        name=res.scenario.name,
+        ar=ar,
+        spec=sp,
+        ar_step_s=step_ar,
+        spec_step_s=step_sp,
+        generation_speedup=ar.generation / gen_sp_same.seconds,
+        e2e_speedup=step_ar / step_sp,
+        details=details,
+    )
 
 
 def generation_traces(scenario: ScenarioSpec) -> tuple[GenerationResult, GenerationResult]:

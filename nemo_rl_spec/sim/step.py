@@ -6,6 +6,7 @@ Async (non-colocated): generation devices and training devices work concurrently
 and generation per step comes from L+1 steps of requests in flight (see ``simulate_generation``). When the split
 of devices is not given, the best split (multiples of the engine size) is searched for each variant separately.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +58,14 @@ def resolve(scenario: ScenarioSpec) -> Resolved:
     """Look up presets and efficiency overrides of ``scenario``."""
     model = resolve_model(scenario.model)
     tpp, alpha = tokens_per_pass(scenario.speculative)
-    return Resolved(scenario, model, resolve_draft(scenario.speculative.draft, model),
-                    resolve_profile(scenario.hardware, scenario.efficiency), tpp, alpha)
+    return Resolved(
+        scenario,
+        model,
+        resolve_draft(scenario.speculative.draft, model),
+        resolve_profile(scenario.hardware, scenario.efficiency),
+        tpp,
+        alpha,
+    )
 
 
 def rollout_counts(scenario: ScenarioSpec) -> tuple[int, int]:
@@ -73,18 +80,23 @@ def rollout_counts(scenario: ScenarioSpec) -> tuple[int, int]:
     return pc.sampling_prompts * pc.n_pilot + selected * pc.n_commit, selected * (pc.n_pilot + pc.n_commit)
 
 
-def generation(res: Resolved, lengths: np.ndarray, gen_devices: int, speculative: bool,
-               steps_in_flight: int = 1) -> GenerationResult:
+def generation(
+    res: Resolved, lengths: np.ndarray, gen_devices: int, speculative: bool, steps_in_flight: int = 1
+) -> GenerationResult:
     """Simulated generation phase on ``gen_devices`` devices (engines of ``gen_devices_per_engine``)."""
     lay, w = res.scenario.layout, res.scenario.workload
     d = lay.gen_devices_per_engine
     draft = res.draft if speculative else None
-    conc = max_concurrency(res.model, res.profile, d, lay.max_num_seqs, lay.kv_cache_fraction, lengths,
-                           w.prompt_tokens, draft)
+    conc = max_concurrency(
+        res.model, res.profile, d, lay.max_num_seqs, lay.kv_cache_fraction, lengths, w.prompt_tokens, draft
+    )
     k = res.scenario.speculative.k
     pp = lay.gen_pipeline_parallel
-    cost = (spec_pass_cost(res.model, res.draft, res.profile, d, k, conc, pp) if speculative
-            else ar_pass_cost(res.model, res.profile, d, conc, pp))
+    cost = (
+        spec_pass_cost(res.model, res.draft, res.profile, d, k, conc, pp)
+        if speculative
+        else ar_pass_cost(res.model, res.profile, d, conc, pp)
+    )
     n_engines = max(1, gen_devices // d)
     seqs = len(lengths) / w.generations_per_prompt if lay.prefix_caching else len(lengths)
     prompts_per_engine = np.ceil(seqs / n_engines) * w.prompt_tokens
@@ -141,8 +153,14 @@ def fit_length_scale(res: Resolved, target_seconds: float, devices: int, iters: 
 
     Raises ValueError when no length distribution within [min_tokens, max_tokens] reaches the target (the
     workload is too small or too large for the measured time on this hardware)."""
-    ar_time = lambda log_scale: generation(res, scenario_lengths(res, float(np.exp(log_scale))), devices,  # noqa: E731
-                                           False).seconds
+    ar_time = lambda log_scale: (
+        generation(
+            res,
+            scenario_lengths(res, float(np.exp(log_scale))),
+            devices,  # noqa: E731
+            False,
+        ).seconds
+    )
     lo, hi = np.log(1e-3), np.log(1e3)
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
@@ -152,6 +170,8 @@ def fit_length_scale(res: Resolved, target_seconds: float, devices: int, iters: 
     scale = 0.5 * (lo + hi)
     reached = ar_time(scale)
     if abs(reached - target_seconds) > 0.01 * target_seconds:
-        raise ValueError(f"{res.scenario.name}: no response-length scale makes autoregressive generation take "
-                         f"{target_seconds:.1f} s (closest {reached:.1f} s); resize the workload")
+        raise ValueError(
+            f"{res.scenario.name}: no response-length scale makes autoregressive generation take "
+            f"{target_seconds:.1f} s (closest {reached:.1f} s); resize the workload"
+        )
     return float(np.exp(scale))

@@ -15,6 +15,7 @@ come from a teacher-forced unroll (:meth:`Eagle3DraftHead.unroll`) on sequences 
 conditions on the sampled tokens rather than on its own accepted proposals: an estimate, which the rollout
 benchmark checks against vLLM's counters.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ def chain_acceptance_length(step_accept: torch.Tensor) -> torch.Tensor:
     return 1.0 + torch.cumprod(step_accept, dim=-1).sum(-1)
 
 
-def step_acceptance(draft_logits: torch.Tensor, target_logprobs: torch.Tensor, temperature: float,
-                    method: str) -> torch.Tensor:
+def step_acceptance(
+    draft_logits: torch.Tensor, target_logprobs: torch.Tensor, temperature: float, method: str
+) -> torch.Tensor:
     """Per-position acceptance probability of one draft step.
 
     Args:
@@ -62,9 +64,16 @@ def step_acceptance(draft_logits: torch.Tensor, target_logprobs: torch.Tensor, t
 
 
 @torch.no_grad()
-def expected_acceptance(head: Eagle3DraftHead, aux_hidden: torch.Tensor, input_ids: torch.Tensor,
-                        loss_mask: torch.Tensor, target_logprobs: torch.Tensor, temperature: float, num_steps: int,
-                        methods: tuple[str, ...] = DRAFT_SAMPLE_METHODS) -> dict[str, float]:
+def expected_acceptance(
+    head: Eagle3DraftHead,
+    aux_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_logprobs: torch.Tensor,
+    temperature: float,
+    num_steps: int,
+    methods: tuple[str, ...] = DRAFT_SAMPLE_METHODS,
+) -> dict[str, float]:
     """Estimated acceptance of ``head`` at ``num_steps`` draft steps on sampled sequences (module docstring).
 
     Chains start at every position ``t`` whose first drafted token ``input_ids[t+2]`` is a response token
@@ -86,7 +95,7 @@ def expected_acceptance(head: Eagle3DraftHead, aux_hidden: torch.Tensor, input_i
     logits = head.unroll(aux_hidden.float(), input_ids, num_steps)
     mask = loss_mask.bool()
     starts = torch.zeros_like(mask)
-    starts[:, :S - 2] = mask[:, 2:]
+    starts[:, : S - 2] = mask[:, 2:]
     n = int(starts.sum())
     out: dict[str, float] = {"chains": float(n)}
     if n == 0:
@@ -96,9 +105,9 @@ def expected_acceptance(head: Eagle3DraftHead, aux_hidden: torch.Tensor, input_i
     for j, lg in enumerate(logits):
         shift = 1 + j  # target_logprobs[:, t + 1 + j] is the distribution drafted by step j of chain t
         lp = torch.full_like(target_logprobs, float("-inf"))
-        lp[:, :S - shift] = target_logprobs[:, shift:]
+        lp[:, : S - shift] = target_logprobs[:, shift:]
         valid = torch.zeros_like(mask)
-        valid[:, :S - shift - 1] = mask[:, shift + 1:]
+        valid[:, : S - shift - 1] = mask[:, shift + 1 :]
         lp_safe = torch.where(valid.unsqueeze(-1), lp, torch.zeros_like(lp))
         for m in methods:
             results[m].append(step_acceptance(lg, lp_safe, temperature, m) * valid)

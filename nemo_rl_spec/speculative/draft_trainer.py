@@ -9,6 +9,7 @@ Data parallel (several policy workers, each training the same draft on its row s
 takes a :class:`DataParallelSync` that sums the accumulated gradients and loss sums over the ranks before clipping,
 so every rank's draft takes the step of the whole global batch and the replicas stay identical.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,10 +52,19 @@ class DraftTrainer(DraftTrainerInterface):
         draft_version: number of optimizer steps taken (exported with the weights for versioned refits).
     """
 
-    def __init__(self, head: Eagle3DraftHead, lr: float = 3e-4, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, max_grad_norm: float | None = 1.0,
-                 ttt_steps: int = 3, step_weights: Sequence[float] | None = None, loss_weight: float = 1.0,
-                 micro_batch_size: int | None = None) -> None:
+    def __init__(
+        self,
+        head: Eagle3DraftHead,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        max_grad_norm: float | None = 1.0,
+        ttt_steps: int = 3,
+        step_weights: Sequence[float] | None = None,
+        loss_weight: float = 1.0,
+        micro_batch_size: int | None = None,
+    ) -> None:
         self.head = head
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
@@ -70,8 +80,13 @@ class DraftTrainer(DraftTrainerInterface):
         """Copy the policy's current input embedding into the head (vLLM's drafter shares the target's)."""
         self.head.set_target_embeddings(policy_embedding_weight)
 
-    def step(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
-             target_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+    def step(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        target_logprobs: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         """One optimizer step of the draft on a batch captured from the policy (``micro_batch_size`` rows per
         forward/backward): :meth:`zero_grad`, :meth:`accumulate` per micro-batch, :meth:`apply`.
 
@@ -94,8 +109,13 @@ class DraftTrainer(DraftTrainerInterface):
         total = self.num_loss_tokens(mask)
         for start in range(0, input_ids.shape[0], mbs):
             sl = slice(start, start + mbs)
-            self.accumulate(hidden_states[sl], input_ids[sl], mask[sl],
-                            None if target_logprobs is None else target_logprobs[sl], total)
+            self.accumulate(
+                hidden_states[sl],
+                input_ids[sl],
+                mask[sl],
+                None if target_logprobs is None else target_logprobs[sl],
+                total,
+            )
         return self.apply()
 
     @staticmethod
@@ -114,8 +134,14 @@ class DraftTrainer(DraftTrainerInterface):
         self.optimizer.zero_grad(set_to_none=True)
         self._loss_sum, self._metric_sums = 0.0, {}
 
-    def accumulate(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
-                   target_logprobs: torch.Tensor | None, total_tokens: int) -> None:
+    def accumulate(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        target_logprobs: torch.Tensor | None,
+        total_tokens: int,
+    ) -> None:
         """Forward + backward of one micro-batch, weighted by its share ``valid tokens / total_tokens`` of the
         whole batch (so the accumulated gradient is that of the token-weighted mean loss).
 
@@ -130,8 +156,9 @@ class DraftTrainer(DraftTrainerInterface):
         if valid == 0:
             return
         self.head.train()
-        loss, metrics = self.head.ttt_loss(hidden_states.float(), input_ids, mask, self.ttt_steps, target_logprobs,
-                                           self.step_weights)
+        loss, metrics = self.head.ttt_loss(
+            hidden_states.float(), input_ids, mask, self.ttt_steps, target_logprobs, self.step_weights
+        )
         share = valid / total_tokens
         (loss * share * self.loss_weight).backward()
         self._loss_sum += float(loss.detach()) * share
@@ -149,11 +176,15 @@ class DraftTrainer(DraftTrainerInterface):
             sync.grads(self.params)
             sums = sync.sum_metrics(sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.params, self.max_grad_norm if self.max_grad_norm is not None else math.inf)
+            self.params, self.max_grad_norm if self.max_grad_norm is not None else math.inf
+        )
         self.optimizer.step()
         self.draft_version += 1
-        out = {"train/draft_grad_norm": float(grad_norm), "train/draft_lr": float(self.optimizer.param_groups[0]["lr"]),
-               "train/draft_version": float(self.draft_version)}
+        out = {
+            "train/draft_grad_norm": float(grad_norm),
+            "train/draft_lr": float(self.optimizer.param_groups[0]["lr"]),
+            "train/draft_version": float(self.draft_version),
+        }
         out.update({f"train/{k}": v for k, v in sums.items()})
         return out
 
@@ -162,8 +193,11 @@ class DraftTrainer(DraftTrainerInterface):
         return self.head.export_state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "draft_version": self.draft_version}
+        return {
+            "head": self.head.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "draft_version": self.draft_version,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.head.load_state_dict(state["head"])

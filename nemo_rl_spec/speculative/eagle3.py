@@ -23,6 +23,7 @@ Draft step j of the chain that starts at index t (token ``x[t+1]``, target hidde
 ``t + j``, reads ``x[t+1+j]`` and predicts ``x[t+2+j]``; its attention sees the step-0 keys of indices ``<= t``
 plus the chain's own keys of steps 1..j (exactly the drafter KV cache vLLM holds at inference).
 """
+
 from __future__ import annotations
 
 import json
@@ -103,13 +104,21 @@ class Eagle3Config:
         return len(self.aux_layer_ids)
 
     @classmethod
-    def from_target(cls, target_config, aux_layer_ids: Sequence[int] | None = None,
-                    draft_vocab_size: int | None = None, intermediate_size: int | None = None,
-                    **overrides) -> Eagle3Config:
+    def from_target(
+        cls,
+        target_config,
+        aux_layer_ids: Sequence[int] | None = None,
+        draft_vocab_size: int | None = None,
+        intermediate_size: int | None = None,
+        **overrides,
+    ) -> Eagle3Config:
         """Derive a head config from the target's HF config (object or dict): same hidden size, heads, head_dim,
         rope theta and eps; aux ids default to :func:`default_aux_layer_ids`."""
-        get = (lambda k, d=None: target_config.get(k, d)) if isinstance(target_config, dict) else (
-            lambda k, d=None: getattr(target_config, k, d))
+        get = (
+            (lambda k, d=None: target_config.get(k, d))
+            if isinstance(target_config, dict)
+            else (lambda k, d=None: getattr(target_config, k, d))
+        )
         hidden = get("hidden_size")
         heads = get("num_attention_heads")
         rope = get("rope_parameters") or get("rope_scaling") or {}
@@ -120,15 +129,20 @@ class Eagle3Config:
         n_layers = get("num_hidden_layers")
         eos = get("eos_token_id")
         kwargs = dict(
-            vocab_size=get("vocab_size"), hidden_size=hidden, num_attention_heads=heads,
+            vocab_size=get("vocab_size"),
+            hidden_size=hidden,
+            num_attention_heads=heads,
             num_key_value_heads=get("num_key_value_heads") or heads,
             head_dim=get("head_dim") or hidden // heads,
             intermediate_size=intermediate_size or get("intermediate_size"),
             aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n_layers),
-            target_num_hidden_layers=n_layers, draft_vocab_size=draft_vocab_size,
-            rms_norm_eps=get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            target_num_hidden_layers=n_layers,
+            draft_vocab_size=draft_vocab_size,
+            rms_norm_eps=get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
             max_position_embeddings=get("max_position_embeddings", 4096),
-            bos_token_id=get("bos_token_id"), eos_token_id=eos if not isinstance(eos, list) else eos[0],
+            bos_token_id=get("bos_token_id"),
+            eos_token_id=eos if not isinstance(eos, list) else eos[0],
         )
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -158,8 +172,10 @@ class Eagle3Config:
             "target_hidden_size": self.target_hidden_size,
             "num_aux_hidden_states": self.num_aux,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-                             "use_aux_hidden_state": True},
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                "use_aux_hidden_state": True,
+            },
             "norm_before_residual": self.norm_before_residual,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
@@ -171,8 +187,9 @@ class Eagle3Config:
     def from_hf_dict(cls, d: dict) -> Eagle3Config:
         if TRAINER_META_KEY in d:
             return cls(**d[TRAINER_META_KEY])
-        raise ValueError("config.json was not written by Eagle3DraftHead.save_pretrained (no "
-                         f"{TRAINER_META_KEY!r} block)")
+        raise ValueError(
+            f"config.json was not written by Eagle3DraftHead.save_pretrained (no {TRAINER_META_KEY!r} block)"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -197,8 +214,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE tables. Shape: positions [B, S] -> cos, sin [B, 1, S, head_dim] (fp32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
-                                / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
     freqs = positions.float().unsqueeze(-1) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
@@ -315,9 +331,17 @@ class Eagle3DraftHead(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
     @classmethod
-    def from_target(cls, target_model: nn.Module | None = None, target_config=None, *,
-                    aux_layer_ids: Sequence[int] | None = None, draft_vocab: torch.Tensor | None = None,
-                    init_lm_head_from_target: bool = True, seed: int = 0, **cfg_overrides) -> Eagle3DraftHead:
+    def from_target(
+        cls,
+        target_model: nn.Module | None = None,
+        target_config=None,
+        *,
+        aux_layer_ids: Sequence[int] | None = None,
+        draft_vocab: torch.Tensor | None = None,
+        init_lm_head_from_target: bool = True,
+        seed: int = 0,
+        **cfg_overrides,
+    ) -> Eagle3DraftHead:
         """Build a head for an HF target (``target_model`` or just its config).
 
         Args:
@@ -369,8 +393,14 @@ class Eagle3DraftHead(nn.Module):
         """Shape: [B, S, n_aux * H_t] -> [B, S, H]."""
         return self.fc(aux_hidden)
 
-    def unroll(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, num_steps: int,
-               position_ids: torch.Tensor | None = None, free_running: bool = False) -> list[torch.Tensor]:
+    def unroll(
+        self,
+        aux_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        num_steps: int,
+        position_ids: torch.Tensor | None = None,
+        free_running: bool = False,
+    ) -> list[torch.Tensor]:
         """Training-time test: run ``num_steps`` draft steps for every chain start t in parallel.
 
         Step j of chain t reads token ``input_ids[t+1+j]`` (teacher forcing; index past the end reads token 0 and
@@ -397,7 +427,7 @@ class Eagle3DraftHead(nn.Module):
             if free_running and j > 0:
                 tokens = self.draft_ids[logits_per_step[-1].argmax(-1)]
             else:
-                tokens = F.pad(input_ids[:, 1 + j:], (0, 1 + j), value=0)[:, :S]
+                tokens = F.pad(input_ids[:, 1 + j :], (0, 1 + j), value=0)[:, :S]
             x, residual = self.midlayer.pre_attention(self.embed_tokens(tokens), hidden)
             cos, sin = rope_cos_sin(position_ids + j, cfg.head_dim, cfg.rope_theta)
             q, k, v = self.midlayer.self_attn.qkv(x, cos, sin)
@@ -412,7 +442,7 @@ class Eagle3DraftHead(nn.Module):
             probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
             ctx = torch.matmul(probs[..., :S], values0.float())
             for i, dv in enumerate(diag_v):
-                ctx = ctx + probs[..., S + i:S + i + 1] * dv.float()
+                ctx = ctx + probs[..., S + i : S + i + 1] * dv.float()
             attn_out = self.midlayer.self_attn.out(ctx.to(x.dtype))
             hidden = self.midlayer.post_attention(attn_out, residual)
             logits_per_step.append(self.lm_head(self.norm(hidden)).float())
@@ -438,10 +468,16 @@ class Eagle3DraftHead(nn.Module):
         return out
 
     # ------------------------------------------------------------------ loss
-    def ttt_loss(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                 num_steps: int, target_logprobs: torch.Tensor | None = None,
-                 step_weights: Sequence[float] | None = None,
-                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    def ttt_loss(
+        self,
+        aux_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        num_steps: int,
+        target_logprobs: torch.Tensor | None = None,
+        step_weights: Sequence[float] | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """EAGLE-3 training-time-test loss.
 
         Step j of chain t predicts ``input_ids[t+2+j]``; the term counts when ``loss_mask[t+2+j]`` is true.
@@ -460,7 +496,7 @@ class Eagle3DraftHead(nn.Module):
         if aux_hidden.requires_grad:
             raise ValueError("aux_hidden requires grad: detach the policy's hidden states before the draft loss")
         if step_weights is None:
-            step_weights = [0.8 ** j for j in range(num_steps)]
+            step_weights = [0.8**j for j in range(num_steps)]
         S = input_ids.shape[1]
         mask = loss_mask.bool()
         all_logits = self.unroll(aux_hidden, input_ids, num_steps, position_ids)
@@ -471,12 +507,12 @@ class Eagle3DraftHead(nn.Module):
             shift = 2 + j
             if shift >= S:
                 break
-            logits = logits[:, :S - shift]
+            logits = logits[:, : S - shift]
             tokens = input_ids[:, shift:]
             valid = mask[:, shift:]
             logq = torch.log_softmax(logits, dim=-1)
             if target_logprobs is not None:
-                target = target_logprobs[:, shift - 1:S - 1].float()
+                target = target_logprobs[:, shift - 1 : S - 1].float()
                 if target.shape[-1] != self.cfg.draft_vocab_size:
                     target = target.index_select(-1, draft_ids)
                 per_tok = -(target.exp() * logq).sum(-1)
@@ -490,7 +526,7 @@ class Eagle3DraftHead(nn.Module):
             pred = draft_ids[logits.argmax(-1)]
             metrics[f"draft_loss_step{j}"] = float(step_loss.detach())
             metrics[f"draft_acc_step{j}"] = float(((pred == tokens) & valid).sum() / n.clamp_min(1))
-        return total / float(sum(step_weights[:len(all_logits)])), metrics
+        return total / float(sum(step_weights[: len(all_logits)])), metrics
 
     # ------------------------------------------------------------------ export
     def export_state_dict(self, include_embeddings: bool = False) -> dict[str, torch.Tensor]:
@@ -535,8 +571,9 @@ class Eagle3DraftHead(nn.Module):
         return head
 
 
-def draft_vocab_from_counts(token_counts: torch.Tensor, draft_vocab_size: int,
-                            always_include: Sequence[int] = ()) -> torch.Tensor:
+def draft_vocab_from_counts(
+    token_counts: torch.Tensor, draft_vocab_size: int, always_include: Sequence[int] = ()
+) -> torch.Tensor:
     """Reduced draft vocabulary: the ``draft_vocab_size`` most frequent target ids (ties to the lower id), plus
     ``always_include`` (e.g. EOS), returned sorted. Shape: token_counts [V] -> [draft_vocab_size] int64."""
     counts = token_counts.double().clone()

@@ -13,6 +13,7 @@ prompt lengths 2 and 3, right padding with id 0)::
 Draft step j of chain t predicts ``input_ids[t+2+j]`` and is trained when ``loss_mask[t+2+j]`` is 1; e.g. in
 row 0, step 0 is trained at chains t = 0, 1, 2 (predicting 7, 7, 2).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -44,8 +45,13 @@ class DraftTrainerInterface(ABC):
     draft_version: int
 
     @abstractmethod
-    def step(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
-             target_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+    def step(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        target_logprobs: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         """One optimizer step; returns ``train/draft_loss``, ``train/draft_grad_norm`` and more."""
 
     @abstractmethod

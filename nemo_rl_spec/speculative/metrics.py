@@ -16,6 +16,7 @@ Metrics of one generation call come from the difference of two snapshots (:class
 - ``vllm/spec_acceptance_rate_pos{i}`` = accepted_at_position_i / drafts (probability that the i-th proposal
   is accepted; non-increasing in i, since acceptance stops at the first rejection).
 """
+
 from __future__ import annotations
 
 import logging
@@ -62,10 +63,12 @@ class SpecDecodeCounters:
         n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         a = list(self.accepted_per_pos) + [0] * (n - len(self.accepted_per_pos))
         b = list(other.accepted_per_pos) + [0] * (n - len(other.accepted_per_pos))
-        return SpecDecodeCounters(self.num_drafts + sign * other.num_drafts,
-                                  self.num_draft_tokens + sign * other.num_draft_tokens,
-                                  self.num_accepted_tokens + sign * other.num_accepted_tokens,
-                                  tuple(x + sign * y for x, y in zip(a, b)))
+        return SpecDecodeCounters(
+            self.num_drafts + sign * other.num_drafts,
+            self.num_draft_tokens + sign * other.num_draft_tokens,
+            self.num_accepted_tokens + sign * other.num_accepted_tokens,
+            tuple(x + sign * y for x, y in zip(a, b)),
+        )
 
     def __sub__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
         """Counts of the interval from ``other`` to ``self`` (per-position lists padded with zeros)."""
@@ -156,8 +159,10 @@ class LowAcceptanceAlarm:
         fired = judged and drafts >= self.min_drafts and not length >= self.floor  # NaN length fires too
         if fired:
             self.num_fired += 1
-            msg = (f"speculative acceptance length {length:.3f} < floor {self.floor:.3f} after a refit: is the draft "
-                   f"still being refit? (drafts={int(drafts)})")
+            msg = (
+                f"speculative acceptance length {length:.3f} < floor {self.floor:.3f} after a refit: is the draft "
+                f"still being refit? (drafts={int(drafts)})"
+            )
             logger.warning(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
         return {self.METRIC: 1.0 if fired else 0.0}

@@ -5,6 +5,7 @@ generic chat. :func:`train_draft_on_sequences` takes sequences the policy produc
 prompts, from vLLM or transformers) and trains a head on the policy's hidden states for them, in micro-batches,
 with soft targets (the policy's next-token distribution) or hard targets (the sampled tokens).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,9 @@ from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead, draft_vocab_from_co
 logger = logging.getLogger(__name__)
 
 
-def pad_sequences(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                  pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_sequences(
+    sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad to [N, S] and build the loss mask of response tokens (positions >= prompt length).
 
     Returns (input_ids [N, S] int64, loss_mask [N, S] bool)."""
@@ -28,25 +30,38 @@ def pad_sequences(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[i
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.bool)
     for i, (seq, p) in enumerate(zip(sequences, prompt_lengths)):
-        ids[i, :len(seq)] = torch.tensor(list(seq), dtype=torch.long)
-        mask[i, p:len(seq)] = True
+        ids[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        mask[i, p : len(seq)] = True
     return ids, mask
 
 
-def response_token_counts(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                          vocab_size: int) -> torch.Tensor:
+def response_token_counts(
+    sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int], vocab_size: int
+) -> torch.Tensor:
     """How often each token id occurs in the responses (``seq[prompt_length:]``). Shape: -> [vocab_size] float64."""
     tokens = [t for seq, p in zip(sequences, prompt_lengths) for t in seq[p:]]
     return torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=vocab_size).double()
 
 
-def train_draft_on_sequences(policy: torch.nn.Module, sequences: Sequence[Sequence[int]],
-                             prompt_lengths: Sequence[int], *, head: Eagle3DraftHead | None = None,
-                             aux_layer_ids: Sequence[int] | None = None, draft_vocab_size: int | None = None,
-                             always_include: Sequence[int] = (), steps: int = 100, batch_size: int = 8,
-                             lr: float = 3e-3, ttt_steps: int = 3, soft_targets: bool = True, seed: int = 0,
-                             log_every: int = 0, trainer: DraftTrainer | None = None,
-                             cache_policy_outputs: bool = False) -> tuple[Eagle3DraftHead, list[dict[str, float]]]:
+def train_draft_on_sequences(
+    policy: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    *,
+    head: Eagle3DraftHead | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
+    draft_vocab_size: int | None = None,
+    always_include: Sequence[int] = (),
+    steps: int = 100,
+    batch_size: int = 8,
+    lr: float = 3e-3,
+    ttt_steps: int = 3,
+    soft_targets: bool = True,
+    seed: int = 0,
+    log_every: int = 0,
+    trainer: DraftTrainer | None = None,
+    cache_policy_outputs: bool = False,
+) -> tuple[Eagle3DraftHead, list[dict[str, float]]]:
     """Train (or continue training) an EAGLE-3 head on ``sequences`` the policy generated.
 
     Args:
@@ -89,12 +104,12 @@ def train_draft_on_sequences(policy: torch.nn.Module, sequences: Sequence[Sequen
     for step in range(steps):
         if pos + batch_size > len(order):
             order, pos = torch.randperm(len(ids), generator=gen), 0
-        rows = order[pos:pos + batch_size]
+        rows = order[pos : pos + batch_size]
         pos += batch_size
         batch_ids, batch_mask = ids[rows], mask[rows]
         if cache is not None:
             aux, target = cache.batch(rows)
-            batch_ids, batch_mask = batch_ids[:, :aux.shape[1]], batch_mask[:, :aux.shape[1]]
+            batch_ids, batch_mask = batch_ids[:, : aux.shape[1]], batch_mask[:, : aux.shape[1]]
         else:
             aux, target = _policy_outputs(policy, head, batch_ids, soft_targets)
         metrics = trainer.step(aux, batch_ids, batch_mask, target)
@@ -104,8 +119,9 @@ def train_draft_on_sequences(policy: torch.nn.Module, sequences: Sequence[Sequen
     return head, history
 
 
-def _policy_outputs(policy: torch.nn.Module, head: Eagle3DraftHead, batch_ids: torch.Tensor,
-                    soft_targets: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _policy_outputs(
+    policy: torch.nn.Module, head: Eagle3DraftHead, batch_ids: torch.Tensor, soft_targets: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Detached aux hidden states [B, S, n_aux * H] and policy log-probs [B, S, V] (None for hard targets)."""
     with torch.no_grad(), capture_hidden_states(policy, head.cfg.aux_layer_ids) as cap:
         out = policy(batch_ids)
@@ -123,8 +139,13 @@ class PolicyOutputCache:
     Memory ``sum_i L_i * (n_aux * H + Vd + 1) * 4`` bytes.
     """
 
-    def __init__(self, aux: list[torch.Tensor], logprobs: list[torch.Tensor] | None, shift: list[torch.Tensor],
-                 temperature: float) -> None:
+    def __init__(
+        self,
+        aux: list[torch.Tensor],
+        logprobs: list[torch.Tensor] | None,
+        shift: list[torch.Tensor],
+        temperature: float,
+    ) -> None:
         self.aux, self.logprobs, self.shift, self.temperature = aux, logprobs, shift, float(temperature)
 
     def __len__(self) -> int:
@@ -156,9 +177,15 @@ class PolicyOutputCache:
 
 
 @torch.no_grad()
-def build_policy_cache(policy: torch.nn.Module, head: Eagle3DraftHead, sequences: Sequence[Sequence[int]],
-                       batch_size: int = 8, soft_targets: bool = True, temperature: float = 1.0,
-                       on_batch=None) -> PolicyOutputCache:
+def build_policy_cache(
+    policy: torch.nn.Module,
+    head: Eagle3DraftHead,
+    sequences: Sequence[Sequence[int]],
+    batch_size: int = 8,
+    soft_targets: bool = True,
+    temperature: float = 1.0,
+    on_batch=None,
+) -> PolicyOutputCache:
     """Run the policy once over ``sequences`` (batches of ``batch_size``, right-padded; causal attention makes
     the padding irrelevant to the kept positions) and keep what draft training and acceptance estimates need.
 
@@ -172,7 +199,7 @@ def build_policy_cache(policy: torch.nn.Module, head: Eagle3DraftHead, sequences
     lp_out: list | None = [None] * n_seq if soft_targets else None
     order = sorted(range(n_seq), key=lambda i: len(sequences[i]))  # similar lengths together: less padding
     for start in range(0, n_seq, batch_size):
-        idx = order[start:start + batch_size]
+        idx = order[start : start + batch_size]
         chunk = [sequences[i] for i in idx]
         ids, _ = pad_sequences(chunk, [len(c) for c in chunk])
         with capture_hidden_states(policy, head.cfg.aux_layer_ids) as cap:
@@ -193,13 +220,20 @@ def build_policy_cache(policy: torch.nn.Module, head: Eagle3DraftHead, sequences
     return PolicyOutputCache(aux_out, lp_out, shift_out, temperature)
 
 
-def _policy_cache(policy: torch.nn.Module, head: Eagle3DraftHead, sequences: Sequence[Sequence[int]],
-                  batch_size: int, soft_targets: bool) -> PolicyOutputCache:
+def _policy_cache(
+    policy: torch.nn.Module,
+    head: Eagle3DraftHead,
+    sequences: Sequence[Sequence[int]],
+    batch_size: int,
+    soft_targets: bool,
+) -> PolicyOutputCache:
     cfg = head.cfg
     tokens = sum(len(q) for q in sequences)
     nbytes = tokens * (cfg.num_aux * cfg.target_hidden_size + (cfg.draft_vocab_size if soft_targets else 0)) * 4
     if nbytes > 4 * (1 << 30):
-        raise ValueError(f"cache_policy_outputs would hold {nbytes / (1 << 30):.1f} GiB ({len(sequences)} sequences, "
-                         f"{tokens} tokens, draft vocabulary {cfg.draft_vocab_size}): use a reduced "
-                         "draft_vocab_size or fewer sequences")
+        raise ValueError(
+            f"cache_policy_outputs would hold {nbytes / (1 << 30):.1f} GiB ({len(sequences)} sequences, "
+            f"{tokens} tokens, draft vocabulary {cfg.draft_vocab_size}): use a reduced "
+            "draft_vocab_size or fewer sequences"
+        )
     return build_policy_cache(policy, head, sequences, batch_size, soft_targets)

@@ -17,6 +17,7 @@ count of scored tokens and the gradients are summed over the ranks before the st
 :class:`~nemo_rl_spec.speculative.draft_trainer.DataParallelSync`), so all replicas stay identical and equal the
 single-worker head. Tensor parallel: every TP rank trains an identical replica on identical (full) inputs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,9 @@ from nemo_rl_spec.utils.dtypes import cast_state
 DRAFT_STATE_DIR = "draft"
 
 
-def build_draft_head(draft_cfg: DraftConfig, hf_config, embedding: torch.Tensor, output_weight: torch.Tensor,
-                     seed: int = 0) -> Eagle3DraftHead:
+def build_draft_head(
+    draft_cfg: DraftConfig, hf_config, embedding: torch.Tensor, output_weight: torch.Tensor, seed: int = 0
+) -> Eagle3DraftHead:
     """The head to train: loaded from ``draft_cfg.model_name`` or new (``lm_head`` = the policy's output layer).
 
     Args:
@@ -52,8 +54,9 @@ def build_draft_head(draft_cfg: DraftConfig, hf_config, embedding: torch.Tensor,
             raise FileNotFoundError(f"policy.draft.model_name={name!r}: no EAGLE-3 head there (config.json missing)")
         head = Eagle3DraftHead.from_pretrained(name, target_embeddings=embedding)
         if aux is not None and tuple(sorted(aux)) != tuple(head.cfg.aux_layer_ids):
-            raise ValueError(f"policy.draft.aux_layer_ids={aux} but {name} was trained with "
-                             f"{list(head.cfg.aux_layer_ids)}")
+            raise ValueError(
+                f"policy.draft.aux_layer_ids={aux} but {name} was trained with {list(head.cfg.aux_layer_ids)}"
+            )
         return head
     head = Eagle3DraftHead(Eagle3Config.from_target(hf_config, aux))
     head.reset_parameters(seed=seed)
@@ -77,11 +80,23 @@ class OnlineDraft:
         policy_version: weight version of the policy the draft was last trained with (set by the worker).
     """
 
-    def __init__(self, head: Eagle3DraftHead, draft_cfg: DraftConfig, ttt_steps: int, temperature: float,
-                 sync: DataParallelSync | None = None) -> None:
+    def __init__(
+        self,
+        head: Eagle3DraftHead,
+        draft_cfg: DraftConfig,
+        ttt_steps: int,
+        temperature: float,
+        sync: DataParallelSync | None = None,
+    ) -> None:
         opt = draft_cfg.optimizer
-        self.trainer = DraftTrainer(head, lr=opt.lr, weight_decay=opt.weight_decay, max_grad_norm=opt.max_grad_norm,
-                                    ttt_steps=int(ttt_steps), loss_weight=draft_cfg.loss_weight)
+        self.trainer = DraftTrainer(
+            head,
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            max_grad_norm=opt.max_grad_norm,
+            ttt_steps=int(ttt_steps),
+            loss_weight=draft_cfg.loss_weight,
+        )
         self.temperature = float(temperature) if temperature > 0 else 1.0
         self.sync = sync
         self.policy_version = 0
@@ -108,8 +123,9 @@ class OnlineDraft:
         self._total = max(int(scored[0]), 1)
         self._seconds = time.perf_counter() - t0
 
-    def accumulate(self, cap: HiddenStateCapture, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                   logits: torch.Tensor) -> None:
+    def accumulate(
+        self, cap: HiddenStateCapture, input_ids: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor
+    ) -> None:
         """Draft forward/backward on one captured micro-batch.
 
         Shape: input_ids [b, s], loss_mask [b, s], logits [b, s, V] (the policy's, detached here).
@@ -133,8 +149,7 @@ class OnlineDraft:
         :meth:`VllmGenerationWorker.update_draft_weights`; floating-point weights cast to ``dtype`` (the engine's,
         ``float32`` | ``bfloat16``; None: as trained, fp32). The head trains in fp32 whatever the policy's dtype."""
         weights = cast_state(self.trainer.export_weights(), dtype)
-        return {"weights": weights, "draft_version": self.trainer.draft_version,
-                "policy_version": self.policy_version}
+        return {"weights": weights, "draft_version": self.trainer.draft_version, "policy_version": self.policy_version}
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.trainer.state_dict(), "policy_version": self.policy_version}

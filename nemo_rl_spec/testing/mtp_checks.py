@@ -11,6 +11,7 @@ The first four functions run *inside* the Ray actors through the controllers' ``
 
 They live in the package (not in a test module) because Ray pickles functions of importable modules by reference.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,12 +34,14 @@ from nemo_rl_spec.testing.lossless import (
 
 def mtp_params(worker) -> dict[str, torch.Tensor]:
     """Copies of the policy worker's megatron MTP parameters (``mtp.layers.*``), e.g. to compare later."""
-    return {k: v.detach().clone() for k, v in mm.megatron_param_state(worker.module).items()
-            if k.startswith(mm.MTP_PREFIX)}
+    return {
+        k: v.detach().clone() for k, v in mm.megatron_param_state(worker.module).items() if k.startswith(mm.MTP_PREFIX)
+    }
 
 
-def megatron_mtp_argmax(worker, sequences: Sequence[Sequence[int]],
-                        params: dict[str, torch.Tensor] | None = None) -> list[list[int]]:
+def megatron_mtp_argmax(
+    worker, sequences: Sequence[Sequence[int]], params: dict[str, torch.Tensor] | None = None
+) -> list[list[int]]:
     """Megatron MTP (layer 0) greedy prediction at every index t of each sequence (it predicts token t + 2), with the
     token embedding zeroed at position 0 as vLLM's MiMo layer does (megatron does not zero it; see mtp_export.py).
 
@@ -78,8 +81,9 @@ def megatron_mtp_argmax(worker, sequences: Sequence[Sequence[int]],
     return out
 
 
-def train_mtp_on_own_greedy(worker, prompts: Sequence[Sequence[int]], max_tokens: int,
-                            steps: int = 150) -> dict[str, object]:
+def train_mtp_on_own_greedy(
+    worker, prompts: Sequence[Sequence[int]], max_tokens: int, steps: int = 150
+) -> dict[str, object]:
     """Train the policy worker's MTP layer 0 (trunk frozen: the policy's outputs do not change) on the policy's own
     greedy continuations of ``prompts``, so the engine's MTP drafter accepts after the next refit: what a lossless
     check needs (issue 16, item 7).
@@ -151,9 +155,16 @@ def replay_agreement(prompts, outputs, proposals, predictions) -> tuple[int, int
     return agree, total
 
 
-def train_mtp_on_sequences(model, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], steps: int = 150,
-                           lr: float = 1e-2, seed: int = 0, top_k: int = 64,
-                           mse_weight: float = 0.1) -> dict[str, object]:
+def train_mtp_on_sequences(
+    model,
+    sequences: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    steps: int = 150,
+    lr: float = 1e-2,
+    seed: int = 0,
+    top_k: int = 64,
+    mse_weight: float = 0.1,
+) -> dict[str, object]:
     """Train only the MTP layer 0 of a megatron GPTModel (trunk, embedding and output layer frozen, so the target's
     outputs do not change) to draft the target's next token on ``sequences``: a drafter that accepts, for lossless
     checks (a random MTP layer accepts nothing, so equality would prove nothing).
@@ -178,7 +189,7 @@ def train_mtp_on_sequences(model, sequences: Sequence[Sequence[int]], prompt_len
     ids = torch.tensor([list(s) + [0] * (width - len(s)) for s in sequences])
     mask = torch.zeros(ids.shape, dtype=torch.bool)  # [B, S]: positions t with a token t + 2 in the response
     for b, (s, p) in enumerate(zip(sequences, prompt_lens)):
-        mask[b, max(p - 2, 0):len(s) - 2] = True
+        mask[b, max(p - 2, 0) : len(s) - 2] = True
     named = dict(model.named_parameters())
     mtp = {n: p for n, p in named.items() if n.startswith(mm.MTP_PREFIX)}
     frozen = {n: p.requires_grad for n, p in named.items() if n not in mtp}
@@ -224,8 +235,14 @@ def train_mtp_on_sequences(model, sequences: Sequence[Sequence[int]], prompt_len
     return {"losses": losses, "accuracy": accuracy}
 
 
-def export_trained_mimo(llama_dir: str, out_dir: str, sequences: Sequence[Sequence[int]],
-                        prompt_lens: Sequence[int], steps: int = 150, lr: float = 1e-2) -> dict[str, object]:
+def export_trained_mimo(
+    llama_dir: str,
+    out_dir: str,
+    sequences: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    steps: int = 150,
+    lr: float = 1e-2,
+) -> dict[str, object]:
     """Megatron policy for the HF Llama ``llama_dir`` with one MTP layer trained on ``sequences``
     (:func:`train_mtp_on_sequences`), written to ``out_dir`` as the MiMo checkpoint vLLM serves with ``method: mtp``
     (trunk unchanged). Needs its own process (it initialises torch.distributed): run it through

@@ -5,6 +5,7 @@ Each run is ``examples/run_grpo.py`` in its own directory ``run_dir`` (``logs/me
 ``stdout.log``, ``run.json``); ``run.json`` is written only when the subprocess has ended, so an interrupted
 benchmark re-runs exactly the runs that did not finish.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ def result_paths(out: str, work_dir: str | None) -> tuple[Path, Path]:
     return path, Path(work_dir).resolve() if work_dir else path.with_name(path.stem + "_runs")
 
 
-def run_grpo_subprocess(config: str, overrides: list[str], run_dir: Path, *, label: str, timeout_s: float,
-                        reuse: bool) -> dict:
+def run_grpo_subprocess(
+    config: str, overrides: list[str], run_dir: Path, *, label: str, timeout_s: float, reuse: bool
+) -> dict:
     """Run ``examples/run_grpo.py --config config overrides...`` with its logs and checkpoints in ``run_dir``.
 
     With ``reuse``, a run whose ``run.json`` records return code 0 is not run again (its record is returned).
@@ -48,14 +50,28 @@ def run_grpo_subprocess(config: str, overrides: list[str], run_dir: Path, *, lab
         return json.loads(info_path.read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", config, *overrides,
-           f"logger.log_dir={run_dir}/logs", f"checkpointing.checkpoint_dir={run_dir}/ckpt", "logger.progress_bar=false"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        config,
+        *overrides,
+        f"logger.log_dir={run_dir}/logs",
+        f"checkpointing.checkpoint_dir={run_dir}/ckpt",
+        "logger.progress_bar=false",
+    ]
     print(f"[bench] {label}: {' '.join(cmd[2:])}", flush=True)
     t0 = time.time()
     with open(run_dir / "stdout.log", "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+            rc = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     info = {"command": cmd, "returncode": rc, "wall_s": round(time.time() - t0, 1)}
@@ -64,8 +80,9 @@ def run_grpo_subprocess(config: str, overrides: list[str], run_dir: Path, *, lab
     return info
 
 
-def bootstrap_interval(values: list[float], *, level: float = 0.9, resamples: int = 10000,
-                       seed: int = 0) -> tuple[float, float] | None:
+def bootstrap_interval(
+    values: list[float], *, level: float = 0.9, resamples: int = 10000, seed: int = 0
+) -> tuple[float, float] | None:
     """Percentile bootstrap interval of the mean of ``values`` (resampling seeds with replacement).
 
     Returns ``(low, high)`` at the given two-sided ``level``, or None for fewer than 2 values. Deterministic in

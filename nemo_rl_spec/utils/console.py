@@ -8,6 +8,7 @@ megatron-core's import-time "not installed" warnings (:data:`CPU_PYTHON_WARNINGS
 (:func:`worker_log_env`, put into each actor's ``runtime_env``) and each worker process applies them
 (:func:`quiet_harmless_warnings`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,9 @@ def worker_log_env() -> dict[str, str]:
     Python warnings go in as ``PYTHONWARNINGS`` (after any the user set)."""
     env = {k: os.environ[k] for k in (VERBOSE_ENV, VLLM_LEVEL_ENV) if k in os.environ}
     if os.environ.get(WORKER_WARNINGS_ENV):
-        env["PYTHONWARNINGS"] = ",".join(w for w in (os.environ.get("PYTHONWARNINGS"), os.environ[WORKER_WARNINGS_ENV])
-                                         if w)
+        env["PYTHONWARNINGS"] = ",".join(
+            w for w in (os.environ.get("PYTHONWARNINGS"), os.environ[WORKER_WARNINGS_ENV]) if w
+        )
     return env
 
 
@@ -82,19 +84,27 @@ HARMLESS_VLLM_WARNINGS: dict[str, list[tuple[str, Callable[[tuple], bool] | None
     # tcmalloc is optional (runtime_env.vllm_runtime_env preload_tcmalloc) and threads are set through
     # OMP_NUM_THREADS before the engine binds them.
     "vllm.engine.arg_utils": [("The global random seed is set to", None)],
-    "vllm.config.vllm": [("Enforce eager set", None), ("Inductor compilation was disabled", None),
-                         ("Model Runner V2 requires Triton", None)],
+    "vllm.config.vllm": [
+        ("Enforce eager set", None),
+        ("Inductor compilation was disabled", None),
+        ("Model Runner V2 requires Triton", None),
+    ],
     "vllm.platforms.cpu": [("Triton is not installed", None)],
     # A bf16 engine loading an fp32 checkpoint (the tiny models and SmolLM2 are stored in fp32): vLLM casts each
     # 1-D weight into its bf16 parameter, as it does silently for the matrices (docs/precision.md).
     "vllm.model_executor.models.utils": [("Attempted to load weight %s with dtype %s into", _is_fp32_into_bf16)],
-    "vllm.v1.worker.cpu_worker": [("%s is not found in LD_PRELOAD", lambda args: args[0] == "libtcmalloc"),
-                                  ("CPU backend doesn't allow to use `torch.set_num_threads`", None)],
+    "vllm.v1.worker.cpu_worker": [
+        ("%s is not found in LD_PRELOAD", lambda args: args[0] == "libtcmalloc"),
+        ("CPU backend doesn't allow to use `torch.set_num_threads`", None),
+    ],
 }
 """{vLLM logger name: [(message format prefix, predicate on the record's args or None)]} dropped when quiet."""
 
-CPU_PYTHON_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
-                       "MimoModelConfig is experimental")
+CPU_PYTHON_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "MimoModelConfig is experimental",
+)
 """Import-time UserWarnings of megatron-core dropped on a CPU run when quiet: the CPU build has neither Transformer
 Engine nor Apex by design (docs/install.md), and the MiMo config class is only imported, not used."""
 
@@ -122,8 +132,10 @@ class HarmlessVllmWarnings(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         """False (drop) for a record matching a rule, True for every other record."""
         msg = str(record.msg)
-        return not any(msg.startswith(prefix) and (pred is None or (bool(record.args) and pred(record.args)))
-                       for prefix, pred in self.rules)
+        return not any(
+            msg.startswith(prefix) and (pred is None or (bool(record.args) and pred(record.args)))
+            for prefix, pred in self.rules
+        )
 
 
 def quiet_harmless_warnings() -> None:
@@ -149,9 +161,11 @@ def step_line(metrics: Mapping[str, float], step: int) -> str:
     Fields (each only when present and finite): ``train/reward``, ``validation/accuracy``,
     ``timing/train/total_step_time`` (seconds).
     """
-    fields = [("reward ", _fmt(metrics, "train/reward", ".3f")),
-              ("val accuracy ", _fmt(metrics, "validation/accuracy", ".3f")),
-              ("", _fmt(metrics, "timing/train/total_step_time", ".1f", " s"))]
+    fields = [
+        ("reward ", _fmt(metrics, "train/reward", ".3f")),
+        ("val accuracy ", _fmt(metrics, "validation/accuracy", ".3f")),
+        ("", _fmt(metrics, "timing/train/total_step_time", ".1f", " s")),
+    ]
     return f"step {step}: " + " | ".join(label + value for label, value in fields if value is not None)
 
 

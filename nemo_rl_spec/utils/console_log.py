@@ -16,6 +16,7 @@ handler that prints worker output in the driver (``ray_print_logs``, on with ``l
 through Ray's own printer (its de-duplication included); a filter on the handlers of the ``ray`` logger sends records
 below ERROR to the file only.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,10 @@ from typing import TextIO
 CONSOLE_LOG = "console.log"
 """File name of the console log inside ``logger.log_dir``."""
 
-ERROR_LINE = re.compile(r"Traceback \(most recent call last\)|\b(?:ERROR|CRITICAL|FATAL)\b|"
-                        r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception)(?::|$)|Segmentation fault|core dumped")
+ERROR_LINE = re.compile(
+    r"Traceback \(most recent call last\)|\b(?:ERROR|CRITICAL|FATAL)\b|"
+    r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception)(?::|$)|Segmentation fault|core dumped"
+)
 """A worker line that reports an error: its batch (and what follows, :data:`ERROR_TAIL_S`) reaches the terminal."""
 ERROR_TAIL_S = 2.0
 """Seconds after a worker's error line during which its further lines also reach the terminal (the rest of a

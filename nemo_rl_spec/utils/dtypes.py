@@ -5,6 +5,7 @@ exports and the online EAGLE-3 head's export).
 Kept apart from :mod:`nemo_rl_spec.utils.precision` so that the config loader, which imports that module, does not
 import torch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -11,6 +11,7 @@ from here:
 - :class:`SpeculativeConfig` (``policy.generation.vllm_kwargs.speculative_config``): the vLLM generation worker,
   the Megatron worker (online draft unroll, MTP drafter export) and :mod:`nemo_rl_spec.speculative.adaptive_k`
 """
+
 from __future__ import annotations
 
 import itertools
@@ -82,8 +83,10 @@ class PilotCommitConfig(BaseModel):
         pilot = self.pilot_batch_size * self.n_pilot
         slots = (budget - pilot) // self.n_commit
         if slots < 1:
-            raise ValueError(f"rollout_budget_per_step={budget} leaves no commit slot: the pilot costs "
-                             f"pilot_batch_size*n_pilot={pilot} and one commit n_commit={self.n_commit}")
+            raise ValueError(
+                f"rollout_budget_per_step={budget} leaves no commit slot: the pilot costs "
+                f"pilot_batch_size*n_pilot={pilot} and one commit n_commit={self.n_commit}"
+            )
         return slots
 
 
@@ -142,17 +145,21 @@ class DynamicSpeculationConfig(BaseModel):
             return None
         path = Path(value)
         if not path.is_file():
-            raise ValueError(f"policy.generation.dynamic_speculation.step_costs: no file {value} (write one with "
-                             "examples/bench_spec_rollouts.py --out FILE)")
+            raise ValueError(
+                f"policy.generation.dynamic_speculation.step_costs: no file {value} (write one with "
+                "examples/bench_spec_rollouts.py --out FILE)"
+            )
         return str(path.resolve())
 
     @model_validator(mode="after")
     def _one_source(self) -> DynamicSpeculationConfig:
         given = [self.num_speculative_tokens_per_batch_size is not None, self.step_costs is not None]
         if self.enabled and sum(given) != 1:
-            raise ValueError("policy.generation.dynamic_speculation: set exactly one of "
-                             "num_speculative_tokens_per_batch_size (explicit schedule) or step_costs (a JSON file "
-                             "of measured step costs)")
+            raise ValueError(
+                "policy.generation.dynamic_speculation: set exactly one of "
+                "num_speculative_tokens_per_batch_size (explicit schedule) or step_costs (a JSON file "
+                "of measured step costs)"
+            )
         if self.num_speculative_tokens_per_batch_size is not None:
             validate_schedule(self.num_speculative_tokens_per_batch_size)
         return self
@@ -160,16 +167,47 @@ class DynamicSpeculationConfig(BaseModel):
 
 # vLLM 0.32's SpeculativeConfig fields (vllm/config/speculative.py); a key outside this set is a typo here, not a
 # vLLM option (tests/unit/test_speculative_config.py checks the set against the installed vLLM)
-VLLM_SPECULATIVE_KEYS = frozenset({
-    "enforce_eager", "num_speculative_tokens", "model", "method", "draft_tensor_parallel_size", "tensor_parallel_size",
-    "quantization", "moe_backend", "attention_backend", "kv_cache_dtype", "max_model_len", "revision",
-    "code_revision", "index_share_for_mtp_iteration", "disable_padded_drafter_batch", "disable_eagle_block_drop",
-    "use_local_argmax_reduction", "use_heterogeneous_vocab", "prompt_lookup_max", "prompt_lookup_min",
-    "parallel_drafting", "target_model_config", "target_parallel_config", "num_speculative_tokens_per_batch_size",
-    "draft_model_config", "draft_parallel_config", "suffix_decoding_max_tree_depth",
-    "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
-    "draft_load_config", "rejection_sample_method", "synthetic_acceptance_rates", "synthetic_acceptance_length",
-    "enable_adaptive_verification", "draft_sample_method", "dspark_draft_topk"})
+VLLM_SPECULATIVE_KEYS = frozenset(
+    {
+        "enforce_eager",
+        "num_speculative_tokens",
+        "model",
+        "method",
+        "draft_tensor_parallel_size",
+        "tensor_parallel_size",
+        "quantization",
+        "moe_backend",
+        "attention_backend",
+        "kv_cache_dtype",
+        "max_model_len",
+        "revision",
+        "code_revision",
+        "index_share_for_mtp_iteration",
+        "disable_padded_drafter_batch",
+        "disable_eagle_block_drop",
+        "use_local_argmax_reduction",
+        "use_heterogeneous_vocab",
+        "prompt_lookup_max",
+        "prompt_lookup_min",
+        "parallel_drafting",
+        "target_model_config",
+        "target_parallel_config",
+        "num_speculative_tokens_per_batch_size",
+        "draft_model_config",
+        "draft_parallel_config",
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+        "draft_load_config",
+        "rejection_sample_method",
+        "synthetic_acceptance_rates",
+        "synthetic_acceptance_length",
+        "enable_adaptive_verification",
+        "draft_sample_method",
+        "dspark_draft_topk",
+    }
+)
 
 
 class SpeculativeConfig(BaseModel):

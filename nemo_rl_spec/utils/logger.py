@@ -5,6 +5,7 @@ Metric names follow NeMo-RL (``train/reward``, ``validation/accuracy``, ``timing
 line is ``{"step": int, "<name>": float, ...}``; lines are flushed as written, so a killed run keeps every step
 it finished.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ class Logger:
             record with the same names, and the curve image (:meth:`log_image`); closed by :meth:`close`.
     """
 
-    def __init__(self, log_dir: str | Path, tensorboard_enabled: bool, console: bool = False,
-                 trackers: Sequence[Tracker] = ()) -> None:
+    def __init__(
+        self, log_dir: str | Path, tensorboard_enabled: bool, console: bool = False, trackers: Sequence[Tracker] = ()
+    ) -> None:
         self.console = console
         self.trackers = list(trackers)
         self.last_step = 0

@@ -16,6 +16,7 @@ of NeMo-RL's ``examples/configs/grpo_math_1B.yaml``) is adapted before validatio
 
 Keys in none of these tables stay unknown keys (a typo remains an error under the switch).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -31,10 +32,10 @@ RENAMED: dict[str, str] = {
 
 #: NeMo-RL key -> (a key whose value it must equal, or None) and the fixed value it must have otherwise
 MUST_MATCH: dict[str, tuple[str | None, Any]] = {
-    "policy.tokenizer.name": ("policy.model_name", None),            # the policy's own tokenizer only
+    "policy.tokenizer.name": ("policy.model_name", None),  # the policy's own tokenizer only
     "policy.megatron_cfg.pipeline_dtype": ("policy.precision", None),
     "policy.megatron_cfg.optimizer.optimizer": (None, "adam"),
-    "grpo.max_rollout_turns": (None, 1),                             # single-turn math environment
+    "grpo.max_rollout_turns": (None, 1),  # single-turn math environment
 }
 
 _DTENSOR = "DTensor backend (this project trains with megatron-core only)"
@@ -47,37 +48,55 @@ _GPU = "GPU-only performance switches"
 
 #: NeMo-RL keys (a key or a whole section) without a counterpart here -> why
 IGNORED: dict[str, str] = {
-    "policy.dtensor_cfg": _DTENSOR, "policy.optimizer": _DTENSOR, "policy.scheduler": _DTENSOR,
+    "policy.dtensor_cfg": _DTENSOR,
+    "policy.optimizer": _DTENSOR,
+    "policy.scheduler": _DTENSOR,
     "policy.megatron_cfg.enabled": "the Megatron backend is always on here",
     "policy.generation_batch_size": "HF generation backend (vLLM only here)",
-    "policy.logprob_chunk_size": _GPU, "policy.make_sequence_length_divisible_by": _PAR,
-    "policy.megatron_cfg.empty_unused_memory_level": _GPU, "policy.megatron_cfg.converter_type":
-        "HF <-> Megatron conversion is picked from the model's config.json",
-    "policy.megatron_cfg.expert_tensor_parallel_size": _MOE, "policy.megatron_cfg.expert_model_parallel_size": _MOE,
-    "policy.megatron_cfg.freeze_moe_router": _MOE, "policy.megatron_cfg.moe_router_dtype": _MOE,
-    "policy.megatron_cfg.moe_router_load_balancing_type": _MOE, "policy.megatron_cfg.moe_router_bias_update_rate": _MOE,
+    "policy.logprob_chunk_size": _GPU,
+    "policy.make_sequence_length_divisible_by": _PAR,
+    "policy.megatron_cfg.empty_unused_memory_level": _GPU,
+    "policy.megatron_cfg.converter_type": "HF <-> Megatron conversion is picked from the model's config.json",
+    "policy.megatron_cfg.expert_tensor_parallel_size": _MOE,
+    "policy.megatron_cfg.expert_model_parallel_size": _MOE,
+    "policy.megatron_cfg.freeze_moe_router": _MOE,
+    "policy.megatron_cfg.moe_router_dtype": _MOE,
+    "policy.megatron_cfg.moe_router_load_balancing_type": _MOE,
+    "policy.megatron_cfg.moe_router_bias_update_rate": _MOE,
     "policy.megatron_cfg.moe_permute_fusion": _MOE,
     "policy.megatron_cfg.num_layers_in_first_pipeline_stage": _PAR,
     "policy.megatron_cfg.num_layers_in_last_pipeline_stage": _PAR,
-    "policy.megatron_cfg.context_parallel_size": _PAR, "policy.megatron_cfg.sequence_parallel": _PAR,
-    "policy.megatron_cfg.apply_rope_fusion": _GPU, "policy.megatron_cfg.defer_fp32_logits": _GPU,
-    "policy.megatron_cfg.distributed_data_parallel_config": _GPU, "policy.megatron_cfg.env_vars": _GPU,
+    "policy.megatron_cfg.context_parallel_size": _PAR,
+    "policy.megatron_cfg.sequence_parallel": _PAR,
+    "policy.megatron_cfg.apply_rope_fusion": _GPU,
+    "policy.megatron_cfg.defer_fp32_logits": _GPU,
+    "policy.megatron_cfg.distributed_data_parallel_config": _GPU,
+    "policy.megatron_cfg.env_vars": _GPU,
     "policy.megatron_cfg.fp8_cfg": "FP8 training",
-    "policy.megatron_cfg.optimizer.bf16": _PREC, "policy.megatron_cfg.optimizer.fp16": _PREC,
+    "policy.megatron_cfg.optimizer.bf16": _PREC,
+    "policy.megatron_cfg.optimizer.fp16": _PREC,
     "policy.megatron_cfg.optimizer.params_dtype": _PREC,
     "policy.megatron_cfg.optimizer.use_precision_aware_optimizer": _PREC,
     "policy.megatron_cfg.optimizer.sgd_momentum": "SGD (the optimizer is Adam)",
     "policy.generation.vllm_cfg.async_engine": "vLLM's async engine (the in-process engine is synchronous)",
-    "policy.generation.vllm_cfg.pipeline_parallel_size": _PAR, "policy.generation.vllm_cfg.expert_parallel_size": _MOE,
-    "policy.generation.vllm_cfg.use_deep_gemm": _GPU, "policy.generation.vllm_cfg.num_last_layers_in_bf16": _PREC,
+    "policy.generation.vllm_cfg.pipeline_parallel_size": _PAR,
+    "policy.generation.vllm_cfg.expert_parallel_size": _MOE,
+    "policy.generation.vllm_cfg.use_deep_gemm": _GPU,
+    "policy.generation.vllm_cfg.num_last_layers_in_bf16": _PREC,
     "policy.generation.vllm_cfg.num_first_layers_in_bf16": _PREC,
-    "checkpointing.checkpoint_must_save_by": "Slurm time-limit saves", "checkpointing.model_save_format":
-        "the worker checkpoint format is fixed (checkpointing.save_consolidated writes safetensors)",
-    "data.max_input_seq_length": _DATA, "data.prompt_file": _DATA, "data.system_prompt_file": _DATA,
-    "data.shuffle": _DATA, "data.dataset_name": _DATA,
+    "checkpointing.checkpoint_must_save_by": "Slurm time-limit saves",
+    "checkpointing.model_save_format": "the worker checkpoint format is fixed (checkpointing.save_consolidated writes safetensors)",
+    "data.max_input_seq_length": _DATA,
+    "data.prompt_file": _DATA,
+    "data.system_prompt_file": _DATA,
+    "data.shuffle": _DATA,
+    "data.dataset_name": _DATA,
     "env.math.math_verify_impl": "the math verifier is fixed (environments/math_env.py)",
-    "logger.num_val_samples_to_print": _LOG, "logger.swanlab_enabled": _LOG, "logger.monitor_gpus": _LOG,
-    "logger.tensorboard": _LOG, "logger.gpu_monitoring": _LOG,
+    "logger.num_val_samples_to_print": _LOG,
+    "logger.swanlab_enabled": _LOG,
+    "logger.monitor_gpus": _LOG,
+    "logger.tensorboard": _LOG,
+    "logger.gpu_monitoring": _LOG,
     "logger.wandb.entity": "W&B entity (set WANDB_ENTITY; logger.wandb has project and name)",
     "logger.wandb.log_nemo_gym_full_result_tables": "NeMo Gym (not in this project)",
     "logger.mlflow.run_id": "resuming an MLflow run (each launch starts a new run)",
@@ -148,8 +167,11 @@ def adapt_nemo_rl_recipe(cfg: dict) -> tuple[dict, list[str]]:
             ignored.append(f"{key}={value!r}: {reason}")
             _pop(cfg, key)
     if ignored:
-        warnings.warn(f"{SWITCH}: {len(ignored)} NeMo-RL keys ignored (no counterpart in this build):\n  "
-                      + "\n  ".join(ignored), NemoRLCompatWarning, stacklevel=3)
+        warnings.warn(
+            f"{SWITCH}: {len(ignored)} NeMo-RL keys ignored (no counterpart in this build):\n  " + "\n  ".join(ignored),
+            NemoRLCompatWarning,
+            stacklevel=3,
+        )
     return cfg, ignored
 
 

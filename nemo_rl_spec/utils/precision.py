@@ -10,6 +10,7 @@
   (nats) between the trainer and a freshly refit engine that still means "the weights arrived", per pair of dtypes
   (measured, :data:`REFIT_TOLERANCE`).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -72,8 +73,11 @@ def choose_precision(requested: str, on_gpu: bool) -> tuple[str, str]:
             return "bfloat16", f"auto: this CPU has native bf16 ({', '.join(flags)})"
         return "float32", f"auto: this CPU has no native bf16 (none of {', '.join(NATIVE_BF16_FLAGS)} in /proc/cpuinfo)"
     if requested == "bfloat16" and not native:
-        warnings.warn("policy.precision=bfloat16 on a CPU without native bf16 (none of "
-                      f"{', '.join(NATIVE_BF16_FLAGS)}): it runs, emulated, slower than float32", stacklevel=2)
+        warnings.warn(
+            "policy.precision=bfloat16 on a CPU without native bf16 (none of "
+            f"{', '.join(NATIVE_BF16_FLAGS)}): it runs, emulated, slower than float32",
+            stacklevel=2,
+        )
     return requested, "set in the recipe"
 
 
@@ -90,5 +94,7 @@ def precision_line(policy) -> str:
     """One console line for a run's ``policy`` section (:class:`~nemo_rl_spec.utils.config_schema.PolicyConfig`):
     the training and engine dtypes, why (``auto`` resolved, or set), and the refit probe's tolerance."""
     engine = "policy.generation.vllm_cfg.precision" if policy.generation.vllm_cfg.precision else "follows the policy"
-    return (f"precision: training {policy.precision} ({policy.precision_reason}); engine {policy.engine_precision} "
-            f"({engine}); refit tolerance {policy.refit_threshold} nats")
+    return (
+        f"precision: training {policy.precision} ({policy.precision_reason}); engine {policy.engine_precision} "
+        f"({engine}); refit tolerance {policy.refit_threshold} nats"
+    )

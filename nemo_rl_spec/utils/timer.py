@@ -1,4 +1,5 @@
 """Wall-clock timers for step phases, reported as NeMo-RL's ``timing/train/<phase>`` metrics (seconds)."""
+
 from __future__ import annotations
 
 import time

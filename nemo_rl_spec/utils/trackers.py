@@ -9,6 +9,7 @@ before any Ray worker starts (:func:`~nemo_rl_spec.utils.config.check_runtime_su
 On resume each launch starts a new tracker run that logs from the resumed step on (``Logger.truncate_after`` only
 rewrites ``metrics.jsonl``), so steps a killed launch logged after its last checkpoint appear in both runs.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -31,7 +32,7 @@ CLIENTS: dict[str, tuple[str, str, str]] = {
 }
 WANDB_DEFAULT_HOST = "https://api.wandb.ai"
 MLFLOW_MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value (characters); longer values are cut
-MLFLOW_MAX_KEY = 250           # ... and on a param / metric key
+MLFLOW_MAX_KEY = 250  # ... and on a param / metric key
 MLFLOW_PARAMS_PER_BATCH = 100
 MLFLOW_METRICS_PER_BATCH = 1000
 
@@ -62,8 +63,10 @@ def missing_clients(logger_cfg: Any, importer: Callable[[str], Any] = importlib.
         try:
             importer(module)
         except ImportError as exc:
-            out.append(f"logger.{key}=true needs {what} ({module}), which does not import ({exc}): install the "
-                       f"'{extra}' extra: pip install -e '.[{extra}]' (or make install EXTRAS={extra})")
+            out.append(
+                f"logger.{key}=true needs {what} ({module}), which does not import ({exc}): install the "
+                f"'{extra}' extra: pip install -e '.[{extra}]' (or make install EXTRAS={extra})"
+            )
     return out
 
 
@@ -87,8 +90,9 @@ def host_reachable(url: str, timeout_s: float = 1.5) -> bool:
     return bool(result and result[0])
 
 
-def wandb_mode(env: Mapping[str, str] = os.environ,
-               reachable: Callable[[str], bool] = host_reachable) -> tuple[str, str]:
+def wandb_mode(
+    env: Mapping[str, str] = os.environ, reachable: Callable[[str], bool] = host_reachable
+) -> tuple[str, str]:
     """(W&B mode, why): ``WANDB_MODE`` when set; else ``"offline"`` when the W&B server (``WANDB_BASE_URL``, default
     api.wandb.ai:443) does not answer, else ``"online"``."""
     if env.get("WANDB_MODE"):
@@ -177,7 +181,7 @@ def flatten_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str
 
 
 def _chunks(items: list, size: int):
-    return (items[i:i + size] for i in range(0, len(items), size))
+    return (items[i : i + size] for i in range(0, len(items), size))
 
 
 class MlflowTracker:
@@ -204,8 +208,9 @@ class MlflowTracker:
         artifacts = None if tracking_uri else (root / "mlartifacts").as_uri()
         self.experiment_id = self._experiment(experiment_name, artifacts)
         self.run_id = self.client.create_run(self.experiment_id, run_name=run_name).info.run_id
-        print(f"MLflow: run {run_name} ({self.run_id}) in experiment {experiment_name} at {self.tracking_uri}",
-              flush=True)
+        print(
+            f"MLflow: run {run_name} ({self.run_id}) in experiment {experiment_name} at {self.tracking_uri}", flush=True
+        )
 
     def _experiment(self, name: str, artifact_location: str | None) -> str:
         found = self.client.get_experiment_by_name(name)

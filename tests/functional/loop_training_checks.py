@@ -4,6 +4,7 @@ The loop tests select the scripted reward (``env.reward=char_fraction``, environ
 :data:`TRAINS`: on the random tiny model the math reward is 0 everywhere, advantages and gradients vanish and the
 weights never move, so refit / resume / importance-ratio checks could not fail.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

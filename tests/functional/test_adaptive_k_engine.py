@@ -6,6 +6,7 @@ identical, token for token, to plain (non-speculative) greedy decoding.
 Requests get different lengths (16, 32, ..., 128 tokens, ignore_eos) so the running batch shrinks from 8 to 1 and
 the engine passes through every range of the schedule (k = 0 at batch >= 6, 1 at 3-5, 3 at 1-2).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,10 @@ def _generation_cfg(draft: str | None, drafter_pass_at_k0: bool = True):
     gen.vllm_cfg.max_model_len = 1024
     if draft is not None:
         gen.vllm_kwargs = {"speculative_config": {"method": "eagle3", "model": draft, "num_speculative_tokens": K_MAX}}
-        gen.dynamic_speculation = {"num_speculative_tokens_per_batch_size": SCHEDULE,
-                                   "drafter_pass_at_k0": drafter_pass_at_k0}
+        gen.dynamic_speculation = {
+            "num_speculative_tokens_per_batch_size": SCHEDULE,
+            "drafter_pass_at_k0": drafter_pass_at_k0,
+        }
     return gen
 
 
@@ -50,8 +53,9 @@ def _count_drafter_forwards(worker) -> None:
     worker.model_runner.drafter.model.register_forward_hook(lambda *_: DRAFTER_FORWARDS.append(1))
 
 
-def greedy_scenario(model: str, draft: str | None, prompts: list[list[int]], lengths: list[int],
-                    drafter_pass_at_k0: bool = True) -> dict:
+def greedy_scenario(
+    model: str, draft: str | None, prompts: list[list[int]], lengths: list[int], drafter_pass_at_k0: bool = True
+) -> dict:
     """Worker engine (speculative with the schedule, or plain), greedy decode with per-request lengths; records
     (running batch size, k scheduled) of every engine step from vLLM's scheduler and the drafter's forward
     passes."""
@@ -84,9 +88,13 @@ def greedy_scenario(model: str, draft: str | None, prompts: list[list[int]], len
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     counters = read(llm) - before
-    result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "steps": steps, "counters": counters,
-              "engine_schedule": None if spec_cfg is None else spec_cfg.num_speculative_tokens_per_batch_size,
-              "drafter_forwards": len(DRAFTER_FORWARDS)}
+    result = {
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "steps": steps,
+        "counters": counters,
+        "engine_schedule": None if spec_cfg is None else spec_cfg.num_speculative_tokens_per_batch_size,
+        "drafter_forwards": len(DRAFTER_FORWARDS),
+    }
     worker.shutdown()
     return result
 
@@ -97,8 +105,9 @@ def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path, drafter_
 
     target = resolve_model("tiny-qwen3")
     prompts = lossless_prompts(AutoTokenizer.from_pretrained(target), 64)
-    draft = checks.train_tiny_head(target, prompts[:16], str(tmp_path / "draft"),
-                                   cache_dir=checks.default_draft_cache())["path"]
+    draft = checks.train_tiny_head(
+        target, prompts[:16], str(tmp_path / "draft"), cache_dir=checks.default_draft_cache()
+    )["path"]
     test_prompts = prompts[:NUM_PROMPTS]
     # at most the 64 tokens the head was trained on (16 * (i + 1) drafted mostly past them: acceptance 1.37)
     lengths = [8 * (i + 1) for i in range(NUM_PROMPTS)]
@@ -117,8 +126,10 @@ def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path, drafter_
     seen = {k for _, k in decode_steps}
     assert seen == {0, 1, 3}, seen
     c = spec["counters"]
-    print(f"\nsteps (batch, k): {decode_steps[:3]} ... {decode_steps[-3:]}; drafts {c.num_drafts}, draft tokens "
-          f"{c.num_draft_tokens}, accepted {c.num_accepted_tokens}, acceptance length {c.acceptance_length:.2f}")
+    print(
+        f"\nsteps (batch, k): {decode_steps[:3]} ... {decode_steps[-3:]}; drafts {c.num_drafts}, draft tokens "
+        f"{c.num_draft_tokens}, accepted {c.num_accepted_tokens}, acceptance length {c.acceptance_length:.2f}"
+    )
     # proposals exist only for steps with k > 0: draft tokens = sum of k over requests of drafting steps
     expected_draft_tokens = sum(b * k for b, k in decode_steps[:-1])
     assert c.num_draft_tokens <= expected_draft_tokens

@@ -6,6 +6,7 @@ The tiny random model never solves a math problem (reward 0, zero advantages, no
 the scripted reward from the recipe (``env.reward=char_fraction``, environments/char_fraction_env.py) that gives
 every group a spread: the weights then change each step and one-step-old rollouts are measurably off-policy.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,18 @@ CAP = 2.0
 
 
 def _cfg(tmp: Path, *overrides: str):
-    return load_config(ASYNC, [f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt",
-                               "logger.progress_bar=false", "grpo.val_at_start=false", "env.reward=char_fraction",
-                               f"loss_fn.truncated_importance_sampling_ratio={CAP}", *overrides])
+    return load_config(
+        ASYNC,
+        [
+            f"logger.log_dir={tmp}/logs",
+            f"checkpointing.checkpoint_dir={tmp}/ckpt",
+            "logger.progress_bar=false",
+            "grpo.val_at_start=false",
+            "env.reward=char_fraction",
+            f"loss_fn.truncated_importance_sampling_ratio={CAP}",
+            *overrides,
+        ],
+    )
 
 
 def _descendants() -> set[int]:
@@ -101,8 +111,12 @@ def test_age_bound_is_correction_crash_and_resume(tmp_path):
         assert m["refit/weight_version"] == step
         assert m["async/evicted_groups_total"] == 0
         assert m["train/is_weight_max"] <= CAP + 1e-6
-        for key in ("timing/train/exposed_generation", "timing/train/idle/buffer_starvation",
-                    "timing/train/idle/refit_bubble", "timing/train/total_step_time"):
+        for key in (
+            "timing/train/exposed_generation",
+            "timing/train/idle/buffer_starvation",
+            "timing/train/idle/refit_bubble",
+            "timing/train/total_step_time",
+        ):
             assert key in m and m[key] >= 0
     assert by_step[1]["train/grad_norm"] > 0  # the scripted reward moves the weights
     # batch 1 came from version 0 while the trainer held version 1: the recomputed log-probs differ from the
@@ -116,8 +130,10 @@ def test_age_bound_is_correction_crash_and_resume(tmp_path):
     state = saved["async_grpo"]
     assert state["policy_version"] == 2
     assert saved["allocator"]["step"] == state["next_index"]  # allocator state of the last buffered batch
-    buffered = [(b["index"], min(r["policy_version"] for g in b["selection"]["groups"] for r in g["results"]))
-                for b in state["batches"]]
+    buffered = [
+        (b["index"], min(r["policy_version"] for g in b["selection"]["groups"] for r in g["results"]))
+        for b in state["batches"]
+    ]
     assert [i for i, _ in buffered] == list(range(2, state["next_index"])) and buffered, state["next_index"]
     assert all(2 - v <= 1 for _, v in buffered)
 
@@ -136,16 +152,30 @@ def test_age_bound_is_correction_crash_and_resume(tmp_path):
 
 
 def test_ctrl_c_leaves_no_processes_and_a_usable_checkpoint(tmp_path):
-    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(ASYNC),
-           f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
-           "logger.progress_bar=false", "grpo.max_num_steps=50", "checkpointing.save_period=1"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        str(ASYNC),
+        f"logger.log_dir={tmp_path}/logs",
+        f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+        "logger.progress_bar=false",
+        "grpo.max_num_steps=50",
+        "checkpointing.save_period=1",
+    ]
     # Ctrl-C as from a terminal: a job started in the background by a non-interactive shell (e.g. CI run with
     # `&`) inherits SIGINT ignored, and Python then never raises KeyboardInterrupt; restore the default for the
     # driver. Its output goes to a file (an unread pipe can fill and block the driver).
     log = tmp_path / "driver.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     deadline = time.time() + 600
     while not (tmp_path / "ckpt" / "step_1" / "training_info.json").is_file():
         assert proc.poll() is None and time.time() < deadline, log.read_text()[-4000:]
@@ -160,8 +190,10 @@ def test_ctrl_c_leaves_no_processes_and_a_usable_checkpoint(tmp_path):
         pytest.fail("driver did not exit within 120 s of Ctrl-C:\n" + log.read_text()[-3000:])
     leftovers = _wait_gone(family)
     assert not leftovers, f"orphan processes after Ctrl-C: {leftovers}"
-    latest = max((p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")),
-                 key=lambda p: int(p.name.split("_")[1]))
+    latest = max(
+        (p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("step_")),
+        key=lambda p: int(p.name.split("_")[1]),
+    )
     assert (latest / "training_info.json").is_file()
     state = torch.load(latest / "train_state.pt", weights_only=False)
     assert "async_grpo" in state and "allocator" in state

@@ -2,6 +2,7 @@
 with the issue's keys, and its derived quantities agree with an independent recomputation from the raw numbers
 (speedup = spec tok/s / AR tok/s, E(a) = acceptance length, bound = E / step_cost_ratio, rollout-phase speedup =
 AR seconds / speculative seconds). Several engines start: slow."""
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,28 @@ def test_quick_bench_on_tiny(tmp_path):
 
     target = resolve_model("tiny-qwen3")
     prompts = lossless_prompts(AutoTokenizer.from_pretrained(target), 64)
-    draft = checks.train_tiny_head(target, prompts[:16], str(tmp_path / "draft"),
-                                   cache_dir=checks.default_draft_cache())["path"]
+    draft = checks.train_tiny_head(
+        target, prompts[:16], str(tmp_path / "draft"), cache_dir=checks.default_draft_cache()
+    )["path"]
     out = tmp_path / "bench.json"
-    res = subprocess.run([sys.executable, "examples/bench_spec_rollouts.py", "--quick", "--config",
-                          "configs/grpo_math_tiny.yaml", "--draft", draft, "--out", str(out)],
-                         check=False, cwd=ROOT, capture_output=True, text=True, timeout=1700)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "examples/bench_spec_rollouts.py",
+            "--quick",
+            "--config",
+            "configs/grpo_math_tiny.yaml",
+            "--draft",
+            draft,
+            "--out",
+            str(out),
+        ],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
     print(res.stdout[-3000:])
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -48,7 +65,7 @@ def test_quick_bench_on_tiny(tmp_path):
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / row["ar_tokens_per_s"])
         assert row["step_cost_ratio"] == pytest.approx(row["spec_step_s"] / row["ar_step_s"])
         a = row["a"]
-        e = k + 1.0 if a == 1.0 else sum(a ** j for j in range(k + 1))   # 1 + a + ... + a^k
+        e = k + 1.0 if a == 1.0 else sum(a**j for j in range(k + 1))  # 1 + a + ... + a^k
         assert e == pytest.approx(min(max(row["acceptance_length"], 1.0), k + 1), rel=1e-6)
         assert row["bound"] == pytest.approx(e / row["step_cost_ratio"], rel=1e-6)
         assert 1.0 <= row["acceptance_length"] <= k + 1

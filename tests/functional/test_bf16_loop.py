@@ -16,6 +16,7 @@ test_bf16_training.py and test_megatron_parallel.py.
 Per run: every step finite, trains, its refit probe between fp32's level (1e-4: a bf16 engine really runs) and the
 bf16 tolerance (``refit/logprob_mismatch`` above it would have stopped the run), and the feature's own metrics.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,12 +33,22 @@ from nemo_rl_spec.utils.precision import REFIT_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
-COMMON = ("policy.precision=bfloat16", "grpo.max_num_steps=2", "grpo.val_at_start=false",
-          "data.validation.max_samples=2", "logger.progress_bar=false", "logger.tensorboard_enabled=false",
-          "checkpointing.save_period=2", *TRAINS)
+COMMON = (
+    "policy.precision=bfloat16",
+    "grpo.max_num_steps=2",
+    "grpo.val_at_start=false",
+    "data.validation.max_samples=2",
+    "logger.progress_bar=false",
+    "logger.tensorboard_enabled=false",
+    "checkpointing.save_period=2",
+    *TRAINS,
+)
 RUNS = {
     "mtp_drafter_occ": (CONFIGS / "grpo_math_tiny_mtp_spec.yaml", ("policy.megatron_cfg.mtp_loss_mode=occ",)),
-    "dp2_distopt": (CONFIGS / "grpo_math_tiny_dp2.yaml", ("policy.megatron_cfg.optimizer.use_distributed_optimizer=true",)),
+    "dp2_distopt": (
+        CONFIGS / "grpo_math_tiny_dp2.yaml",
+        ("policy.megatron_cfg.optimizer.use_distributed_optimizer=true",),
+    ),
     "tp2": (CONFIGS / "grpo_math_tiny_dp2.yaml", ("policy.megatron_cfg.tensor_model_parallel_size=2",)),
     "dp2_async_split": (CONFIGS / "grpo_math_tiny_dp2_async.yaml", ()),
 }
@@ -45,8 +56,16 @@ RUNS = {
 
 def _run(tmp: Path, name: str) -> tuple[list[dict], str]:
     recipe, extra = RUNS[name]
-    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(recipe), *COMMON, *extra,
-           f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        str(recipe),
+        *COMMON,
+        *extra,
+        f"logger.log_dir={tmp}/logs",
+        f"checkpointing.checkpoint_dir={tmp}/ckpt",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     records = [json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]

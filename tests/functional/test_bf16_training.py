@@ -12,6 +12,7 @@ by at most twice its logits' error. The loss (a masked mean of advantage-weighte
 sum of squares of fp32-accumulated ``main_grad``) average those errors: both within ``4 U`` relative (measured
 8.8e-4 and 1.7e-4, i.e. 0.45 U and 0.09 U).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,7 +30,7 @@ from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 torch.set_num_threads(1)
-U = 2.0 ** -9  # bf16 unit roundoff
+U = 2.0**-9  # bf16 unit roundoff
 
 
 def pg_loss(curr_logprobs, mb, global_valid_toks, global_valid_seqs):
@@ -42,8 +43,12 @@ def pg_loss(curr_logprobs, mb, global_valid_toks, global_valid_seqs):
 def _batch(seed: int = 0, rows: int = 5, seq: int = 14) -> dict:
     data = fm.random_token_batch([14, 9, 12, 5, 14][:rows], seq, seed)
     gen = data.pop("generator")
-    return {**data, "sample_mask": torch.ones(rows), "advantages": torch.randn(rows, generator=gen),
-            "prev_logprobs": torch.zeros(rows, seq)}
+    return {
+        **data,
+        "sample_mask": torch.ones(rows),
+        "advantages": torch.randn(rows, generator=gen),
+        "prev_logprobs": torch.zeros(rows, seq),
+    }
 
 
 def _cfg(precision: str, lr: float = 1e-2, mtp: bool = False) -> PolicyConfig:
@@ -63,9 +68,11 @@ def _masters(worker: MegatronPolicyWorker) -> dict[str, torch.Tensor]:
     """Parameter name -> a copy of the fp32 master weight the optimizer steps (Float16OptimizerWithFloat16Params)."""
     (part,) = worker.optimizer.chained_optimizers
     names = {id(p): n for n, p in worker.module.named_parameters()}
-    return {names[id(p)]: m.detach().clone() for group, masters in zip(part.float16_groups,
-                                                                      part.fp32_from_float16_groups)
-            for p, m in zip(group, masters)}
+    return {
+        names[id(p)]: m.detach().clone()
+        for group, masters in zip(part.float16_groups, part.fp32_from_float16_groups)
+        for p, m in zip(group, masters)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +116,7 @@ def test_bf16_step_matches_fp32_within_bf16_rounding(model_dir):
     assert type(part).__name__ == "Float16OptimizerWithFloat16Params"
     masters = [m for group in part.fp32_from_float16_groups for m in group]
     assert len(masters) == len(params) and all(m.dtype == torch.float32 for m in masters)
-    assert all(v.dtype == torch.float32 for st in part.optimizer.state.values() for k, v in st.items()
-               if k != "step")
+    assert all(v.dtype == torch.float32 for st in part.optimizer.state.values() for k, v in st.items() if k != "step")
 
 
 def test_master_weights_take_fp32_updates_below_bf16_resolution(model_dir):
@@ -154,8 +160,11 @@ def test_bf16_resume_reproduces_the_next_step_exactly(model_dir, tmp_path):
     resumed = _worker(model_dir, "bfloat16", seed=7, mtp=True)
     resumed.load_checkpoint(str(tmp_path))
     got = resumed.train(_batch(seed=2))
-    assert (got["loss"], got["grad_norm"], got["mtp/grad_norm"]) == \
-        (expected["loss"], expected["grad_norm"], expected["mtp/grad_norm"])
+    assert (got["loss"], got["grad_norm"], got["mtp/grad_norm"]) == (
+        expected["loss"],
+        expected["grad_norm"],
+        expected["mtp/grad_norm"],
+    )
     got_weights, got_masters = resumed.export_megatron_weights(), _masters(resumed)
     assert any(k.startswith(mm.MTP_PREFIX) for k in got_weights)
     assert all(torch.equal(got_weights[k], expected_weights[k]) for k in expected_weights)
@@ -175,8 +184,9 @@ def _vllm_names(hf: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tens
             continue
         if ".self_attn.q_proj." in name:
             base = name.replace(".q_proj.", ".{}.")
-            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat([hf[base.format(k)] for k in
-                                                                    ("q_proj", "k_proj", "v_proj")])
+            out[name.replace(".q_proj.", ".qkv_proj.")] = torch.cat(
+                [hf[base.format(k)] for k in ("q_proj", "k_proj", "v_proj")]
+            )
         elif ".mlp.gate_proj." in name:
             out[name.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([t, hf[name.replace("gate_", "up_")]])
         else:
@@ -196,7 +206,8 @@ def bf16_engine():
     path = resolve_model("tiny-qwen3")
     gen = _cfg("bfloat16").generation
     actor = ray.remote(num_cpus=0.5, runtime_env=vllm_runtime_env(gen.vllm_cfg))(VllmGenerationWorker).remote(
-        gen, path, 0, precision="bfloat16")
+        gen, path, 0, precision="bfloat16"
+    )
     yield ray, actor, path
     ray.get(actor.shutdown.remote())
     ray.kill(actor)

@@ -6,6 +6,7 @@ Megatron worker (tiny random Qwen3, CPU fp32, in process), after one optimizer s
   gives the same log-probs as the trained worker within 1e-6;
 - transformers' own forward on it agrees with the worker within 1e-5 (an independent implementation).
 """
+
 from __future__ import annotations
 
 import os
@@ -44,13 +45,13 @@ def test_consolidated_checkpoint_round_trips(tmp_path, tied):
 
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     state = hf.state_dict()
-    assert all(torch.equal(state[k], v) for k, v in exported.items())   # lm_head re-tied when tied
+    assert all(torch.equal(state[k], v) for k, v in exported.items())  # lm_head re-tied when tied
     assert ("lm_head.weight" in load_file(str(out / "model.safetensors"))) == (not tied)  # as HF writes it
 
     trained = worker.get_logprobs(data)
     reloaded = MegatronPolicyWorker(cfg, LOSS, str(out), 0).get_logprobs(data)
     assert (reloaded - trained).abs().max().item() <= 1e-6
     stale = MegatronPolicyWorker(cfg, LOSS, str(model_dir), 0).get_logprobs(data)
-    assert (stale - trained).abs().max().item() > 1e-3                     # the step moved the policy
+    assert (stale - trained).abs().max().item() > 1e-3  # the step moved the policy
     hf_lp = fm.hf_token_logprobs(hf, data["input_ids"], data["input_lengths"])
     assert (hf_lp - trained).abs().max().item() < 1e-5

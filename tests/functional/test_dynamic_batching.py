@@ -7,6 +7,7 @@ plainly, with MTP co-training (fixed coefficient: the MTP losses are normalised 
 online EAGLE-3 head trained on hidden states captured from the dynamically batched forward (its weights too).
 A DP=2 group binning its own shards gives the DP=1 padded step (Ray and two worker processes, about 16 s: CI tier).
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,12 @@ def _policy_cfg(dynamic: bool, feature: str) -> dict:
     cfg.update(train_micro_batch_size=2, logprob_batch_size=3, max_total_sequence_length=128)
     cfg["megatron_cfg"]["optimizer"].update(lr=1e-3, adam_eps=1e-3)  # smooth first Adam step (test_megatron_parallel)
     if dynamic:  # train plan: {120}, {101}, {80, 64}, {33, 17, 9, 5} (padded to 120, 104, 80, 40)
-        cfg["dynamic_batching"] = {"enabled": True, "train_mb_tokens": 160, "logprob_mb_tokens": 256,
-                                   "sequence_length_round": 8}
+        cfg["dynamic_batching"] = {
+            "enabled": True,
+            "train_mb_tokens": 160,
+            "logprob_mb_tokens": 256,
+            "sequence_length_round": 8,
+        }
     if feature == "mtp":
         cfg["megatron_cfg"].update(mtp_num_layers=1, mtp_loss_mode="ce", mtp_loss_scaling_factor=0.5)
     if feature == "draft":
@@ -68,9 +73,14 @@ def _batch() -> dict:
     for b, length in enumerate(LENGTHS):
         ids[b, length:] = 0
         token_mask[b, PROMPT:length] = 1.0
-    return dict(input_ids=ids, input_lengths=torch.tensor(LENGTHS), token_mask=token_mask,
-                sample_mask=torch.tensor([1., 1., 1., 0., 1., 1., 1., 1.]),
-                advantages=torch.randn(n, generator=gen), generation_logprobs=torch.zeros(n, WIDTH))
+    return dict(
+        input_ids=ids,
+        input_lengths=torch.tensor(LENGTHS),
+        token_mask=token_mask,
+        sample_mask=torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]),
+        advantages=torch.randn(n, generator=gen),
+        generation_logprobs=torch.zeros(n, WIDTH),
+    )
 
 
 def _params(worker) -> dict[str, torch.Tensor]:
@@ -81,10 +91,18 @@ def _params(worker) -> dict[str, torch.Tensor]:
 
 
 def _grads(worker) -> dict[str, torch.Tensor]:
-    grads = {n: p.main_grad.detach().clone() for n, p in worker.module.named_parameters() if p.requires_grad
-             and hasattr(p, "main_grad")}
-    grads.update({n: p.grad.detach().clone() for n, p in worker.module.named_parameters()
-                  if n.startswith(mm.MTP_PREFIX) and p.grad is not None})
+    grads = {
+        n: p.main_grad.detach().clone()
+        for n, p in worker.module.named_parameters()
+        if p.requires_grad and hasattr(p, "main_grad")
+    }
+    grads.update(
+        {
+            n: p.grad.detach().clone()
+            for n, p in worker.module.named_parameters()
+            if n.startswith(mm.MTP_PREFIX) and p.grad is not None
+        }
+    )
     return grads
 
 
@@ -98,7 +116,7 @@ def test_token_budget_plan_regroups_the_rows(model_dir):
     plan = worker.micro_batch_plan(_batch(), "train")
     assert [mb.rows.tolist() for mb in plan] == [[0], [4], [7, 2], [5, 3, 1, 6]]
     assert [mb.seq_len for mb in plan] == [120, 104, 80, 40]
-    padded = sum(2 * max(LENGTHS[i:i + 2]) for i in range(0, 8, 2))  # fixed chunks of 2 rows
+    padded = sum(2 * max(LENGTHS[i : i + 2]) for i in range(0, 8, 2))  # fixed chunks of 2 rows
     assert sum(mb.num_tokens for mb in plan) == 544 < padded == 730
 
 
@@ -131,9 +149,11 @@ def test_dynamic_batching_equals_padded_path(model_dir, feature):
     if feature == "draft":
         draft = [k for k in before if k.startswith("draft.fc")]
         assert draft and _max_diff({k: before[k] for k in draft}, {k: after_padded[k] for k in draft}) > 1e-4
-    print(f"[{feature}] max |diff| log-probs {float((lp_padded - lp_dynamic).abs().max()):.2e}, reference "
-          f"{float((ref_padded - ref_dynamic).abs().max()):.2e}, grads {_max_diff(_grads(padded), _grads(dynamic)):.2e}, "
-          f"weights after the step {_max_diff(after_padded, after_dynamic):.2e}")
+    print(
+        f"[{feature}] max |diff| log-probs {float((lp_padded - lp_dynamic).abs().max()):.2e}, reference "
+        f"{float((ref_padded - ref_dynamic).abs().max()):.2e}, grads {_max_diff(_grads(padded), _grads(dynamic)):.2e}, "
+        f"weights after the step {_max_diff(after_padded, after_dynamic):.2e}"
+    )
     assert _max_diff(after_padded, after_dynamic) < TOL
 
 
@@ -148,9 +168,17 @@ def test_dp2_dynamic_batching_equals_dp1_padded(model_dir):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cluster = RayVirtualCluster(num_nodes=1, cpus_per_node=2.0)
     reference = _worker(model_dir, False, "plain")
-    policy = Policy(cluster, [0, 0], PolicyConfig.model_validate(_policy_cfg(True, "plain")),
-                    ClippedPGLossFn(_loss_cfg()), model_dir, 3, num_cpus=0.5, init_reference_model=True,
-                    env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    policy = Policy(
+        cluster,
+        [0, 0],
+        PolicyConfig.model_validate(_policy_cfg(True, "plain")),
+        ClippedPGLossFn(_loss_cfg()),
+        model_dir,
+        3,
+        num_cpus=0.5,
+        init_reference_model=True,
+        env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
     try:
         data = _batch()
         lp_dp1, lp_dp2 = reference.get_logprobs(data), policy.get_logprobs(data)

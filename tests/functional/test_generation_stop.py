@@ -4,6 +4,7 @@ unstopped greedy output says (first token that is a stop token or whose prefix t
 token kept), and speculative decoding (a draft_model drafter, k=3) gives the same tokens (lossless). Both
 engines run in one spawned process, one after the other.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,14 +44,15 @@ def stop_scenario(model: str, prompts: list[list[int]], specs: list[dict | None]
     results, stops = [], None
     for spec in specs:
         raw = copy.deepcopy(yaml.safe_load(BASE.read_text())["policy"]["generation"])
-        raw.update(temperature=0.0, max_new_tokens=MAX_TOKENS,
-                   vllm_kwargs={"speculative_config": spec} if spec else {})
+        raw.update(temperature=0.0, max_new_tokens=MAX_TOKENS, vllm_kwargs={"speculative_config": spec} if spec else {})
         worker = VllmGenerationWorker(GenerationConfig.model_validate(raw), model, seed=0)
 
         def rows() -> tuple[list[list[int]], object]:  # called in this iteration only
             out = worker.generate({"prompt_token_ids": prompts}, n=1, seed=0)  # noqa: B023
-            return [out["output_ids"][r, len(p):int(out["unpadded_sequence_lengths"][r])].tolist()
-                    for r, p in enumerate(prompts)], out["spec_counters"]
+            return [
+                out["output_ids"][r, len(p) : int(out["unpadded_sequence_lengths"][r])].tolist()
+                for r, p in enumerate(prompts)
+            ], out["spec_counters"]
 
         ref, _ = rows()
         stops = stops or choose_stops(model, ref)
@@ -64,9 +66,10 @@ def stop_scenario(model: str, prompts: list[list[int]], specs: list[dict | None]
 def expected_stop(tok, row: list[int], stops: dict) -> list[int]:
     """Independent scan: the row up to and including the first stop token / the token completing a stop string."""
     for j, t in enumerate(row):
-        if t in stops["stop_token_ids"] or any(s in tok.decode(row[:j + 1], skip_special_tokens=True)
-                                               for s in stops["stop_strings"]):
-            return row[:j + 1]
+        if t in stops["stop_token_ids"] or any(
+            s in tok.decode(row[: j + 1], skip_special_tokens=True) for s in stops["stop_strings"]
+        ):
+            return row[: j + 1]
     return row
 
 
@@ -79,25 +82,34 @@ def test_stop_strings_and_tokens_end_generation_and_stay_lossless_with_speculati
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=True)["input_ids"] for q in QUESTIONS]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for q in QUESTIONS
+    ]
     # the draft is the target itself: greedy proposals equal the target's argmax and are accepted, so accepted runs
     # of draft tokens cross the stop positions (a stop must cut inside an accepted chunk)
-    plain, spec = checks.run_isolated(stop_scenario, model, prompts, [
-        None, {"method": "draft_model", "model": model, "num_speculative_tokens": 3}])
+    plain, spec = checks.run_isolated(
+        stop_scenario, model, prompts, [None, {"method": "draft_model", "model": model, "num_speculative_tokens": 3}]
+    )
     stops = plain["stops"]
-    print(f"\nstops {stops}; lengths unstopped {[len(r) for r in plain['ref']]} -> "
-          f"{[len(r) for r in plain['stopped']]}; texts {[tok.decode(r) for r in plain['stopped']]}")
+    print(
+        f"\nstops {stops}; lengths unstopped {[len(r) for r in plain['ref']]} -> "
+        f"{[len(r) for r in plain['stopped']]}; texts {[tok.decode(r) for r in plain['stopped']]}"
+    )
     expected = [expected_stop(tok, r, stops) for r in plain["ref"]]
     assert plain["stopped"] == expected
-    assert len(expected[0]) <= 10 and len(expected[1]) <= 7      # both stops act (row 0: string, row 1: token)
-    assert expected[1][-1] in stops["stop_token_ids"]              # the stop token is kept as the last token
+    assert len(expected[0]) <= 10 and len(expected[1]) <= 7  # both stops act (row 0: string, row 1: token)
+    assert expected[1][-1] in stops["stop_token_ids"]  # the stop token is kept as the last token
     assert stops["stop_strings"][0] in tok.decode(expected[0], skip_special_tokens=True)
-    assert spec["ref"] == plain["ref"] and spec["stops"] == stops   # speculation: greedy-lossless without stops,
-    assert spec["stopped"] == plain["stopped"]                      # and with them
+    assert spec["ref"] == plain["ref"] and spec["stops"] == stops  # speculation: greedy-lossless without stops,
+    assert spec["stopped"] == plain["stopped"]  # and with them
     counters = spec["counters"]
-    print(f"drafts {counters.num_drafts}, accepted {counters.num_accepted_tokens}, "
-          f"acceptance length {counters.acceptance_length:.2f}")
+    print(
+        f"drafts {counters.num_drafts}, accepted {counters.num_accepted_tokens}, "
+        f"acceptance length {counters.acceptance_length:.2f}"
+    )
     # greedy with draft == target: every proposal inside a row is accepted; only proposals past a row's end (stop or
     # max_new_tokens) can be lost, so acceptance length is well above 1 (1.0 would mean every draft rejected)
     assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0

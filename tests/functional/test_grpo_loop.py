@@ -4,6 +4,7 @@ Start-ups: one 3-step training run (module fixture) serves the console / metrics
 uninterrupted run of the resume test; the resume restarts from a copy of its step_2 (one more start-up); the
 speculative test is one more. Every run selects the scripted reward (loop_training_checks.TRAINS) so the weights
 move and the refit probe, importance-ratio and resume checks can fail."""
+
 import json
 import math
 import os
@@ -24,12 +25,26 @@ TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
 def run_grpo_proc(tmp: Path, *overrides: str, merged: bool = False) -> tuple[list[dict], subprocess.CompletedProcess]:
     """Run the tiny recipe in a subprocess (progress bar off unless an override turns it on); its metrics records
     and the finished process (stdout, stderr; ``merged``: stderr interleaved into stdout, as a terminal shows them)."""
-    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(TINY),
-           f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt", "logger.progress_bar=false",
-           *overrides]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        str(TINY),
+        f"logger.log_dir={tmp}/logs",
+        f"checkpointing.checkpoint_dir={tmp}/ckpt",
+        "logger.progress_bar=false",
+        *overrides,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "NEMO_RL_SPEC_VERBOSE")}
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=900, env=env,
-                          stderr=subprocess.STDOUT if merged else subprocess.PIPE)
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=900,
+        env=env,
+        stderr=subprocess.STDOUT if merged else subprocess.PIPE,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + (proc.stderr or "")[-6000:]
     return [json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()], proc
 
@@ -62,8 +77,14 @@ def assert_quiet_console(proc: subprocess.CompletedProcess, steps: int, log_dir:
     assert not re.findall(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d", out), re.findall(r".*\bINFO \d\d-\d\d.*", out)[:5]
     assert "Failed to load weights" not in out and "Worker pid=" not in out, out[:3000]
     kept = (log_dir / "console.log").read_bytes().decode().replace("\r", "\n")
-    for line in [*head[:2], *(f"step {n}: " for n, _ in lines), "[placement] policy rank 0 (node 0) on ray node",
-                 "[placement] generation engine 0", "(MegatronPolicyWorker pid=", "(VllmGenerationWorker pid="]:
+    for line in [
+        *head[:2],
+        *(f"step {n}: " for n, _ in lines),
+        "[placement] policy rank 0 (node 0) on ray node",
+        "[placement] generation engine 0",
+        "(MegatronPolicyWorker pid=",
+        "(VllmGenerationWorker pid=",
+    ]:
         assert line in kept, (line, kept[-3000:])
 
 
@@ -72,8 +93,14 @@ def trained_run(tmp_path_factory):
     """One 3-step training run at temperature 0.6 (checkpoint every step, progress bar on): its directory, metrics
     records and finished process."""
     tmp = tmp_path_factory.mktemp("grpo_loop_full")
-    records, proc = run_grpo_proc(tmp, "grpo.max_num_steps=3", "policy.generation.temperature=0.6",
-                                  "logger.progress_bar=true", *TRAINS, merged=True)
+    records, proc = run_grpo_proc(
+        tmp,
+        "grpo.max_num_steps=3",
+        "policy.generation.temperature=0.6",
+        "logger.progress_bar=true",
+        *TRAINS,
+        merged=True,
+    )
     return tmp, records, proc
 
 
@@ -92,8 +119,12 @@ def test_three_steps_train_with_console_metrics_and_refit(trained_run):
         assert m["refit/logprob_mismatch"] < 1e-3
         # trainer vs sampler at the same temperature: importance ratio within 1 +- 1e-3 on every token
         assert m["train/importance_ratio_max_abs_dev"] < 1e-3
-        for key in ("timing/train/generation", "timing/train/policy_training", "timing/train/weight_sync",
-                    "timing/train/total_step_time"):
+        for key in (
+            "timing/train/generation",
+            "timing/train/policy_training",
+            "timing/train/weight_sync",
+            "timing/train/total_step_time",
+        ):
             assert key in m
     assert (tmp / "ckpt" / "step_3" / "training_info.json").is_file()
     assert (tmp / "logs" / "training_curves.png").is_file()
@@ -134,9 +165,16 @@ def test_speculative_rollouts_in_the_loop(tmp_path):
     from nemo_rl_spec.models.hf_assets import resolve_model
 
     spec = "{method: draft_model, model: %s, num_speculative_tokens: 3}" % resolve_model("tiny-qwen3")
-    records = run_grpo(tmp_path, "grpo.max_num_steps=1", "grpo.val_at_start=false", "data.validation.max_samples=2",
-                       "policy.generation.temperature=0.6", *TRAINS, "checkpointing.save_optimizer=false",
-                       f"+policy.generation.vllm_kwargs.speculative_config={spec}")
+    records = run_grpo(
+        tmp_path,
+        "grpo.max_num_steps=1",
+        "grpo.val_at_start=false",
+        "data.validation.max_samples=2",
+        "policy.generation.temperature=0.6",
+        *TRAINS,
+        "checkpointing.save_optimizer=false",
+        f"+policy.generation.vllm_kwargs.speculative_config={spec}",
+    )
     assert_weights_only_checkpoint(tmp_path / "ckpt" / "step_1")
     m = records[-1]
     assert m["vllm/spec_num_drafts"] > 0

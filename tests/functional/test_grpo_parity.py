@@ -8,6 +8,7 @@
   worked by hand, the MTP block's AdamW at the same lr, the first update's size (Adam's first step moves every
   weight with a gradient by lr exactly), and a checkpoint resumes the schedule at its step.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,12 @@ def _rollouts(rows: int = 16, seq: int = 12, seed: int = 7) -> dict:
     """``rows`` random sequences (lengths 12 - (b % 5)), response from position 3, advantages ~ N(0, 1)."""
     data = fm.random_token_batch([seq - b % 5 for b in range(rows)], seq, seed)
     gen = data.pop("generator")
-    return {**data, "sample_mask": torch.ones(rows), "advantages": torch.randn(rows, generator=gen),
-            "generation_logprobs": torch.zeros(rows, seq)}
+    return {
+        **data,
+        "sample_mask": torch.ones(rows),
+        "advantages": torch.randn(rows, generator=gen),
+        "generation_logprobs": torch.zeros(rows, seq),
+    }
 
 
 def _rows(data: dict, start: int, stop: int) -> dict:

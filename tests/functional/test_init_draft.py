@@ -5,6 +5,7 @@ own metrics) and bad input fails with a message naming the flag or file.
 The sampled data are greedy (``policy.generation.temperature=0``): tiny-qwen3 is a random model whose T=1
 samples are close to noise, while its greedy continuations are learnable.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,15 +32,36 @@ RECIPE = "configs/grpo_math_tiny.yaml"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "examples/init_draft.py", *args], check=False, cwd=ROOT, capture_output=True,
-                          text=True, timeout=800)
+    return subprocess.run(
+        [sys.executable, "examples/init_draft.py", *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("init_draft") / "draft"
-    res = _run("--config", RECIPE, "--out", str(out), "--num-prompts", "8", "--steps", "40", "--batch-size", "4",
-               "--max-new-tokens", "24", "--draft-vocab-size", "1024", "policy.generation.temperature=0")
+    res = _run(
+        "--config",
+        RECIPE,
+        "--out",
+        str(out),
+        "--num-prompts",
+        "8",
+        "--steps",
+        "40",
+        "--batch-size",
+        "4",
+        "--max-new-tokens",
+        "24",
+        "--draft-vocab-size",
+        "1024",
+        "policy.generation.temperature=0",
+    )
     print(res.stdout)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "draft loss" in res.stdout
@@ -70,8 +92,9 @@ def test_written_draft_loads_and_beats_fresh_head(draft_dir):
     state = torch.load(draft_dir / "draft_trainer.pt", weights_only=True)
     assert state["draft_version"] == 40
     # a fresh head with the same vocabulary and init the command started from
-    fresh = Eagle3DraftHead.from_target(policy, aux_layer_ids=trained.cfg.aux_layer_ids,
-                                        draft_vocab=trained.draft_ids, seed=summary["seed"]).eval()
+    fresh = Eagle3DraftHead.from_target(
+        policy, aux_layer_ids=trained.cfg.aux_layer_ids, draft_vocab=trained.draft_ids, seed=summary["seed"]
+    ).eval()
     seqs, plens = summary["sequences"], summary["prompt_lengths"]
     acc_trained = _teacher_forced_acc(trained, policy, seqs, plens)
     acc_fresh = _teacher_forced_acc(fresh, policy, seqs, plens)
@@ -80,13 +103,16 @@ def test_written_draft_loads_and_beats_fresh_head(draft_dir):
     assert acc_trained[2] > acc_fresh[2]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--config", "configs/no_such_recipe.yaml"], "no_such_recipe.yaml"),
-    (["--config", RECIPE, "--num-prompts", "0"], "--num-prompts"),
-    (["--config", RECIPE, "--num-prompts", "100000"], "--num-prompts"),
-    (["--config", RECIPE, "--max-new-tokens", "5000"], "--max-new-tokens"),
-    (["--config", RECIPE, "policy.generation.no_such_key=1"], "no_such_key"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--config", "configs/no_such_recipe.yaml"], "no_such_recipe.yaml"),
+        (["--config", RECIPE, "--num-prompts", "0"], "--num-prompts"),
+        (["--config", RECIPE, "--num-prompts", "100000"], "--num-prompts"),
+        (["--config", RECIPE, "--max-new-tokens", "5000"], "--max-new-tokens"),
+        (["--config", RECIPE, "policy.generation.no_such_key=1"], "no_such_key"),
+    ],
+)
 def test_bad_input_names_the_flag_or_file(tmp_path, capsys, monkeypatch, args, needle):
     monkeypatch.chdir(ROOT)
     rc = init_draft.main([*args, "--out", str(tmp_path / "d")])

@@ -22,6 +22,7 @@ so weights are compared after steps with ``adam_eps=1e-3`` (a smooth update; wit
 1e-8 gradient rounding into lr-sized jumps, see test_megatron_policy.py). The EAGLE-3 head's optimizer has eps 1e-8
 (not configurable), so its weights are compared relative to how far they moved, next to its loss / grad norm.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,13 +47,23 @@ SEED = 3
 LOSS = ClippedPGLossFn(fm.base_recipe_section("loss_fn"))
 
 
-def _cfg(tp: int = 1, distributed_optimizer: bool = False, mtp: bool = False, draft: bool = False,
-         activation_checkpointing: bool = False, precision: str = "float32") -> PolicyConfig:
+def _cfg(
+    tp: int = 1,
+    distributed_optimizer: bool = False,
+    mtp: bool = False,
+    draft: bool = False,
+    activation_checkpointing: bool = False,
+    precision: str = "float32",
+) -> PolicyConfig:
     """Micro-batches of 2 rows for training and log-probs: the DP shards (4 + 3 rows) split into the same
     micro-batches as DP=1, so OCC's per-micro-batch lambda is comparable."""
     cfg = fm.base_recipe_section("policy")
-    cfg.update(train_micro_batch_size=2, logprob_batch_size=2, train_global_batch_size=8,  # 7 rows: one step
-               precision=precision)
+    cfg.update(
+        train_micro_batch_size=2,
+        logprob_batch_size=2,
+        train_global_batch_size=8,  # 7 rows: one step
+        precision=precision,
+    )
     mcfg = cfg["megatron_cfg"]
     mcfg.update(tensor_model_parallel_size=tp, activation_checkpointing=activation_checkpointing, num_threads=1)
     mcfg["optimizer"].update(lr=1e-2, adam_eps=1e-3, use_distributed_optimizer=distributed_optimizer)
@@ -77,8 +88,14 @@ def _batch(rows: int, seed: int, seq: int = 14) -> dict:
     sample_mask = torch.ones(rows)
     if rows >= 3:
         sample_mask[2] = 0.0
-    return dict(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=sample_mask,
-                advantages=torch.randn(rows, generator=gen), generation_logprobs=torch.zeros(rows, seq))
+    return dict(
+        input_ids=ids,
+        input_lengths=lengths,
+        token_mask=token_mask,
+        sample_mask=sample_mask,
+        advantages=torch.randn(rows, generator=gen),
+        generation_logprobs=torch.zeros(rows, seq),
+    )
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -113,8 +130,16 @@ def cluster():
 
 
 def _policy(cluster, model_dir: str, workers: int, cfg: PolicyConfig) -> Policy:
-    return Policy(cluster, [0] * workers, cfg, LOSS, model_dir, SEED, num_cpus=0.5,
-                  env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    return Policy(
+        cluster,
+        [0] * workers,
+        cfg,
+        LOSS,
+        model_dir,
+        SEED,
+        num_cpus=0.5,
+        env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
 
 
 def _reference(model_dir: str, cfg: PolicyConfig, seed: int = SEED) -> MegatronPolicyWorker:
@@ -131,8 +156,12 @@ def _dp_scenario(cluster, model_dir, tmp_path_factory, parallel_cfg: PolicyConfi
     on both the DP=2 group and the resumed DP=1 worker."""
     policy, reference = _policy(cluster, model_dir, 2, parallel_cfg), _reference(model_dir, reference_cfg)
     try:
-        out = {"layouts": policy.layouts, "initial": reference.export_megatron_weights(),
-               "logprobs": (policy.get_logprobs(_batch(7, 0)), reference.get_logprobs(_batch(7, 0))), "steps": []}
+        out = {
+            "layouts": policy.layouts,
+            "initial": reference.export_megatron_weights(),
+            "logprobs": (policy.get_logprobs(_batch(7, 0)), reference.get_logprobs(_batch(7, 0))),
+            "steps": [],
+        }
         for data in (_batch(7, 1), _batch(1, 2)):
             metrics = _train_both(policy, reference, data)
             out["steps"].append((*metrics, policy.export_megatron_weights(), reference.export_megatron_weights()))
@@ -156,15 +185,21 @@ def dp2(cluster, model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp2_distopt_mtp(cluster, model_dir, tmp_path_factory):
-    return _dp_scenario(cluster, model_dir, tmp_path_factory, _cfg(distributed_optimizer=True, mtp=True),
-                        _cfg(mtp=True))
+    return _dp_scenario(
+        cluster, model_dir, tmp_path_factory, _cfg(distributed_optimizer=True, mtp=True), _cfg(mtp=True)
+    )
 
 
 @pytest.fixture(scope="module")
 def dp2_bf16_distopt(cluster, model_dir, tmp_path_factory):
     """bf16 (Megatron mixed precision) DP=2 with the distributed optimizer (sharded fp32 masters) vs bf16 DP=1."""
-    return _dp_scenario(cluster, model_dir, tmp_path_factory,
-                        _cfg(distributed_optimizer=True, precision="bfloat16"), _cfg(precision="bfloat16"))
+    return _dp_scenario(
+        cluster,
+        model_dir,
+        tmp_path_factory,
+        _cfg(distributed_optimizer=True, precision="bfloat16"),
+        _cfg(precision="bfloat16"),
+    )
 
 
 PG_KEYS = ("loss", "grad_norm", "probs_ratio", "num_valid_tokens", "num_valid_seqs", "is_weight")
@@ -207,12 +242,17 @@ def dp2_tp2_draft(cluster, model_dir):
     policy, reference = _policy(cluster, model_dir, 4, cfg), _reference(model_dir, _cfg(draft=True))
     try:
         draft_before = reference.export_draft_weights()["weights"]
-        out = {"layouts": policy.layouts,
-               "logprobs": (policy.get_logprobs(_batch(7, 0)), reference.get_logprobs(_batch(7, 0)))}
+        out = {
+            "layouts": policy.layouts,
+            "logprobs": (policy.get_logprobs(_batch(7, 0)), reference.get_logprobs(_batch(7, 0))),
+        }
         out["metrics"] = _train_both(policy, reference, _batch(7, 1))
         out["weights"] = (policy.export_megatron_weights(), reference.export_megatron_weights())
-        out["draft"] = (policy.export_draft_weights().get()["weights"], reference.export_draft_weights()["weights"],
-                        draft_before)
+        out["draft"] = (
+            policy.export_draft_weights().get()["weights"],
+            reference.export_draft_weights()["weights"],
+            draft_before,
+        )
     finally:
         policy.shutdown()
     return out
@@ -224,8 +264,12 @@ def test_dp2_tp2_with_online_draft_equals_dp1(dp2_tp2_draft):
     got, expected = run["logprobs"]
     assert (got - expected).abs().max().item() < 1e-5
     m_par, m_ref = run["metrics"]
-    _assert_metrics_close(m_par, m_ref, PG_KEYS + ("draft_loss", "draft_grad_norm", "draft_acc_step0",
-                                                   "draft_acc_step1", "draft_version"), rel=1e-5)
+    _assert_metrics_close(
+        m_par,
+        m_ref,
+        PG_KEYS + ("draft_loss", "draft_grad_norm", "draft_acc_step0", "draft_acc_step1", "draft_version"),
+        rel=1e-5,
+    )
     assert _max_diff(*run["weights"]) < 1e-5
     draft_par, draft_ref, draft_before = run["draft"]
     moved = _max_diff(draft_ref, draft_before)
@@ -238,9 +282,11 @@ def tp2_mtp(cluster, model_dir, tmp_path_factory):
     """TP=2 with MTP (occ) vs TP=1: log-probs, export, one step; then a per-TP-rank checkpoint round trip."""
     policy, reference = _policy(cluster, model_dir, 2, _cfg(tp=2, mtp=True)), _reference(model_dir, _cfg(mtp=True))
     try:
-        out = {"layouts": policy.layouts, "export": (policy.export_hf_weights(1).get(),
-                                                     reference.export_hf_weights(1)),
-               "logprobs": (policy.get_logprobs(_batch(7, 0)), reference.get_logprobs(_batch(7, 0)))}
+        out = {
+            "layouts": policy.layouts,
+            "export": (policy.export_hf_weights(1).get(), reference.export_hf_weights(1)),
+            "logprobs": (policy.get_logprobs(_batch(7, 0)), reference.get_logprobs(_batch(7, 0))),
+        }
         out["metrics"] = _train_both(policy, reference, _batch(7, 1))
         out["weights"] = (policy.export_megatron_weights(), reference.export_megatron_weights())
         out["export_after"] = (policy.export_hf_weights(2).get(), reference.export_hf_weights(2))
@@ -311,8 +357,17 @@ def test_reference_policy_kl_at_tp2(cluster, model_dir, tmp_path):
     policy untouched, and the loss's ``kl_penalty`` equals k3 computed here from the two log-prob tensors; the
     checkpoint carries the reference (a reloaded group scores the same)."""
     kl_loss = ClippedPGLossFn({**fm.base_recipe_section("loss_fn"), "reference_policy_kl_penalty": 0.5})
-    policy = Policy(cluster, [0, 0], _cfg(tp=2), kl_loss, model_dir, SEED, num_cpus=0.5,
-                    env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, init_reference_model=True)
+    policy = Policy(
+        cluster,
+        [0, 0],
+        _cfg(tp=2),
+        kl_loss,
+        model_dir,
+        SEED,
+        num_cpus=0.5,
+        env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        init_reference_model=True,
+    )
     try:
         data = _batch(5, seed=11)
         initial = policy.get_logprobs(data)
@@ -335,8 +390,17 @@ def test_reference_policy_kl_at_tp2(cluster, model_dir, tmp_path):
         saved = torch.load(tmp_path / "megatron_policy_tp1.pt", weights_only=False)["reference"]
     finally:
         policy.shutdown()
-    fresh = Policy(cluster, [0, 0], _cfg(tp=2), kl_loss, model_dir, SEED, num_cpus=0.5,
-                   env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, init_reference_model=True)
+    fresh = Policy(
+        cluster,
+        [0, 0],
+        _cfg(tp=2),
+        kl_loss,
+        model_dir,
+        SEED,
+        num_cpus=0.5,
+        env_vars={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        init_reference_model=True,
+    )
     try:
         fresh.load_checkpoint(str(tmp_path))
         assert not torch.equal(fresh.get_logprobs(data), initial)  # the trained weights came back ...

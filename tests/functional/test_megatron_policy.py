@@ -5,6 +5,7 @@ log-softmax, one train step vs a hand-written clip + AdamW step on the transform
 accumulation, the refit guarantee (exported weights reproduce the worker's log-probs in transformers) and
 bitwise checkpoint resume.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,9 +55,13 @@ def _batch(seed: int = 0, batch: int = 5, seq: int = 14, vocab: int = 512) -> di
     for b, n in enumerate(lengths.tolist()):
         input_ids[b, n:] = 0
         token_mask[b, 3:n] = 1.0
-    return dict(input_ids=input_ids, input_lengths=lengths, token_mask=token_mask,
-                sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0][:batch]),
-                advantages=torch.randn(batch, generator=gen))
+    return dict(
+        input_ids=input_ids,
+        input_lengths=lengths,
+        token_mask=token_mask,
+        sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0][:batch]),
+        advantages=torch.randn(batch, generator=gen),
+    )
 
 
 @pytest.fixture
@@ -114,8 +119,13 @@ def _reference_adamw_step(hf_model, data, opt_cfg: dict) -> tuple[float, float]:
     loss = -(logprobs * data["advantages"].unsqueeze(1) * mask[:, 1:]).sum() / mask.sum()
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(hf_model.parameters(), opt_cfg["clip_grad"])
-    optimizer = torch.optim.AdamW(hf_model.parameters(), lr=opt_cfg["lr"], eps=opt_cfg["adam_eps"],
-                                  betas=(opt_cfg["adam_beta1"], opt_cfg["adam_beta2"]), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        hf_model.parameters(),
+        lr=opt_cfg["lr"],
+        eps=opt_cfg["adam_eps"],
+        betas=(opt_cfg["adam_beta1"], opt_cfg["adam_beta2"]),
+        weight_decay=0.0,
+    )
     optimizer.step()
     return float(loss), float(grad_norm)
 
@@ -205,8 +215,15 @@ def test_get_model_config_reports_architecture(tiny_model):
 def test_unsupported_architecture_raises(tmp_path):
     from transformers import MistralConfig
 
-    MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512, architectures=["MistralForCausalLM"]).save_pretrained(tmp_path)
+    MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        architectures=["MistralForCausalLM"],
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="MistralForCausalLM"):
         _worker(_policy_cfg(), str(tmp_path), seed=0)
 
@@ -225,8 +242,11 @@ def test_worker_runs_inside_a_ray_actor(tiny_model):
     if started_here:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        actor = ray.remote(MegatronPolicyWorker).options(num_cpus=0.5).remote(
-            PolicyConfig.model_validate(_policy_cfg()), ClippedPGLossFn(loss_cfg), path, 0)
+        actor = (
+            ray.remote(MegatronPolicyWorker)
+            .options(num_cpus=0.5)
+            .remote(PolicyConfig.model_validate(_policy_cfg()), ClippedPGLossFn(loss_cfg), path, 0)
+        )
         logprobs = ray.get(actor.get_logprobs.remote(data, 1.0))
         metrics = ray.get(actor.train.remote({**data, "prev_logprobs": logprobs}))
         exported = ray.get(actor.export_hf_weights.remote())

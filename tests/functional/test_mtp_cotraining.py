@@ -5,6 +5,7 @@ the MTP weights and reports its coefficient; the trunk gradient equals an indepe
 ``L_RL + lambda * L_MTP`` (fixed lambda) and, for OCC, lambda equals the rule applied to the reported proxies;
 the proxies equal an independent computation from hidden-state gradients.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,8 @@ from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker, tok
 from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 
 torch.set_num_threads(1)
+
+
 def _policy_cfg(mtp_num_layers=1, mode="detach", factor=0.5, micro=2, clip=1.0, lr=1e-2) -> dict:
     cfg = fm.base_recipe_section("policy")
     cfg.update(train_micro_batch_size=micro, logprob_batch_size=4)
@@ -74,8 +77,7 @@ def _independent_gradients(worker, data, mode):
         mtp_loss, _ = loss_fn(lp, {**data, "token_mask": valid}, valid.sum(), data["sample_mask"].sum())
     params = dict(ref.named_parameters())
     g_rl = torch.autograd.grad(rl_loss, list(params.values()), retain_graph=True, allow_unused=True)
-    g_mtp = torch.autograd.grad(mtp_loss, list(params.values()) + [trunk.hidden], retain_graph=True,
-                                allow_unused=True)
+    g_mtp = torch.autograd.grad(mtp_loss, list(params.values()) + [trunk.hidden], retain_graph=True, allow_unused=True)
     g_rl_h = torch.autograd.grad(rl_loss, trunk.hidden)[0]
     return params, g_rl, g_mtp, g_rl_h
 
@@ -107,8 +109,16 @@ def test_every_mode_moves_mtp_and_trunk_and_reports(model_dir, mode):
     trunk1, mtp1 = _split(worker)
     assert all(not torch.equal(mtp0[n], mtp1[n]) for n in mtp0)
     assert any(not torch.equal(trunk0[n], trunk1[n]) for n in trunk0)
-    for key in ("mtp/lambda", "mtp/c_hat", "mtp/v2_hat", "mtp/loss_0", "mtp/ce_0", "mtp/acceptance_0",
-                "mtp/acceptance", "mtp/delta_abs_mean"):
+    for key in (
+        "mtp/lambda",
+        "mtp/c_hat",
+        "mtp/v2_hat",
+        "mtp/loss_0",
+        "mtp/ce_0",
+        "mtp/acceptance_0",
+        "mtp/acceptance",
+        "mtp/delta_abs_mean",
+    ):
         assert key in m and m[key] == m[key], key
     assert m["mtp/delta_abs_mean"] < 1e-5  # first on-policy minibatch: delta = 0
     assert 0.0 <= m["mtp/acceptance"] <= 1.0 and m["mtp/ce_0"] > 0.0

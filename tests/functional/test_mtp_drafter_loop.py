@@ -16,6 +16,7 @@ nothing; issue 16, item 7):
     outputs equal plain greedy outputs of a separate vLLM engine (no speculation) loaded with the current policy's
     HF weights.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,11 @@ def test_mtp_drafter_needs_mtp_layers_and_a_mimo_compatible_model(tmp_path):
     from nemo_rl_spec.models.hf_assets import resolve_model
 
     cfg = load_config(RECIPE, ["policy.model_name=tiny-qwen3"])  # validates: the model is checked at setup
-    with pytest.raises(ConfigError, match=r"speculative_config.method=mtp .*policy.model_name='tiny-qwen3'.*"
-                                          r"head_dim 32 != hidden_size / num_attention_heads = 64/4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"speculative_config.method=mtp .*policy.model_name='tiny-qwen3'.*"
+        r"head_dim 32 != hidden_size / num_attention_heads = 64/4",
+    ):
         check_mtp_drafter_model(cfg, resolve_model("tiny-qwen3"))
     check_mtp_drafter_model(load_config(RECIPE), resolve_model("tiny-llama"))
 
@@ -88,8 +92,14 @@ def test_mtp_drafter_needs_mtp_layers_and_a_mimo_compatible_model(tmp_path):
 def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
     from transformers import AutoTokenizer
 
-    cfg = load_config(RECIPE, [f"logger.log_dir={tmp_path / 'logs'}", "checkpointing.enabled=false",
-                               "policy.megatron_cfg.optimizer.lr=1.0e-2"])
+    cfg = load_config(
+        RECIPE,
+        [
+            f"logger.log_dir={tmp_path / 'logs'}",
+            "checkpointing.enabled=false",
+            "policy.megatron_cfg.optimizer.lr=1.0e-2",
+        ],
+    )
     t0 = time.perf_counter()
     s = setup(cfg)
     try:
@@ -109,11 +119,14 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
             refit = s.refitter.refit(version=step + 1)
             mismatches.append(refit["refit/logprob_mismatch"])
             assert refit["refit/draft_version"] == step + 1
-        assert s.generation.get_versions() == [{"policy_version": CYCLES, "draft_version": CYCLES,
-                                                 "draft_policy_version": CYCLES}]
-        print(f"\nsetup+{CYCLES} cycles {time.perf_counter() - t0:.0f} s; refit mismatch {mismatches}; "
-              f"train mtp/acceptance {mtp_acc}; MTP fit loss {fit['losses'][0]:.2f} -> {fit['losses'][-1]:.2f}, "
-              f"argmax accuracy {fit['accuracy']:.3f}")
+        assert s.generation.get_versions() == [
+            {"policy_version": CYCLES, "draft_version": CYCLES, "draft_policy_version": CYCLES}
+        ]
+        print(
+            f"\nsetup+{CYCLES} cycles {time.perf_counter() - t0:.0f} s; refit mismatch {mismatches}; "
+            f"train mtp/acceptance {mtp_acc}; MTP fit loss {fit['losses'][0]:.2f} -> {fit['losses'][-1]:.2f}, "
+            f"argmax accuracy {fit['accuracy']:.3f}"
+        )
         assert max(mismatches) < 1e-4
 
         # (c) a draft paired with another policy version is refused, and nothing is loaded
@@ -121,9 +134,15 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
         assert export["policy_version"] == CYCLES and export["draft_version"] == CYCLES
         assert all(k.startswith("model.mtp_layers.0.") for k in export["weights"])
         gen_rng = torch.Generator().manual_seed(7)
-        bad = {**export, "policy_version": CYCLES - 1,
-               "weights": {k: torch.randn(v.shape, generator=gen_rng) for k, v in export["weights"].items()}}
-        with pytest.raises(DraftVersionMismatchError, match=f"policy version {CYCLES - 1} offered to an engine at policy version {CYCLES}"):
+        bad = {
+            **export,
+            "policy_version": CYCLES - 1,
+            "weights": {k: torch.randn(v.shape, generator=gen_rng) for k, v in export["weights"].items()},
+        }
+        with pytest.raises(
+            DraftVersionMismatchError,
+            match=f"policy version {CYCLES - 1} offered to an engine at policy version {CYCLES}",
+        ):
             s.generation.update_draft_weights(bad)
         assert s.generation.get_versions()[0]["draft_version"] == CYCLES
 
@@ -134,9 +153,11 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
         initial = s.policy.run_function(megatron_mtp_argmax, sequences, initial_mtp)[0]
         agree, total = replay_agreement(prompts, outputs, proposals, current)
         agree_initial, _ = replay_agreement(prompts, outputs, proposals, initial)
-        print(f"MTP proposals == current megatron MTP argmax {agree}/{total}; == initial MTP layer's "
-              f"{agree_initial}/{total}; engine acceptance length {counters.acceptance_length:.3f} "
-              f"({counters.num_accepted_tokens} accepted in {counters.num_drafts} drafts)")
+        print(
+            f"MTP proposals == current megatron MTP argmax {agree}/{total}; == initial MTP layer's "
+            f"{agree_initial}/{total}; engine acceptance length {counters.acceptance_length:.3f} "
+            f"({counters.num_accepted_tokens} accepted in {counters.num_drafts} drafts)"
+        )
         assert total >= NUM_PROMPTS * MAX_TOKENS // 2 and agree == total
         assert agree_initial < total  # a drafter left at the initial MTP layer would be caught
         hf_weights = s.policy.export_hf_weights().get()
@@ -150,4 +171,3 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
     plain_dir = _write_hf_dir(hf_weights, resolve_model(cfg.policy.model_name), tmp_path / "plain")
     plain = checks.run_isolated(checks.greedy_generate, str(plain_dir), prompts, MAX_TOKENS)
     assert first_mismatch(plain["outputs"], outputs) is None
-

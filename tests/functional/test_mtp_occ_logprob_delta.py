@@ -9,6 +9,7 @@ varies with the batch (8 seeds: 4 positive), so the batches are fixed. With two 
 whose lambdas differ, the trunk gradient equals that of ``L_RL + sum_k lambda_k L_k`` from one ordinary backward
 on a copy of the weights, and the MTP block's gradient that of ``mean_k L_k``.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,13 @@ def _worker(model_dir, heads: int) -> MegatronPolicyWorker:
     cfg = fm.base_recipe_section("policy")
     cfg.update(train_global_batch_size=2, train_micro_batch_size=2, logprob_batch_size=4)
     cfg["megatron_cfg"]["optimizer"].update(lr=1e-2, clip_grad=1e9)
-    cfg["megatron_cfg"].update(mtp_num_layers=heads, mtp_loss_mode="occ", mtp_loss_scaling_factor=LAMBDA_PLUS,
-                               mtp_occ_eps=EPS, mtp_occ_proxy="logprob_delta")
+    cfg["megatron_cfg"].update(
+        mtp_num_layers=heads,
+        mtp_loss_mode="occ",
+        mtp_loss_scaling_factor=LAMBDA_PLUS,
+        mtp_occ_eps=EPS,
+        mtp_occ_proxy="logprob_delta",
+    )
     return MegatronPolicyWorker(PolicyConfig.model_validate(cfg), _loss_fn(), model_dir, seed=3)
 
 
@@ -68,7 +74,7 @@ def _expected_lambdas(model, data) -> list[float]:
     for k, lp in enumerate(heads):
         valid = ml.mtp_valid_mask(data, k).double()
         d_mtp, d = lp.double() - old, curr.double() - old
-        mean = float((valid * d_mtp * d / (d_mtp ** 2 + EPS)).sum() / valid.sum())
+        mean = float((valid * d_mtp * d / (d_mtp**2 + EPS)).sum() / valid.sum())
         out.append(LAMBDA_PLUS / len(heads) * max(mean, 0.0))
     return out
 
@@ -102,8 +108,9 @@ def test_lambda_zero_then_equal_to_independent_recomputation(model_dir):
 def test_two_heads_trunk_gradient_is_rl_plus_weighted_heads(model_dir):
     worker = _worker(model_dir, heads=2)
     data = fm.on_policy(worker, fm.train_batch(seed=20))  # mean terms on the second mini-batch: 0.70, 0.22
-    first, second = ({k: v[a:b] if isinstance(v, torch.Tensor) else v for k, v in data.items()}
-                     for a, b in ((0, 2), (2, 4)))
+    first, second = (
+        {k: v[a:b] if isinstance(v, torch.Tensor) else v for k, v in data.items()} for a, b in ((0, 2), (2, 4))
+    )
     worker.train(first)  # moves the weights: the second mini-batch sees delta != 0
     lams = _expected_lambdas(worker.module, second)
     assert all(lam > 0 for lam in lams) and lams[0] != pytest.approx(lams[1], rel=1e-3), lams
@@ -118,8 +125,12 @@ def test_two_heads_trunk_gradient_is_rl_plus_weighted_heads(model_dir):
         valid = ml.mtp_valid_mask(second, k)
         head_losses.append(loss_fn(lp, {**second, "token_mask": valid}, valid.sum(), seqs)[0])
     params = dict(ref.named_parameters())
-    g_trunk = torch.autograd.grad(rl_loss + sum(lam * loss for lam, loss in zip(lams, head_losses)),
-                                  list(params.values()), retain_graph=True, allow_unused=True)
+    g_trunk = torch.autograd.grad(
+        rl_loss + sum(lam * loss for lam, loss in zip(lams, head_losses)),
+        list(params.values()),
+        retain_graph=True,
+        allow_unused=True,
+    )
     g_mtp = torch.autograd.grad(sum(head_losses) / 2, list(params.values()), allow_unused=True)
 
     m = worker.train(second)

@@ -2,6 +2,7 @@
 GRPO step of the tiny recipe end to end (Ray + vLLM + Megatron, one subprocess): one warning lists the ignored
 keys, NeMo-RL's keys act (train_global_batch_size 4 of 8 rollouts: two optimizer steps; the scheduler's warmup lr;
 validation of max_val_samples problems), and save_consolidated writes an HF checkpoint of the trained policy."""
+
 import json
 import os
 import subprocess
@@ -22,8 +23,15 @@ def test_nemo_rl_layout_recipe_runs_one_step(tmp_path):
 
     from nemo_rl_spec.models.hf_assets import resolve_model
 
-    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(FIXTURE),
-           f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt", "logger.progress_bar=false"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        str(FIXTURE),
+        f"logger.log_dir={tmp_path}/logs",
+        f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+        "logger.progress_bar=false",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "NEMO_RL_SPEC_VERBOSE")}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -38,4 +46,4 @@ def test_nemo_rl_layout_recipe_runs_one_step(tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(str(consolidated), dtype=torch.float32).state_dict()
     initial = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-qwen3"), dtype=torch.float32).state_dict()
     assert trained.keys() == initial.keys()
-    assert max(float((trained[k] - initial[k]).abs().max()) for k in initial) > 1e-5   # the trained weights
+    assert max(float((trained[k] - initial[k]).abs().max()) for k in initial) > 1e-5  # the trained weights

@@ -5,6 +5,7 @@ with bitwise the same policy gradients (``main_grad``) and parameters as a worke
 parameters move; the draft's loss equals an independent TTT loss computed from hidden states captured by a separate
 forward; checkpoints restore the draft; exports are paired with the policy version they were exported with.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,6 +25,8 @@ from nemo_rl_spec.speculative.capture import capture_hidden_states  # noqa: E402
 from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 
 torch.set_num_threads(1)
+
+
 def _policy_cfg(draft: bool, micro=2, lr=1e-2) -> dict:
     cfg = fm.base_recipe_section("policy")
     cfg.update(train_micro_batch_size=micro, logprob_batch_size=4)
@@ -35,7 +38,7 @@ def _policy_cfg(draft: bool, micro=2, lr=1e-2) -> dict:
 
 
 def _batch(seed=0) -> dict:
-    return fm.train_batch(seed, sample_mask=[1., 1., 0., 1.])
+    return fm.train_batch(seed, sample_mask=[1.0, 1.0, 0.0, 1.0])
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +49,12 @@ def model_dir(tmp_path_factory):
 
 
 def _worker(model_dir, draft: bool, **kw):
-    return MegatronPolicyWorker(PolicyConfig.model_validate(_policy_cfg(draft, **kw)),
-                                ClippedPGLossFn(fm.base_recipe_section("loss_fn")), model_dir, seed=3)
+    return MegatronPolicyWorker(
+        PolicyConfig.model_validate(_policy_cfg(draft, **kw)),
+        ClippedPGLossFn(fm.base_recipe_section("loss_fn")),
+        model_dir,
+        seed=3,
+    )
 
 
 def _grads(worker):

@@ -11,6 +11,7 @@ Every run selects the scripted reward (``env.reward=char_fraction``) so the poli
 covers the optimizer state. Start-ups: one uninterrupted 3-step run serves the plan test (its steps 1-2 and step_2
 checkpoint) and the resume test's reference; the resume restarts from a copy of its step_2 (2 start-ups, was 3).
 """
+
 import json
 import math
 import shutil
@@ -24,23 +25,59 @@ from loop_training_checks import TRAINS, assert_trained, policy_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
-PC = ("+grpo.pilot_commit.n_pilot=2", "+grpo.pilot_commit.pilot_batch_size=2", "+grpo.pilot_commit.n_commit=4",
-      "+grpo.pilot_commit.p_lower=0.0", "+grpo.pilot_commit.p_upper=1.0",
-      "+grpo.pilot_commit.evict_after_consecutive_solved=1000", "+grpo.pilot_commit.max_off_steps=1",
-      "loss_fn.use_importance_sampling_correction=true", "checkpointing.save_period=1", "grpo.val_at_start=false",
-      "data.validation.max_samples=2", "logger.progress_bar=false", "logger.tensorboard_enabled=false", *TRAINS)
-COUNT_KEYS = ("rollout_alloc/step_rollouts", "rollout_alloc/cumulative_rollouts", "rollout_alloc/gen_rounds",
-              "rollout_alloc/train_groups", "rollout_alloc/train_rollouts", "rollout_alloc/max_policy_lag",
-              "pilot_commit/pilot_rollouts", "pilot_commit/commit_rollouts", "pilot_commit/piloted",
-              "pilot_commit/selected", "pilot_commit/deferred", "pilot_commit/too_easy", "pilot_commit/evicted",
-              "pilot_commit/committed", "pilot_commit/from_buffer", "pilot_commit/fallback_used",
-              "pilot_commit/buffer_size", "pilot_commit/buffer_expired", "pilot_commit/pool_size",
-              "pilot_commit/cumulative_pilot_rollouts", "pilot_commit/cumulative_commit_rollouts")
+PC = (
+    "+grpo.pilot_commit.n_pilot=2",
+    "+grpo.pilot_commit.pilot_batch_size=2",
+    "+grpo.pilot_commit.n_commit=4",
+    "+grpo.pilot_commit.p_lower=0.0",
+    "+grpo.pilot_commit.p_upper=1.0",
+    "+grpo.pilot_commit.evict_after_consecutive_solved=1000",
+    "+grpo.pilot_commit.max_off_steps=1",
+    "loss_fn.use_importance_sampling_correction=true",
+    "checkpointing.save_period=1",
+    "grpo.val_at_start=false",
+    "data.validation.max_samples=2",
+    "logger.progress_bar=false",
+    "logger.tensorboard_enabled=false",
+    *TRAINS,
+)
+COUNT_KEYS = (
+    "rollout_alloc/step_rollouts",
+    "rollout_alloc/cumulative_rollouts",
+    "rollout_alloc/gen_rounds",
+    "rollout_alloc/train_groups",
+    "rollout_alloc/train_rollouts",
+    "rollout_alloc/max_policy_lag",
+    "pilot_commit/pilot_rollouts",
+    "pilot_commit/commit_rollouts",
+    "pilot_commit/piloted",
+    "pilot_commit/selected",
+    "pilot_commit/deferred",
+    "pilot_commit/too_easy",
+    "pilot_commit/evicted",
+    "pilot_commit/committed",
+    "pilot_commit/from_buffer",
+    "pilot_commit/fallback_used",
+    "pilot_commit/buffer_size",
+    "pilot_commit/buffer_expired",
+    "pilot_commit/pool_size",
+    "pilot_commit/cumulative_pilot_rollouts",
+    "pilot_commit/cumulative_commit_rollouts",
+)
 
 
 def run_grpo(tmp: Path, steps: int, recipe: Path = TINY, extra: tuple[str, ...] = ()) -> list[dict]:
-    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(recipe), *PC, *extra,
-           f"grpo.max_num_steps={steps}", f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        str(recipe),
+        *PC,
+        *extra,
+        f"grpo.max_num_steps={steps}",
+        f"logger.log_dir={tmp}/logs",
+        f"checkpointing.checkpoint_dir={tmp}/ckpt",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
@@ -69,11 +106,31 @@ def allocator_state(ckpt: Path) -> dict:
 
 def plan_view(state: dict) -> dict:
     """The reward-independent part of an allocator state: pool position, evictions, pending/buffered prompts."""
-    entries = lambda key: [(e["prompt_id"], e["target_step"], [(r["stage"], r["policy_version"],  # noqa: E731
-                            r["rewards"].numel()) for r in e["results"]]) for e in state[key]]
-    return {"step": state["step"], "cum": state["cum"], "stream": state["stream"], "pilot_target": state["pilot_target"],
-            "pending": entries("pending"), "buffer": entries("buffer"), "deferred": state["deferred"],
-            "totals": state["totals"]}
+    entries = lambda key: [
+        (
+            e["prompt_id"],
+            e["target_step"],
+            [
+                (
+                    r["stage"],
+                    r["policy_version"],  # noqa: E731
+                    r["rewards"].numel(),
+                )
+                for r in e["results"]
+            ],
+        )
+        for e in state[key]
+    ]
+    return {
+        "step": state["step"],
+        "cum": state["cum"],
+        "stream": state["stream"],
+        "pilot_target": state["pilot_target"],
+        "pending": entries("pending"),
+        "buffer": entries("buffer"),
+        "deferred": state["deferred"],
+        "totals": state["totals"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +164,7 @@ def test_counts_equal_the_allocators_plan(runs):
     # hand-computed: step 1 pilots twice (cold start + bound pilot of step 2), commits K=1; step 2 pilots once
     assert [by_step[s]["pilot_commit/pilot_rollouts"] for s in (1, 2)] == [8, 4]
     assert [by_step[s]["rollout_alloc/step_rollouts"] for s in (1, 2)] == [12, 8]
-    assert [by_step[s]["rollout_alloc/max_policy_lag"] for s in (1, 2)] == [0, 1]   # step 2 trains on v1 pilots
+    assert [by_step[s]["rollout_alloc/max_policy_lag"] for s in (1, 2)] == [0, 1]  # step 2 trains on v1 pilots
     assert plan_view(allocator_state(runs["tmp"] / "full" / "ckpt" / "step_2")) == plan_view(expected_state)
 
 
@@ -117,7 +174,7 @@ def test_resume_in_the_middle_continues_exactly(runs, resumed):
     expected, expected_state = offline_plan(3)
     last, ref = resumed[-1], full[-1]
     assert {k: last[k] for k in COUNT_KEYS} == {k: expected[2][k] for k in COUNT_KEYS}
-    assert last["pilot_commit/buffer_expired"] >= 1          # the step-0 surplus aged out after the resume
+    assert last["pilot_commit/buffer_expired"] >= 1  # the step-0 surplus aged out after the resume
     keys = {k for k in ref if not k.startswith("timing/")}
     assert keys == {k for k in last if not k.startswith("timing/")}
     for key in keys:
@@ -137,8 +194,12 @@ def test_resume_in_the_middle_continues_exactly(runs, resumed):
         torch.testing.assert_close(have[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
-ASYNC = ("+grpo.async_grpo.enabled=true", "+grpo.async_grpo.max_trajectory_age_steps=1",
-         "+grpo.async_grpo.in_flight_weight_updates=false", "loss_fn.truncated_importance_sampling_ratio=2.0")
+ASYNC = (
+    "+grpo.async_grpo.enabled=true",
+    "+grpo.async_grpo.max_trajectory_age_steps=1",
+    "+grpo.async_grpo.in_flight_weight_updates=false",
+    "loss_fn.truncated_importance_sampling_ratio=2.0",
+)
 
 
 # sync: slow tier since the CI-budget trim (docs/testing.md): Pilot-Commit's exact plan in sync runs in CI
@@ -153,8 +214,7 @@ def test_pilot_commit_with_speculative_rollouts_sync_and_async(tmp_path, mode):
     are covered in both precisions."""
     # the async variant runs in bf16 (Megatron mixed precision, bf16 engine and draft refit; docs/precision.md)
     extra = ("checkpointing.enabled=false", *(ASYNC + ("policy.precision=bfloat16",) if mode == "async" else ()))
-    metrics = [m for m in run_grpo(tmp_path, 2, ROOT / "configs" / "grpo_math_tiny_spec.yaml", extra)
-               if m["step"] > 0]
+    metrics = [m for m in run_grpo(tmp_path, 2, ROOT / "configs" / "grpo_math_tiny_spec.yaml", extra) if m["step"] > 0]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert all(math.isfinite(v) for v in m.values()), m

@@ -8,6 +8,7 @@
 - TP=2 policy with 2 engines (in process, through ``setup``): one GRPO step, every engine's probe below 1e-3 and its
   (policy, draft) versions equal to the step; then a refit that skips engine 1 on purpose is detected by name.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,21 +24,37 @@ ROOT = Path(__file__).resolve().parents[2]
 DP2 = ROOT / "configs" / "grpo_math_tiny_dp2.yaml"
 DP2_ASYNC = ROOT / "configs" / "grpo_math_tiny_dp2_async.yaml"
 pytestmark = pytest.mark.timeout(1800)
-COMMON = ("grpo.max_num_steps=3", "grpo.val_at_start=false", "data.validation.max_samples=2",
-          "logger.progress_bar=false", "checkpointing.enabled=false",
-          "env.reward=char_fraction")  # scripted reward: real advantages, so the policy loss and refits carry the checks
+COMMON = (
+    "grpo.max_num_steps=3",
+    "grpo.val_at_start=false",
+    "data.validation.max_samples=2",
+    "logger.progress_bar=false",
+    "checkpointing.enabled=false",
+    "env.reward=char_fraction",
+)  # scripted reward: real advantages, so the policy loss and refits carry the checks
 
 
 def run_grpo(recipe: Path, tmp: Path, *overrides: str) -> tuple[list[dict], str]:
     """Run the real driver in a subprocess; returns the metrics records and its full console (``console.log``: the
     placement lines are kept off a quiet terminal)."""
-    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(recipe),
-           f"logger.log_dir={tmp}/logs", f"checkpointing.checkpoint_dir={tmp}/ckpt", *COMMON, *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        str(recipe),
+        f"logger.log_dir={tmp}/logs",
+        f"checkpointing.checkpoint_dir={tmp}/ckpt",
+        *COMMON,
+        *overrides,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return ([json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()],
-            (tmp / "logs" / "console.log").read_text())
+    return (
+        [json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()],
+        (tmp / "logs" / "console.log").read_text(),
+    )
 
 
 def _check_scaled_run(records: list[dict], console: str, engines: int) -> None:
@@ -99,10 +116,17 @@ def test_tp2_refit_reaches_every_engine_and_a_skipped_engine_is_named(tmp_path):
     from nemo_rl_spec.utils.config import load_config
     from nemo_rl_spec.utils.timer import Timer
 
-    cfg = load_config(DP2, ["policy.megatron_cfg.tensor_model_parallel_size=2", f"logger.log_dir={tmp_path}/logs",
-                            "checkpointing.enabled=false", "logger.progress_bar=false",
-                            "loss_fn.reference_policy_kl_penalty=0.01",  # reference log-probs through the loop
-                            "env.reward=char_fraction"])  # a real gradient: a stale engine's probe would show it
+    cfg = load_config(
+        DP2,
+        [
+            "policy.megatron_cfg.tensor_model_parallel_size=2",
+            f"logger.log_dir={tmp_path}/logs",
+            "checkpointing.enabled=false",
+            "logger.progress_bar=false",
+            "loss_fn.reference_policy_kl_penalty=0.01",  # reference log-probs through the loop
+            "env.reward=char_fraction",
+        ],
+    )  # a real gradient: a stale engine's probe would show it
     s = setup(cfg)
     try:
         assert (s.policy.dp_size, s.policy.tp_size, s.generation.num_engines) == (1, 2, 2)

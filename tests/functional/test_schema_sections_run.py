@@ -6,6 +6,7 @@ One step costs about a minute on 2 cores, so all keys run only with ``-m slow`` 
 keys in :data:`CI_KEYS`. The pre-Ray half (validate or refuse, naming the key) runs for every key in CI:
 tests/unit/test_schema_sections.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,15 +30,25 @@ VARIANTS = ss.recipe_variants()
 
 def run_one_step(tmp: Path, overrides: list[str]) -> subprocess.CompletedProcess:
     """The tiny recipe for one step with ``overrides`` (applied last), in a subprocess as a user runs it."""
-    cmd = [sys.executable, str(ss.ROOT / "examples" / "run_grpo.py"), "--config", str(ss.TINY),
-           "grpo.max_num_steps=1", "data.validation.max_samples=2", f"logger.log_dir={tmp}/logs",
-           f"checkpointing.checkpoint_dir={tmp}/ckpt", *overrides]
+    cmd = [
+        sys.executable,
+        str(ss.ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        str(ss.TINY),
+        "grpo.max_num_steps=1",
+        "data.validation.max_samples=2",
+        f"logger.log_dir={tmp}/logs",
+        f"checkpointing.checkpoint_dir={tmp}/ckpt",
+        *overrides,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "NEMO_RL_SPEC_VERBOSE")}
     return subprocess.run(cmd, cwd=ss.ROOT, capture_output=True, text=True, timeout=800, env=env)
 
 
-@pytest.mark.parametrize("switch, overrides", [
-    pytest.param(sw, o, id=sw.path, marks=() if sw.path in CI_KEYS else pytest.mark.slow) for sw, o in VARIANTS])
+@pytest.mark.parametrize(
+    "switch, overrides",
+    [pytest.param(sw, o, id=sw.path, marks=() if sw.path in CI_KEYS else pytest.mark.slow) for sw, o in VARIANTS],
+)
 def test_switch_completes_one_step_or_exits_2_before_ray(switch, overrides, tmp_path):
     """One expected outcome per key (ss.REFUSED_BEFORE_RAY): a listed key exits 2 before Ray with its fragment and
     the key named; every other key completes one step."""
@@ -72,5 +83,8 @@ def test_packed_switch_groups_complete_one_step(tmp_path):
         overrides = [o for _, os_ in group for o in os_]
         names = ", ".join(sw.path for sw, _ in group)
         proc = run_one_step(tmp_path / f"g{i}", overrides)
-        assert_one_step(proc, tmp_path / f"g{i}", f"group {i} [{names}]: rc {proc.returncode}\n"
-                        f"{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}")
+        assert_one_step(
+            proc,
+            tmp_path / f"g{i}",
+            f"group {i} [{names}]: rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}",
+        )

@@ -6,6 +6,7 @@ container: there is no container runtime here). The install step starts that clu
 runs as root before `make test`); the tests that need it (the ``slurm`` tier: those taking ``slurm_nodes``) skip
 with the reason when no Slurm node is idle, and fail instead under REQUIRE_SLURM=1 (.ci/run sets it).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY_SUB = ROOT / "slurm" / "ray.sub"
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-            "DEADLINE"}
+TERMINAL = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def _unavailable(reason: str) -> None:
@@ -38,8 +48,11 @@ def _idle_nodes() -> list[str]:
         out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return [line.split()[0] for line in out.stdout.splitlines()
-            if len(line.split()) == 2 and line.split()[1] in ("idle", "mixed")]
+    return [
+        line.split()[0]
+        for line in out.stdout.splitlines()
+        if len(line.split()) == 2 and line.split()[1] in ("idle", "mixed")
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +61,16 @@ def slurm_nodes() -> list[str]:
     (`make slurm`, run by .ci/run before the tests), not a test's: with none running this skips with the reason,
     or fails under REQUIRE_SLURM=1 (as .ci/run sets)."""
     if shutil.which("sinfo") is None:
-        _unavailable("Slurm is not installed: run `sudo make slurm` (scripts/start_local_slurm.sh: apt-get install "
-                     "slurm-wlm munge, starts the daemons), then rerun")
+        _unavailable(
+            "Slurm is not installed: run `sudo make slurm` (scripts/start_local_slurm.sh: apt-get install "
+            "slurm-wlm munge, starts the daemons), then rerun"
+        )
     nodes = _idle_nodes()
     if not nodes:
-        _unavailable("no idle Slurm node (sinfo): start the local cluster with `sudo make slurm` "
-                     "(scripts/start_local_slurm.sh), then rerun")
+        _unavailable(
+            "no idle Slurm node (sinfo): start the local cluster with `sudo make slurm` "
+            "(scripts/start_local_slurm.sh), then rerun"
+        )
     return nodes
 
 
@@ -92,9 +109,20 @@ def _job_env(tmp: Path, command: str | None) -> dict[str, str]:
 def _submit(tmp: Path, command: str | None, nodes: int = 1, *extra: str) -> str:
     """sbatch slurm/ray.sub with COMMAND (None: interactive mode); the job id."""
     proc = subprocess.run(
-        ["sbatch", "--parsable", f"--nodes={nodes}", f"--chdir={ROOT}", f"--output={tmp}/slurm-%j.out",
-         "--time=00:30:00", *extra, str(RAY_SUB)],
-        env=_job_env(tmp, command), capture_output=True, text=True, timeout=60,
+        [
+            "sbatch",
+            "--parsable",
+            f"--nodes={nodes}",
+            f"--chdir={ROOT}",
+            f"--output={tmp}/slurm-%j.out",
+            "--time=00:30:00",
+            *extra,
+            str(RAY_SUB),
+        ],
+        env=_job_env(tmp, command),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().split(";")[0]
@@ -135,9 +163,11 @@ def _ray_processes(job: str) -> list[str]:
 def test_two_node_ray_cluster_runs_command_and_tears_down(slurm_nodes, tmp_path):
     nodes = min(2, len(slurm_nodes))
     result = tmp_path / "result.json"
-    command = (f"{sys.executable} -c \"import json, os, ray; ray.init(); "
-               f"alive = [n['NodeManagerHostname'] for n in ray.nodes() if n['Alive']]; "
-               f"json.dump({{'alive': len(alive), 'address': os.environ['RAY_ADDRESS']}}, open('{result}', 'w'))\"")
+    command = (
+        f'{sys.executable} -c "import json, os, ray; ray.init(); '
+        f"alive = [n['NodeManagerHostname'] for n in ray.nodes() if n['Alive']]; "
+        f"json.dump({{'alive': len(alive), 'address': os.environ['RAY_ADDRESS']}}, open('{result}', 'w'))\""
+    )
     t0 = time.monotonic()
     job = _submit(tmp_path, command, nodes)
     fields = _wait(job, tmp_path, 600)
@@ -179,9 +209,17 @@ def test_interactive_mode_attach_and_scancel_teardown(slurm_nodes, tmp_path):
     time.sleep(3)
     assert _job_fields(job)["JobState"] == "RUNNING"
     attach = subprocess.run(
-        ["bash", str(logs / "attach.sh"), sys.executable, "-c",
-         "import ray; ray.init(); print('ATTACHED', int(ray.cluster_resources()['CPU']))"],
-        capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL,
+        [
+            "bash",
+            str(logs / "attach.sh"),
+            sys.executable,
+            "-c",
+            "import ray; ray.init(); print('ATTACHED', int(ray.cluster_resources()['CPU']))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
     )
     assert attach.returncode == 0 and "ATTACHED" in attach.stdout, attach.stdout + attach.stderr
     assert _ray_processes(job), "Ray should be running before scancel"
@@ -192,7 +230,7 @@ def test_interactive_mode_attach_and_scancel_teardown(slurm_nodes, tmp_path):
     assert fields["JobState"] == "CANCELLED", out
     assert time.monotonic() - t0 < 60, out
     assert "received SIGTERM" in out and "teardown done" in out, out
-    deadline = time.monotonic() + 30   # Slurm reaps the steps' processes asynchronously
+    deadline = time.monotonic() + 30  # Slurm reaps the steps' processes asynchronously
     while _ray_processes(job) and time.monotonic() < deadline:
         time.sleep(1)
     assert _ray_processes(job) == []
@@ -212,11 +250,13 @@ def test_two_node_grpo_places_a_policy_worker_and_an_engine_on_each_node(slurm_n
     if len(slurm_nodes) < 2:
         _unavailable(f"needs 2 Slurm nodes, sinfo shows {slurm_nodes}")
     log_dir = tmp_path / "logs"
-    command = (f"{sys.executable} examples/run_grpo.py --config configs/grpo_math_tiny.yaml cluster.num_nodes=2 "
-               f"grpo.max_num_steps=2 grpo.val_at_start=false data.validation.max_samples=2 "
-               f"logger.log_dir={log_dir} checkpointing.enabled=false logger.progress_bar=false "
-               # verbose: Ray's "Connecting to existing Ray cluster" line (asserted below) is INFO
-               "env.reward=char_fraction logger.verbose=true cluster.ray_address=$RAY_ADDRESS")
+    command = (
+        f"{sys.executable} examples/run_grpo.py --config configs/grpo_math_tiny.yaml cluster.num_nodes=2 "
+        f"grpo.max_num_steps=2 grpo.val_at_start=false data.validation.max_samples=2 "
+        f"logger.log_dir={log_dir} checkpointing.enabled=false logger.progress_bar=false "
+        # verbose: Ray's "Connecting to existing Ray cluster" line (asserted below) is INFO
+        "env.reward=char_fraction logger.verbose=true cluster.ray_address=$RAY_ADDRESS"
+    )
     t0 = time.monotonic()
     job = _submit(tmp_path, command, 2, "--time=00:40:00")
     fields = _wait(job, tmp_path, 2100)
@@ -225,17 +265,18 @@ def test_two_node_grpo_places_a_policy_worker_and_an_engine_on_each_node(slurm_n
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", out
     driver = (_log_dir(job, tmp_path) / "driver.log").read_text()
     assert "Connecting to existing Ray cluster" in driver, driver[-4000:]
-    placed = {(role.split()[0], int(i)): (int(node), ray_node) for role, i, node, ray_node in
-              PLACEMENT_LINE.findall(driver)}
+    placed = {
+        (role.split()[0], int(i)): (int(node), ray_node) for role, i, node, ray_node in PLACEMENT_LINE.findall(driver)
+    }
     assert set(placed) == {("policy", 0), ("policy", 1), ("generation", 0), ("generation", 1)}, driver[-4000:]
     for i in (0, 1):
-        assert placed["policy", i][0] == placed["generation", i][0] == i      # the plan: rank i, engine i on node i
-        assert placed["policy", i][1] == placed["generation", i][1]          # the actors agree on their Ray node
-    assert placed["policy", 0][1] != placed["policy", 1][1]                  # two different Ray nodes
+        assert placed["policy", i][0] == placed["generation", i][0] == i  # the plan: rank i, engine i on node i
+        assert placed["policy", i][1] == placed["generation", i][1]  # the actors agree on their Ray node
+    assert placed["policy", 0][1] != placed["policy", 1][1]  # two different Ray nodes
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in records}
     assert {1, 2} <= set(steps), records
-    for step in (1, 2):   # sync GRPO trains on-policy: the token-mean ratio is 1 when DP normalises globally
+    for step in (1, 2):  # sync GRPO trains on-policy: the token-mean ratio is 1 when DP normalises globally
         assert all(math.isfinite(v) for v in steps[step].values() if isinstance(v, (int, float))), steps[step]
         assert "train/loss" in steps[step] and abs(steps[step]["train/probs_ratio"] - 1.0) < 1e-3, steps[step]
         assert steps[step]["train/grad_norm"] > 1e-6 and "timing/train/total_step_time" in steps[step], steps[step]
@@ -269,16 +310,29 @@ esac
 def test_container_flags_reach_every_step_without_slurm(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in {"srun": STUB_SRUN, "scontrol": STUB_SCONTROL, "squeue": "#!/bin/bash\n",
-                       "scancel": "#!/bin/bash\n"}.items():
+    for name, body in {
+        "srun": STUB_SRUN,
+        "scontrol": STUB_SCONTROL,
+        "squeue": "#!/bin/bash\n",
+        "scancel": "#!/bin/bash\n",
+    }.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     log, seen_env = tmp_path / "srun.jsonl", tmp_path / "driver_env.txt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", STUB_LOG=str(log), SLURM_JOB_ID="4242",
-               SLURM_JOB_NODELIST="nodeA,nodeB", SLURM_SUBMIT_DIR=str(tmp_path), BASE_LOG_DIR=str(tmp_path / "logs"),
-               CONTAINER="/images/nemo_rl_spec.sqsh", GPUS_PER_NODE="4", MOUNTS="/lustre:/lustre,/home/u:/home/u", RAY_PORT="16379",
-               COMMAND=f"env | grep -E '^RAY_(ADDRESS|AUTH_MODE)=' | sort > {seen_env}; exit 7")
+    env.update(
+        PATH=f"{bin_dir}:{env['PATH']}",
+        STUB_LOG=str(log),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST="nodeA,nodeB",
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        BASE_LOG_DIR=str(tmp_path / "logs"),
+        CONTAINER="/images/nemo_rl_spec.sqsh",
+        GPUS_PER_NODE="4",
+        MOUNTS="/lustre:/lustre,/home/u:/home/u",
+        RAY_PORT="16379",
+        COMMAND=f"env | grep -E '^RAY_(ADDRESS|AUTH_MODE)=' | sort > {seen_env}; exit 7",
+    )
     proc = subprocess.run(["bash", str(RAY_SUB)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 7, proc.stdout + proc.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]

@@ -12,6 +12,7 @@ Must hold: after every refit the acceptance length stays well above 1.0 and the 
 tokens' log-probs under speculation equal the trainer's autoregressive log-probs (speculation changes nothing the
 learner sees); after the broken draft refit, acceptance collapses and the alarm fires.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,13 +56,27 @@ def _offline_draft(out_dir: Path, prompts: list[list[int]]) -> Path:
     torch.manual_seed(0)
     seqs, lens = [], []
     for p in prompts:
-        out = model.generate(torch.tensor([p] * 4), do_sample=True, temperature=1.0, top_k=0, max_new_tokens=32,
-                             pad_token_id=model.config.eos_token_id)
+        out = model.generate(
+            torch.tensor([p] * 4),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            max_new_tokens=32,
+            pad_token_id=model.config.eos_token_id,
+        )
         seqs += out.tolist()
         lens += [len(p)] * 4
-    head, _ = train_draft_on_sequences(model, seqs, lens, draft_vocab_size=256,
-                                       always_include=[model.config.eos_token_id], steps=100, batch_size=8, lr=3e-3,
-                                       ttt_steps=3)
+    head, _ = train_draft_on_sequences(
+        model,
+        seqs,
+        lens,
+        draft_vocab_size=256,
+        always_include=[model.config.eos_token_id],
+        steps=100,
+        batch_size=8,
+        lr=3e-3,
+        ttt_steps=3,
+    )
     return head.save_pretrained(out_dir)
 
 
@@ -72,10 +87,18 @@ def test_acceptance_survives_refits_and_alarm_fires_on_broken_draft_refit(tmp_pa
     start = time.perf_counter()
     draft_dir = _offline_draft(tmp_path / "draft", prompts)
     print(f"\noffline draft init {time.perf_counter() - start:.0f} s")
-    cfg = load_config(SPEC, [f"policy.draft.model_name={draft_dir}", f"logger.log_dir={tmp_path / 'logs'}",
-                             "checkpointing.enabled=false", "policy.generation.max_new_tokens=32",
-                             "policy.train_global_batch_size=16", "policy.logprob_batch_size=16",
-                             "policy.megatron_cfg.optimizer.lr=1.0e-4"])
+    cfg = load_config(
+        SPEC,
+        [
+            f"policy.draft.model_name={draft_dir}",
+            f"logger.log_dir={tmp_path / 'logs'}",
+            "checkpointing.enabled=false",
+            "policy.generation.max_new_tokens=32",
+            "policy.train_global_batch_size=16",
+            "policy.logprob_batch_size=16",
+            "policy.megatron_cfg.optimizer.lr=1.0e-4",
+        ],
+    )
     s = setup(cfg)
     lengths, alarms, lp_errors, versions = [], [], [], []
     try:
@@ -85,8 +108,9 @@ def test_acceptance_survives_refits_and_alarm_fires_on_broken_draft_refit(tmp_pa
             lengths.append(m["vllm/spec_acceptance_length"])
             alarms.append(m[s.spec.alarm.METRIC])
             data = fm.train_data_from_generation(s, gen, step)
-            lp_errors.append(masked_mean_abs_diff(data["prev_logprobs"], gen["generation_logprobs"],
-                                                  data["token_mask"]))
+            lp_errors.append(
+                masked_mean_abs_diff(data["prev_logprobs"], gen["generation_logprobs"], data["token_mask"])
+            )
             train = s.policy.train(data)
             assert train["draft_version"] == step + 1 and train["draft_loss"] > 0
             refit = s.refitter.refit(version=step + 1)
@@ -96,14 +120,17 @@ def test_acceptance_survives_refits_and_alarm_fires_on_broken_draft_refit(tmp_pa
         # break the draft refit on purpose: load random weights of the right names and shapes
         export = s.policy.export_draft_weights().get()
         gen_rng = torch.Generator().manual_seed(123)
-        export["weights"] = {k: (torch.randn(v.shape, generator=gen_rng) * 0.02 if v.is_floating_point() else v)
-                             for k, v in export["weights"].items()}
+        export["weights"] = {
+            k: (torch.randn(v.shape, generator=gen_rng) * 0.02 if v.is_floating_point() else v)
+            for k, v in export["weights"].items()
+        }
         s.generation.update_draft_weights(export)
         s.spec.notify_refit()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            broken = s.spec_step_metrics(s.generation.generate({"prompt_token_ids": prompts}, n=2, seed=99)
-                                         ["spec_counters"])
+            broken = s.spec_step_metrics(
+                s.generation.generate({"prompt_token_ids": prompts}, n=2, seed=99)["spec_counters"]
+            )
     finally:
         teardown(s)
     print("\nacceptance per cycle", [round(x, 3) for x in lengths], "broken", broken["vllm/spec_acceptance_length"])

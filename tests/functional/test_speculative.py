@@ -6,6 +6,7 @@ Every engine runs in its own spawned process (``checks.run_isolated``). Expectat
 computations: plain (non-speculative) vLLM greedy and transformers greedy outputs, and the torch EAGLE-3 head
 replaying vLLM's temperature-0 drafting rounds. Run with -s to see timings.
 """
+
 from __future__ import annotations
 
 import os
@@ -69,19 +70,24 @@ def plain(target, prompts) -> dict:
 @pytest.fixture(scope="module")
 def trained_head(target, prompts, tmp_path_factory) -> dict:
     t0 = time.perf_counter()
-    res = checks.train_tiny_head(target, prompts[:16], str(tmp_path_factory.mktemp("heads") / "trained"),
-                                 cache_dir=checks.default_draft_cache())
+    res = checks.train_tiny_head(
+        target, prompts[:16], str(tmp_path_factory.mktemp("heads") / "trained"), cache_dir=checks.default_draft_cache()
+    )
     hist = res["history"]
-    print(f"\ndraft training: {time.perf_counter() - t0:.1f} s, loss {hist[0]['train/draft_loss']:.2f} -> "
-          f"{hist[-1]['train/draft_loss']:.2f}")
+    print(
+        f"\ndraft training: {time.perf_counter() - t0:.1f} s, loss {hist[0]['train/draft_loss']:.2f} -> "
+        f"{hist[-1]['train/draft_loss']:.2f}"
+    )
     assert hist[-1]["train/draft_loss"] < 0.5 * hist[0]["train/draft_loss"]
     return res
 
 
 def _report(name: str, res: dict, plain: dict) -> None:
     c = res["counters"]
-    print(f"\n{name}: {res['generate_s']:.1f} s vs plain {plain['generate_s']:.1f} s; acceptance length "
-          f"{c.acceptance_length:.3f}, per position {[round(a / max(c.num_drafts, 1), 3) for a in c.accepted_per_pos]}")
+    print(
+        f"\n{name}: {res['generate_s']:.1f} s vs plain {plain['generate_s']:.1f} s; acceptance length "
+        f"{c.acceptance_length:.3f}, per position {[round(a / max(c.num_drafts, 1), 3) for a in c.accepted_per_pos]}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- lossless, T = 0
@@ -137,20 +143,34 @@ def trained_mimo(target, prompts, tmp_path_factory) -> dict:
     few = prompts[:TRAINED_PROMPTS]
     plain = checks.run_isolated(checks.greedy_generate, llama, few, TRAINED_TOKENS + 1)
     t0 = time.perf_counter()
-    res = checks.run_isolated(export_trained_mimo, llama, str(root / "mimo"),
-                              [p + o for p, o in zip(few, plain["outputs"])], [len(p) for p in few])
-    print(f"\nMTP training: {time.perf_counter() - t0:.1f} s, loss {res['losses'][0]:.2f} -> {res['losses'][-1]:.2f}, "
-          f"argmax accuracy {res['accuracy']:.3f}")
+    res = checks.run_isolated(
+        export_trained_mimo,
+        llama,
+        str(root / "mimo"),
+        [p + o for p, o in zip(few, plain["outputs"])],
+        [len(p) for p in few],
+    )
+    print(
+        f"\nMTP training: {time.perf_counter() - t0:.1f} s, loss {res['losses'][0]:.2f} -> {res['losses'][-1]:.2f}, "
+        f"argmax accuracy {res['accuracy']:.3f}"
+    )
     return {"path": str(root / "mimo"), "plain": [o[:TRAINED_TOKENS] for o in plain["outputs"]]}
 
 
 def test_lossless_greedy_mtp(prompts, trained_mimo):
     """Speculative (k = 1, the exported MTP layer) greedy decoding of the MiMo checkpoint equals plain greedy decoding
     of the Llama it was exported from, after the drafter is shown to accept."""
-    res = checks.run_isolated(checks.greedy_generate, trained_mimo["path"], prompts[:TRAINED_PROMPTS], TRAINED_TOKENS,
-                              {"method": "mtp", "num_speculative_tokens": 1})
+    res = checks.run_isolated(
+        checks.greedy_generate,
+        trained_mimo["path"],
+        prompts[:TRAINED_PROMPTS],
+        TRAINED_TOKENS,
+        {"method": "mtp", "num_speculative_tokens": 1},
+    )
     c = res["counters"]
-    print(f"\nmtp (tiny MiMo, trained MTP layer): {res['generate_s']:.1f} s, acceptance length {c.acceptance_length:.3f}")
+    print(
+        f"\nmtp (tiny MiMo, trained MTP layer): {res['generate_s']:.1f} s, acceptance length {c.acceptance_length:.3f}"
+    )
     require_acceptance(c, "mtp (trained MTP layer)")
     assert first_mismatch(trained_mimo["plain"], res["outputs"]) is None
 
@@ -174,7 +194,7 @@ def _check_phase(phase: dict, sims, label: str) -> None:
     drafts = accepted = 0
     for i, (recorded, rounds) in enumerate(zip(phase["proposals"], sims)):
         # vLLM drafts once more after the last token (never verified); all earlier rounds must agree exactly
-        got = [r[0].tolist() for r in recorded][:len(rounds)]
+        got = [r[0].tolist() for r in recorded][: len(rounds)]
         assert got == [r.proposals for r in rounds], f"{label}: prompt {i} proposals differ"
         drafts += len(rounds)
         accepted += sum(r.accepted for r in rounds)
@@ -198,19 +218,26 @@ def test_eagle3_refit_exact_proposals_metrics_and_alarm(target, prompts, trained
         new = Eagle3DraftHead.from_pretrained(trained_head["path"], emb)
         old = Eagle3DraftHead.from_target(policy, draft_vocab=new.draft_ids, seed=5)
     else:
-        old = Eagle3DraftHead.from_target(policy, seed=5)      # lm_head bit-identical to the target's
+        old = Eagle3DraftHead.from_target(policy, seed=5)  # lm_head bit-identical to the target's
         new = Eagle3DraftHead.from_target(policy, seed=6, init_lm_head_from_target=False)
     old.save_pretrained(tmp_path / "old")
     few, max_tokens = prompts[:6], 48
     t0 = time.perf_counter()
-    res = checks.run_isolated(checks.eagle3_refit_scenario, target, str(tmp_path / "old"),
-                              new.export_state_dict(), few, max_tokens, K)
-    print(f"\nrefit scenario ({vocab}): {time.perf_counter() - t0:.1f} s, drafter refit "
-          f"{res['refit']['seconds'] * 1e3:.1f} ms, acceptance length before {res['before']['counters'].acceptance_length:.3f}"
-          f" after {res['after']['counters'].acceptance_length:.3f}")
+    res = checks.run_isolated(
+        checks.eagle3_refit_scenario, target, str(tmp_path / "old"), new.export_state_dict(), few, max_tokens, K
+    )
+    print(
+        f"\nrefit scenario ({vocab}): {time.perf_counter() - t0:.1f} s, drafter refit "
+        f"{res['refit']['seconds'] * 1e3:.1f} ms, acceptance length before {res['before']['counters'].acceptance_length:.3f}"
+        f" after {res['after']['counters'].acceptance_length:.3f}"
+    )
     with torch.no_grad():
-        hf = [policy.generate(torch.tensor([p]), max_new_tokens=max_tokens + K, do_sample=False, pad_token_id=0)[0,
-              len(p):].tolist() for p in few]
+        hf = [
+            policy.generate(torch.tensor([p]), max_new_tokens=max_tokens + K, do_sample=False, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in few
+        ]
     if vocab == "reduced":  # the trained head must accept before equality after the refit means anything
         require_acceptance(res["after"]["counters"], "eagle3 after the drafter refit")
     assert res["before"]["outputs"] == [h[:max_tokens] for h in hf]
@@ -227,5 +254,5 @@ def test_eagle3_refit_exact_proposals_metrics_and_alarm(target, prompts, trained
     assert torch.equal(readable["model.norm.weight"], exported["norm.weight"])
     if vocab == "reduced":
         assert torch.equal(readable["draft_id_to_target_id"], exported["d2t"])
-        assert res["before"]["alarm"] == 1.0   # random draft: acceptance ~1.0 right after a "refit"
+        assert res["before"]["alarm"] == 1.0  # random draft: acceptance ~1.0 right after a "refit"
         assert res["after"]["alarm"] == 0.0

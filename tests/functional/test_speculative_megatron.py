@@ -4,6 +4,7 @@ policy's forward and backward leaves the policy's gradients bitwise unchanged (f
 
 Megatron needs a process group, so the scenario runs in a spawned process (``checks.run_isolated``).
 """
+
 from __future__ import annotations
 
 import os
@@ -53,10 +54,11 @@ def megatron_scenario(model_path: str) -> dict:
         hs = hf(ids, output_hidden_states=True).hidden_states
     H = hf.config.hidden_size
     return {
-        "aux_shape": tuple(aux.shape), "aux_requires_grad": aux.requires_grad,
+        "aux_shape": tuple(aux.shape),
+        "aux_requires_grad": aux.requires_grad,
         "diff_id0": float((aux[..., :H] - hs[0]).abs().max()),
-        "diff_id1": float((aux[..., H:2 * H] - hs[1]).abs().max()),
-        "diff_id2_normed": float((hf.model.norm(aux[..., 2 * H:]) - hs[2]).abs().max()),
+        "diff_id1": float((aux[..., H : 2 * H] - hs[1]).abs().max()),
+        "diff_id2_normed": float((hf.model.norm(aux[..., 2 * H :]) - hs[2]).abs().max()),
         "grads_untouched_by_draft": untouched,
         "same_grad_names": sorted(grads_on) == sorted(grads_off),
         "grads_bitwise_equal": all(torch.equal(grads_on[n], grads_off[n]) for n in grads_on),

@@ -9,6 +9,7 @@ decoding with the exported MTP layer accepts (acceptance length >= 1.5, k = 1) a
 agree with megatron's own MTP greedy predictions (they may differ only through MiMo's zeroed embedding at position
 0); a refit of the MTP layer in the running engine (a perturbed layer: the reject path) keeps decoding lossless.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,6 +67,7 @@ def export_scenario(llama_dir: str, out_dir: str, sequences: list[list[int]], pr
     trunk = megatron_to_hf({n: t for n, t in state.items() if not n.startswith("mtp.")}, spec)
     cfg = json.loads((Path(llama_dir) / "config.json").read_text())
     write_mimo_checkpoint(trunk, cfg, mtp, out_dir, tokenizer_dir=llama_dir)
+
     def zero_first_position(**kwargs):  # what vLLM's MiMo layer does to the token embedding at position 0
         emb = model.embedding(**kwargs).clone()  # [S, B, H]
         emb[0] = 0
@@ -84,8 +86,13 @@ def export_scenario(llama_dir: str, out_dir: str, sequences: list[list[int]], pr
     gen = torch.Generator().manual_seed(1)
     # (0.05: the refit layer rejects nearly everything, acceptance 1.004 measured: the reject path after the refit)
     perturbed = {n: t + 0.05 * torch.randn(t.shape, generator=gen) if t.dim() == 2 else t for n, t in mtp.items()}
-    return {"mtp_names": sorted(mtp), "predictions": preds, "predictions_zero0": preds_zero0,
-            "perturbed": perturbed, "trained": trained}
+    return {
+        "mtp_names": sorted(mtp),
+        "predictions": preds,
+        "predictions_zero0": preds_zero0,
+        "perturbed": perturbed,
+        "trained": trained,
+    }
 
 
 def test_megatron_mtp_exported_as_mimo(tmp_path):
@@ -96,8 +103,12 @@ def test_megatron_mtp_exported_as_mimo(tmp_path):
     prompts = lossless_prompts(AutoTokenizer.from_pretrained(tiny), NUM_PROMPTS)
     hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
     with torch.no_grad():
-        greedy = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS + 1, do_sample=False,
-                              pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        greedy = [
+            hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS + 1, do_sample=False, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     sequences = [p + g for p, g in zip(prompts, greedy)]
     mimo = tmp_path / "mimo"
     exp = checks.run_isolated(export_scenario, str(llama), str(mimo), sequences, [len(p) for p in prompts])
@@ -107,17 +118,25 @@ def test_megatron_mtp_exported_as_mimo(tmp_path):
 
     plain_llama = checks.run_isolated(checks.greedy_generate, str(llama), prompts, MAX_TOKENS)
     plain_mimo = checks.run_isolated(checks.greedy_generate, str(mimo), prompts, MAX_TOKENS)
-    assert plain_llama["outputs"] == [g[:MAX_TOKENS] for g in greedy]     # vLLM Llama == transformers
+    assert plain_llama["outputs"] == [g[:MAX_TOKENS] for g in greedy]  # vLLM Llama == transformers
     assert first_mismatch(plain_llama["outputs"], plain_mimo["outputs"]) is None  # exported trunk exact
 
     from nemo_rl_spec.models.mtp_export import with_zero_qkv_bias
 
     refit_weights = with_zero_qkv_bias(exp["perturbed"])
-    res = checks.run_isolated(checks.refit_lossless_scenario, str(mimo), {"method": "mtp", "num_speculative_tokens": 1},
-                              refit_weights, prompts, MAX_TOKENS)
+    res = checks.run_isolated(
+        checks.refit_lossless_scenario,
+        str(mimo),
+        {"method": "mtp", "num_speculative_tokens": 1},
+        refit_weights,
+        prompts,
+        MAX_TOKENS,
+    )
     c = res["before"]["counters"]
-    print(f"\nmtp (exported megatron MTP): acceptance length {c.acceptance_length:.3f} before refit, "
-          f"{res['after']['counters'].acceptance_length:.3f} after; refit {res['refit']['seconds'] * 1e3:.1f} ms")
+    print(
+        f"\nmtp (exported megatron MTP): acceptance length {c.acceptance_length:.3f} before refit, "
+        f"{res['after']['counters'].acceptance_length:.3f} after; refit {res['refit']['seconds'] * 1e3:.1f} ms"
+    )
     require_acceptance(c, "mtp (exported, trained MTP layer)")  # the accept path, before the refit
     for phase in ("before", "after"):
         assert first_mismatch(plain_llama["outputs"], res[phase]["outputs"]) is None, phase
@@ -134,8 +153,10 @@ def test_megatron_mtp_exported_as_mimo(tmp_path):
             agree0 += guess == pred0[t]
             total += 1
             t += 2 if guess == seq[t + 2] else 1
-    print(f"MTP proposals equal to megatron's MTP argmax: {agree}/{total}; with the position-0 embedding zeroed "
-          f"as in vLLM's MiMo layer: {agree0}/{total}")
+    print(
+        f"MTP proposals equal to megatron's MTP argmax: {agree}/{total}; with the position-0 embedding zeroed "
+        f"as in vLLM's MiMo layer: {agree0}/{total}"
+    )
     assert total > 50 and agree0 == total  # the mapping is exact; only MiMo's position-0 rule differs
 
 

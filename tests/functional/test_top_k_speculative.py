@@ -6,6 +6,7 @@ Slow (one engine start). When this test fails because the engine no longer crash
 goodness-of-fit test against the exact top-k pair distribution (``testing/lossless.py``) before lifting the
 refusal (docs/nemo_rl_compat.md).
 """
+
 from __future__ import annotations
 
 import os
@@ -49,5 +50,5 @@ def test_top_k_with_speculation_crashes_vllm_cpu(tmp_path):
     head = checks.train_tiny_head(target, prompts, str(tmp_path / "t1"), cache_dir=checks.default_draft_cache())
     spec = {"method": "eagle3", "model": head["path"], "num_speculative_tokens": 5}
     without, with_top_k = checks.run_isolated(top_k_scenario, target, prompts[0], spec, 4)
-    assert without is None                                          # the same engine samples fine without top-k
+    assert without is None  # the same engine samples fine without top-k
     assert with_top_k is not None and "Expected reduction dim" in with_top_k, with_top_k

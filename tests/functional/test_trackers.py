@@ -8,6 +8,7 @@
 - MLflow against a real ``mlflow server`` the test starts on 127.0.0.1 (a free port, a sqlite store in tmp) and
   stops: every metric of every step through ``MlflowClient.get_metric_history``, the params, the curve artifact.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,9 +45,20 @@ def mlflow_server(tmp_path):
     store.mkdir()
     url = f"http://127.0.0.1:{free_port()}"
     log = store / "server.log"
-    cmd = [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", url.rsplit(":")[-1],
-           "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination",
-           str(store / "artifacts"), "--workers", "1"]
+    cmd = [
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        url.rsplit(":")[-1],
+        "--backend-store-uri",
+        f"sqlite:///{store / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(store / "artifacts"),
+        "--workers",
+        "1",
+    ]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=store, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -84,8 +96,8 @@ def read_wandb_records(path: Path) -> list:
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
             pos += 32768 - pos % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = pb.Record()
@@ -121,14 +133,29 @@ def test_wandb_offline_and_mlflow_server_hold_every_step(tmp_path, mlflow_server
 
     url, server_log = mlflow_server
     logs = tmp_path / "logs"
-    cmd = [sys.executable, str(ROOT / "examples" / "run_grpo.py"), "--config", str(TINY), "grpo.max_num_steps=2",
-           "data.validation.max_samples=2", f"logger.log_dir={logs}", "checkpointing.enabled=false",
-           "logger.progress_bar=false", "logger.wandb_enabled=true", "logger.wandb.project=trk",
-           "logger.wandb.name=tiny-2", "logger.mlflow_enabled=true", "logger.mlflow.experiment_name=trk",
-           "logger.mlflow.run_name=tiny-2", f"logger.mlflow.tracking_uri={url}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        str(TINY),
+        "grpo.max_num_steps=2",
+        "data.validation.max_samples=2",
+        f"logger.log_dir={logs}",
+        "checkpointing.enabled=false",
+        "logger.progress_bar=false",
+        "logger.wandb_enabled=true",
+        "logger.wandb.project=trk",
+        "logger.wandb.name=tiny-2",
+        "logger.mlflow_enabled=true",
+        "logger.mlflow.experiment_name=trk",
+        "logger.mlflow.run_name=tiny-2",
+        f"logger.mlflow.tracking_uri={url}",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "NEMO_RL_SPEC_VERBOSE")}
-    env.update(WANDB_MODE="offline", **{k: str(tmp_path / "wandb_home" / k) for k in
-                                        ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})
+    env.update(
+        WANDB_MODE="offline",
+        **{k: str(tmp_path / "wandb_home" / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")},
+    )
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         wait_until_answers(url, server_log)  # the server starts while Ray and the workers do

@@ -5,6 +5,7 @@ transformers' greedy argmax, and weights perturbed in transformers then refit in
 One engine runs at a time (a new temperature replaces the previous actor). Prints engine start and
 refit seconds (run with -s to see them).
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,8 +48,12 @@ def prompts(model_path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                    tokenize=True, return_dict=True)["input_ids"] for q in QUESTIONS]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for q in QUESTIONS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +63,9 @@ def long_prompt(model_path) -> list[int]:
 
     tok = AutoTokenizer.from_pretrained(model_path)
     text = "Add these numbers: " + " + ".join(str(i) for i in range(60))
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                  tokenize=True, return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     assert 256 < len(ids) < 400
     return ids
 
@@ -154,8 +160,11 @@ def check_layout(out: dict, prompts: list[list[int]], n: int, pad_id: int) -> No
 
 def perturbed_state_dict(model, seed: int, with_lm_head: bool) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    noisy = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()
-             if k != "lm_head.weight"}
+    noisy = {
+        k: v + 0.05 * torch.randn(v.shape, generator=gen)
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
     if with_lm_head:  # tied: the output layer is the (perturbed) embedding
         noisy["lm_head.weight"] = noisy["model.embed_tokens.weight"]
     return noisy
@@ -211,8 +220,11 @@ def test_refit_matches_transformers_with_new_weights(engines, hf_model, prompts,
         weights = perturbed_state_dict(hf_model, seed, with_lm_head)
         ray.get(worker.update_weights.remote(weights, version))
         timings.append(ray.get(worker.get_timings.remote())["last_refit_s"])
-        assert ray.get(worker.get_versions.remote()) == {"policy_version": version, "draft_version": None,
-                                                         "draft_policy_version": None}
+        assert ray.get(worker.get_versions.remote()) == {
+            "policy_version": version,
+            "draft_version": None,
+            "draft_policy_version": None,
+        }
         after = ray.get(worker.generate.remote(data, 2, 11))  # same prompts: the prefix cache must be reset
         assert after["policy_version"] == version
         new_model = model_with(hf_model, weights)

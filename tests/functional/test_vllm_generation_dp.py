@@ -11,6 +11,7 @@ log-probs down to about -30 on this random model), before and after a refit.
 
 Engines live for the whole module (module-scoped fixtures); run with -s to see engine start and refit seconds.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,8 +44,9 @@ ENGINE_CPUS = 0.25  # six engine actors fit the 2-CPU bundle
 TOL = 1e-5
 
 
-def generation_cfg(temperature: float, speculative_config: dict | None = None,
-                   tensor_parallel_size: int = 1) -> GenerationConfig:
+def generation_cfg(
+    temperature: float, speculative_config: dict | None = None, tensor_parallel_size: int = 1
+) -> GenerationConfig:
     cfg = copy.deepcopy(yaml.safe_load(BASE_CONFIG.read_text())["policy"]["generation"])
     cfg.update(temperature=temperature, max_new_tokens=MAX_NEW_TOKENS)
     cfg["vllm_cfg"].update(kv_cache_space_gb=0.25, tensor_parallel_size=tensor_parallel_size)
@@ -77,8 +79,12 @@ def prompts(model_path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=True)["input_ids"] for q in QUESTIONS]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+        for q in QUESTIONS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +119,13 @@ def eagle3_head(model_path, prompts, tmp_path_factory) -> str:
     train), so drafts are accepted and the accept path of verification is exercised too."""
     from nemo_rl_spec.testing import checks
 
-    return checks.train_tiny_head(model_path, prompts, str(tmp_path_factory.mktemp("eagle3")), max_new_tokens=32,
-                                  cache_dir=checks.default_draft_cache())["path"]
+    return checks.train_tiny_head(
+        model_path,
+        prompts,
+        str(tmp_path_factory.mktemp("eagle3")),
+        max_new_tokens=32,
+        cache_dir=checks.default_draft_cache(),
+    )["path"]
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +138,11 @@ def spec_engines(cluster, model_path, eagle3_head):
 
 def perturbed_weights(hf_model, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in hf_model.state_dict().items()
-            if k != "lm_head.weight"}  # tied: the engine sends the embedding as lm_head
+    return {
+        k: v + 0.05 * torch.randn(v.shape, generator=gen)
+        for k, v in hf_model.state_dict().items()
+        if k != "lm_head.weight"
+    }  # tied: the engine sends the embedding as lm_head
 
 
 def probe(out) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,14 +170,20 @@ def test_two_engines_sample_what_one_engine_samples(one_engine, two_engines, pro
     # samples really are random (seeded per row): another seed gives other tokens
     assert not torch.equal(two_engines.generate(data, N, SEED + 1)["output_ids"], got["output_ids"])
     # fewer prompts than engines: engine 1 idles, rows still equal one engine's
-    assert_same_rows(two_engines.generate({"prompt_token_ids": prompts[:1]}, 2, SEED),
-                     one_engine.generate({"prompt_token_ids": prompts[:1]}, 2, SEED))
+    assert_same_rows(
+        two_engines.generate({"prompt_token_ids": prompts[:1]}, 2, SEED),
+        one_engine.generate({"prompt_token_ids": prompts[:1]}, 2, SEED),
+    )
 
 
 def test_engines_have_own_port_band_and_threads(two_engines):
     assert [i["tensor_parallel_size"] for i in two_engines.engine_info()] == [1, 1]
-    ports = [p for p in two_engines.workers.get([w.__ray_call__.remote(lambda self: os.environ.get("VLLM_PORT"))
-                                                  for w in two_engines.workers.workers])]
+    ports = [
+        p
+        for p in two_engines.workers.get(
+            [w.__ray_call__.remote(lambda self: os.environ.get("VLLM_PORT")) for w in two_engines.workers.workers]
+        )
+    ]
     assert ports == ["7000", "7100"]
     assert [i["torch_threads"] for i in two_engines.runtime_info()] == [1, 1]
     assert len(two_engines.node_ids()) == 2
@@ -181,13 +201,17 @@ def test_refit_every_engine_then_score(one_engine, two_engines, hf_model, prompt
     assert len(scores) == 2
     for e, (new, old) in enumerate(zip(scores, before)):
         diff = float((new - ref).abs().max())
-        print(f"\nengine {e}: max |score - single engine with the same weights| = {diff:.2e}, "
-              f"refit {two_engines.get_timings()[e]['last_refit_s']:.3f} s")
+        print(
+            f"\nengine {e}: max |score - single engine with the same weights| = {diff:.2e}, "
+            f"refit {two_engines.get_timings()[e]['last_refit_s']:.3f} s"
+        )
         assert diff <= TOL
         assert float((new - old).abs().max()) > 1e-2  # the weights did change
     assert [v["policy_version"] for v in two_engines.get_versions()] == [1, 1]
-    assert_same_rows(two_engines.generate({"prompt_token_ids": prompts}, N, SEED),
-                     one_engine.generate({"prompt_token_ids": prompts}, N, SEED))
+    assert_same_rows(
+        two_engines.generate({"prompt_token_ids": prompts}, N, SEED),
+        one_engine.generate({"prompt_token_ids": prompts}, N, SEED),
+    )
 
 
 def test_refit_skipping_an_engine_is_visible(two_engines, hf_model, prompts):
@@ -260,8 +284,10 @@ def test_tensor_parallel_engine_matches_tp1_and_refits(tp2_engine, one_engine, h
         [tp2], [tp1] = tp2_engine.score(*seqs), one_engine.score(*seqs)
         diff = float((tp2 - tp1).abs().max())
         rel = float(((tp2 - tp1).abs() / tp1.abs().clamp(min=1.0)).max())
-        print(f"\nTP=2 vs TP=1 (weights v{version}): max |score diff| = {diff:.2e} (relative {rel:.2e}, "
-              f"|log-probs| up to {float(tp1.abs().max()):.1f})")
+        print(
+            f"\nTP=2 vs TP=1 (weights v{version}): max |score diff| = {diff:.2e} (relative {rel:.2e}, "
+            f"|log-probs| up to {float(tp1.abs().max()):.1f})"
+        )
         # the TP all-reduce sums the row-parallel halves in another order: fp32 rounding of logits ~30 nats wide
         torch.testing.assert_close(tp2, tp1, atol=TOL, rtol=1e-6)
     assert tp2_engine.get_versions()[0]["policy_version"] == 1

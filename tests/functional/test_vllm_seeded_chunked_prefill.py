@@ -10,6 +10,7 @@ generator raises ``RuntimeError: CPU Generator does not use offset``
 The reference is the same engine run one prompt group at a time (``row_offset`` keeps each row's seed; 4 x 240
 tokens fit one step, so nothing is chunked): every row, chunked or not, must be the same tokens.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,10 +38,15 @@ def report_prompts(model_path: str) -> list[list[int]]:
     prompts = []
     for i in range(32):
         a, b = 17 * i + 3, 97 * i * i + 29 * i + 11
-        question = (f"Tom has {a} apples and buys {b} more. How many apples does he have now? "
-                    "Reply with the total as a number. ") * 6
-        prompts.append(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"])
+        question = (
+            f"Tom has {a} apples and buys {b} more. How many apples does he have now? "
+            "Reply with the total as a number. "
+        ) * 6
+        prompts.append(
+            tok.apply_chat_template(
+                [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
     return prompts
 
 
@@ -75,16 +81,25 @@ def seeded_batch_scenario(model_path: str, prompts: list[list[int]], patched: bo
         return {"error": f"{type(e).__name__}: {e} (cause: {e.__cause__!r})", "budget": budget}
     chunked_in_batch = len(discarded)
     discarded.clear()
-    groups = [worker.generate({"prompt_token_ids": [p]}, n=N, seed=SEED, row_offset=i * N)
-              for i, p in enumerate(prompts)]
+    groups = [
+        worker.generate({"prompt_token_ids": [p]}, n=N, seed=SEED, row_offset=i * N) for i, p in enumerate(prompts)
+    ]
     worker.shutdown()
 
     def responses(out):
-        return [row[s:e].tolist() for row, s, e in
-                zip(out["output_ids"], out["input_lengths"], out["unpadded_sequence_lengths"])]
-    return {"batch": responses(batch), "groups": [r for g in groups for r in responses(g)],
-            "batch_logprobs": batch["generation_logprobs"].sum(-1), "budget": budget,
-            "chunked_in_batch": chunked_in_batch, "chunked_in_groups": len(discarded)}
+        return [
+            row[s:e].tolist()
+            for row, s, e in zip(out["output_ids"], out["input_lengths"], out["unpadded_sequence_lengths"])
+        ]
+
+    return {
+        "batch": responses(batch),
+        "groups": [r for g in groups for r in responses(g)],
+        "batch_logprobs": batch["generation_logprobs"].sum(-1),
+        "budget": budget,
+        "chunked_in_batch": chunked_in_batch,
+        "chunked_in_groups": len(discarded),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """Batch-size-aware speculation schedule (nemo_rl_spec/speculative/adaptive_k.py), against hand-worked values
 and vLLM's own dense lookup of the same schedule."""
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def test_interpolate_cost():
 def test_predicted_speedups_by_hand():
     s = predicted_speedups(AR, SPEC, A, 1)
     assert s == pytest.approx({0: 1.0, 1: 1.6 / 1.2, 3: 2.176 / 1.5})
-    s = predicted_speedups(AR, SPEC, A, 3)   # c_AR 1.25, c_1 1.65, c_3 2.625
+    s = predicted_speedups(AR, SPEC, A, 3)  # c_AR 1.25, c_1 1.65, c_3 2.625
     assert s == pytest.approx({0: 1.0, 1: 1.6 * 1.25 / 1.65, 3: 2.176 * 1.25 / 2.625})
     with_k0 = predicted_speedups(AR, {**SPEC, 0: {1: 1.1, 9: 2.2}}, A, 1)
     assert with_k0[0] == pytest.approx(1.0 / 1.1)
@@ -101,10 +102,17 @@ def test_config_needs_exactly_one_source(tmp_path):
 
 def test_schedule_from_step_cost_file(tmp_path):
     path = tmp_path / "bench.json"
-    path.write_text(json.dumps({"step_costs": {"ar_step_s": {str(b): c for b, c in AR.items()},
-                                               "spec_step_s": {str(k): {str(b): c for b, c in v.items()}
-                                                               for k, v in SPEC.items()},
-                                               "acceptance_rate": A}}))
+    path.write_text(
+        json.dumps(
+            {
+                "step_costs": {
+                    "ar_step_s": {str(b): c for b, c in AR.items()},
+                    "spec_step_s": {str(k): {str(b): c for b, c in v.items()} for k, v in SPEC.items()},
+                    "acceptance_rate": A,
+                }
+            }
+        )
+    )
     cfg = {"step_costs": str(path), "min_speedup": 1.05, "max_batch_size": 32}
     assert schedule_from_config(cfg) == [(1, 1, 3), (2, 10, 1), (11, 32, 0)]
     assert schedule_from_config({**cfg, "acceptance_rate": 0.0}) == [(1, 32, 0)]
@@ -117,14 +125,13 @@ def test_apply_batch_size_schedule():
     gen = {"dynamic_speculation": {"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 256, 0]]}}
     out = apply_batch_size_schedule(engine, gen)
     assert out["speculative_config"][VLLM_KEY] == [[1, 4, 3], [5, 256, 0]]
-    assert VLLM_KEY not in engine["speculative_config"]          # input untouched
+    assert VLLM_KEY not in engine["speculative_config"]  # input untouched
     assert apply_batch_size_schedule(engine, {"dynamic_speculation": None}) is engine
     assert apply_batch_size_schedule(engine, {"dynamic_speculation": {"enabled": False}}) is engine
     with pytest.raises(ValueError, match="speculative_config"):
         apply_batch_size_schedule({"model": "m"}, gen)
     with pytest.raises(ValueError, match="set one"):
-        apply_batch_size_schedule({"speculative_config": {**engine["speculative_config"], VLLM_KEY: [[1, 2, 1]]}},
-                                  gen)
+        apply_batch_size_schedule({"speculative_config": {**engine["speculative_config"], VLLM_KEY: [[1, 2, 1]]}}, gen)
 
 
 # ------------------------------------------------------------------ issue 35: the plain k = 0 path (fake engine)
@@ -148,10 +155,14 @@ def _fake_worker(aux: bool = True):
 
     inner = SimpleNamespace(aux_hidden_state_layers=(2, 15, 27))
     calls = []
-    runner = SimpleNamespace(use_aux_hidden_state_outputs=aux, drafter=SimpleNamespace(), model=SimpleNamespace(model=inner))
+    runner = SimpleNamespace(
+        use_aux_hidden_state_outputs=aux, drafter=SimpleNamespace(), model=SimpleNamespace(model=inner)
+    )
     runner.get_model = lambda: runner.model
     runner._prepare_inputs = lambda out, n: ("idx", out["meta"], 1)
-    runner.execute_model = lambda out: calls.append((runner.use_aux_hidden_state_outputs, inner.aux_hidden_state_layers))
+    runner.execute_model = lambda out: calls.append(
+        (runner.use_aux_hidden_state_outputs, inner.aux_hidden_state_layers)
+    )
     runner.drafter.propose = lambda k, **kw: calls.append(("propose", k))
     return SimpleNamespace(model_runner=runner), calls
 
@@ -191,12 +202,15 @@ def test_drafter_skip_turns_aux_capture_off_on_k0_steps_only():
     assert calls[-1] == ("propose", 2)
 
 
-@pytest.mark.parametrize("schedule,extra,plain,skip", [
-    ([[1, 1024, 0]], {}, True, True),                                   # never drafts: both
-    ([[1, 4, 3], [5, 32, 0]], {}, True, False),                         # can draft: keep the drafter's KV pass
-    ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_at_k0": False}, True, True),
-    ([[1, 1024, 0]], {"plain_step_at_k0": False}, False, False),        # vLLM's own path (before issue 35)
-])
+@pytest.mark.parametrize(
+    "schedule,extra,plain,skip",
+    [
+        ([[1, 1024, 0]], {}, True, True),  # never drafts: both
+        ([[1, 4, 3], [5, 32, 0]], {}, True, False),  # can draft: keep the drafter's KV pass
+        ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_at_k0": False}, True, True),
+        ([[1, 1024, 0]], {"plain_step_at_k0": False}, False, False),  # vLLM's own path (before issue 35)
+    ],
+)
 def test_install_k0_paths_follows_the_config(schedule, extra, plain, skip):
     from nemo_rl_spec.speculative.adaptive_k import install_k0_paths
 

@@ -1,4 +1,5 @@
 """GRPO advantages: hand-computed values for both baselines, normalisation and the zero-spread guard."""
+
 import math
 
 import numpy as np
@@ -89,7 +90,9 @@ def test_unequal_groups_by_id_non_contiguous():
     torch.testing.assert_close(adv, _t([2 / 3, 0.5, -1 / 3, 0, -0.5, -1 / 3]), rtol=0, atol=1e-7)
     adv_norm = compute_grpo_advantages_by_group(rewards, ids, False, True)
     s7, s3 = math.sqrt(1 / 3), math.sqrt(0.5)
-    expected = _t([2 / 3 / (s7 + EPS), 0.5 / (s3 + EPS), -1 / 3 / (s7 + EPS), 0, -0.5 / (s3 + EPS), -1 / 3 / (s7 + EPS)])
+    expected = _t(
+        [2 / 3 / (s7 + EPS), 0.5 / (s3 + EPS), -1 / 3 / (s7 + EPS), 0, -0.5 / (s3 + EPS), -1 / 3 / (s7 + EPS)]
+    )
     torch.testing.assert_close(adv_norm, expected, rtol=1e-6, atol=0)
     adv_loo = compute_grpo_advantages_by_group(rewards, ids, True, False)
     # group 7: 1 - 0 = 1, 0 - 1/2 = -1/2 (x2); group 3: 1 - 0, 0 - 1; single -> 0
@@ -104,7 +107,8 @@ def test_equal_groups_agree_with_group_id_variant():
         torch.testing.assert_close(
             compute_grpo_advantages(rewards, 6, loo, norm),
             compute_grpo_advantages_by_group(rewards, ids, loo, norm),
-            rtol=0, atol=0,
+            rtol=0,
+            atol=0,
         )
 
 

@@ -1,6 +1,7 @@
 """The learning benchmark's arithmetic (examples/bench_learning.py, nemo_rl_spec/utils/bench_runs.py), without a
 model: per-seed start/final/gain from metrics records, reward thirds, and the bootstrap interval against the exact
 resampling distribution."""
+
 import itertools
 import statistics
 
@@ -26,11 +27,15 @@ def test_bootstrap_interval_matches_the_exact_resampling_distribution():
 def test_seed_summary_and_mean_gain_by_hand():
     bench = bench_learning
     assert bench.third_means([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]) == (2.0, 6.0)  # ceil(7/3) = 3 each end
-    records = [{"step": 0, "validation/accuracy": 0.25},
-               *({"step": k, "train/reward": r, "timing/train/total_step_time": 10.0 * k}
-                 for k, r in zip(range(1, 7), [0.1, 0.3, 0.2, 0.4, 0.5, 0.7])),
-               {"step": 3, "validation/accuracy": 0.3},
-               {"step": 6, "validation/accuracy": 0.5}]
+    records = [
+        {"step": 0, "validation/accuracy": 0.25},
+        *(
+            {"step": k, "train/reward": r, "timing/train/total_step_time": 10.0 * k}
+            for k, r in zip(range(1, 7), [0.1, 0.3, 0.2, 0.4, 0.5, 0.7])
+        ),
+        {"step": 3, "validation/accuracy": 0.3},
+        {"step": 6, "validation/accuracy": 0.5},
+    ]
     s = bench.seed_summary(records)
     assert (s["start_accuracy"], s["final_accuracy"]) == (0.25, 0.5)
     assert s["gain"] == pytest.approx(0.25)
@@ -61,10 +66,12 @@ def test_plots_the_committed_result(tmp_path):
 
 def test_token_mult_prob_error_per_step_and_mean_by_hand():
     bench = bench_learning
-    records = [{"step": 0, "validation/accuracy": 0.5},
-               {"step": 1, "train/reward": 0.1, "train/token_mult_prob_error": 1.01},
-               {"step": 2, "train/reward": 0.2, "train/token_mult_prob_error": 1.03},
-               {"step": 2, "validation/accuracy": 0.75}]
+    records = [
+        {"step": 0, "validation/accuracy": 0.5},
+        {"step": 1, "train/reward": 0.1, "train/token_mult_prob_error": 1.01},
+        {"step": 2, "train/reward": 0.2, "train/token_mult_prob_error": 1.03},
+        {"step": 2, "validation/accuracy": 0.75},
+    ]
     s = bench.seed_summary(records)
     assert s["token_mult_prob_error"] == [1.01, 1.03]
     assert s["mean_token_mult_prob_error"] == pytest.approx(1.02)
@@ -77,10 +84,20 @@ def test_token_mult_prob_error_per_step_and_mean_by_hand():
 
 def test_compare_pairs_final_accuracy_by_seed_by_hand():
     bench = bench_learning
-    seed = lambda start, final: {"start_accuracy": start, "final_accuracy": final,  # noqa: E731
-                                 "gain": None if final is None else final - start}
-    run = {"seeds": {"42": seed(0.3, 0.8), "1": seed(0.3, 0.7), "2": seed(0.3, 0.6), "3": seed(0.3, None),
-                     "9": seed(0.3, 0.9)}}
+    seed = lambda start, final: {
+        "start_accuracy": start,
+        "final_accuracy": final,  # noqa: E731
+        "gain": None if final is None else final - start,
+    }
+    run = {
+        "seeds": {
+            "42": seed(0.3, 0.8),
+            "1": seed(0.3, 0.7),
+            "2": seed(0.3, 0.6),
+            "3": seed(0.3, None),
+            "9": seed(0.3, 0.9),
+        }
+    }
     base = {"seeds": {"42": seed(0.3, 0.75), "1": seed(0.3, 0.75), "2": seed(0.2, 0.7), "3": seed(0.3, 0.7)}}
     c = bench.compare(run, base)
     assert list(c["seeds"]) == ["42", "1", "2"]  # seed 3: no final here; seed 9: not in the baseline
@@ -91,8 +108,16 @@ def test_compare_pairs_final_accuracy_by_seed_by_hand():
     assert c["final_diff_interval_90"] == pytest.approx(bootstrap_interval([0.05, -0.05, -0.1]))
     # the 27 resamples of {0.05, -0.05, -0.1}: 5% quantile is the 2nd smallest mean (-0.25 / 3), 95% the 26th (0.05 / 3)
     assert c["final_diff_interval_90"] == pytest.approx((-0.25 / 3, 0.05 / 3), abs=1e-12)
-    text = bench.table({"seeds": {}, "gain_interval_90": None, "mean_gain": None, "mean_reward_trend": None,
-                        "comparison": c, "meta": {"baseline": "fp32.json"}})
+    text = bench.table(
+        {
+            "seeds": {},
+            "gain_interval_90": None,
+            "mean_gain": None,
+            "mean_reward_trend": None,
+            "comparison": c,
+            "meta": {"baseline": "fp32.json"},
+        }
+    )
     assert "vs baseline fp32.json" in text and "-0.033" in text and "[-0.083, 0.017]" in text
 
 

@@ -1,5 +1,6 @@
 """The arithmetic of examples/bench_spec_learning.py (issue 33, items 3-4), without a model: run summaries from
 metrics records, per-step Welch standard errors by hand, the exact permutation test, and the acceptance goals."""
+
 import math
 
 import pytest
@@ -10,15 +11,21 @@ bench = bench_spec_learning
 
 
 def _run(rewards, final, accept=None):
-    return {"reward": rewards, "final_accuracy": final,
-            "acceptance_length": accept or [float("nan")] * len(rewards), "step_time_s": [1.0] * len(rewards)}
+    return {
+        "reward": rewards,
+        "final_accuracy": final,
+        "acceptance_length": accept or [float("nan")] * len(rewards),
+        "step_time_s": [1.0] * len(rewards),
+    }
 
 
 def test_run_summary_reads_steps_in_order_and_the_final_validation():
-    records = [{"step": 0, "validation/accuracy": 0.3},
-               {"step": 2, "train/reward": 0.5, "vllm/spec_acceptance_length": 1.5},
-               {"step": 1, "train/reward": 0.25, "vllm/spec_acceptance_length": 1.25},
-               {"step": 2, "validation/accuracy": 0.6}]
+    records = [
+        {"step": 0, "validation/accuracy": 0.3},
+        {"step": 2, "train/reward": 0.5, "vllm/spec_acceptance_length": 1.5},
+        {"step": 1, "train/reward": 0.25, "vllm/spec_acceptance_length": 1.25},
+        {"step": 2, "validation/accuracy": 0.6},
+    ]
     s = bench.run_summary(records)
     assert s["reward"] == [0.25, 0.5] and s["acceptance_length"] == [1.25, 1.5]
     assert s["final_accuracy"] == 0.6 and s["validation"] == [(0, 0.3), (2, 0.6)]
@@ -49,8 +56,10 @@ def test_compare_per_step_se_and_tests_by_hand():
 
 
 def test_acceptance_summary_goal_and_refit_ratios():
-    runs = {"1": _run([0.0] * 6, 0.5, [1.0, 2.0, 2.2, 1.5, 2.4, 2.5]),
-            "2": _run([0.0] * 6, 0.5, [2.0, 2.0, 2.0, 2.0, 2.0, 2.0])}
+    runs = {
+        "1": _run([0.0] * 6, 0.5, [1.0, 2.0, 2.2, 1.5, 2.4, 2.5]),
+        "2": _run([0.0] * 6, 0.5, [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]),
+    }
     a = bench.acceptance_summary(runs)
     assert a["per_seed"]["1"]["late_mean"] == pytest.approx((2.0 + 2.2 + 1.5 + 2.4 + 2.5) / 5)
     assert a["per_seed"]["1"]["min_refit_ratio"] == pytest.approx(1.5 / 2.2)
@@ -69,7 +78,7 @@ def test_paired_comparison_by_hand():
     import statistics
 
     d = [0.1, -0.1, 0.1]
-    assert q["per_step"][1]["se"] == pytest.approx(statistics.stdev(d) / 3 ** 0.5)
+    assert q["per_step"][1]["se"] == pytest.approx(statistics.stdev(d) / 3**0.5)
     assert q["steps_outside_2se"] == [1]
     assert q["final_accuracy_diff_per_seed"] == pytest.approx({"1": 0.1, "2": 0.2, "3": 0.0})
     # sign flips of (0.1, 0.2, 0.0): |mean| >= 0.1 for (+,+,*) and (-,-,*): 4 of 8

@@ -1,5 +1,6 @@
 """The sync-vs-async benchmark's bookkeeping without a model: merging re-run modes, the speedup and overlap-bound
 columns, the interleaved run order and the mean over repeats."""
+
 import json
 
 import pytest
@@ -14,13 +15,29 @@ def _doc(modes: dict) -> dict:
 def test_merge_later_file_wins_and_speedups_by_hand(tmp_path):
     bench = bench_sync_vs_async
     first = tmp_path / "a.json"
-    first.write_text(json.dumps(_doc({"sync/autoregressive": {"step_time_s": 80.0},
-                                      "async_age1/autoregressive": {"step_time_s": 100.0},
-                                      "sync/speculative": {"step_time_s": 90.0}})))
+    first.write_text(
+        json.dumps(
+            _doc(
+                {
+                    "sync/autoregressive": {"step_time_s": 80.0},
+                    "async_age1/autoregressive": {"step_time_s": 100.0},
+                    "sync/speculative": {"step_time_s": 90.0},
+                }
+            )
+        )
+    )
     rerun = tmp_path / "b.json"
-    rerun.write_text(json.dumps(_doc({"async_age1/autoregressive": {"step_time_s": 50.0},
-                                      "async_age1/speculative": {"step_time_s": 60.0},
-                                      "async_age2/speculative": {"error": "Traceback\nboom"}})))
+    rerun.write_text(
+        json.dumps(
+            _doc(
+                {
+                    "async_age1/autoregressive": {"step_time_s": 50.0},
+                    "async_age1/speculative": {"step_time_s": 60.0},
+                    "async_age2/speculative": {"error": "Traceback\nboom"},
+                }
+            )
+        )
+    )
     out = tmp_path / "merged.json"
     table = bench.merge([str(first), str(rerun)], out)
     modes = json.loads(out.read_text())["modes"]
@@ -37,9 +54,11 @@ def test_merge_later_file_wins_and_speedups_by_hand(tmp_path):
 
 def test_overlap_bound_on_async_rows_by_hand():
     bench = bench_sync_vs_async
-    results = {"sync/autoregressive": {"step_time_s": 74.3, "exposed_generation_s": 19.3},
-               "async_age1/autoregressive": {"step_time_s": 57.8},
-               "async_age2/autoregressive": {"error": "x"}}
+    results = {
+        "sync/autoregressive": {"step_time_s": 74.3, "exposed_generation_s": 19.3},
+        "async_age1/autoregressive": {"step_time_s": 57.8},
+        "async_age2/autoregressive": {"error": "x"},
+    }
     bench.add_speedups(results)
     assert results["async_age1/autoregressive"]["overlap_bound"] == pytest.approx(74.3 / 55.0)
     assert results["async_age1/autoregressive"]["speedup_vs_sync"] == pytest.approx(74.3 / 57.8)
@@ -53,9 +72,11 @@ def test_interleaved_schedule_and_mean_over_repeats():
     assert bench.schedule(["a"], 1) == [(0, "a")]
     with pytest.raises(ValueError, match="repeats"):
         bench.schedule(["a"], 0)
-    runs = [{"step_time_s": 70.0, "exposed_generation_s": 20.0, "buffer_starvation_s": None, "steps": 4},
-            {"error": "Traceback\nboom"},
-            {"step_time_s": 80.0, "exposed_generation_s": 10.0, "buffer_starvation_s": None, "steps": 4}]
+    runs = [
+        {"step_time_s": 70.0, "exposed_generation_s": 20.0, "buffer_starvation_s": None, "steps": 4},
+        {"error": "Traceback\nboom"},
+        {"step_time_s": 80.0, "exposed_generation_s": 10.0, "buffer_starvation_s": None, "steps": 4},
+    ]
     combined = bench.combine_repeats(runs)
     assert combined["step_time_s"] == 75.0 and combined["exposed_generation_s"] == 15.0
     assert combined["steps"] == 4.0 and "buffer_starvation_s" not in combined and combined["repeats"] == runs

@@ -1,4 +1,5 @@
 """Checkpoint layout and crash safety: a run killed while writing leaves the previous checkpoint intact."""
+
 import json
 import os
 import signal

@@ -1,5 +1,6 @@
 """checkpointing.metric_name / higher_is_better: best-k pruning by a logged metric, the newest always kept
 (worked by hand after every finalize)."""
+
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,9 @@ ACC = {1: 0.2, 2: 0.9, 3: None, 4: 0.5, 5: 0.1}  # step 3 has no validation metr
 
 
 def _run(tmp_path, higher_is_better: bool) -> list[list[int]]:
-    mgr = CheckpointManager(tmp_path, keep_top_k=2, metric_name="validation/accuracy",
-                            higher_is_better=higher_is_better)
+    mgr = CheckpointManager(
+        tmp_path, keep_top_k=2, metric_name="validation/accuracy", higher_is_better=higher_is_better
+    )
     kept = []
     for step, acc in ACC.items():
         info = {"train/reward": 0.0} if acc is None else {"validation/accuracy": acc}

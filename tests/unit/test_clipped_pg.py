@@ -1,4 +1,5 @@
 """ClippedPGLossFn: hand-computed losses, gradients and metrics for every branch; micro-batch additivity."""
+
 import math
 
 import pytest
@@ -91,7 +92,9 @@ def test_k3_kl_penalty_value_and_gradient():
         sample_mask=torch.ones(1),
         advantages=torch.zeros(1),
     )
-    loss, metrics = ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.1))(curr, data, torch.tensor(3.0), torch.tensor(1.0))
+    loss, metrics = ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.1))(
+        curr, data, torch.tensor(3.0), torch.tensor(1.0)
+    )
     assert float(loss) == pytest.approx(0.1 * 0.5 / 3, abs=1e-7)
     assert metrics["kl_penalty"] == pytest.approx(0.1 * 0.5 / 3, abs=1e-7)
     loss.backward()
@@ -104,7 +107,9 @@ def test_kl_adds_to_policy_gradient_term():
     curr, data = _clip_batch()
     # ref = curr + ln 2 on every valid token: k3 = 2 - ln 2 - 1 per token
     data["reference_policy_logprobs"] = curr.detach() + math.log(2)
-    loss, metrics = ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.5))(curr, data, torch.tensor(5.0), torch.tensor(2.0))
+    loss, metrics = ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.5))(
+        curr, data, torch.tensor(5.0), torch.tensor(2.0)
+    )
     k3 = 1 - math.log(2)
     assert float(loss) == pytest.approx(1.72 / 5 + 0.5 * k3, abs=1e-6)
     assert metrics["kl_penalty"] == pytest.approx(0.5 * k3, abs=1e-6)
@@ -118,8 +123,11 @@ def test_importance_sampling_weight_truncation(trunc, w0, expected_loss):
     gen.requires_grad_(True)
     curr = prev.clone().requires_grad_(True)
     data = dict(
-        prev_logprobs=prev, generation_logprobs=gen, token_mask=torch.tensor([[0.0, 1, 1, 1]]),
-        sample_mask=torch.ones(1), advantages=torch.ones(1),
+        prev_logprobs=prev,
+        generation_logprobs=gen,
+        token_mask=torch.tensor([[0.0, 1, 1, 1]]),
+        sample_mask=torch.ones(1),
+        advantages=torch.ones(1),
     )
     fn = ClippedPGLossFn(_cfg(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=trunc))
     loss, metrics = fn(curr, data, torch.tensor(3.0), torch.tensor(1.0))
@@ -165,8 +173,14 @@ def test_microbatches_with_global_normalisers_sum_to_full_batch(token_level):
         sample_mask=torch.tensor([1.0, 1, 0, 1, 1, 1]),
         advantages=torch.randn(B, generator=g),
     )
-    fn = ClippedPGLossFn(_cfg(token_level_loss=token_level, reference_policy_kl_penalty=0.05,
-                              use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5))
+    fn = ClippedPGLossFn(
+        _cfg(
+            token_level_loss=token_level,
+            reference_policy_kl_penalty=0.05,
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_ratio=1.5,
+        )
+    )
     toks = (token_mask * data["sample_mask"][:, None]).sum()
     seqs = data["sample_mask"].sum()
     full_loss, full_metrics = fn(curr_full, data, toks, seqs)

@@ -1,4 +1,5 @@
 """Recipe loading and validation: every shipped YAML validates; bad input fails with the key or file named."""
+
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,11 @@ def _leaves(tree, prefix=""):
     """Flatten a nested mapping to {"a.b.c": value} (lists and scalars are leaves)."""
     if not isinstance(tree, dict):
         return {prefix.rstrip("."): tree}
-    return {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()} if tree else {
-        prefix.rstrip("."): {}}
+    return (
+        {k: v for key, sub in tree.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
+        if tree
+        else {prefix.rstrip("."): {}}
+    )
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -42,8 +46,11 @@ def test_every_shipped_recipe_validates(path):
         from nemo_rl_spec.utils.precision import choose_precision
 
         resolved["policy.precision"] = choose_precision("auto", written["cluster.gpus_per_node"] > 0)[0]
-    changed = {k: (v, dumped.get(k, "<missing>")) for k, v in written.items()
-               if dumped.get(k, "<missing>") != resolved.get(k, v)}
+    changed = {
+        k: (v, dumped.get(k, "<missing>"))
+        for k, v in written.items()
+        if dumped.get(k, "<missing>") != resolved.get(k, v)
+    }
     assert not changed, f"{path.name}: YAML value -> validated value: {changed}"
 
 
@@ -116,17 +123,26 @@ def test_misspelled_key_in_yaml_names_it(tmp_path):
 def test_every_shipped_recipe_runs_on_this_build(path):
     from nemo_rl_spec.utils.config import check_runtime_support
 
-    check_runtime_support(load_config(path))   # cluster recipes included: TP, split, several nodes, dist. optimizer
+    check_runtime_support(load_config(path))  # cluster recipes included: TP, split, several nodes, dist. optimizer
 
 
-@pytest.mark.parametrize("recipe, overrides, key", [
-    (TINY, ["policy.megatron_cfg.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size > 1"),
-    (CONFIGS / "grpo_gpu_base.yaml", ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
-     "pipeline_model_parallel_size > 1"),
-    (SPEC, ["policy.generation.vllm_cfg.tensor_parallel_size=2"], "tensor_parallel_size > 1 with policy"),
-    (CONFIGS / "grpo_math_tiny_async.yaml", ["grpo.async_grpo.in_flight_weight_updates=true"],
-     "grpo.async_grpo.in_flight_weight_updates=true"),
-])
+@pytest.mark.parametrize(
+    "recipe, overrides, key",
+    [
+        (TINY, ["policy.megatron_cfg.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size > 1"),
+        (
+            CONFIGS / "grpo_gpu_base.yaml",
+            ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
+            "pipeline_model_parallel_size > 1",
+        ),
+        (SPEC, ["policy.generation.vllm_cfg.tensor_parallel_size=2"], "tensor_parallel_size > 1 with policy"),
+        (
+            CONFIGS / "grpo_math_tiny_async.yaml",
+            ["grpo.async_grpo.in_flight_weight_updates=true"],
+            "grpo.async_grpo.in_flight_weight_updates=true",
+        ),
+    ],
+)
 def test_refused_features_name_key_reason_and_platform(recipe, overrides, key):
     from nemo_rl_spec.utils.config import RUNTIME_REFUSALS, check_runtime_support
 
@@ -142,15 +158,20 @@ def test_refusals_depend_on_the_platform():
 
     gpu = load_config(CONFIGS / "grpo-qwen3-8b-4n8g-eagle3-sync.yaml")
     assert gpu.policy.generation.vllm_cfg.tensor_parallel_size == 2 and runtime_refusals(gpu) == []
-    cpu = load_config(CONFIGS / "grpo-qwen3-8b-4n8g-eagle3-sync.yaml", ["cluster.gpus_per_node=0",
-                                                                         "cluster.workers_per_node=8"])
+    cpu = load_config(
+        CONFIGS / "grpo-qwen3-8b-4n8g-eagle3-sync.yaml", ["cluster.gpus_per_node=0", "cluster.workers_per_node=8"]
+    )
     assert [r.key for r in runtime_refusals(cpu)] == [
         "policy.generation.vllm_cfg.tensor_parallel_size > 1 with policy.generation.vllm_kwargs.speculative_config "
-        "on CPU (cluster.gpus_per_node=0)"]
-    for lifted in ("policy.megatron_cfg.tensor_model_parallel_size=2",
-                   "policy.generation.vllm_cfg.tensor_parallel_size=2",
-                   "policy.megatron_cfg.activation_checkpointing=true",
-                   "policy.megatron_cfg.optimizer.use_distributed_optimizer=true", "cluster.num_nodes=2"):
+        "on CPU (cluster.gpus_per_node=0)"
+    ]
+    for lifted in (
+        "policy.megatron_cfg.tensor_model_parallel_size=2",
+        "policy.generation.vllm_cfg.tensor_parallel_size=2",
+        "policy.megatron_cfg.activation_checkpointing=true",
+        "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+        "cluster.num_nodes=2",
+    ):
         check_runtime_support(load_config(TINY, [lifted]))
 
 
@@ -180,12 +201,20 @@ def test_dry_run_prints_the_plan_of_every_recipe_without_ray(path, capsys, monke
     assert plan_placement(load_config(path)).table() in out.out
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["cluster.num_nodes=2"], "cluster.ray_address=null"),
-    (["cluster.workers_per_node=3", "cluster.num_cpus=3", "policy.megatron_cfg.tensor_model_parallel_size=2"],
-     "policy.megatron_cfg.tensor_model_parallel_size=2"),
-    (["policy.megatron_cfg.pipeline_model_parallel_size=2"], "policy.megatron_cfg.pipeline_model_parallel_size > 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["cluster.num_nodes=2"], "cluster.ray_address=null"),
+        (
+            ["cluster.workers_per_node=3", "cluster.num_cpus=3", "policy.megatron_cfg.tensor_model_parallel_size=2"],
+            "policy.megatron_cfg.tensor_model_parallel_size=2",
+        ),
+        (
+            ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
+            "policy.megatron_cfg.pipeline_model_parallel_size > 1",
+        ),
+    ],
+)
 def test_dry_run_exits_2_naming_the_key_when_the_recipe_does_not_fit(overrides, key, capsys):
     assert run_grpo.main(["--config", str(TINY), "--dry-run", *overrides]) == 2
     out = capsys.readouterr()
@@ -197,16 +226,22 @@ def test_bad_config_exits_2_before_any_worker(tmp_path, capsys):
     assert "grpo.num_prompts_per_step" in capsys.readouterr().err
 
 
-
-@pytest.mark.parametrize("overrides,match", [
-    (["policy.generation.vllm_kwargs.speculative_config=null"],
-     "policy.draft.online=true trains an EAGLE-3 head online; it needs policy.generation.vllm_kwargs"),
-    (["policy.generation.vllm_kwargs.speculative_config.method=draft_model"], "speculative_config.method=eagle3"),
-    (["+policy.megatron_cfg.mtp_num_layers=1"], "train either an EAGLE-3 head or MTP heads"),
-    (["policy.draft.enabled=false"], "needs speculative_config.model \\(a draft directory\\) or a policy.draft"),
-    (["policy.draft.model_name=/a", "+policy.generation.vllm_kwargs.speculative_config.model=/b"],
-     "policy.draft.model_name='/a' differs from policy.generation.vllm_kwargs.speculative_config.model='/b'"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            ["policy.generation.vllm_kwargs.speculative_config=null"],
+            "policy.draft.online=true trains an EAGLE-3 head online; it needs policy.generation.vllm_kwargs",
+        ),
+        (["policy.generation.vllm_kwargs.speculative_config.method=draft_model"], "speculative_config.method=eagle3"),
+        (["+policy.megatron_cfg.mtp_num_layers=1"], "train either an EAGLE-3 head or MTP heads"),
+        (["policy.draft.enabled=false"], "needs speculative_config.model \\(a draft directory\\) or a policy.draft"),
+        (
+            ["policy.draft.model_name=/a", "+policy.generation.vllm_kwargs.speculative_config.model=/b"],
+            "policy.draft.model_name='/a' differs from policy.generation.vllm_kwargs.speculative_config.model='/b'",
+        ),
+    ],
+)
 def test_draft_and_speculation_mismatches_are_rejected(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(SPEC, overrides)
@@ -224,8 +259,10 @@ def test_missing_draft_directory_exits_2_before_ray(tmp_path, capsys, monkeypatc
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray started before the draft check"))
     missing = tmp_path / "no_draft"
-    assert run_grpo.main(["--config", str(SPEC), f"policy.draft.model_name={missing}",
-                          f"logger.log_dir={tmp_path}/logs"]) == 2
+    assert (
+        run_grpo.main(["--config", str(SPEC), f"policy.draft.model_name={missing}", f"logger.log_dir={tmp_path}/logs"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"policy.draft.model_name='{missing}': no draft there (config.json missing)" in err
 
@@ -241,8 +278,9 @@ def test_every_override_in_the_deploy_doc_names_an_existing_key():
     keys = set(re.findall(r"(?<![\w.$+])((?:grpo|loss_fn|policy|data|env|logger|checkpointing|cluster)\.[\w.]+)=", doc))
     assert {"policy.draft.online", "policy.megatron_cfg.mtp_loss_mode", "cluster.ray_address"} <= keys
     merged = [load_yaml_with_defaults(p) for p in RECIPES]
-    missing = [k for k in sorted(keys) if all(OmegaConf.select(c, k, default="__missing__") == "__missing__"
-                                              for c in merged)]
+    missing = [
+        k for k in sorted(keys) if all(OmegaConf.select(c, k, default="__missing__") == "__missing__" for c in merged)
+    ]
     assert missing == []
 
 
@@ -256,9 +294,11 @@ def test_utils_import_nothing_above_them_and_builtin_names_agree():
     from nemo_rl_spec.utils.config import BUILTIN_MODEL_NAMES
 
     assert BUILTIN_MODEL_NAMES == set(BUILTIN_MODELS)
-    code = ("import sys; import nemo_rl_spec.utils.config, nemo_rl_spec.utils.config_schema; "
-            "from nemo_rl_spec.utils.config import load_config; load_config(sys.argv[1]); "
-            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('nemo_rl_spec.')}))")
+    code = (
+        "import sys; import nemo_rl_spec.utils.config, nemo_rl_spec.utils.config_schema; "
+        "from nemo_rl_spec.utils.config import load_config; load_config(sys.argv[1]); "
+        "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('nemo_rl_spec.')}))"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(SPEC)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['utils']", out.stdout + out.stderr
 

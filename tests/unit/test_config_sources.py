@@ -8,6 +8,7 @@
 - ``policy.generation.vllm_kwargs.speculative_config``: validated by :class:`SpeculativeConfig` (k required, vLLM keys
   only), kept as the validated dict; no module reads it with a fallback of its own.
 """
+
 import re
 from pathlib import Path
 
@@ -31,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "configs" / "grpo_math_base.yaml"
 TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
 SPEC = ROOT / "configs" / "grpo_math_tiny_spec.yaml"
-
 
 
 def schema_defaults(model=MasterConfig, prefix=""):
@@ -77,7 +77,8 @@ def test_a_default_written_in_schema_and_base_yaml_has_one_value():
     assert disagreements(defaults, written) == {}
     # the check can fail: a base YAML that writes one of them differently is reported with both values
     assert disagreements(defaults, {**written, "policy.dynamic_batching.sequence_length_round": 64}) == {
-        "policy.dynamic_batching.sequence_length_round": (1, 64)}
+        "policy.dynamic_batching.sequence_length_round": (1, 64)
+    }
 
 
 def test_dynamic_batching_defaults_are_what_the_recipes_ran_with():
@@ -91,15 +92,23 @@ def test_dynamic_batching_defaults_are_what_the_recipes_ran_with():
 
 
 def test_nemo_rl_keys_the_schema_knows_take_no_plus():
-    cfg = load_config(TINY, ["loss_fn.sequence_level_importance_ratios=true", "loss_fn.token_level_loss=false",
-                             "loss_fn.ratio_clip_c=3.0", "grpo.overlong_filtering=true"])
+    cfg = load_config(
+        TINY,
+        [
+            "loss_fn.sequence_level_importance_ratios=true",
+            "loss_fn.token_level_loss=false",
+            "loss_fn.ratio_clip_c=3.0",
+            "grpo.overlong_filtering=true",
+        ],
+    )
     assert cfg.loss_fn.sequence_level_importance_ratios and cfg.loss_fn.ratio_clip_c == 3.0
     assert cfg.grpo.overlong_filtering
     # '+' on them still works (recipes and docs written before)
     assert load_config(TINY, ["+loss_fn.ratio_clip_c=3.0"]).loss_fn.ratio_clip_c == 3.0
     # a section the base omits, and a key inside it
-    pc = load_config(TINY, ["grpo.pilot_commit.pilot_batch_size=1", "loss_fn.use_importance_sampling_correction=true"]
-                     ).grpo.pilot_commit
+    pc = load_config(
+        TINY, ["grpo.pilot_commit.pilot_batch_size=1", "loss_fn.use_importance_sampling_correction=true"]
+    ).grpo.pilot_commit
     assert pc.enabled and pc.pilot_batch_size == 1 and pc.n_pilot == 2
 
 
@@ -109,15 +118,24 @@ def test_every_schema_key_is_accepted_without_plus():
     for key in keys:
         assert schema_knows(key), key
         apply_overrides(tiny.copy(), [f"{key}=null"])  # accepted (whether the value validates is another matter)
-    for key in ("policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens",
-                "policy.generation.vllm_kwargs.speculative_config.draft_sample_method"):
+    for key in (
+        "policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens",
+        "policy.generation.vllm_kwargs.speculative_config.draft_sample_method",
+    ):
         cfg = apply_overrides(load_yaml_with_defaults(TINY), [f"{key}=2"])
         assert OmegaConf.select(cfg, key) == 2
 
 
-@pytest.mark.parametrize("key", ["grpo.num_prompt_per_step", "loss_fn.ratio_clip_c.x", "policy.generation.vllm_kwargs."
-                                 "enable_prefix_caching", "policy.tokenizer.chat_template_kwargs.enable_thinking",
-                                 "policy.generation.vllm_kwargs.speculative_config.num_speculativ_tokens"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "grpo.num_prompt_per_step",
+        "loss_fn.ratio_clip_c.x",
+        "policy.generation.vllm_kwargs.enable_prefix_caching",
+        "policy.tokenizer.chat_template_kwargs.enable_thinking",
+        "policy.generation.vllm_kwargs.speculative_config.num_speculativ_tokens",
+    ],
+)
 def test_keys_the_schema_does_not_know_still_need_plus(key):
     assert not schema_knows(key)
     with pytest.raises(ConfigError, match=re.escape(f"unknown key '{key}'") + r".*\+" + re.escape(key)):
@@ -136,18 +154,27 @@ def test_speculative_config_is_validated_and_kept_as_written():
     gen = load_config(SPEC).policy.generation
     assert gen.vllm_kwargs["speculative_config"] == {"method": "eagle3", "num_speculative_tokens": 3}
     spec = gen.speculative_config
-    assert isinstance(spec, SpeculativeConfig) and (spec.method, spec.num_speculative_tokens, spec.model) == \
-        ("eagle3", 3, None)
+    assert isinstance(spec, SpeculativeConfig) and (spec.method, spec.num_speculative_tokens, spec.model) == (
+        "eagle3",
+        3,
+        None,
+    )
     extra = load_config(SPEC, ["+policy.generation.vllm_kwargs.speculative_config.draft_sample_method=probabilistic"])
     assert extra.policy.generation.vllm_kwargs["speculative_config"]["draft_sample_method"] == "probabilistic"
     assert load_config(TINY).policy.generation.speculative_config is None
     for overrides, match in [
-        (["policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=null"],
-         "speculative_config.num_speculative_tokens"),
-        (["policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=0"],
-         "speculative_config.num_speculative_tokens"),
-        (["+policy.generation.vllm_kwargs.speculative_config.num_speculativ_tokens=2"],
-         r"\['num_speculativ_tokens'\] not among vLLM's SpeculativeConfig keys"),
+        (
+            ["policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=null"],
+            "speculative_config.num_speculative_tokens",
+        ),
+        (
+            ["policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens=0"],
+            "speculative_config.num_speculative_tokens",
+        ),
+        (
+            ["+policy.generation.vllm_kwargs.speculative_config.num_speculativ_tokens=2"],
+            r"\['num_speculativ_tokens'\] not among vLLM's SpeculativeConfig keys",
+        ),
     ]:
         with pytest.raises(ConfigError, match=match):
             load_config(SPEC, overrides)
@@ -158,14 +185,18 @@ def test_a_speculative_config_without_k_is_refused():
     cap); a recipe names it."""
     base = load_config(TINY).policy.generation.model_dump()
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        GenerationConfig.model_validate({**base, "vllm_kwargs": {"speculative_config": {"method": "eagle3",
-                                                                                         "model": "/d"}}})
+        GenerationConfig.model_validate(
+            {**base, "vllm_kwargs": {"speculative_config": {"method": "eagle3", "model": "/d"}}}
+        )
 
 
 def test_no_module_reads_speculative_keys_with_a_fallback():
     pattern = re.compile(r"""\.get\(\s*["'](speculative_config|num_speculative_tokens|method)["']""")
-    hits = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "nemo_rl_spec").rglob("*.py"))
-            for i, line in enumerate(p.read_text().splitlines(), 1)
-            if pattern.search(line) and "speculative" in p.read_text()]
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "nemo_rl_spec").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line) and "speculative" in p.read_text()
+    ]
     allowed = {"nemo_rl_spec/utils/config_schema.py", "nemo_rl_spec/speculative/adaptive_k.py"}  # the typed readers
     assert [h for h in hits if h.split(":")[0] not in allowed] == []

@@ -1,4 +1,5 @@
 """Quiet console (issue 16, item 5): vLLM's log level and the rotary refit warning, in a real vLLM process."""
+
 import logging
 import os
 import subprocess
@@ -11,8 +12,14 @@ from nemo_rl_spec.models.generation.runtime_env import engine_env_vars
 from nemo_rl_spec.utils.config_schema import VllmConfig
 from nemo_rl_spec.utils.console import REFIT_LOGGER, configure_console, step_line
 
-VCFG = VllmConfig(tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=64, kv_cache_space_gb=1,
-                  num_threads=1, enforce_eager=True)
+VCFG = VllmConfig(
+    tensor_parallel_size=1,
+    gpu_memory_utilization=0.5,
+    max_model_len=64,
+    kv_cache_space_gb=1,
+    num_threads=1,
+    enforce_eager=True,
+)
 
 # What an engine actor does once started with its runtime_env: apply_engine_env, vLLM's own logging setup at engine
 # start, then messages vLLM logs at engine start and at a refit (same loggers, same formats), lines through vLLM's
@@ -54,8 +61,9 @@ def quiet_engine_output():
             os.environ.pop(k, None)
         os.environ.update(saved)
     clean = {k: v for k, v in os.environ.items() if k not in keys}
-    proc = subprocess.run([sys.executable, "-c", _PROBE], env={**clean, **runtime_env}, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE], env={**clean, **runtime_env}, capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -72,8 +80,9 @@ def test_quiet_engine_drops_harmless_warnings_and_info_but_keeps_other_warnings(
 
 def test_verbose_removes_the_filter(monkeypatch):
     target = logging.getLogger(REFIT_LOGGER)
-    record = logging.LogRecord(REFIT_LOGGER, logging.WARNING, __file__, 1, "%s: Failed to load weights",
-                               ("RotaryEmbedding",), None)
+    record = logging.LogRecord(
+        REFIT_LOGGER, logging.WARNING, __file__, 1, "%s: Failed to load weights", ("RotaryEmbedding",), None
+    )
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "WARNING")
     configure_console(False)
     assert not target.filter(record)

@@ -1,5 +1,6 @@
 """The quiet console (issue 36, item 4): ``<log_dir>/console.log`` keeps everything, the terminal gets the driver's
 lines, worker errors and Ray's errors; the per-step table behind ``logger.verbose``. Expected outputs by hand."""
+
 import logging
 import sys
 
@@ -10,8 +11,16 @@ from nemo_rl_spec.utils.console import VERBOSE_ENV, step_report, step_table
 
 
 def _batch(lines, pid=11, actor="MegatronPolicyWorker", is_err=True):
-    return {"lines": lines, "pid": pid, "actor_name": actor, "task_name": "", "is_err": is_err, "ip": "10.0.0.1",
-            "localhost": "10.0.0.1", "job": ""}
+    return {
+        "lines": lines,
+        "pid": pid,
+        "actor_name": actor,
+        "task_name": "",
+        "is_err": is_err,
+        "ip": "10.0.0.1",
+        "localhost": "10.0.0.1",
+        "job": "",
+    }
 
 
 @pytest.fixture
@@ -31,16 +40,19 @@ def test_driver_output_reaches_terminal_and_file(opened, capsys):
     cl.close_console_log()
     out, err = capsys.readouterr()
     assert out == "precision: training float32\n" and err == "GRPO:   0%|          | 0/3\r"
-    assert quiet_log.path.read_bytes().decode() == ("precision: training float32\nGRPO:   0%|          | 0/3\r"
-                                          "[placement] policy rank 0 (node 0) on ray node abc\n")
+    assert quiet_log.path.read_bytes().decode() == (
+        "precision: training float32\nGRPO:   0%|          | 0/3\r[placement] policy rank 0 (node 0) on ray node abc\n"
+    )
     assert sys.stdout is not None and not isinstance(sys.stdout, cl._Tee)  # restored on close
 
 
 def test_worker_noise_goes_to_the_file_only(opened, capsys):
     quiet_log = opened()
-    noise = ["UserWarning: CUDA_DEVICE_MAX_CONNECTIONS should be set", "(MainProcess pid=12) WARNING 12-04 10:12:55 "
-             "[layerwise.py:1] VocabParallelEmbedding: Failed to load weights",
-             "Loading safetensors checkpoint shards: 100% Completed | 1/1"]
+    noise = [
+        "UserWarning: CUDA_DEVICE_MAX_CONNECTIONS should be set",
+        "(MainProcess pid=12) WARNING 12-04 10:12:55 [layerwise.py:1] VocabParallelEmbedding: Failed to load weights",
+        "Loading safetensors checkpoint shards: 100% Completed | 1/1",
+    ]
     quiet_log.on_worker_output(_batch(noise))
     cl.close_console_log()
     assert capsys.readouterr() == ("", "")
@@ -50,13 +62,15 @@ def test_worker_noise_goes_to_the_file_only(opened, capsys):
 def test_worker_errors_reach_the_terminal_with_their_tail(opened, capsys):
     quiet_log = opened()
     quiet_log.on_worker_output(_batch(["Traceback (most recent call last):", '  File "w.py", line 3, in f']))
-    quiet_log.on_worker_output(_batch(["RuntimeError: boom"]))               # the same worker, within ERROR_TAIL_S
-    quiet_log.on_worker_output(_batch(["a harmless warning"], pid=12))       # another worker: file only
+    quiet_log.on_worker_output(_batch(["RuntimeError: boom"]))  # the same worker, within ERROR_TAIL_S
+    quiet_log.on_worker_output(_batch(["a harmless warning"], pid=12))  # another worker: file only
     quiet_log.on_worker_output(_batch(["ERROR 12-04 10:00:00 [core.py:1] engine died"], pid=13, is_err=False))
     out, err = capsys.readouterr()
-    assert err == ("(MegatronPolicyWorker pid=11) Traceback (most recent call last):\n"
-                   '(MegatronPolicyWorker pid=11)   File "w.py", line 3, in f\n'
-                   "(MegatronPolicyWorker pid=11) RuntimeError: boom\n")
+    assert err == (
+        "(MegatronPolicyWorker pid=11) Traceback (most recent call last):\n"
+        '(MegatronPolicyWorker pid=11)   File "w.py", line 3, in f\n'
+        "(MegatronPolicyWorker pid=11) RuntimeError: boom\n"
+    )
     assert out == "(MegatronPolicyWorker pid=13) ERROR 12-04 10:00:00 [core.py:1] engine died\n"
     assert "(MegatronPolicyWorker pid=12) a harmless warning\n" in quiet_log.path.read_bytes().decode()
 
@@ -75,10 +89,21 @@ def test_worker_tail_window_closes(opened, monkeypatch):
 
 def test_autoscaler_batches_are_cut_to_their_events(opened, capsys, monkeypatch):
     quiet_log = opened()
-    monkeypatch.setattr(cl, "_autoscaler_events", lambda lines: [x.split(":event_summary:")[1] for x in lines
-                                                                 if ":event_summary:" in x])
-    quiet_log.on_worker_output({**_batch(["INFO autoscaler.py:147 -- The autoscaler took 0.0 seconds",
-                                          "Node status", ":event_summary:Adding 1 node(s)"]), "pid": "autoscaler"})
+    monkeypatch.setattr(
+        cl, "_autoscaler_events", lambda lines: [x.split(":event_summary:")[1] for x in lines if ":event_summary:" in x]
+    )
+    quiet_log.on_worker_output(
+        {
+            **_batch(
+                [
+                    "INFO autoscaler.py:147 -- The autoscaler took 0.0 seconds",
+                    "Node status",
+                    ":event_summary:Adding 1 node(s)",
+                ]
+            ),
+            "pid": "autoscaler",
+        }
+    )
     cl.close_console_log()
     assert capsys.readouterr().err == "(autoscaler) Adding 1 node(s)\n"
     assert quiet_log.path.read_text() == "(autoscaler) Adding 1 node(s)\n"
@@ -116,18 +141,36 @@ def test_log_only_without_a_console_log_prints(capsys):
     assert capsys.readouterr().out == "[placement] y\n"
 
 
-METRICS = {"step": 3, "train/reward": 0.375, "train/loss": -0.5, "validation/accuracy": 0.5,
-           "timing/train/total_step_time": 10.0, "timing/train/generation": 2.5, "vllm/x": 1.0, "misc": 2.0}
+METRICS = {
+    "step": 3,
+    "train/reward": 0.375,
+    "train/loss": -0.5,
+    "validation/accuracy": 0.5,
+    "timing/train/total_step_time": 10.0,
+    "timing/train/generation": 2.5,
+    "vllm/x": 1.0,
+    "misc": 2.0,
+}
 
 
 def test_step_table():
-    assert step_table(METRICS, 3) == "\n".join([
-        "==================== step 3 ====================",
-        "train:", "  train/loss    -0.5", "  train/reward  0.375",
-        "validation:", "  validation/accuracy  0.5",
-        "vllm:", "  vllm/x  1",
-        "other:", "  misc  2",
-        "timing:", "  timing/train/generation       2.5 (25.0%)", "  timing/train/total_step_time  10 (100.0%)"])
+    assert step_table(METRICS, 3) == "\n".join(
+        [
+            "==================== step 3 ====================",
+            "train:",
+            "  train/loss    -0.5",
+            "  train/reward  0.375",
+            "validation:",
+            "  validation/accuracy  0.5",
+            "vllm:",
+            "  vllm/x  1",
+            "other:",
+            "  misc  2",
+            "timing:",
+            "  timing/train/generation       2.5 (25.0%)",
+            "  timing/train/total_step_time  10 (100.0%)",
+        ]
+    )
 
 
 def test_step_report_adds_the_table_only_when_verbose(monkeypatch):

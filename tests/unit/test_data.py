@@ -1,4 +1,5 @@
 """Data: reasoning-gym problems, the shipped GSM8K problems, chat-template prompts."""
+
 import re
 from pathlib import Path
 

@@ -3,6 +3,7 @@ parsed (line continuations, ARG defaults) and checked for what a build would tri
 COPY sources that do not exist or that the .dockerignore drops, shell syntax errors in RUN, and version pins that
 drift from scripts/install_cpu.sh (the CPU stack every developer and CI installs).
 """
+
 from __future__ import annotations
 
 import re
@@ -17,8 +18,25 @@ GPU = ROOT / "docker" / "Dockerfile"
 CPU = ROOT / "docker" / "Dockerfile.cpu"
 INSTALL_CPU = ROOT / "scripts" / "install_cpu.sh"
 PYPROJECT = ROOT / "pyproject.toml"  # the pins install_cpu.sh installs (cpu extra, no_deps list)
-KNOWN = {"FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "WORKDIR", "CMD", "ENTRYPOINT", "LABEL", "EXPOSE", "USER",
-         "SHELL", "VOLUME", "HEALTHCHECK", "STOPSIGNAL", "ONBUILD"}
+KNOWN = {
+    "FROM",
+    "ARG",
+    "ENV",
+    "RUN",
+    "COPY",
+    "ADD",
+    "WORKDIR",
+    "CMD",
+    "ENTRYPOINT",
+    "LABEL",
+    "EXPOSE",
+    "USER",
+    "SHELL",
+    "VOLUME",
+    "HEALTHCHECK",
+    "STOPSIGNAL",
+    "ONBUILD",
+}
 PIN = re.compile(r"""["']?([A-Za-z0-9][A-Za-z0-9_.\-]*)(?:\[[^\]]*\])?==([0-9][^"'\s]*)["']?""")
 
 
@@ -83,7 +101,7 @@ def dockerfile(request) -> Path:
 
 
 def test_parser_joins_continuations_and_drops_comments():
-    text = "ARG A=1\nFROM img:${A}\n# comment\nRUN echo a \\\n  # inner comment\n  && echo b\nCMD [\"bash\"]\n"
+    text = 'ARG A=1\nFROM img:${A}\n# comment\nRUN echo a \\\n  # inner comment\n  && echo b\nCMD ["bash"]\n'
     ins = parse_dockerfile(text)
     assert [(i.keyword, i.line) for i in ins] == [("ARG", 1), ("FROM", 2), ("RUN", 4), ("CMD", 7)]
     assert ins[2].args == "echo a   && echo b"
@@ -142,7 +160,7 @@ def test_run_steps_are_valid_shell(dockerfile):
     for ins in runs:
         proc = subprocess.run(["bash", "-n", "-c", ins.args], capture_output=True, text=True)
         assert proc.returncode == 0, f"{dockerfile.name}:{ins.line}: {proc.stderr}"
-        for snippet in re.findall(r'python3? -c "([^"]*)"', ins.args):   # inline Python must compile too
+        for snippet in re.findall(r'python3? -c "([^"]*)"', ins.args):  # inline Python must compile too
             compile(snippet, f"{dockerfile.name}:{ins.line}", "exec")
         if "apt-get install" in ins.args:
             assert "apt-get update" in ins.args and "rm -rf /var/lib/apt/lists" in ins.args, ins.line

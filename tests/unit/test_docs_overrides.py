@@ -7,6 +7,7 @@ if one recipe accepts it: ``+key`` only applies where the key is new). A value t
 (``<draft dir>``, ``a|b``, or empty before a wrapped line) is checked for its key only. Every ``configs/*.yaml``,
 ``examples/*.py`` and ``scripts/*.sh`` path shown must exist, and every recipe shown must load.
 """
+
 import copy
 import functools
 import re
@@ -52,8 +53,11 @@ def _tokens(command: str) -> list[str]:
             words += shlex.split(line, comments=True)
         except ValueError:  # an unbalanced quote in prose-like code: fall back to whitespace
             words += line.split()
-    return [w for word in words for w in (shlex.split(word.split("=", 1)[1]) if word.startswith(("ARGS=", "RECIPE="))
-                                          else [word])]
+    return [
+        w
+        for word in words
+        for w in (shlex.split(word.split("=", 1)[1]) if word.startswith(("ARGS=", "RECIPE=")) else [word])
+    ]
 
 
 @functools.cache
@@ -79,8 +83,11 @@ def override_problems(command: str, merged: list) -> list[str]:
     if not overrides:
         return []
     concrete = [o for o in overrides if not _is_placeholder(o.split("=", 1)[1])]
-    problems = [f"{o.split('=', 1)[0]}: no such key in any recipe" for o in overrides
-                if o not in concrete and not _key_exists(o.split("=", 1)[0], merged)]
+    problems = [
+        f"{o.split('=', 1)[0]}: no such key in any recipe"
+        for o in overrides
+        if o not in concrete and not _key_exists(o.split("=", 1)[0], merged)
+    ]
     named = [ROOT / p for p in _PATH.findall(command) if p.startswith("configs/") and (ROOT / p).exists()]
     errors = []
     schema = "run_sim.py" not in command  # the simulator applies overrides to the raw YAML, unvalidated
@@ -92,7 +99,9 @@ def override_problems(command: str, merged: list) -> list[str]:
             return problems
         except ConfigError as exc:
             errors.append(f"{recipe.name}: {str(exc).splitlines()[0]}")
-    return problems + [f"{' '.join(concrete)} -> {errors[0] if named else 'rejected by every recipe, e.g. ' + errors[0]}"]
+    return problems + [
+        f"{' '.join(concrete)} -> {errors[0] if named else 'rejected by every recipe, e.g. ' + errors[0]}"
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +137,16 @@ def test_every_path_in_the_docs_exists_and_every_recipe_loads():
 
 def test_the_checker_rejects_the_keys_issue_16_found(merged):
     """docs/deploy.md once showed these two keys; neither exists, so the checker must name both."""
-    doc = ("`policy.megatron_cfg.mtp_coef_mode=occ` and "
-           "`examples/run_grpo.py --config configs/grpo_math_tiny_spec.yaml policy.draft.train=true`")
+    doc = (
+        "`policy.megatron_cfg.mtp_coef_mode=occ` and "
+        "`examples/run_grpo.py --config configs/grpo_math_tiny_spec.yaml policy.draft.train=true`"
+    )
     problems = [p for c in commands(doc) for p in override_problems(c, merged)]
     assert len(problems) == 2
     assert "policy.megatron_cfg.mtp_coef_mode" in problems[0] and "policy.draft.train" in problems[1]
-    assert override_problems("+policy.megatron_cfg.mtp_num_layers=1 +policy.megatron_cfg.mtp_loss_mode=occ",
-                             merged) == []
+    assert (
+        override_problems("+policy.megatron_cfg.mtp_num_layers=1 +policy.megatron_cfg.mtp_loss_mode=occ", merged) == []
+    )
 
 
 def test_the_docs_stand_alone():

@@ -1,5 +1,6 @@
 """Offline acceptance estimates (speculative/acceptance.py) and the resumable draft-init stages
 (algorithms/draft_init.py), against hand-worked values and independent loops."""
+
 from __future__ import annotations
 
 import json
@@ -38,10 +39,21 @@ def test_step_acceptance_greedy_and_probabilistic_hand_worked():
 
 
 def _tiny_head(vocab: int = 11, seed: int = 0) -> Eagle3DraftHead:
-    cfg = Eagle3Config(hidden_size=8, target_hidden_size=8, num_attention_heads=2, num_key_value_heads=2, head_dim=4,
-                       intermediate_size=16, vocab_size=vocab, draft_vocab_size=vocab, aux_layer_ids=(0, 1, 2),
-                       target_num_hidden_layers=2, rms_norm_eps=1e-6, rope_theta=10000.0,
-                       max_position_embeddings=64)
+    cfg = Eagle3Config(
+        hidden_size=8,
+        target_hidden_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=4,
+        intermediate_size=16,
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
+        aux_layer_ids=(0, 1, 2),
+        target_num_hidden_layers=2,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+    )
     head = Eagle3DraftHead(cfg)
     head.reset_parameters(seed=seed, std=0.5)
     head.set_target_embeddings(torch.randn(vocab, 8, generator=torch.Generator().manual_seed(seed + 1)))
@@ -109,8 +121,12 @@ def test_batch_rows_are_epochs_without_replacement_and_reproducible():
 
 def test_samples_file_roundtrip_and_state_resume(tmp_path):
     path = tmp_path / "samples.jsonl"
-    path.write_text(json.dumps({"call": 1, "rows": [[2, [1, 2, 9], 2]]}) + "\n"
-                    + json.dumps({"call": 0, "rows": [[0, [1, 3], 1], [1, [1, 4, 4], 1]]}) + "\n")
+    path.write_text(
+        json.dumps({"call": 1, "rows": [[2, [1, 2, 9], 2]]})
+        + "\n"
+        + json.dumps({"call": 0, "rows": [[0, [1, 3], 1], [1, [1, 4, 4], 1]]})
+        + "\n"
+    )
     s = draft_init.read_samples(path)
     assert s.prompt_index == [0, 1, 2] and s.sequences[2] == [1, 2, 9] and s.prompt_lengths == [1, 1, 2]
 
@@ -121,12 +137,14 @@ def test_samples_file_roundtrip_and_state_resume(tmp_path):
         torch.manual_seed(0)
         head = _tiny_head()
         trainer = DraftTrainer(head, lr=1e-2, ttt_steps=2)
-        seqs = [[int(x) for x in torch.randint(0, 11, (8,), generator=torch.Generator().manual_seed(i))]
-                for i in range(6)]
+        seqs = [
+            [int(x) for x in torch.randint(0, 11, (8,), generator=torch.Generator().manual_seed(i))] for i in range(6)
+        ]
         samples = draft_init.Samples(list(range(6)), seqs, [3] * 6)
         aux = [torch.randn(8, 24, generator=torch.Generator().manual_seed(10 + i)) for i in range(6)]
-        lps = [torch.log_softmax(torch.randn(8, 11, generator=torch.Generator().manual_seed(20 + i)), -1)
-               for i in range(6)]
+        lps = [
+            torch.log_softmax(torch.randn(8, 11, generator=torch.Generator().manual_seed(20 + i)), -1) for i in range(6)
+        ]
         cache = PolicyOutputCache(aux, lps, [torch.zeros(8) for _ in range(6)], 1.0)
         state = draft_init.load_state(state_path, trainer)
 
@@ -141,20 +159,28 @@ def test_samples_file_roundtrip_and_state_resume(tmp_path):
     full, st_full = run(5, tmp_path / "a.pt")
     with pytest.raises(Interrupted):
         run(5, tmp_path / "b.pt", interrupt_at=3)
-    resumed, st_res = run(5, tmp_path / "b.pt")   # the same command again finishes the run
+    resumed, st_res = run(5, tmp_path / "b.pt")  # the same command again finishes the run
     assert st_res["step"] == 5 and len(st_res["history"]) == 5
     assert [p["step"] for p in st_res["curve"]] == [2, 4, 5]
     for name, t in full.items():
         assert torch.equal(t, resumed[name]), name
-    assert math.isclose(st_full["curve"][-1]["greedy/acceptance_length"],
-                        st_res["curve"][-1]["greedy/acceptance_length"])
+    assert math.isclose(
+        st_full["curve"][-1]["greedy/acceptance_length"], st_res["curve"][-1]["greedy/acceptance_length"]
+    )
 
 
 def test_plot_curves_writes_a_png(tmp_path):
-    point = {"greedy/acceptance_length": 1.5, "probabilistic/acceptance_length": 1.7,
-             "oracle_greedy/acceptance_length": 2.4}
-    summary = {"ttt_steps": 3, "model": "m", "temperature": 0.7,
-               "acceptance_vs_steps": [{"step": 50, **point}, {"step": 100, **point}],
-               "acceptance_vs_data": [{"train_sequences": 10, **point}, {"train_sequences": 40, **point}]}
+    point = {
+        "greedy/acceptance_length": 1.5,
+        "probabilistic/acceptance_length": 1.7,
+        "oracle_greedy/acceptance_length": 2.4,
+    }
+    summary = {
+        "ttt_steps": 3,
+        "model": "m",
+        "temperature": 0.7,
+        "acceptance_vs_steps": [{"step": 50, **point}, {"step": 100, **point}],
+        "acceptance_vs_data": [{"train_sequences": 10, **point}, {"train_sequences": 40, **point}],
+    }
     draft_init.plot_curves(summary, tmp_path / "c.png")
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,6 @@
 """Micro-batch plans (nemo_rl_spec/models/policy/dynamic_batching.py) and the ``policy.dynamic_batching`` /
 ``policy.sequence_packing`` config keys, by hand."""
+
 from __future__ import annotations
 
 import pytest
@@ -56,8 +57,12 @@ def test_ties_keep_order_long_rows_alone_and_empty():
 
 
 def test_select_rows():
-    data = {"input_ids": torch.arange(12).view(3, 4), "input_lengths": torch.tensor([4, 2, 3]), "flag": "x",
-            "scalar": torch.tensor(2.0)}
+    data = {
+        "input_ids": torch.arange(12).view(3, 4),
+        "input_lengths": torch.tensor([4, 2, 3]),
+        "flag": "x",
+        "scalar": torch.tensor(2.0),
+    }
     out = select_rows(data, MicroBatch(torch.tensor([2, 0]), 3))
     assert out["input_ids"].tolist() == [[8, 9, 10], [0, 1, 2]] and out["input_lengths"].tolist() == [3, 4]
     assert out["flag"] == "x" and float(out["scalar"]) == 2.0
@@ -74,7 +79,9 @@ def test_config_keys():
     assert _load().policy.dynamic_batching.enabled is False and _load().policy.sequence_packing is None
     with pytest.raises(ConfigError, match="policy.dynamic_batching.train_mb_tokens=100"):
         _load("policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=100")
-    assert _load("policy.dynamic_batching.train_mb_tokens=100").policy.dynamic_batching.enabled is False  # off: unchecked
+    assert (
+        _load("policy.dynamic_batching.train_mb_tokens=100").policy.dynamic_batching.enabled is False
+    )  # off: unchecked
     assert _load("+policy.sequence_packing.enabled=false").policy.sequence_packing.enabled is False
     with pytest.raises(ConfigError, match="sequence_packing.enabled=true is not supported"):
         _load("+policy.sequence_packing.enabled=true")

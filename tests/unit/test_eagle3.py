@@ -1,5 +1,6 @@
 """EAGLE-3 draft head: TTT unrolling against a naive per-chain reference, export format, hidden-state capture,
 the detach boundary (policy gradients bitwise unchanged by draft training) and the draft trainer."""
+
 from __future__ import annotations
 
 import copy
@@ -75,6 +76,7 @@ class NaiveDrafter:
 
         def heads(lin, n, x):
             return (lin.weight @ x).view(n, self.c.head_dim)
+
         self.q = lambda x, p: _rope(heads(lay.self_attn.q_proj, self.c.num_attention_heads, x), p, self.c.rope_theta)
         self.k = lambda x, p: _rope(heads(lay.self_attn.k_proj, self.c.num_key_value_heads, x), p, self.c.rope_theta)
         self.v = lambda x: heads(lay.self_attn.v_proj, self.c.num_key_value_heads, x)
@@ -87,7 +89,7 @@ class NaiveDrafter:
     def finish(self, q, keys, values, residual):
         c, lay = self.c, self.h.midlayer
         rep = c.num_attention_heads // c.num_key_value_heads
-        K = torch.stack(keys)      # [n, kvh, hd]
+        K = torch.stack(keys)  # [n, kvh, hd]
         V = torch.stack(values)
         ctx = []
         for hh in range(c.num_attention_heads):
@@ -156,7 +158,7 @@ def test_propose_greedy_is_argmax_of_free_running_chain(target):
 def test_default_aux_layer_ids_follow_vllm():
     assert default_aux_layer_ids(30) == (2, 15, 27)  # vLLM (2, L//2, L-3), SmolLM2-135M
     assert default_aux_layer_ids(8) == (2, 4, 5)
-    assert default_aux_layer_ids(2) == (0, 1, 2)      # shallow fallback
+    assert default_aux_layer_ids(2) == (0, 1, 2)  # shallow fallback
     assert default_aux_layer_ids(4) == (0, 2, 4)
     assert default_aux_layer_ids(1) == (0, 1)
 
@@ -171,10 +173,10 @@ def test_capture_follows_vllm_aux_convention(target):
     H = target.config.hidden_size
     aux = cap.aux_hidden()
     assert aux.shape == (2, 7, 3 * H) and not aux.requires_grad
-    torch.testing.assert_close(aux[..., :H], hs[0], rtol=0, atol=0)        # id 0: embeddings
-    torch.testing.assert_close(aux[..., H:2 * H], hs[1], rtol=0, atol=0)   # id 1: after layer 0
+    torch.testing.assert_close(aux[..., :H], hs[0], rtol=0, atol=0)  # id 0: embeddings
+    torch.testing.assert_close(aux[..., H : 2 * H], hs[1], rtol=0, atol=0)  # id 1: after layer 0
     # id L: the un-normed residual stream (vLLM) whose final norm is HF's hidden_states[L]
-    last = aux[..., 2 * H:]
+    last = aux[..., 2 * H :]
     assert not torch.allclose(last, hs[2])
     torch.testing.assert_close(target.model.norm(last), hs[2], rtol=1e-5, atol=1e-5)
 
@@ -199,9 +201,21 @@ def test_export_format_and_round_trip(target, tmp_path):
     from safetensors.torch import load_file
 
     names = set(load_file(str(path / "model.safetensors")))
-    layer = {f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm",
-                                              "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                              "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    layer = {
+        f"midlayer.{n}.weight"
+        for n in (
+            "input_layernorm",
+            "hidden_norm",
+            "post_attention_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    }
     assert names == layer | {"fc.weight", "norm.weight", "lm_head.weight"}
     loaded = Eagle3DraftHead.from_pretrained(path, target_embeddings=target.get_input_embeddings().weight)
     for (n, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
@@ -225,6 +239,7 @@ def test_reduced_vocabulary_maps_and_losses(target, tmp_path):
     assert full.shape == (1, 512) and full[0, 7] == 2.0 and torch.isinf(full[0, 6])
     path = head.save_pretrained(tmp_path / "rv")
     from safetensors.torch import load_file
+
     st = load_file(str(path / "model.safetensors"))
     assert st["d2t"].tolist() == [2, 4, 5, 97] and st["t2d"].dtype == torch.bool
     again = Eagle3DraftHead.from_pretrained(path, target.get_input_embeddings().weight)
@@ -324,8 +339,12 @@ def test_trainer_learns_and_checkpoints(target, tmp_path):
     assert last["train/draft_acc_step0"] > first["train/draft_acc_step0"] + 0.3
     assert trainer.draft_version == 41
     trainer.save_checkpoint(tmp_path / "ck")
-    clone = DraftTrainer(Eagle3DraftHead.from_pretrained(tmp_path / "ck", target.get_input_embeddings().weight),
-                         lr=3e-3, ttt_steps=3, micro_batch_size=2)
+    clone = DraftTrainer(
+        Eagle3DraftHead.from_pretrained(tmp_path / "ck", target.get_input_embeddings().weight),
+        lr=3e-3,
+        ttt_steps=3,
+        micro_batch_size=2,
+    )
     clone.load_checkpoint(tmp_path / "ck")
     assert clone.draft_version == 41
     a, b = trainer.step(aux, ids, mask, tlp), clone.step(aux, ids, mask, tlp)  # soft targets
@@ -347,5 +366,13 @@ def test_micro_batching_does_not_change_the_step(target):
 
 def test_config_validation():
     with pytest.raises(ValueError):
-        Eagle3Config(vocab_size=10, hidden_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
-                     intermediate_size=8, aux_layer_ids=(0, 5), target_num_hidden_layers=2)
+        Eagle3Config(
+            vocab_size=10,
+            hidden_size=8,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=8,
+            aux_layer_ids=(0, 5),
+            target_num_hidden_layers=2,
+        )

@@ -1,4 +1,5 @@
 """resolve_model: built-in checkpoints are built once, cached atomically, reproducible and faithful."""
+
 from __future__ import annotations
 
 import hashlib
@@ -25,13 +26,27 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def test_tiny_qwen3_layout_and_config(tiny_dir: Path):
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", "nemo_rl_spec_asset.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "nemo_rl_spec_asset.json",
+    ):
         assert (tiny_dir / name).is_file(), name
     cfg = json.loads((tiny_dir / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
-    expected = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=32, intermediate_size=128, tie_word_embeddings=True, vocab_size=49152)
+    expected = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+        vocab_size=49152,
+    )
     assert {k: cfg[k] for k in expected} == expected
     assert cfg["dtype"] == "float32"
 
@@ -41,15 +56,16 @@ def test_tiny_qwen3_loads_in_transformers_with_chat_template(tiny_dir: Path):
 
     tok = AutoTokenizer.from_pretrained(str(tiny_dir))
     assert len(tok) == 49152
-    text = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\n2+2?<|im_end|>" in text
     assert tok.eos_token == "<|im_end|>" and tok.pad_token_id is not None
     model = AutoModelForCausalLM.from_pretrained(str(tiny_dir))
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
-    assert sum(p.numel() for p in model.parameters()) == 49152 * 64 + 2 * (
-        64 * 128 + 2 * 64 * 64 + 128 * 64 + 3 * 64 * 128 + 2 * 64 + 2 * 32) + 64
+    assert (
+        sum(p.numel() for p in model.parameters())
+        == 49152 * 64 + 2 * (64 * 128 + 2 * 64 * 64 + 128 * 64 + 3 * 64 * 128 + 2 * 64 + 2 * 32) + 64
+    )
 
 
 def test_built_once_then_cached(tiny_dir: Path, monkeypatch):
@@ -127,15 +143,18 @@ def test_smollm2_conversion_matches_gguf_logits():
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["dtype"] == "float32"
     assert "quantization_config" not in cfg
     tok = AutoTokenizer.from_pretrained(path)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 7 times 6?"}],
-                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 7 times 6?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     converted = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         logits_converted = converted(ids).logits
     del converted
     gguf = hf_assets.smollm2_gguf_path()
-    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                  dtype=torch.float32).eval()
+    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     with torch.no_grad():
         logits_direct = direct(ids).logits
     assert logits_converted.shape == (1, ids.shape[1], 49152)

@@ -1,4 +1,5 @@
 """HF <-> Megatron weight mapping: layouts checked by hand, round trips bit-identical (no megatron import)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,10 +19,21 @@ from nemo_rl_spec.models.hf_weight_mapping import (
 
 torch.set_num_threads(1)
 
-SPEC = ModelSpec(architecture="Qwen3ForCausalLM", num_layers=2, hidden_size=8, ffn_hidden_size=12,
-                 num_attention_heads=4, num_query_groups=2, head_dim=3, vocab_size=20,
-                 max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e4, qk_layernorm=True,
-                 tie_word_embeddings=False)
+SPEC = ModelSpec(
+    architecture="Qwen3ForCausalLM",
+    num_layers=2,
+    hidden_size=8,
+    ffn_hidden_size=12,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=3,
+    vocab_size=20,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    qk_layernorm=True,
+    tie_word_embeddings=False,
+)
 
 
 def _hf_state(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -32,15 +44,19 @@ def _hf_state(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
         shapes["lm_head.weight"] = (spec.vocab_size, hid)
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hid,), p + "post_attention_layernorm.weight": (hid,),
-            p + "self_attn.q_proj.weight": (spec.num_attention_heads * dim, hid),
-            p + "self_attn.k_proj.weight": (spec.num_query_groups * dim, hid),
-            p + "self_attn.v_proj.weight": (spec.num_query_groups * dim, hid),
-            p + "self_attn.o_proj.weight": (hid, spec.num_attention_heads * dim),
-            p + "mlp.gate_proj.weight": (ffn, hid), p + "mlp.up_proj.weight": (ffn, hid),
-            p + "mlp.down_proj.weight": (hid, ffn),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (hid,),
+                p + "post_attention_layernorm.weight": (hid,),
+                p + "self_attn.q_proj.weight": (spec.num_attention_heads * dim, hid),
+                p + "self_attn.k_proj.weight": (spec.num_query_groups * dim, hid),
+                p + "self_attn.v_proj.weight": (spec.num_query_groups * dim, hid),
+                p + "self_attn.o_proj.weight": (hid, spec.num_attention_heads * dim),
+                p + "mlp.gate_proj.weight": (ffn, hid),
+                p + "mlp.up_proj.weight": (ffn, hid),
+                p + "mlp.down_proj.weight": (hid, ffn),
+            }
+        )
         if spec.qk_layernorm:
             shapes.update({p + "self_attn.q_norm.weight": (dim,), p + "self_attn.k_norm.weight": (dim,)})
     return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
@@ -66,7 +82,7 @@ def test_fc1_is_gate_then_up():
     hf = _hf_state(SPEC)
     fc1 = hf_to_megatron(hf, SPEC)["decoder.layers.1.mlp.linear_fc1.weight"]
     assert torch.equal(fc1[: SPEC.ffn_hidden_size], hf["model.layers.1.mlp.gate_proj.weight"])
-    assert torch.equal(fc1[SPEC.ffn_hidden_size:], hf["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(fc1[SPEC.ffn_hidden_size :], hf["model.layers.1.mlp.up_proj.weight"])
 
 
 @pytest.mark.parametrize("tied,qk_norm", [(False, True), (True, True), (True, False), (False, False)])
@@ -91,10 +107,21 @@ def test_missing_tensor_raises_key_error():
 
 
 def _hf_cfg(**overrides):
-    base = dict(architectures=["LlamaForCausalLM"], model_type="llama", num_attention_heads=4, hidden_size=64,
-                num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=512,
-                max_position_embeddings=128, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True,
-                rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        num_attention_heads=4,
+        hidden_size=64,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        hidden_act="silu",
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    )
     return types.SimpleNamespace(**{**base, **overrides})
 
 
@@ -105,19 +132,23 @@ def test_spec_from_config_llama_defaults():
 
 
 def test_spec_from_config_legacy_rope_theta_and_qwen3():
-    cfg = _hf_cfg(architectures=["Qwen3ForCausalLM"], model_type="qwen3", rope_parameters=None, rope_theta=1e6,
-                  head_dim=32)
+    cfg = _hf_cfg(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", rope_parameters=None, rope_theta=1e6, head_dim=32
+    )
     spec = model_spec_from_hf_config(cfg)
     assert (spec.head_dim, spec.rope_theta, spec.qk_layernorm) == (32, 1e6, True)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
-    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "GPT2LMHeadModel"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(hidden_act="gelu"), "gelu"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "llama3"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(architectures=["MistralForCausalLM"]), "MistralForCausalLM"),
+        (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "GPT2LMHeadModel"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(hidden_act="gelu"), "gelu"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}), "llama3"),
+    ],
+)
 def test_unsupported_configs_raise_value_error(overrides, match):
     with pytest.raises(ValueError, match=match):
         model_spec_from_hf_config(_hf_cfg(**overrides))

@@ -1,4 +1,5 @@
 """DAPO-Math-17K / AIME-2024 loaders on small local files in the published layouts (never the hub)."""
+
 from __future__ import annotations
 
 import json
@@ -44,10 +45,22 @@ def dapo_records() -> list[dict]:
 
 
 AIME_RECORDS = [  # HuggingFaceH4/aime_2024 columns; made-up statements
-    {"id": 60, "problem": "Let $x = 5$. Find $x^2 + 1$.", "solution": "25 + 1", "answer": "26",
-     "url": "https://example.invalid/1", "year": "2024"},
-    {"id": 61, "problem": "How many positive divisors does $36$ have?", "solution": "(2+1)(2+1)", "answer": "9",
-     "url": "https://example.invalid/2", "year": "2024"},
+    {
+        "id": 60,
+        "problem": "Let $x = 5$. Find $x^2 + 1$.",
+        "solution": "25 + 1",
+        "answer": "26",
+        "url": "https://example.invalid/1",
+        "year": "2024",
+    },
+    {
+        "id": 61,
+        "problem": "How many positive divisors does $36$ have?",
+        "solution": "(2+1)(2+1)",
+        "answer": "9",
+        "url": "https://example.invalid/2",
+        "year": "2024",
+    },
 ]
 
 
@@ -77,7 +90,12 @@ def test_dapo_jsonl_strips_instruction_and_drops_repeats(tmp_path):
 def test_dapo_keep_repeats_and_max_samples_counts_distinct(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", dapo_records())
     assert [p["answer"] for p in load_dapo_math_17k(path, dedup=False, downloader=never_download)] == [
-        "2", "12", "2", "12", "12"]
+        "2",
+        "12",
+        "2",
+        "12",
+        "12",
+    ]
     first_two = load_dapo_math_17k(path, max_samples=2, downloader=never_download)
     assert [p["question"] for p in first_two] == [DAPO_PROBLEMS[0][0], DAPO_PROBLEMS[1][0]]
     with pytest.raises(ValueError, match="max_samples must be >= 1"):
@@ -86,15 +104,18 @@ def test_dapo_keep_repeats_and_max_samples_counts_distinct(tmp_path):
 
 def test_dapo_parquet_with_nested_columns_matches_jsonl(tmp_path):
     records = dapo_records()
-    from_parquet = load_dapo_math_17k(write_parquet(tmp_path / "dapo-math-17k.parquet", records),
-                                      downloader=never_download)
+    from_parquet = load_dapo_math_17k(
+        write_parquet(tmp_path / "dapo-math-17k.parquet", records), downloader=never_download
+    )
     from_jsonl = load_dapo_math_17k(write_jsonl(tmp_path / "dapo.jsonl", records), downloader=never_download)
     assert from_parquet == from_jsonl and len(from_parquet) == 3
 
 
 def test_aime_flat_layout_jsonl_and_parquet(tmp_path):
-    expected = [{"question": "Let $x = 5$. Find $x^2 + 1$.", "answer": "26", "source": "aime_2024"},
-                {"question": "How many positive divisors does $36$ have?", "answer": "9", "source": "aime_2024"}]
+    expected = [
+        {"question": "Let $x = 5$. Find $x^2 + 1$.", "answer": "26", "source": "aime_2024"},
+        {"question": "How many positive divisors does $36$ have?", "answer": "9", "source": "aime_2024"},
+    ]
     assert load_aime_2024(write_jsonl(tmp_path / "aime.jsonl", AIME_RECORDS), downloader=never_download) == expected
     data = tmp_path / "snapshot" / "data"
     data.mkdir(parents=True)
@@ -154,8 +175,10 @@ def test_download_uses_snapshot_download_for_a_dataset_repo(tmp_path, monkeypatc
 
 
 def test_strip_leaves_unwrapped_text_alone():
-    rec = {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": " What is 1+1? "}],
-           "reward_model": {"ground_truth": " 2 "}}
+    rec = {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": " What is 1+1? "}],
+        "reward_model": {"ground_truth": " 2 "},
+    }
     assert problem_from_record(rec, "x") == {"question": "What is 1+1?", "answer": "2", "source": "x"}
 
 

@@ -7,6 +7,7 @@
   two named package imports that pull such a module in, and carries a one-line reason comment;
 * no module of the package or of ``examples/`` uses another module's private (``_name``) function or variable.
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,33 +24,63 @@ PACKAGE = ROOT / "nemo_rl_spec"
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 # third-party top-level modules a function may import lazily (slow to import, optional, or absent on CPU)
-LAZY_THIRD_PARTY = {"torch", "vllm", "transformers", "matplotlib", "wandb", "mlflow", "reasoning_gym", "math_verify",
-                    "pyarrow", "huggingface_hub", "tokenizers", "triton", "ray", "megatron", "scipy"}
+LAZY_THIRD_PARTY = {
+    "torch",
+    "vllm",
+    "transformers",
+    "matplotlib",
+    "wandb",
+    "mlflow",
+    "reasoning_gym",
+    "math_verify",
+    "pyarrow",
+    "huggingface_hub",
+    "tokenizers",
+    "triton",
+    "ray",
+    "megatron",
+    "scipy",
+}
 # package modules that import ray, megatron-core or vllm when imported: the only package imports a function may
 # make lazily (the reason on the line)
-LAZY_INTERNAL = {f"nemo_rl_spec.{m}" for m in (
-    "algorithms.async_grpo", "algorithms.grpo", "algorithms.grpo_setup", "algorithms.refit",
-    "distributed.virtual_cluster", "distributed.worker_group", "models.generation.vllm_generation",
-    "models.generation.vllm_worker_extension", "models.policy.lm_policy", "models.policy.megatron_model",
-    "models.policy.megatron_worker", "testing.mtp_checks")}
+LAZY_INTERNAL = {
+    f"nemo_rl_spec.{m}"
+    for m in (
+        "algorithms.async_grpo",
+        "algorithms.grpo",
+        "algorithms.grpo_setup",
+        "algorithms.refit",
+        "distributed.virtual_cluster",
+        "distributed.worker_group",
+        "models.generation.vllm_generation",
+        "models.generation.vllm_worker_extension",
+        "models.policy.lm_policy",
+        "models.policy.megatron_model",
+        "models.policy.megatron_worker",
+        "testing.mtp_checks",
+    )
+}
 
 
 def _lint_imports(cwd: Path) -> subprocess.CompletedProcess:
     if not LINT_IMPORTS.exists():
         pytest.fail(f"{LINT_IMPORTS} missing: import-linter is in the test extra of pyproject.toml (make install)")
     env = {**os.environ, "PYTHONPATH": str(cwd)}
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _function_local_imports(tree: ast.AST):
     """(import node) for every import statement inside a function body (at any depth)."""
+
     def visit(node, in_function):
         for child in ast.iter_child_nodes(node):
             inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
                 yield child
             yield from visit(child, inside)
+
     yield from visit(tree, False)
 
 
@@ -71,7 +102,8 @@ def test_a_wrong_import_breaks_the_contract(tmp_path):
         "def policy_class():\n"
         '    """Imports upwards, inside a function."""\n'
         "    from nemo_rl_spec.models.policy.lm_policy import Policy\n\n"
-        "    return Policy\n")
+        "    return Policy\n"
+    )
     broken = _lint_imports(tmp_path)
     out = broken.stdout + broken.stderr
     assert broken.returncode != 0, out
@@ -104,7 +136,8 @@ def test_the_function_local_import_check_can_fail(tmp_path, monkeypatch):
     (fake_root / "nemo_rl_spec").mkdir()
     (fake_root / "nemo_rl_spec" / "m.py").write_text(
         "def f():\n    import json\n    from nemo_rl_spec.utils import config\n    import vllm\n"
-        "    import torch  # lazy: a reason\n    # lazy: a reason\n    import wandb\n")
+        "    import torch  # lazy: a reason\n    # lazy: a reason\n    import wandb\n"
+    )
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake_root)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake_root / "nemo_rl_spec")
     with pytest.raises(AssertionError) as err:
@@ -128,21 +161,31 @@ def _private_uses(path: Path) -> list[str]:
                 if alias.name.startswith("nemo_rl_spec"):
                     modules[alias.asname or alias.name.split(".")[0]] = alias.name
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                and isinstance(node.value, ast.Name) and node.value.id in modules):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+        ):
             found.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {modules[node.value.id]}.{node.attr}")
     return found
 
 
 def test_no_private_name_is_used_across_modules():
-    found = [use for d in ("nemo_rl_spec", "examples") for p in sorted((ROOT / d).rglob("*.py"))
-             for use in _private_uses(p)]
+    found = [
+        use for d in ("nemo_rl_spec", "examples") for p in sorted((ROOT / d).rglob("*.py")) for use in _private_uses(p)
+    ]
     assert not found, "make these public (with a docstring) or move them:\n" + "\n".join(found)
 
 
 def test_the_private_use_check_can_fail(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     path = tmp_path / "x.py"
-    path.write_text("from nemo_rl_spec.testing import checks\nfrom nemo_rl_spec.a import _b\n"
-                    "checks._generate(1)\nchecks.make_llm\n")
-    assert _private_uses(path) == ["x.py:2 imports nemo_rl_spec.a._b", "x.py:3 uses nemo_rl_spec.testing.checks._generate"]
+    path.write_text(
+        "from nemo_rl_spec.testing import checks\nfrom nemo_rl_spec.a import _b\nchecks._generate(1)\nchecks.make_llm\n"
+    )
+    assert _private_uses(path) == [
+        "x.py:2 imports nemo_rl_spec.a._b",
+        "x.py:3 uses nemo_rl_spec.testing.checks._generate",
+    ]

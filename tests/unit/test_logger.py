@@ -1,4 +1,5 @@
 """metrics.jsonl records, resume truncation, and the end-of-run plot."""
+
 import json
 
 from nemo_rl_spec.utils.logger import Logger, plot_training_curves, read_metrics

@@ -1,6 +1,7 @@
 """NeMo-RL loss options (issue 18) by hand on small tensors: dual clip (``ratio_clip_c``), GSPO
 (``sequence_level_importance_ratios``) against its paper's formula, ``use_on_policy_kl_approximation``; and the
 config keys of the loss and the LR scheduler refused with their names before any worker starts."""
+
 from __future__ import annotations
 
 import math
@@ -13,17 +14,28 @@ from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
 from nemo_rl_spec.utils.config import ConfigError, load_config
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "grpo_math_tiny.yaml"
-BASE = dict(ratio_clip_min=0.2, ratio_clip_max=0.2, token_level_loss=True, reference_policy_kl_penalty=0.0,
-            reference_policy_kl_type="k3", use_importance_sampling_correction=False,
-            truncated_importance_sampling_ratio=None)
+BASE = dict(
+    ratio_clip_min=0.2,
+    ratio_clip_max=0.2,
+    token_level_loss=True,
+    reference_policy_kl_penalty=0.0,
+    reference_policy_kl_type="k3",
+    use_importance_sampling_correction=False,
+    truncated_importance_sampling_ratio=None,
+)
 
 
 def _batch(log_ratio: list[list[float]], advantages: list[float], token_mask: list[list[float]] | None = None):
     """prev = 0, curr = log_ratio (a leaf with grad); returns (curr, mb)."""
     curr = torch.tensor(log_ratio, requires_grad=True)
     mask = torch.ones_like(curr) if token_mask is None else torch.tensor(token_mask)
-    mb = {"prev_logprobs": torch.zeros_like(curr), "token_mask": mask, "sample_mask": torch.ones(curr.shape[0]),
-          "advantages": torch.tensor(advantages), "generation_logprobs": torch.zeros_like(curr)}
+    mb = {
+        "prev_logprobs": torch.zeros_like(curr),
+        "token_mask": mask,
+        "sample_mask": torch.ones(curr.shape[0]),
+        "advantages": torch.tensor(advantages),
+        "generation_logprobs": torch.zeros_like(curr),
+    }
     return curr, mb
 
 
@@ -38,8 +50,9 @@ def test_dual_clip_by_hand():
     loss.backward()
     assert curr.grad[0, 0] == 0.0  # the dual-clipped token's bound -c * A has no gradient
     assert curr.grad[0, 2] == pytest.approx(1.1 / 6, rel=1e-6)  # d(-A r)/d log r = -A r / N
-    plain, _ = ClippedPGLossFn(BASE)(*_batch([[math.log(r) for r in row] for row in ratios], [-1.0, 2.0]),
-                                      torch.tensor(6.0), torch.tensor(2.0))
+    plain, _ = ClippedPGLossFn(BASE)(
+        *_batch([[math.log(r) for r in row] for row in ratios], [-1.0, 2.0]), torch.tensor(6.0), torch.tensor(2.0)
+    )
     assert float(plain) == pytest.approx((3.5 + 0.8 + 1.1 - 2.4 - 1.0 - 2.1) / 6, rel=1e-5)  # fp32
 
 
@@ -51,8 +64,10 @@ def test_gspo_matches_paper_formula():
     curr, mb = _batch(log_ratio, advantages, token_mask)
     loss, metrics = ClippedPGLossFn(cfg)(curr, mb, torch.tensor(5.0), torch.tensor(2.0))
     # GSPO eq. 7: s_i = (pi_theta(y_i) / pi_old(y_i)) ** (1 / |y_i|), the sequence probability ratio from products
-    s = [math.prod(math.exp(lr) for lr, m in zip(row, mrow) if m) ** (1 / sum(mrow))
-         for row, mrow in zip(log_ratio, token_mask)]
+    s = [
+        math.prod(math.exp(lr) for lr, m in zip(row, mrow) if m) ** (1 / sum(mrow))
+        for row, mrow in zip(log_ratio, token_mask)
+    ]
     assert s == pytest.approx([math.exp(0.1), math.exp(0.5)], rel=1e-12)
     # J = 1/G sum_i min(s_i A_i, clip(s_i, 0.8, 1.2) A_i); loss = -J
     expected = -sum(min(si * a, min(max(si, 0.8), 1.2) * a) for si, a in zip(s, advantages)) / 2
@@ -73,23 +88,29 @@ def test_on_policy_kl_approximation_by_hand():
     w = [math.exp(0.2), math.exp(0.5)]  # curr - generation
     plain, _ = ClippedPGLossFn(cfg)(curr, mb, torch.tensor(2.0), torch.tensor(1.0))
     weighted, metrics = ClippedPGLossFn({**cfg, "use_on_policy_kl_approximation": True})(
-        curr, mb, torch.tensor(2.0), torch.tensor(1.0))
+        curr, mb, torch.tensor(2.0), torch.tensor(1.0)
+    )
     assert float(plain) == pytest.approx(0.1 * sum(k3) / 2, rel=1e-6)
     assert float(weighted) == pytest.approx(0.1 * (w[0] * k3[0] + w[1] * k3[1]) / 2, rel=1e-6)
     assert metrics["kl_penalty"] == pytest.approx(float(weighted), rel=1e-6)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("+loss_fn.ratio_clip_c=1.0", "loss_fn.ratio_clip_c"),
-    ("+loss_fn.sequence_level_importance_ratios=true", "loss_fn.sequence_level_importance_ratios"),
-    ("+policy.megatron_cfg.scheduler.lr_decay_style=cosine", "policy.megatron_cfg.scheduler.lr_decay_iters"),
-    ("+policy.megatron_cfg.scheduler.lr_decay_style=exponential", "policy.megatron_cfg.scheduler.lr_decay_style"),
-    ("+policy.megatron_cfg.scheduler.lr_warmup_init=1.0", "policy.megatron_cfg.scheduler.lr_warmup_init"),
-    ("+policy.megatron_cfg.optimizer.min_lr=1.0", "policy.megatron_cfg.optimizer.min_lr"),
-    ("+policy.megatron_cfg.scheduler={lr_warmup_iters: 5, lr_decay_iters: 5}",
-     "policy.megatron_cfg.scheduler.lr_decay_iters"),
-    ("+policy.megatron_cfg.scheduler.end_weight_decay=0.1", "end_weight_decay"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("+loss_fn.ratio_clip_c=1.0", "loss_fn.ratio_clip_c"),
+        ("+loss_fn.sequence_level_importance_ratios=true", "loss_fn.sequence_level_importance_ratios"),
+        ("+policy.megatron_cfg.scheduler.lr_decay_style=cosine", "policy.megatron_cfg.scheduler.lr_decay_iters"),
+        ("+policy.megatron_cfg.scheduler.lr_decay_style=exponential", "policy.megatron_cfg.scheduler.lr_decay_style"),
+        ("+policy.megatron_cfg.scheduler.lr_warmup_init=1.0", "policy.megatron_cfg.scheduler.lr_warmup_init"),
+        ("+policy.megatron_cfg.optimizer.min_lr=1.0", "policy.megatron_cfg.optimizer.min_lr"),
+        (
+            "+policy.megatron_cfg.scheduler={lr_warmup_iters: 5, lr_decay_iters: 5}",
+            "policy.megatron_cfg.scheduler.lr_decay_iters",
+        ),
+        ("+policy.megatron_cfg.scheduler.end_weight_decay=0.1", "end_weight_decay"),
+    ],
+)
 def test_bad_parity_keys_name_the_key(override, key):
     with pytest.raises(ConfigError) as info:
         load_config(TINY, [override])
@@ -97,8 +118,13 @@ def test_bad_parity_keys_name_the_key(override, key):
 
 
 def test_parity_keys_load():
-    cfg = load_config(TINY, ["+loss_fn.ratio_clip_c=3.0", "+policy.megatron_cfg.optimizer.min_lr=1e-7",
-                             "+policy.megatron_cfg.scheduler={lr_warmup_iters: 2, lr_decay_style: linear, "
-                             "lr_decay_iters: 10}"])
+    cfg = load_config(
+        TINY,
+        [
+            "+loss_fn.ratio_clip_c=3.0",
+            "+policy.megatron_cfg.optimizer.min_lr=1e-7",
+            "+policy.megatron_cfg.scheduler={lr_warmup_iters: 2, lr_decay_style: linear, lr_decay_iters: 10}",
+        ],
+    )
     assert cfg.loss_fn.ratio_clip_c == 3.0 and cfg.policy.megatron_cfg.scheduler.lr_decay_iters == 10
     ClippedPGLossFn(cfg.loss_fn.model_dump())  # the loss takes the validated section

@@ -8,6 +8,7 @@ p(d) + (1 - p(d)) p(d) = p(d) (2 - p(d)). The test draws 20,000 emitted tokens e
 token functions and tests them against p (chi-square goodness of fit): vLLM's passes, the lossy one is rejected,
 and its frequency of d matches p(d)(2 - p(d)).
 """
+
 from __future__ import annotations
 
 import types
@@ -36,9 +37,16 @@ def rejection_sampler():
 def _emitted(recovered_fn, p: torch.Tensor, d: int, seed: int) -> torch.Tensor:
     """N emitted tokens of one speculative position: d if u < p(d), else ``recovered_fn``'s token. [N] int64."""
     torch.manual_seed(seed)
-    recovered = recovered_fn(1, [1] * N, torch.arange(1, N + 1, dtype=torch.int32),
-                             torch.full((N,), d, dtype=torch.int32), None, p.expand(N, V).contiguous(),
-                             types.SimpleNamespace(generators={}), torch.device("cpu")).long()
+    recovered = recovered_fn(
+        1,
+        [1] * N,
+        torch.arange(1, N + 1, dtype=torch.int32),
+        torch.full((N,), d, dtype=torch.int32),
+        None,
+        p.expand(N, V).contiguous(),
+        types.SimpleNamespace(generators={}),
+        torch.device("cpu"),
+    ).long()
     accept = torch.rand(N, dtype=torch.float64) < float(p[d])
     return torch.where(accept, torch.full_like(recovered, d), recovered)
 
@@ -77,7 +85,8 @@ def test_schema_refuses_the_lossy_sampler_without_speculation_and_warns_with_it(
     with pytest.raises(Exception, match="needs policy.generation.vllm_kwargs.speculative_config"):
         load_config("configs/grpo_math_testbed.yaml", ["+policy.generation.debug_lossy_sampler=resample_from_target"])
     with pytest.warns(UserWarning, match="LOSSY on purpose"):
-        cfg = load_config("configs/grpo_math_testbed_spec.yaml",
-                          ["+policy.generation.debug_lossy_sampler=resample_from_target"])
+        cfg = load_config(
+            "configs/grpo_math_testbed_spec.yaml", ["+policy.generation.debug_lossy_sampler=resample_from_target"]
+        )
     assert cfg.policy.generation.debug_lossy_sampler == "resample_from_target"
     assert load_config("configs/grpo_math_testbed_spec.yaml").policy.generation.debug_lossy_sampler is None

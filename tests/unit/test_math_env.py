@@ -1,4 +1,5 @@
 """Math environment: answer extraction and math-verify rewards on real strings, off-main-thread use, workers."""
+
 import signal
 import threading
 

@@ -4,6 +4,7 @@ epoch is a fresh permutation seeded by (seed, epoch); a resumed allocator keeps 
 Pool of 10 prompts, 4 per step: an epoch is 3 steps (4 + 4 + 2 prompts; a batch never crosses an epoch), so
 max_num_epochs=2 stops after step 6 and max_num_steps=4 (with 2 epochs) after step 4 -- worked out by hand.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,9 @@ def _run(allocator, run, start_step=0):
 
 
 def _cfg(*overrides):
-    return load_config("configs/grpo_math_tiny.yaml", ["grpo.val_period=0", "checkpointing.save_period=100",
-                                                       *overrides])
+    return load_config(
+        "configs/grpo_math_tiny.yaml", ["grpo.val_period=0", "checkpointing.save_period=100", *overrides]
+    )
 
 
 def _perm(seed, epoch, n=10):
@@ -50,7 +52,7 @@ def _perm(seed, epoch, n=10):
 def test_epochs_stop_the_run_and_reshuffle_from_the_seed(tmp_path):
     cfg = _cfg("grpo.max_num_steps=100", "grpo.max_num_epochs=2")
     steps, saved = _run(UniformAllocator(range(10), 4, 2, seed=cfg.grpo.seed), _Run(cfg, tmp_path))
-    assert [len(s) for s in steps] == [4, 4, 2, 4, 4, 2] and saved == [6]     # last step checkpointed
+    assert [len(s) for s in steps] == [4, 4, 2, 4, 4, 2] and saved == [6]  # last step checkpointed
     e0, e1 = _perm(cfg.grpo.seed, 0), _perm(cfg.grpo.seed, 1)
     assert sum(steps[:3], []) == e0 and sum(steps[3:], []) == e1 and e0 != e1  # one fresh permutation per epoch
 
@@ -72,11 +74,11 @@ def test_resume_keeps_the_epoch_position(tmp_path):
     cfg = _cfg("grpo.max_num_steps=100", "grpo.max_num_epochs=2")
     full, _ = _run(UniformAllocator(range(10), 4, 2, seed=3), _Run(cfg, tmp_path / "a"))
     first = UniformAllocator(range(10), 4, 2, seed=3)
-    for _ in range(4):                     # stopped after step 4 (epoch 1, one batch in)
+    for _ in range(4):  # stopped after step 4 (epoch 1, one batch in)
         first.step(_generate)
     resumed = UniformAllocator(range(10), 4, 2, seed=3)
     resumed.load_state_dict(first.state_dict())
     rest, saved = _run(resumed, _Run(cfg, tmp_path / "b"), start_step=4)
     assert rest == full[4:] and saved == [6]
-    done, _ = _run(resumed, _Run(cfg, tmp_path / "c"), start_step=6)   # resumed after the last epoch: no step
+    done, _ = _run(resumed, _Run(cfg, tmp_path / "c"), start_step=6)  # resumed after the last epoch: no step
     assert done == []

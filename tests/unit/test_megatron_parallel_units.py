@@ -4,6 +4,7 @@ the vocab-parallel log-prob / argmax in a real 2-process gloo world (no megatron
 The vocab-parallel checks compare against the unsharded computation (``log_softmax`` + ``gather``, its autograd
 gradient, ``argmax``) on the same logits, each rank holding half of the vocabulary.
 """
+
 from __future__ import annotations
 
 import socket
@@ -22,20 +23,37 @@ from nemo_rl_spec.models.hf_weight_mapping import (
 )
 from nemo_rl_spec.models.policy.parallel import ParallelLayout, combine_metrics
 
-SPEC = ModelSpec(architecture="Qwen3ForCausalLM", num_layers=1, hidden_size=8, ffn_hidden_size=6,
-                 num_attention_heads=4, num_query_groups=2, head_dim=2, vocab_size=10, max_position_embeddings=16,
-                 rms_norm_eps=1e-6, rope_theta=1e4, qk_layernorm=True, tie_word_embeddings=True)
+SPEC = ModelSpec(
+    architecture="Qwen3ForCausalLM",
+    num_layers=1,
+    hidden_size=8,
+    ffn_hidden_size=6,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=2,
+    vocab_size=10,
+    max_position_embeddings=16,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    qk_layernorm=True,
+    tie_word_embeddings=True,
+)
 
 
 def test_partition_rules_by_megatron_name():
-    rules = {"decoder.layers.0.self_attention.linear_qkv.weight": "rows", "mtp.layers.0.eh_proj.weight": "rows",
-             "embedding.word_embeddings.weight": "rows", "output_layer.weight": "rows",
-             "decoder.layers.0.mlp.linear_fc1.weight": "glu",
-             "mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight": "glu",
-             "decoder.layers.0.self_attention.linear_proj.weight": "cols",
-             "decoder.layers.0.mlp.linear_fc2.weight": "cols", "decoder.layers.0.input_layernorm.weight": None,
-             "decoder.layers.0.self_attention.q_layernorm.weight": None,
-             "decoder.final_layernorm.weight": None}
+    rules = {
+        "decoder.layers.0.self_attention.linear_qkv.weight": "rows",
+        "mtp.layers.0.eh_proj.weight": "rows",
+        "embedding.word_embeddings.weight": "rows",
+        "output_layer.weight": "rows",
+        "decoder.layers.0.mlp.linear_fc1.weight": "glu",
+        "mtp.layers.0.mtp_model_layer.mlp.linear_fc1.weight": "glu",
+        "decoder.layers.0.self_attention.linear_proj.weight": "cols",
+        "decoder.layers.0.mlp.linear_fc2.weight": "cols",
+        "decoder.layers.0.input_layernorm.weight": None,
+        "decoder.layers.0.self_attention.q_layernorm.weight": None,
+        "decoder.final_layernorm.weight": None,
+    }
     assert {name: tp_partition(name) for name in rules} == rules
 
 
@@ -55,9 +73,14 @@ def test_qkv_shard_holds_whole_query_groups():
     assert torch.equal(rank1, torch.cat([q[4:8], k[2:4], v[2:4]]))
 
 
-@pytest.mark.parametrize("name, shape", [("decoder.layers.0.self_attention.linear_proj.weight", (8, 8)),
-                                         ("embedding.word_embeddings.weight", (10, 8)),
-                                         ("decoder.layers.0.input_layernorm.weight", (8,))])
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        ("decoder.layers.0.self_attention.linear_proj.weight", (8, 8)),
+        ("embedding.word_embeddings.weight", (10, 8)),
+        ("decoder.layers.0.input_layernorm.weight", (8,)),
+    ],
+)
 def test_shard_unshard_round_trip(name, shape):
     full = torch.randn(shape)
     shards = [tp_shard(name, full, r, 2) for r in range(2)]
@@ -99,11 +122,15 @@ def _vocab_parallel_rank(rank: int, port: int, logits: torch.Tensor, targets: to
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         half = logits.shape[-1] // 2
-        shard = logits[..., rank * half:(rank + 1) * half].clone().requires_grad_(True)
+        shard = logits[..., rank * half : (rank + 1) * half].clone().requires_grad_(True)
         lp = target_logprobs(shard, targets, temperature=0.7, group=dist.group.WORLD)
         (lp * torch.arange(1.0, 1.0 + lp.numel()).view_as(lp)).sum().backward()  # a non-uniform upstream gradient
-        out[rank] = {"logprobs": lp.detach(), "grad": shard.grad, "argmax": vocab_argmax(shard, dist.group.WORLD),
-                     "gathered": gather_vocab(shard.detach(), dist.group.WORLD)}
+        out[rank] = {
+            "logprobs": lp.detach(),
+            "grad": shard.grad,
+            "argmax": vocab_argmax(shard, dist.group.WORLD),
+            "gathered": gather_vocab(shard.detach(), dist.group.WORLD),
+        }
     finally:
         dist.destroy_process_group()
 
@@ -123,7 +150,7 @@ def test_vocab_parallel_logprobs_grad_and_argmax_equal_unsharded():
     (expected * torch.arange(1.0, 1.0 + expected.numel()).view_as(expected)).sum().backward()
     for rank in range(2):
         assert (out[rank]["logprobs"] - expected.detach()).abs().max() < 1e-6
-        expected_grad = full.grad[..., rank * 6:(rank + 1) * 6]
+        expected_grad = full.grad[..., rank * 6 : (rank + 1) * 6]
         assert (out[rank]["grad"] - expected_grad).abs().max() < 1e-6 * full.grad.abs().max()  # fp32, upstream 1..10
         assert torch.equal(out[rank]["argmax"], logits.argmax(-1)) and out[rank]["argmax"][0, 0] == 2
         assert torch.equal(out[rank]["gathered"], logits)

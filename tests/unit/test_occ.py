@@ -1,5 +1,6 @@
 """OCC coefficient: the rule, its clamps and zero cases, and a toy with known gradients in which the proxy
 lambda_t tracks the closed-form L-smooth optimum (docs/occ.md)."""
+
 from __future__ import annotations
 
 import math
@@ -112,8 +113,9 @@ def test_mtp_token_logprobs_and_acceptance_hand_example():
     assert lp[0, 2] == pytest.approx(0.0, abs=1e-6)  # target 2 predicted from p = 0: top-1 2
     assert lp[0, 3] == pytest.approx(0.0, abs=1e-6)  # target 1 from p = 1: top-1 1
     assert lp[0, 4] == pytest.approx(-20.0, abs=1e-6)  # target 0 from p = 2: top-1 1
-    data = dict(token_mask=torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0]]), sample_mask=torch.ones(1),
-                input_lengths=torch.tensor([5]))
+    data = dict(
+        token_mask=torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0]]), sample_mask=torch.ones(1), input_lengths=torch.tensor([5])
+    )
     valid = ml.mtp_valid_mask(data, 0)
     assert valid.tolist() == [[0.0, 0.0, 1.0, 1.0, 1.0]]
     # targets s = 2, 3, 4: MTP top-1 at s-2 = 2, 1, 1; main top-1 at s-1 = 2, 1, 2 -> 2 of 3 agree
@@ -126,13 +128,33 @@ def test_mtp_token_logprobs_and_acceptance_hand_example():
 def test_bench_occ_reference_mode_overrides_and_proxy_validation():
     bench = bench_occ
     assert bench.mode_overrides("occ") == ["policy.megatron_cfg.mtp_loss_mode=occ"]
-    assert bench.mode_overrides("occ+ref") == ["policy.megatron_cfg.mtp_loss_mode=occ",
-                                               "+policy.megatron_cfg.mtp_occ_reference=true"]
+    assert bench.mode_overrides("occ+ref") == [
+        "policy.megatron_cfg.mtp_loss_mode=occ",
+        "+policy.megatron_cfg.mtp_occ_reference=true",
+    ]
     # seed 0: c_hat = 2 c_ref + 1 (pearson 1); seed 1 continues the line; one step where the signs differ
-    seeds = {"0": {"series": {"c_hat": [1.0, 3.0, 5.0], "c_ref": [0.0, 1.0, 2.0], "v2_hat": [1.0, 2.0, 3.0],
-                              "v2_ref": [3.0, 2.0, 1.0], "lambda": [0.0, 1.0, 2.0], "lambda_ref": [0.0, 1.0, 2.0]}},
-             "1": {"series": {"c_hat": [7.0], "c_ref": [3.0], "v2_hat": [4.0], "v2_ref": [0.0], "lambda": [3.0],
-                              "lambda_ref": [3.0]}}}
+    seeds = {
+        "0": {
+            "series": {
+                "c_hat": [1.0, 3.0, 5.0],
+                "c_ref": [0.0, 1.0, 2.0],
+                "v2_hat": [1.0, 2.0, 3.0],
+                "v2_ref": [3.0, 2.0, 1.0],
+                "lambda": [0.0, 1.0, 2.0],
+                "lambda_ref": [0.0, 1.0, 2.0],
+            }
+        },
+        "1": {
+            "series": {
+                "c_hat": [7.0],
+                "c_ref": [3.0],
+                "v2_hat": [4.0],
+                "v2_ref": [0.0],
+                "lambda": [3.0],
+                "lambda_ref": [3.0],
+            }
+        },
+    }
     out = bench.proxy_validation(seeds)
     assert out["pearson_c"] == pytest.approx(1.0, abs=1e-12)
     assert out["pearson_v2"] == pytest.approx(-1.0, abs=1e-12) and out["spearman_v2"] == pytest.approx(-1.0)
@@ -154,9 +176,11 @@ def test_bench_occ_reference_mode_overrides_and_proxy_validation():
 
 def test_bench_occ_summary_peak_accuracy_skips_step_zero():
     bench = bench_occ
-    rows = [{"step": 0, "validation/accuracy": 0.9}] + [
-        {"step": k, "timing/train/total_step_time": 2.0, "timing/train/policy_training": 1.0} for k in (1, 2, 3)] + [
-        {"step": 2, "validation/accuracy": 0.6}, {"step": 3, "validation/accuracy": 0.5}]
+    rows = (
+        [{"step": 0, "validation/accuracy": 0.9}]
+        + [{"step": k, "timing/train/total_step_time": 2.0, "timing/train/policy_training": 1.0} for k in (1, 2, 3)]
+        + [{"step": 2, "validation/accuracy": 0.6}, {"step": 3, "validation/accuracy": 0.5}]
+    )
     s = bench.summarise(rows)
     assert s["peak_accuracy"] == 0.6 and s["final_accuracy"] == 0.5
     assert s["validation"] == [(0, 0.9), (2, 0.6), (3, 0.5)]
@@ -174,8 +198,15 @@ def test_bench_occ_resumes_finished_runs_and_reports_intervals(tmp_path):
         (d / "logs").mkdir(parents=True)
         (d / "run.json").write_text(json.dumps({"returncode": 0, "wall_s": 1.0}))
         rows = [{"step": 0, "validation/accuracy": 0.3}] + [
-            {"step": i, "timing/train/total_step_time": step_s, "timing/train/policy_training": step_s / 2,
-             "train/reward": 0.5, "train/mtp/acceptance": 0.4} for i in (1, 2)]
+            {
+                "step": i,
+                "timing/train/total_step_time": step_s,
+                "timing/train/policy_training": step_s / 2,
+                "train/reward": 0.5,
+                "train/mtp/acceptance": 0.4,
+            }
+            for i in (1, 2)
+        ]
         rows[-1]["validation/accuracy"] = acc
         (d / "logs" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
 
@@ -183,13 +214,31 @@ def test_bench_occ_resumes_finished_runs_and_reports_intervals(tmp_path):
         write("detach", seed, a_detach, 2.0)
         write("occ", seed, a_occ, 2.2)
     out = tmp_path / "occ.json"
-    rc = bench.main(["--out", str(out), "--config", "configs/grpo_math_testbed_mtp.yaml", "--modes", "detach", "occ",
-                     "--seeds", "0", "1", "2", "--steps", "2", "--work-dir", str(tmp_path / "runs"), "--reuse"])
+    rc = bench.main(
+        [
+            "--out",
+            str(out),
+            "--config",
+            "configs/grpo_math_testbed_mtp.yaml",
+            "--modes",
+            "detach",
+            "occ",
+            "--seeds",
+            "0",
+            "1",
+            "2",
+            "--steps",
+            "2",
+            "--work-dir",
+            str(tmp_path / "runs"),
+            "--reuse",
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     acc = result["per_mode"]["occ"]["final_accuracy"]
     assert acc["per_seed"] == {"0": 0.7, "1": 0.7, "2": 0.9} and acc["mean"] == pytest.approx(2.3 / 3)
-    assert 0.7 - 1e-12 <= acc["interval90"][0] <= acc["mean"] <= acc["interval90"][1] <= 0.9 + 1e-12   # fmean rounding
+    assert 0.7 - 1e-12 <= acc["interval90"][0] <= acc["mean"] <= acc["interval90"][1] <= 0.9 + 1e-12  # fmean rounding
     assert result["per_mode"]["detach"]["mtp_acceptance"]["mean"] == pytest.approx(0.4)
     assert result["overhead"]["occ_vs_detach_step_time"] == pytest.approx(1.1)
     assert result["failed_runs"] == [] and out.with_suffix(".png").is_file()

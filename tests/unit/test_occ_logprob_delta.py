@@ -1,5 +1,6 @@
 """The paper's OCC proxy (``mtp_occ_proxy: logprob_delta``, RL-MTP): hand-worked values, clamps, zero cases, and
 the config rules that select it (docs/occ.md section 3a)."""
+
 from __future__ import annotations
 
 import os
@@ -63,17 +64,21 @@ def test_errors():
 def test_config_selects_and_refuses():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        cfg = load_config(RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta",
-                                   "policy.train_global_batch_size=4"])
+        cfg = load_config(
+            RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta", "policy.train_global_batch_size=4"]
+        )
     assert cfg.policy.megatron_cfg.mtp_occ_proxy == "logprob_delta"
     assert load_config(RECIPE).policy.megatron_cfg.mtp_occ_proxy == "hidden_grad"
     for mode in ("detach", "ce", "policy"):
         with pytest.raises(ConfigError, match="mtp_occ_proxy"):
-            load_config(RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta",
-                                 f"policy.megatron_cfg.mtp_loss_mode={mode}"])
+            load_config(
+                RECIPE,
+                ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta", f"policy.megatron_cfg.mtp_loss_mode={mode}"],
+            )
     with pytest.raises(ConfigError, match="mtp_occ_proxy"):
-        load_config(RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta",
-                             "policy.megatron_cfg.mtp_num_layers=0"])
+        load_config(
+            RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta", "policy.megatron_cfg.mtp_num_layers=0"]
+        )
     # one optimizer mini-batch per step (8 rows, train_global_batch_size 8): lambda is 0 on every step -> warned
     with pytest.warns(UserWarning, match="train_global_batch_size=8"):
         load_config(RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta"])
@@ -82,8 +87,11 @@ def test_config_selects_and_refuses():
 def test_bench_occ_paper_proxy_flag():
     bench = bench_occ
     overrides = bench.mode_overrides("occ+lpd+ref")
-    assert overrides == ["policy.megatron_cfg.mtp_loss_mode=occ", "+policy.megatron_cfg.mtp_occ_reference=true",
-                         "+policy.megatron_cfg.mtp_occ_proxy=logprob_delta"]
+    assert overrides == [
+        "policy.megatron_cfg.mtp_loss_mode=occ",
+        "+policy.megatron_cfg.mtp_occ_reference=true",
+        "+policy.megatron_cfg.mtp_occ_proxy=logprob_delta",
+    ]
     assert bench.parse_mode("occ+lpd") == ("occ", False, "logprob_delta")
     assert bench.parse_mode("occ+ref") == ("occ", True, "hidden_grad")
     cfg = load_config(RECIPE, [*overrides, "policy.train_global_batch_size=4"])  # the bench's overrides validate

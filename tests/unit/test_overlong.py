@@ -1,4 +1,5 @@
 """grpo.overlong_filtering: exactly the rows cut off by a length limit leave the loss (hand-built batch)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,12 +14,18 @@ def _batch():
     1 ends with EOS exactly at the limit (complete); 2 ends early with EOS; 3 stops early without EOS (a stop
     string, complete); 4 has a 3-token prompt and reaches max_model_len 7 with 4 response tokens, no EOS (cut);
     5 has a 4-token prompt and reaches max_model_len with 3 response tokens (cut)."""
-    rows = [([5, 6], [7, 8, 9, 10]), ([5, 6], [7, 8, 9, EOS]), ([5, 6], [7, EOS]), ([5, 6], [7, 8]),
-            ([5, 6, 4], [7, 8, 9, 10]), ([5, 6, 4, 3], [7, 8, 9])]
+    rows = [
+        ([5, 6], [7, 8, 9, 10]),
+        ([5, 6], [7, 8, 9, EOS]),
+        ([5, 6], [7, EOS]),
+        ([5, 6], [7, 8]),
+        ([5, 6, 4], [7, 8, 9, 10]),
+        ([5, 6, 4, 3], [7, 8, 9]),
+    ]
     ids, tmask = torch.zeros(6, 8, dtype=torch.long), torch.zeros(6, 8)
     for b, (p, r) in enumerate(rows):
         ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-        tmask[b, len(p): len(p) + len(r)] = 1.0
+        tmask[b, len(p) : len(p) + len(r)] = 1.0
     lengths = torch.tensor([len(p) + len(r) for p, r in rows])
     return {"input_ids": ids, "input_lengths": lengths, "token_mask": tmask, "sample_mask": torch.ones(6)}
 

@@ -1,5 +1,6 @@
 """Issue 32 diagnostics: which prompts were trained on (``rollout_alloc/trained_*`` metrics, difficulty buckets) and
 the constant loss normaliser (Dr. GRPO) of ClippedPGLossFn, against hand computations."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,13 +16,20 @@ from nemo_rl_spec.bench import pilot_commit as bench_pilot_commit
 from nemo_rl_spec.utils.config_schema import LossConfig
 from nemo_rl_spec.utils.feature_configs import PilotCommitConfig
 
-LOSS_CFG = dict(ratio_clip_min=0.2, ratio_clip_max=0.2, token_level_loss=True, reference_policy_kl_penalty=0.0,
-                reference_policy_kl_type="k3", use_importance_sampling_correction=False,
-                truncated_importance_sampling_ratio=None)
+LOSS_CFG = dict(
+    ratio_clip_min=0.2,
+    ratio_clip_max=0.2,
+    token_level_loss=True,
+    reference_policy_kl_penalty=0.0,
+    reference_policy_kl_type="k3",
+    use_importance_sampling_correction=False,
+    truncated_importance_sampling_ratio=None,
+)
 
 
 def _generate(p_of, version=0):
     """Rewards [1, 0, 1, 0, ...] for p 0.5, all 1 for 1.0, all 0 for 0.0."""
+
     def gen(requests):
         out = []
         for r in requests:
@@ -29,6 +37,7 @@ def _generate(p_of, version=0):
             rewards = [float(i % 2 == 0) for i in range(r.n)] if p == 0.5 else [p] * r.n
             out.append(r.result(rewards, version))
         return out
+
     return gen
 
 
@@ -57,14 +66,25 @@ def test_uniform_trained_prompt_metrics_by_hand():
     # rewards: prompt 0 [1, 0], prompt 1 [1, 1] -> 3/4; prompt 2 [0, 0] -> 0
     assert [x[pre + "trained_group_reward_mean"] for x in m] == pytest.approx([0.75, 0.0, 0.75, 0.0])
     # every bucket of the pool reported each step, 0 included
-    assert [(x[pre + "trained_bucket/terms_2"], x[pre + "trained_bucket/terms_3"]) for x in m] == \
-        [(1, 1), (1, 0), (1, 1), (1, 0)]
+    assert [(x[pre + "trained_bucket/terms_2"], x[pre + "trained_bucket/terms_3"]) for x in m] == [
+        (1, 1),
+        (1, 0),
+        (1, 1),
+        (1, 0),
+    ]
 
 
 def test_trained_prompt_counts_survive_resume_and_cover_pilot_commit():
-    cfg = PilotCommitConfig(n_pilot=2, n_commit=2, pilot_batch_size=4, rollout_budget_per_step=12, p_lower=0.1,
-                            p_upper=0.9, bind_pilot_to_commit=False)
-    p_of = {i: 0.5 for i in range(4)}     # every prompt selected; 2 commit slots: (12 - 8) // 2
+    cfg = PilotCommitConfig(
+        n_pilot=2,
+        n_commit=2,
+        pilot_batch_size=4,
+        rollout_budget_per_step=12,
+        p_lower=0.1,
+        p_upper=0.9,
+        bind_pilot_to_commit=False,
+    )
+    p_of = {i: 0.5 for i in range(4)}  # every prompt selected; 2 commit slots: (12 - 8) // 2
     a = PilotCommitAllocator(range(4), cfg, shuffle=False)
     a.set_prompt_buckets({0: "a", 1: "a", 2: "b", 3: "b"})
     s0 = a.step(_generate(p_of))
@@ -78,8 +98,9 @@ def test_trained_prompt_counts_survive_resume_and_cover_pilot_commit():
     assert s1a.metrics == s1b.metrics
     # step 1 trains [0, 1] (fresh pilot of the next epoch) or buffered 2, 3: either way the counts continue
     assert s1a.metrics["rollout_alloc/trained_unique_frac"] == pytest.approx(
-        len({g.prompt_id for g in s0.groups + s1a.groups}) / 4)
-    del state["times_trained"], state["train_groups_total"]   # a checkpoint written before these metrics loads
+        len({g.prompt_id for g in s0.groups + s1a.groups}) / 4
+    )
+    del state["times_trained"], state["train_groups_total"]  # a checkpoint written before these metrics loads
     PilotCommitAllocator(range(4), cfg, shuffle=False).load_state_dict(state)
 
 
@@ -98,36 +119,42 @@ def _batch():
     valid token. Sum over valid tokens of pg = -3 + 2 = -1; d sum / d curr = -A on valid tokens."""
     prev = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, 0.0, 0.0, 0.0]])
     curr = prev.clone().requires_grad_(True)
-    data = dict(prev_logprobs=prev, token_mask=torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]]),
-                sample_mask=torch.ones(2), advantages=torch.tensor([1.0, -2.0]))
+    data = dict(
+        prev_logprobs=prev,
+        token_mask=torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0]]),
+        sample_mask=torch.ones(2),
+        advantages=torch.tensor([1.0, -2.0]),
+    )
     return curr, data
 
 
 def test_constant_normaliser_divides_by_the_constant_not_the_batch_tokens():
     curr, data = _batch()
     batch_loss, _ = ClippedPGLossFn(LOSS_CFG)(curr, data, torch.tensor(4.0), torch.tensor(2.0))
-    assert float(batch_loss.detach()) == pytest.approx(-1 / 4)          # today's batch mean: sum / 4 valid tokens
+    assert float(batch_loss.detach()) == pytest.approx(-1 / 4)  # today's batch mean: sum / 4 valid tokens
     const = ClippedPGLossFn({**LOSS_CFG, "loss_normalizer": "constant", "loss_normalizer_constant": 64.0})
     loss, metrics = const(curr, data, torch.tensor(4.0), torch.tensor(2.0))
-    assert float(loss) == pytest.approx(-1 / 64)               # sum / C, whatever the batch's token count
+    assert float(loss) == pytest.approx(-1 / 64)  # sum / C, whatever the batch's token count
     loss.backward()
     expected = torch.tensor([[-1.0, -1.0, -1.0, 0.0], [2.0, 0.0, 0.0, 0.0]]) / 64
     torch.testing.assert_close(curr.grad, expected, rtol=0, atol=1e-7)
-    assert metrics["probs_ratio"] == pytest.approx(1.0)        # metrics keep the batch normalisation
+    assert metrics["probs_ratio"] == pytest.approx(1.0)  # metrics keep the batch normalisation
 
 
 def test_constant_normaliser_gradient_scales_with_batch_size_batch_mean_does_not():
     """The issue-32 property: twice the informative rows -> twice the gradient on a shared parameter with the
     constant normaliser; the batch mean gives the half batch the same gradient as the full one (so a step with one
     or two groups moves the policy as far as a full batch). Fails on the old, batch-only behaviour."""
+
     def shared_grad(cfg, copies):
         curr, data = _batch()
         data = {k: torch.cat([v] * copies) for k, v in data.items()}
-        theta = torch.zeros((), requires_grad=True)          # a parameter every token's log-prob depends on
+        theta = torch.zeros((), requires_grad=True)  # a parameter every token's log-prob depends on
         curr = data["prev_logprobs"] + theta
         loss, _ = ClippedPGLossFn(cfg)(curr, data, data["token_mask"].sum(), torch.tensor(2.0 * copies))
         loss.backward()
         return float(theta.grad)
+
     const = {**LOSS_CFG, "loss_normalizer": "constant", "loss_normalizer_constant": 40.0}
     # d loss / d theta = sum over valid tokens of -A / normaliser: (-3 + 2) * copies / C, or (-1 * copies) / (4 copies)
     assert shared_grad(const, 1) == pytest.approx(-1 / 40) and shared_grad(const, 2) == pytest.approx(-2 / 40)
@@ -138,7 +165,7 @@ def test_constant_normaliser_sequence_level():
     curr, data = _batch()
     cfg = {**LOSS_CFG, "token_level_loss": False, "loss_normalizer": "constant", "loss_normalizer_constant": 8.0}
     loss, _ = ClippedPGLossFn(cfg)(curr, data, torch.tensor(4.0), torch.tensor(2.0))
-    assert float(loss) == pytest.approx((-1.0 + 2.0) / 8)      # per-row token means -1 and +2, summed, / 8 rows
+    assert float(loss) == pytest.approx((-1.0 + 2.0) / 8)  # per-row token means -1 and +2, summed, / 8 rows
 
 
 def test_loss_normaliser_config_errors():
@@ -149,29 +176,48 @@ def test_loss_normaliser_config_errors():
     with pytest.raises(ValidationError, match="loss_normalizer_constant"):
         LossConfig(**LOSS_CFG, loss_normalizer="constant")
     assert LossConfig(**LOSS_CFG).loss_normalizer == "batch"
-    assert LossConfig(**LOSS_CFG, loss_normalizer="constant", loss_normalizer_constant=3072).loss_normalizer_constant \
+    assert (
+        LossConfig(**LOSS_CFG, loss_normalizer="constant", loss_normalizer_constant=3072).loss_normalizer_constant
         == 3072
+    )
 
 
 # ----------------------------------------------------------------------------------------- ablation table
 def test_bench_training_diagnostics_and_ablation_table(tmp_path):
     bench, table = bench_pilot_commit, pc_ablation_table
-    steps = [{"step": 1, "rollout_alloc/train_rollouts": 40.0, "train/grad_norm": 2.0,
-              "rollout_alloc/trained_times_seen_mean": 1.0, "rollout_alloc/trained_unique_frac": 1.0,
-              "rollout_alloc/trained_bucket/terms_2": 3.0, "rollout_alloc/trained_bucket/terms_3": 1.0,
-              "rollout_alloc/trained_group_reward_mean": 0.5},
-             {"step": 2, "rollout_alloc/train_rollouts": 8.0, "train/grad_norm": 6.0,
-              "rollout_alloc/trained_times_seen_mean": 2.0, "rollout_alloc/trained_unique_frac": 0.8,
-              "rollout_alloc/trained_bucket/terms_2": 0.0, "rollout_alloc/trained_bucket/terms_3": 1.0,
-              "rollout_alloc/trained_group_reward_mean": 0.25}]
+    steps = [
+        {
+            "step": 1,
+            "rollout_alloc/train_rollouts": 40.0,
+            "train/grad_norm": 2.0,
+            "rollout_alloc/trained_times_seen_mean": 1.0,
+            "rollout_alloc/trained_unique_frac": 1.0,
+            "rollout_alloc/trained_bucket/terms_2": 3.0,
+            "rollout_alloc/trained_bucket/terms_3": 1.0,
+            "rollout_alloc/trained_group_reward_mean": 0.5,
+        },
+        {
+            "step": 2,
+            "rollout_alloc/train_rollouts": 8.0,
+            "train/grad_norm": 6.0,
+            "rollout_alloc/trained_times_seen_mean": 2.0,
+            "rollout_alloc/trained_unique_frac": 0.8,
+            "rollout_alloc/trained_bucket/terms_2": 0.0,
+            "rollout_alloc/trained_bucket/terms_3": 1.0,
+            "rollout_alloc/trained_group_reward_mean": 0.25,
+        },
+    ]
     d = bench.training_diagnostics(steps)
     assert d["mean_train_rows"] == 24 and d["mean_grad_norm"] == 4 and d["max_grad_norm"] == 6
     assert d["mean_trained_times_seen"] == 1.5 and d["final_trained_unique_frac"] == 0.8
     assert d["trained_bucket_share"] == {"terms_2": 0.6, "terms_3": 0.4} and d["mean_train_group_reward"] == 0.375
     assert bench.training_diagnostics([{"step": 1}])["mean_grad_norm"] is None
     # accuracy 0.3 (step 0), 0.7 (2), 0.8 (4), 0.6 (6): peak 0.8 at step 4, final 0.6, drop 0.2
-    run = {"curve": [[0, 0, 0.3], [2, 100, 0.7], [4, 200, 0.8], [6, 300, 0.6]],
-           "cumulative_rollouts": [[6, 300.0]], **d}
+    run = {
+        "curve": [[0, 0, 0.3], [2, 100, 0.7], [4, 200, 0.8], [6, 300, 0.6]],
+        "cumulative_rollouts": [[6, 300.0]],
+        **d,
+    }
     row = table.run_row(run)
     assert row["final"] == 0.6 and row["peak"] == 0.8 and row["peak_step"] == 4
     assert row["drop"] == pytest.approx(0.2) and row["rollouts"] == 300 and row["rows_per_step"] == 24
@@ -180,8 +226,14 @@ def test_bench_training_diagnostics_and_ablation_table(tmp_path):
     rec = table.run_row({"curve": [[0, 0, 0.3], [4, 1, 0.8], [16, 2, 0.6], [22, 3, 0.75], [30, 4, 0.8]]})
     assert rec["drop"] == 0 and rec["max_drawdown"] == pytest.approx(0.2) and rec["dip_last10"] == pytest.approx(0.05)
     f = tmp_path / "abl.json"
-    f.write_text(__import__("json").dumps({"runs": {"pilot_commit": {"0": run, "1": {**run, "curve": run["curve"][:3]}}},
-                                           "meta": {"overrides": ["x=1"]}}))
+    f.write_text(
+        __import__("json").dumps(
+            {
+                "runs": {"pilot_commit": {"0": run, "1": {**run, "curve": run["curve"][:3]}}},
+                "meta": {"overrides": ["x=1"]},
+            }
+        )
+    )
     s = table.summarize_file(f)["abl"]
     assert s["seeds"]["1"]["drop"] == 0 and s["mean"]["final"]["mean"] == pytest.approx(0.7)
     assert s["mean"]["drop"]["mean"] == pytest.approx(0.1) and s["overrides"] == ["x=1"]

@@ -5,6 +5,7 @@ every pilot outcome deterministic, so selections, deferrals, evictions, buffer u
 with values computed by hand below. Bernoulli pools (a policy whose success rate rises with the number of training
 steps, seeded per request) check the statistics against closed forms within sampling error.
 """
+
 from __future__ import annotations
 
 import io
@@ -70,8 +71,17 @@ def kinds_fn(kinds: str):
 
 
 def cfg(**kw) -> PilotCommitConfig:
-    base = dict(n_pilot=2, n_commit=4, pilot_batch_size=4, rollout_budget_per_step=16, p_lower=0.1, p_upper=0.9,
-                evict_after_consecutive_solved=2, max_off_steps=1, max_buffer_size=4)
+    base = dict(
+        n_pilot=2,
+        n_commit=4,
+        pilot_batch_size=4,
+        rollout_budget_per_step=16,
+        p_lower=0.1,
+        p_upper=0.9,
+        evict_after_consecutive_solved=2,
+        max_off_steps=1,
+        max_buffer_size=4,
+    )
     base.update(kw)
     return PilotCommitConfig(**base)
 
@@ -141,15 +151,20 @@ def test_hand_computed_selections_deferrals_evictions_and_counts():
     # the generation calls themselves: step 1's single call = commit 4,5 (n=4) + pilot 0..3 (n=2) for step 2
     call = sim.calls[2]
     assert [(r.prompt_id, r.stage, r.n, r.target_step) for r in call] == [
-        (4, Stage.COMMIT, 4, 1), (5, Stage.COMMIT, 4, 1), (0, Stage.PILOT, 2, 2), (1, Stage.PILOT, 2, 2),
-        (2, Stage.PILOT, 2, 2), (3, Stage.PILOT, 2, 2)]
+        (4, Stage.COMMIT, 4, 1),
+        (5, Stage.COMMIT, 4, 1),
+        (0, Stage.PILOT, 2, 2),
+        (1, Stage.PILOT, 2, 2),
+        (2, Stage.PILOT, 2, 2),
+        (3, Stage.PILOT, 2, 2),
+    ]
 
 
 def test_buffer_entry_expires_after_max_off_steps():
     sim = Sim(kinds_fn("MEHMMMEH"), scripted=True)
     alloc = PilotCommitAllocator(range(8), cfg(max_off_steps=0), seed=0, shuffle=False)
     sels = sim.run(alloc, 6)
-    assert group_ids(sels[5]) == [5]                     # buffered 4 is one step old > 0: expired
+    assert group_ids(sels[5]) == [5]  # buffered 4 is one step old > 0: expired
     assert m(sels[5], "pilot_commit/buffer_expired") == 1
     assert m(sels[5], "rollout_alloc/step_rollouts") == 4 + 8
 
@@ -157,17 +172,16 @@ def test_buffer_entry_expires_after_max_off_steps():
 def test_buffer_overflow_drops_oldest_and_fresh_pilot_supersedes():
     # pool of 8 M prompts, P=8 pilots x 2 = 16, budget 20 -> K=1: 7 surplus per step, buffer capacity 3
     config = cfg(pilot_batch_size=8, rollout_budget_per_step=20, max_buffer_size=3)
-    unbound = PilotCommitAllocator(range(8), config.model_copy(update={"bind_pilot_to_commit": False}),
-                                   shuffle=False)
+    unbound = PilotCommitAllocator(range(8), config.model_copy(update={"bind_pilot_to_commit": False}), shuffle=False)
     sel = Sim(lambda pid, v: 0.5, scripted=True).run(unbound, 1)[0]
     assert group_ids(sel) == [0]
-    assert m(sel, "pilot_commit/buffer_dropped") == 4               # surplus 1..7, the oldest four dropped
+    assert m(sel, "pilot_commit/buffer_dropped") == 4  # surplus 1..7, the oldest four dropped
     assert [e.prompt_id for e in unbound._buffer] == [5, 6, 7]
     assert m(sel, "pilot_commit/buffer_size") == 3
     bound = PilotCommitAllocator(range(8), config, shuffle=False)
     sel = Sim(lambda pid, v: 0.5, scripted=True).run(bound, 1)[0]
     assert m(sel, "pilot_commit/buffer_dropped") == 4
-    assert m(sel, "pilot_commit/buffer_size") == 0                  # step 0's bound pilot re-piloted 0..7
+    assert m(sel, "pilot_commit/buffer_size") == 0  # step 0's bound pilot re-piloted 0..7
 
 
 def test_rising_success_rate_leads_to_eviction():
@@ -175,8 +189,7 @@ def test_rising_success_rate_leads_to_eviction():
     # then M. K=(8-4)//2=2.
     p = lambda pid, v: (0.5 if v < 2 else 1.0) if pid == 0 else (0.0 if v < 1 else 0.5)  # noqa: E731
     sim = Sim(p, scripted=True)
-    alloc = PilotCommitAllocator([0, 1], cfg(n_commit=2, pilot_batch_size=2, rollout_budget_per_step=8),
-                                 shuffle=False)
+    alloc = PilotCommitAllocator([0, 1], cfg(n_commit=2, pilot_batch_size=2, rollout_budget_per_step=8), shuffle=False)
     sels = sim.run(alloc, 6)
     # step 0 (v0): pilot 0 sel, 1 hard; commit 0 + pilot v0 (0 sel, 1 hard)
     # step 1 (v1): commit 0 + pilot v1 (0 sel, 1 sel)   step 2 (v2): commit 0,1 + pilot v2 (0 solved 1x, 1 sel)
@@ -190,16 +203,24 @@ def test_rising_success_rate_leads_to_eviction():
 
 def fixed_rewards_generate(table: dict[int, list[float]]):
     """Pilot rewards from ``table[prompt_id]``; commits all 0.5 (irrelevant here)."""
+
     def generate(requests):
         return [r.result(table[r.prompt_id] if r.stage == Stage.PILOT else [0.5] * r.n, 0) for r in requests]
+
     return generate
 
 
 def test_threshold_boundaries_follow_the_paper():
     # p_hat < p_lower too hard, p_hat > p_upper too easy, p_lower <= p_hat <= p_upper selected
     table = {0: [0, 0, 0, 0], 1: [1, 0, 0, 0], 2: [1, 1, 0, 0], 3: [1, 1, 1, 0], 4: [1, 1, 1, 1]}
-    config = cfg(n_pilot=4, pilot_batch_size=5, rollout_budget_per_step=20 + 3 * 4, p_lower=0.25, p_upper=0.75,
-                 bind_pilot_to_commit=False)
+    config = cfg(
+        n_pilot=4,
+        pilot_batch_size=5,
+        rollout_budget_per_step=20 + 3 * 4,
+        p_lower=0.25,
+        p_upper=0.75,
+        bind_pilot_to_commit=False,
+    )
     alloc = PilotCommitAllocator(range(5), config, shuffle=False)
     sel = alloc.step(fixed_rewards_generate(table))
     assert group_ids(sel) == [1, 2, 3]
@@ -209,8 +230,14 @@ def test_threshold_boundaries_follow_the_paper():
 def test_commit_top_fallback_prefers_highest_pilot_success_rate():
     # p_lower=0.6 makes p_hat 0, 1/4, 2/4 too hard; K=2 -> the fallback commits 2/4 (prompt 2) then 1/4 (prompt 0)
     table = {0: [1, 0, 0, 0], 1: [0, 0, 0, 0], 2: [1, 1, 0, 0], 3: [0, 0, 0, 0]}
-    config = cfg(n_pilot=4, pilot_batch_size=4, rollout_budget_per_step=16 + 2 * 4, p_lower=0.6, p_upper=0.9,
-                 bind_pilot_to_commit=False)
+    config = cfg(
+        n_pilot=4,
+        pilot_batch_size=4,
+        rollout_budget_per_step=16 + 2 * 4,
+        p_lower=0.6,
+        p_upper=0.9,
+        bind_pilot_to_commit=False,
+    )
     alloc = PilotCommitAllocator(range(4), config, shuffle=False)
     sel = alloc.step(fixed_rewards_generate(table))
     assert group_ids(sel) == [2, 0]
@@ -232,8 +259,8 @@ def test_everything_too_hard_commit_top_fallback_runs_logged_and_bounded(caplog)
     assert all(m(s, "rollout_alloc/zero_adv_group_frac") == 1.0 for s in sels)
     assert all(m(s, "rollout_alloc/gen_rounds") <= 2 for s in sels)
     assert m(sels[-1], "rollout_alloc/cumulative_rollouts") == 20 + 20 * 16 + 19 * 12
-    assert m(sels[-1], "rollout_alloc/epoch") == 20           # step 39 drew the pilot of step 40: epoch 20
-    assert m(sels[-1], "pilot_commit/pool_size") == 6          # deferred, never dropped
+    assert m(sels[-1], "rollout_alloc/epoch") == 20  # step 39 drew the pilot of step 40: epoch 20
+    assert m(sels[-1], "pilot_commit/pool_size") == 6  # deferred, never dropped
 
 
 def test_everything_too_hard_skip_fallback_trains_nothing(caplog):
@@ -243,7 +270,7 @@ def test_everything_too_hard_skip_fallback_trains_nothing(caplog):
         sels = sim.run(alloc, 30)
     assert all(s.groups == [] and not s.exhausted for s in sels)
     assert len([r for r in caplog.records if "'skip'" in r.getMessage()]) == 30
-    assert m(sels[-1], "rollout_alloc/cumulative_rollouts") == 8 + 4 + 15 * 8 + 14 * 4   # pilots only
+    assert m(sels[-1], "rollout_alloc/cumulative_rollouts") == 8 + 4 + 15 * 8 + 14 * 4  # pilots only
     assert m(sels[-1], "pilot_commit/commit_rollouts") == 0 and sim.version == 0
 
 
@@ -252,7 +279,7 @@ def test_everything_too_hard_shuffled_unbound_is_bounded():
     sim = Sim(lambda pid, v: 0.0)
     sels = sim.run(alloc, 25)
     assert all(m(s, "rollout_alloc/gen_rounds") == 2 for s in sels)
-    assert all(len(s.groups) == 2 for s in sels)                 # commit_top fallback every step
+    assert all(len(s.groups) == 2 for s in sels)  # commit_top fallback every step
 
 
 def test_everything_solved_is_evicted_and_epoch_ends_cleanly():
@@ -265,7 +292,7 @@ def test_everything_solved_is_evicted_and_epoch_ends_cleanly():
     assert [m(s, "pilot_commit/evicted") for s in sels] == [0, 4, 1, 0, 0]
     assert [s.exhausted for s in sels] == [False, False, True, True, True]
     assert [m(s, "rollout_alloc/step_rollouts") for s in sels] == [10, 8, 2, 0, 0]
-    assert len(sim.calls) == 4                                   # steps 3 and 4 never called generate_fn
+    assert len(sim.calls) == 4  # steps 3 and 4 never called generate_fn
     assert m(sels[-1], "rollout_alloc/epoch") == 1
     assert m(sels[-1], "pilot_commit/pool_size") == 0
 
@@ -298,8 +325,15 @@ def test_pilot_selection_rate_matches_binomial_probability():
     # Fixed p (no training effect: lag makes every rollout use version 0).
     num = 40
     p0 = [0.05 + 0.9 * i / (num - 1) for i in range(num)]
-    config = cfg(n_pilot=3, n_commit=4, pilot_batch_size=8, rollout_budget_per_step=40, p_lower=0.2, p_upper=0.8,
-                 evict_after_consecutive_solved=10**6)
+    config = cfg(
+        n_pilot=3,
+        n_commit=4,
+        pilot_batch_size=8,
+        rollout_budget_per_step=40,
+        p_lower=0.2,
+        p_upper=0.8,
+        evict_after_consecutive_solved=10**6,
+    )
     alloc = PilotCommitAllocator(range(num), config, seed=11)
     sim = Sim(lambda pid, v: p0[pid], lag=10**9)
     sels = sim.run(alloc, 100)
@@ -339,19 +373,29 @@ def test_equal_budget_zero_advantage_uniform_matches_formula_and_pilot_commit_is
             groups += 1
     assert abs(zero - expected) <= 4 * math.sqrt(var), (zero, expected, math.sqrt(var))
     uni_frac = zero / groups
-    assert uni_frac > 0.2                                       # the test pool wastes a lot under uniform GRPO
+    assert uni_frac > 0.2  # the test pool wastes a lot under uniform GRPO
     # Pilot-Commit at the same budget: 8 pilots x 2 = 16, 4 commits x 4 = 16
-    pc = PilotCommitAllocator(range(num), cfg(n_pilot=2, n_commit=4, pilot_batch_size=8, rollout_budget_per_step=budget,
-                                              max_off_steps=2, max_buffer_size=16), seed=1)
+    pc = PilotCommitAllocator(
+        range(num),
+        cfg(
+            n_pilot=2,
+            n_commit=4,
+            pilot_batch_size=8,
+            rollout_budget_per_step=budget,
+            max_off_steps=2,
+            max_buffer_size=16,
+        ),
+        seed=1,
+    )
     psim = Sim(p_fn)
     sels = psim.run(pc, steps)
     assert all(m(s, "rollout_alloc/step_rollouts") <= budget for s in sels[1:])
-    assert m(sels[-1], "rollout_alloc/cumulative_rollouts") <= steps * budget + 16   # cold start: one extra pilot
+    assert m(sels[-1], "rollout_alloc/cumulative_rollouts") <= steps * budget + 16  # cold start: one extra pilot
     pc_groups = sum(len(s.groups) for s in sels)
     pc_zero = sum(m(s, "rollout_alloc/zero_adv_group_frac") * len(s.groups) for s in sels)
     assert pc_zero / pc_groups < uni_frac / 5
     pc_var = sum(m(s, "rollout_alloc/mean_group_reward_var") for s in sels) / steps
-    assert pc_var > 1.2 * uni_var                                 # the paper: higher within-group variance
+    assert pc_var > 1.2 * uni_var  # the paper: higher within-group variance
     # metric bookkeeping: uniform groups all have 8 rollouts, so useful share = 1 - zero-advantage share
     assert m(sel, "rollout_alloc/useful_rollout_frac") == pytest.approx(1 - uni_frac, abs=1e-12)
     useful = sum(g.size for s in sels for g in s.groups if g.rewards.max() > g.rewards.min())
@@ -361,14 +405,17 @@ def test_equal_budget_zero_advantage_uniform_matches_formula_and_pilot_commit_is
 
 # ----------------------------------------------------------------------------------------------- resume
 def pilot_commit_trace(sels):
-    return [(s.step, [(g.prompt_id, g.rewards.tolist(), g.policy_versions.tolist()) for g in s.groups], s.metrics)
-            for s in sels]
+    return [
+        (s.step, [(g.prompt_id, g.rewards.tolist(), g.policy_versions.tolist()) for g in s.groups], s.metrics)
+        for s in sels
+    ]
 
 
 def test_resume_mid_epoch_reproduces_every_later_decision():
     num = 20
-    config = cfg(n_pilot=4, n_commit=4, pilot_batch_size=8, rollout_budget_per_step=40, max_off_steps=2,
-                 max_buffer_size=5)
+    config = cfg(
+        n_pilot=4, n_commit=4, pilot_batch_size=8, rollout_budget_per_step=40, max_off_steps=2, max_buffer_size=5
+    )
     p_fn = bernoulli_pool(num)
     ref = PilotCommitAllocator(range(num), config, seed=7)
     sim = Sim(p_fn)
@@ -376,8 +423,8 @@ def test_resume_mid_epoch_reproduces_every_later_decision():
     buf = io.BytesIO()
     torch.save(ref.state_dict(), buf)
     state = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    assert state["buffer"] and state["pending"] and state["deferred"]       # a non-trivial moment to resume at
-    assert 0 < state["stream"]["pos"] < len(state["stream"]["order"])       # in the middle of an epoch
+    assert state["buffer"] and state["pending"] and state["deferred"]  # a non-trivial moment to resume at
+    assert 0 < state["stream"]["pos"] < len(state["stream"]["order"])  # in the middle of an epoch
     resumed = PilotCommitAllocator(range(num), config, seed=7)
     resumed.load_state_dict(state)
     sim2 = Sim(p_fn)
@@ -385,8 +432,9 @@ def test_resume_mid_epoch_reproduces_every_later_decision():
     n_calls = len(sim.calls)
     a, b = sim.run(ref, 12), sim2.run(resumed, 12)
     assert pilot_commit_trace(a) == pilot_commit_trace(b)
-    assert [[(r.prompt_id, r.stage, r.n, r.seed) for r in c] for c in sim.calls[n_calls:]] == \
-        [[(r.prompt_id, r.stage, r.n, r.seed) for r in c] for c in sim2.calls]
+    assert [[(r.prompt_id, r.stage, r.n, r.seed) for r in c] for c in sim.calls[n_calls:]] == [
+        [(r.prompt_id, r.stage, r.n, r.seed) for r in c] for c in sim2.calls
+    ]
     assert ref.state_dict()["buffer"][0]["results"][0]["payload"]["seed"].dtype == torch.int64
 
 
@@ -405,7 +453,7 @@ def test_state_dict_mid_step_and_protocol_misuse_raise():
         alloc.observe([RolloutResult(r.prompt_id, r.stage, [1.0, 0.0, 1.0], 0) for r in reqs])
     with pytest.raises(ValueError, match="not requested"):
         alloc.observe([r.result([1.0, 0.0], 0) for r in reqs] + [RolloutResult(9, Stage.PILOT, [1.0, 0.0], 0)])
-    assert alloc.observe([r.result([1.0, 0.0], 0) for r in reqs]) is None   # the failed calls changed nothing
+    assert alloc.observe([r.result([1.0, 0.0], 0) for r in reqs]) is None  # the failed calls changed nothing
     with pytest.raises(RuntimeError, match="without a pending plan"):
         alloc.observe([])
     with pytest.raises(ValueError, match="allocator 'uniform'"):
@@ -418,23 +466,26 @@ def test_lagged_policy_versions_pass_through_for_async():
     alloc = PilotCommitAllocator(range(4), cfg(), shuffle=False)
     sels = sim.run(alloc, 5)
     last = sels[-1]
-    assert last.groups[0].policy_versions.tolist() == [1, 1, 2, 2, 2, 2]   # sim.version was 4 during step 4
+    assert last.groups[0].policy_versions.tolist() == [1, 1, 2, 2, 2, 2]  # sim.version was 4 during step 4
     assert last.max_policy_lag(current_version=4) == 3
 
 
 # ----------------------------------------------------------------------------------------------- config
-@pytest.mark.parametrize("kw, msg", [
-    ({"p_lower": 0.6, "p_upper": 0.4}, "0 <= p_lower < p_upper <= 1"),
-    ({"p_lower": 0.5, "p_upper": 0.5}, "0 <= p_lower < p_upper <= 1"),
-    ({"p_upper": 1.5}, r"p_upper=1.5 must lie in \[0, 1\]"),
-    ({"p_lower": -0.1}, r"p_lower=-0.1 must lie in \[0, 1\]"),
-    ({"n_pilot": 1}, "cannot show a reward spread"),
-    ({"rollout_budget_per_step": 10}, "leaves no commit slot"),
-    ({"n_commit": 0}, "greater than or equal to 1"),
-    ({"max_off_steps": -1}, "greater than or equal to 0"),
-    ({"all_too_hard_fallback": "retry"}, "commit_top"),
-    ({"n_pilots": 3}, "Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"p_lower": 0.6, "p_upper": 0.4}, "0 <= p_lower < p_upper <= 1"),
+        ({"p_lower": 0.5, "p_upper": 0.5}, "0 <= p_lower < p_upper <= 1"),
+        ({"p_upper": 1.5}, r"p_upper=1.5 must lie in \[0, 1\]"),
+        ({"p_lower": -0.1}, r"p_lower=-0.1 must lie in \[0, 1\]"),
+        ({"n_pilot": 1}, "cannot show a reward spread"),
+        ({"rollout_budget_per_step": 10}, "leaves no commit slot"),
+        ({"n_commit": 0}, "greater than or equal to 1"),
+        ({"max_off_steps": -1}, "greater than or equal to 0"),
+        ({"all_too_hard_fallback": "retry"}, "commit_top"),
+        ({"n_pilots": 3}, "Extra inputs are not permitted"),
+    ],
+)
 def test_config_errors_are_clear(kw, msg):
     with pytest.raises(ValidationError, match=msg):
         cfg(**kw)
@@ -442,13 +493,19 @@ def test_config_errors_are_clear(kw, msg):
 
 def test_factory_selects_pilot_commit_with_uniform_budget():
     config = PilotCommitConfig(n_pilot=2, n_commit=4, pilot_batch_size=4)
-    alloc = build_rollout_allocator(range(10), num_prompts_per_step=4, num_generations_per_prompt=4, seed=0,
-                                    pilot_commit=config)
+    alloc = build_rollout_allocator(
+        range(10), num_prompts_per_step=4, num_generations_per_prompt=4, seed=0, pilot_commit=config
+    )
     assert isinstance(alloc, PilotCommitAllocator)
     assert (alloc.rollout_budget, alloc.commit_slots) == (16, 2)
     with pytest.raises(ValueError, match="leaves no commit slot"):
-        build_rollout_allocator(range(10), num_prompts_per_step=2, num_generations_per_prompt=4, seed=0,
-                                pilot_commit=config)
+        build_rollout_allocator(
+            range(10), num_prompts_per_step=2, num_generations_per_prompt=4, seed=0, pilot_commit=config
+        )
     off = PilotCommitConfig(enabled=False)
-    assert isinstance(build_rollout_allocator(range(10), num_prompts_per_step=4, num_generations_per_prompt=4,
-                                              seed=0, pilot_commit=off), UniformAllocator)
+    assert isinstance(
+        build_rollout_allocator(
+            range(10), num_prompts_per_step=4, num_generations_per_prompt=4, seed=0, pilot_commit=off
+        ),
+        UniformAllocator,
+    )

@@ -1,6 +1,7 @@
 """What the Pilot-Commit benchmark relies on, without a model: generator difficulty settings, the held-out
 reasoning-gym validation set, the config-time Pilot-Commit budget check, and the benchmark's rollouts-to-target
 arithmetic."""
+
 import re
 from pathlib import Path
 
@@ -21,7 +22,9 @@ def _bench_module():
 def test_parse_generator():
     assert parse_generator("basic_arithmetic") == ("basic_arithmetic", {})
     assert parse_generator("chain_sum:min_terms=2, max_digits=1,p=0.5,flag=true,style=natural") == (
-        "chain_sum", {"min_terms": 2, "max_digits": 1, "p": 0.5, "flag": True, "style": "natural"})
+        "chain_sum",
+        {"min_terms": 2, "max_digits": 1, "p": 0.5, "flag": True, "style": "natural"},
+    )
     with pytest.raises(ValueError, match="not key=value"):
         parse_generator("chain_sum:min_terms")
 
@@ -59,12 +62,12 @@ def test_held_out_set_has_the_training_distribution_on_a_small_family():
     cfg = load_config(ROOT / "configs" / "grpo_math_testbed.yaml")
     _, val = load_datasets(cfg)
     terms = [len(re.findall(r"\d+", p["question"])) for p in val]
-    for k in (2, 3, 4):   # binomial(128, 1/3): mean 42.7, sd 5.3; 4 sd either side
+    for k in (2, 3, 4):  # binomial(128, 1/3): mean 42.7, sd 5.3; 4 sd either side
         assert abs(terms.count(k) - 128 / 3) < 4 * 5.34, (k, terms.count(k))
 
 
 def test_pilot_commit_budget_without_commit_slot_fails_at_config_time():
-    tiny = ROOT / "configs" / "grpo_math_tiny.yaml"   # budget 2 x 4 = 8 = the default pilot 4 x 2
+    tiny = ROOT / "configs" / "grpo_math_tiny.yaml"  # budget 2 x 4 = 8 = the default pilot 4 x 2
     with pytest.raises(ConfigError, match="leaves no commit slot"):
         load_config(tiny, ["+grpo.pilot_commit.n_pilot=2", "loss_fn.use_importance_sampling_correction=true"])
     load_config(tiny, ["+grpo.pilot_commit.pilot_batch_size=2", "loss_fn.use_importance_sampling_correction=true"])
@@ -77,8 +80,9 @@ def test_bench_recipe_methods_differ_only_in_the_allocator(recipe):
         other = load_config(recipe, [override]).model_dump()
         key = override.split(".")[1]
         assert other["grpo"].pop(key) != base["grpo"][key]
-        assert {**base["grpo"], key: None} == {**other["grpo"], key: None} and \
-            {k: v for k, v in base.items() if k != "grpo"} == {k: v for k, v in other.items() if k != "grpo"}
+        assert {**base["grpo"], key: None} == {**other["grpo"], key: None} and {
+            k: v for k, v in base.items() if k != "grpo"
+        } == {k: v for k, v in other.items() if k != "grpo"}
 
 
 def test_testbed_bench_budget_matches_uniform_grpo():
@@ -94,10 +98,12 @@ def test_testbed_bench_budget_matches_uniform_grpo():
 
 def test_bench_rollouts_to_target_and_auto_target():
     bench = _bench_module()
-    records = [{"step": 0, "validation/accuracy": 0.25},
-               {"step": 1, "rollout_alloc/cumulative_rollouts": 32.0},            # not validated
-               {"step": 2, "rollout_alloc/cumulative_rollouts": 56.0, "validation/accuracy": 0.3},
-               {"step": 3, "rollout_alloc/cumulative_rollouts": 80.0, "validation/accuracy": 0.4}]
+    records = [
+        {"step": 0, "validation/accuracy": 0.25},
+        {"step": 1, "rollout_alloc/cumulative_rollouts": 32.0},  # not validated
+        {"step": 2, "rollout_alloc/cumulative_rollouts": 56.0, "validation/accuracy": 0.3},
+        {"step": 3, "rollout_alloc/cumulative_rollouts": 80.0, "validation/accuracy": 0.4},
+    ]
     points = bench.curve(records)
     assert points == [(0, 0.0, 0.25), (2, 56.0, 0.3), (3, 80.0, 0.4)]
     assert bench.rollouts_to(points, 0.3) == 56.0 and bench.rollouts_to(points, 0.25) == 0.0
@@ -105,7 +111,7 @@ def test_bench_rollouts_to_target_and_auto_target():
     run = lambda final: {"curve": [(0, 0.0, 0.25), (3, 72.0, final)]}  # noqa: E731
     target, _ = bench.choose_target("auto", {"uniform": {0: run(0.3), 1: run(0.4)}}, n_val=40)
     assert target == pytest.approx(0.35)
-    target, _ = bench.choose_target("auto", {"uniform": {0: run(0.25)}}, n_val=40)   # no gain: one problem above
+    target, _ = bench.choose_target("auto", {"uniform": {0: run(0.25)}}, n_val=40)  # no gain: one problem above
     assert target == pytest.approx(0.275)
     assert bench.choose_target("0.5", {}, n_val=40)[0] == 0.5
 
@@ -118,7 +124,7 @@ def test_bench_ratio_stats_pairs_seeds_and_lists_censored_ones():
     assert st["per_seed"] == {"0": 2.0, "1": 2.0, "4": 1.0} and st["n"] == 3
     assert st["censored"] == {"2": "pilot_commit missed", "3": "base missed"}
     assert st["mean"] == pytest.approx(5 / 3) and st["median"] == 2.0
-    lo, hi = st["interval90"]   # resample means of {2, 2, 1}: between 1 and 2, the interval inside
+    lo, hi = st["interval90"]  # resample means of {2, 2, 1}: between 1 and 2, the interval inside
     assert 1.0 <= lo <= st["mean"] <= hi <= 2.0
     empty = bench.ratio_stats({"0": None}, {"0": None})
     assert empty["n"] == 0 and empty["mean"] is None and empty["censored"] == {"0": "both missed"}
@@ -126,10 +132,17 @@ def test_bench_ratio_stats_pairs_seeds_and_lists_censored_ones():
 
 def test_bench_gain_fraction_targets_and_per_method_stats():
     bench = _bench_module()
-    run = lambda pts, var: {"curve": pts, "group_reward_var_curve": var, "mean_step_time_s": 2.0,  # noqa: E731
-                            "mean_group_reward_var": 0.1, "zero_adv_group_frac": 0.5}
-    runs = {"uniform": {0: run([(0, 0.0, 0.2), (2, 128.0, 0.5), (4, 256.0, 0.6)], [(1, 0.2), (2, 0.1)])},
-            "pilot_commit": {0: run([(0, 0.0, 0.2), (2, 64.0, 0.45), (4, 128.0, 0.55)], [(1, 0.3)])}}
+    run = lambda pts, var: {
+        "curve": pts,
+        "group_reward_var_curve": var,
+        "mean_step_time_s": 2.0,  # noqa: E731
+        "mean_group_reward_var": 0.1,
+        "zero_adv_group_frac": 0.5,
+    }
+    runs = {
+        "uniform": {0: run([(0, 0.0, 0.2), (2, 128.0, 0.5), (4, 256.0, 0.6)], [(1, 0.2), (2, 0.1)])},
+        "pilot_commit": {0: run([(0, 0.0, 0.2), (2, 64.0, 0.45), (4, 128.0, 0.55)], [(1, 0.3)])},
+    }
     g = bench.gain_fraction_targets(runs, 0.6)
     assert g["0.5"]["accuracy"] == pytest.approx(0.4) and g["1"]["accuracy"] == pytest.approx(0.6)
     assert g["0.5"]["rollouts_to_target"] == {"uniform": {"0": 128.0}, "pilot_commit": {"0": 64.0}}
@@ -137,7 +150,7 @@ def test_bench_gain_fraction_targets_and_per_method_stats():
     assert g["1"]["ratios"]["uniform_over_pilot_commit"]["censored"] == {"0": "pilot_commit missed"}
     assert bench.gain_fraction_targets(runs, None) == {}
     st = bench.per_method_stats(runs["uniform"])
-    assert st["final_accuracy"]["mean"] == 0.6 and st["mean_step_time_s"]["interval90"] is None   # one seed
+    assert st["final_accuracy"]["mean"] == 0.6 and st["mean_step_time_s"]["interval90"] is None  # one seed
     assert st["group_reward_var_per_step"] == [(1, 0.2), (2, 0.1)]
 
 
@@ -153,9 +166,15 @@ def test_bench_reanalysis_of_finished_runs_writes_json_table_and_plot(tmp_path, 
         (d / "logs").mkdir(parents=True)
         (d / "run.json").write_text(json.dumps({"returncode": 0, "wall_s": 1.0}))
         rows = [{"step": 0, "validation/accuracy": 0.3}] + [
-            {"step": i + 1, "rollout_alloc/cumulative_rollouts": c, "validation/accuracy": a,
-             "rollout_alloc/mean_group_reward_var": v, "timing/train/total_step_time": 2.0}
-            for i, ((c, a), v) in enumerate(zip(cum_acc, var))]
+            {
+                "step": i + 1,
+                "rollout_alloc/cumulative_rollouts": c,
+                "validation/accuracy": a,
+                "rollout_alloc/mean_group_reward_var": v,
+                "timing/train/total_step_time": 2.0,
+            }
+            for i, ((c, a), v) in enumerate(zip(cum_acc, var))
+        ]
         (d / "logs" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
 
     write("uniform", 0, [(64, 0.5), (128, 0.7)], [0.1, 0.2])
@@ -163,16 +182,32 @@ def test_bench_reanalysis_of_finished_runs_writes_json_table_and_plot(tmp_path, 
     write("pilot_commit", 0, [(40, 0.7), (80, 0.7)], [0.2, 0.2])
     write("pilot_commit", 1, [(32, 0.6), (64, 0.75)], [0.2, 0.2])
     out = tmp_path / "bench.json"
-    rc = bench.main(["--out", str(out), "--config", "configs/grpo_math_testbed_pilot_commit.yaml", "--methods",
-                     "uniform", "pilot_commit", "--seeds", "0", "1", "--work-dir", str(tmp_path / "runs"), "--reuse"])
+    rc = bench.main(
+        [
+            "--out",
+            str(out),
+            "--config",
+            "configs/grpo_math_testbed_pilot_commit.yaml",
+            "--methods",
+            "uniform",
+            "pilot_commit",
+            "--seeds",
+            "0",
+            "1",
+            "--work-dir",
+            str(tmp_path / "runs"),
+            "--reuse",
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
-    assert result["target_accuracy"] == pytest.approx(0.7)      # uniform's mean final accuracy
-    assert result["rollouts_to_target"] == {"uniform": {"0": 128.0, "1": 128.0},
-                                            "pilot_commit": {"0": 40.0, "1": 64.0}}
+    assert result["target_accuracy"] == pytest.approx(0.7)  # uniform's mean final accuracy
+    assert result["rollouts_to_target"] == {"uniform": {"0": 128.0, "1": 128.0}, "pilot_commit": {"0": 40.0, "1": 64.0}}
     ratio = result["ratios"]["uniform_over_pilot_commit"]
     assert ratio["per_seed"] == {"0": 3.2, "1": 2.0} and ratio["median"] == pytest.approx(2.6)
-    assert result["per_method"]["uniform"]["group_reward_var_per_step"] == [[1, pytest.approx(0.2)],
-                                                                           [2, pytest.approx(0.2)]]
+    assert result["per_method"]["uniform"]["group_reward_var_per_step"] == [
+        [1, pytest.approx(0.2)],
+        [2, pytest.approx(0.2)],
+    ]
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert "uniform_over_pilot_commit: mean 2.60 median 2.60" in capsys.readouterr().out

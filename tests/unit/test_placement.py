@@ -1,5 +1,6 @@
 """Placement plan (nemo_rl_spec/distributed/placement.py): layouts worked by hand, rank coordinates against
 megatron-core's own RankGenerator, resource accounting per node for every shipped recipe, refusals naming the key."""
+
 from __future__ import annotations
 
 import re
@@ -60,7 +61,7 @@ def test_rank_coordinates_match_megatron_rank_generator(tp, pp, world):
     dp = world // (tp * pp)
     gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
     for axis, index in (("tp", 0), ("dp", 1), ("pp", 2)):
-        for group in gen.get_ranks(axis):   # a group: ranks that differ only along `axis`, listed by that coordinate
+        for group in gen.get_ranks(axis):  # a group: ranks that differ only along `axis`, listed by that coordinate
             coords = [megatron_coordinates(r, tp, dp) for r in group]
             assert [c[index] for c in coords] == list(range(len(group)))
             assert len({tuple(c[i] for i in range(3) if i != index) for c in coords}) == 1
@@ -68,8 +69,13 @@ def test_rank_coordinates_match_megatron_rank_generator(tp, pp, world):
 
 def test_megatron_coordinates_worked_example():
     assert megatron_coordinates(5, tp=2, dp=2) == (1, 0, 1)
-    p = plan(TINY, "cluster.workers_per_node=8", "cluster.num_cpus=8",
-             "policy.megatron_cfg.tensor_model_parallel_size=2", "policy.megatron_cfg.pipeline_model_parallel_size=2")
+    p = plan(
+        TINY,
+        "cluster.workers_per_node=8",
+        "cluster.num_cpus=8",
+        "policy.megatron_cfg.tensor_model_parallel_size=2",
+        "policy.megatron_cfg.pipeline_model_parallel_size=2",
+    )
     assert (p.tp_rank_of, p.dp_rank_of, p.pp_rank_of) == ([0, 1] * 4, [0, 0, 1, 1] * 2, [0] * 4 + [1] * 4)
 
 
@@ -78,7 +84,7 @@ def test_4n8g_tp2_engines_keep_their_two_gpus_on_one_node():
     assert (p.num_nodes, p.gpus_per_node, p.dp_size, p.tp_size, p.num_engines) == (4, 8, 16, 2, 16)
     assert p.engine_slots[:4] == [[0, 1], [2, 3], [4, 5], [6, 7]] and p.engine_nodes == [e // 4 for e in range(16)]
     assert (p.policy_num_gpus, p.generation_num_gpus, p.generation_num_cpus) == (0.5, 0.0, 2.0)
-    for r in range(0, 32, 2):            # a TP pair never straddles two nodes
+    for r in range(0, 32, 2):  # a TP pair never straddles two nodes
         assert p.policy_nodes[r] == p.policy_nodes[r + 1] and p.dp_rank_of[r] == p.dp_rank_of[r + 1]
 
 
@@ -138,39 +144,88 @@ def test_table_lists_every_worker_with_node_and_slot():
     text = plan(DP2_ASYNC).table()
     assert "split, 1 node(s) x 4 CPU slot(s); bundle per node: 2 CPU, 0 GPU" in text
     assert "DP=2 TP=1 PP=1" in text and "2 vLLM engine(s), TP=1" in text
-    for line in ("slot 0: policy rank 0 (dp 0, tp 0, pp 0)", "slot 1: policy rank 1 (dp 1, tp 0, pp 0)",
-                 "slot 2: engine 0", "slot 3: engine 1"):
+    for line in (
+        "slot 0: policy rank 0 (dp 0, tp 0, pp 0)",
+        "slot 1: policy rank 1 (dp 1, tp 0, pp 0)",
+        "slot 2: engine 0",
+        "slot 3: engine 1",
+    ):
         assert line in text
     gpu = plan(CONFIGS / "grpo-qwen3-8b-4n8g-eagle3-sync.yaml").table()
     assert "gpu 7: policy rank 31 (dp 15, tp 1, pp 0) | engine 15, tp rank 1 of 2" in gpu
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["cluster.workers_per_node=3", "cluster.num_cpus=3", "policy.megatron_cfg.tensor_model_parallel_size=2"],
-     r"policy.megatron_cfg.tensor_model_parallel_size=2 x pipeline_model_parallel_size=1 = 2 does not divide the 3"),
-    (["cluster.workers_per_node=3", "cluster.num_cpus=3", "policy.generation.vllm_cfg.tensor_parallel_size=2"],
-     r"policy.generation.vllm_cfg.tensor_parallel_size=2 does not divide the 3 generation slot"),
-    (["cluster.num_nodes=2", "cluster.workers_per_node=3", "cluster.ray_address=auto",
-      "policy.generation.vllm_cfg.tensor_parallel_size=2"],
-     r"policy.generation.vllm_cfg.tensor_parallel_size=2 does not divide the 3 slots per node: an engine would span"),
-    (["policy.generation.colocated.enabled=false"],
-     r"policy.generation.colocated.resources.gpus_per_node=None: split placement on one node needs"),
-    (["policy.generation.colocated.enabled=false", "cluster.workers_per_node=2",
-      "policy.generation.colocated.resources.gpus_per_node=2"],
-     r"colocated.resources.gpus_per_node=2: .* 1 .. 1 of the node's 2 \(cluster.workers_per_node=2\)"),
-    (["policy.generation.colocated.enabled=false", "cluster.num_nodes=2", "cluster.ray_address=auto"],
-     r"policy.generation.colocated.resources.num_nodes=None: split placement on 2 nodes"),
-    (["policy.generation.colocated.enabled=false", "cluster.num_nodes=2", "cluster.ray_address=auto",
-      "policy.generation.colocated.resources.num_nodes=2"], r"resources.num_nodes=2: .*set it to 1 .. 1"),
-    (["policy.generation.colocated.enabled=false", "cluster.num_nodes=2", "cluster.ray_address=auto",
-      "policy.generation.colocated.resources.num_nodes=1", "policy.generation.colocated.resources.gpus_per_node=3"],
-     r"resources.gpus_per_node=3: with several nodes generation takes whole nodes"),
-    (["policy.generation.colocated.enabled=false", "cluster.workers_per_node=2",
-      "policy.generation.colocated.resources.gpus_per_node=1", "policy.generation.colocated.resources.num_nodes=2"],
-     r"resources.num_nodes=2 with cluster.num_nodes=1"),
-    (["cluster.num_nodes=2"], r"cluster.num_nodes=2 with cluster.ray_address=null"),
-    (["cluster.workers_per_node=3"], r"needs 3 CPUs on the node .*cluster.workers_per_node=3\) but cluster.num_cpus=2"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["cluster.workers_per_node=3", "cluster.num_cpus=3", "policy.megatron_cfg.tensor_model_parallel_size=2"],
+            r"policy.megatron_cfg.tensor_model_parallel_size=2 x pipeline_model_parallel_size=1 = 2 does not divide the 3",
+        ),
+        (
+            ["cluster.workers_per_node=3", "cluster.num_cpus=3", "policy.generation.vllm_cfg.tensor_parallel_size=2"],
+            r"policy.generation.vllm_cfg.tensor_parallel_size=2 does not divide the 3 generation slot",
+        ),
+        (
+            [
+                "cluster.num_nodes=2",
+                "cluster.workers_per_node=3",
+                "cluster.ray_address=auto",
+                "policy.generation.vllm_cfg.tensor_parallel_size=2",
+            ],
+            r"policy.generation.vllm_cfg.tensor_parallel_size=2 does not divide the 3 slots per node: an engine would span",
+        ),
+        (
+            ["policy.generation.colocated.enabled=false"],
+            r"policy.generation.colocated.resources.gpus_per_node=None: split placement on one node needs",
+        ),
+        (
+            [
+                "policy.generation.colocated.enabled=false",
+                "cluster.workers_per_node=2",
+                "policy.generation.colocated.resources.gpus_per_node=2",
+            ],
+            r"colocated.resources.gpus_per_node=2: .* 1 .. 1 of the node's 2 \(cluster.workers_per_node=2\)",
+        ),
+        (
+            ["policy.generation.colocated.enabled=false", "cluster.num_nodes=2", "cluster.ray_address=auto"],
+            r"policy.generation.colocated.resources.num_nodes=None: split placement on 2 nodes",
+        ),
+        (
+            [
+                "policy.generation.colocated.enabled=false",
+                "cluster.num_nodes=2",
+                "cluster.ray_address=auto",
+                "policy.generation.colocated.resources.num_nodes=2",
+            ],
+            r"resources.num_nodes=2: .*set it to 1 .. 1",
+        ),
+        (
+            [
+                "policy.generation.colocated.enabled=false",
+                "cluster.num_nodes=2",
+                "cluster.ray_address=auto",
+                "policy.generation.colocated.resources.num_nodes=1",
+                "policy.generation.colocated.resources.gpus_per_node=3",
+            ],
+            r"resources.gpus_per_node=3: with several nodes generation takes whole nodes",
+        ),
+        (
+            [
+                "policy.generation.colocated.enabled=false",
+                "cluster.workers_per_node=2",
+                "policy.generation.colocated.resources.gpus_per_node=1",
+                "policy.generation.colocated.resources.num_nodes=2",
+            ],
+            r"resources.num_nodes=2 with cluster.num_nodes=1",
+        ),
+        (["cluster.num_nodes=2"], r"cluster.num_nodes=2 with cluster.ray_address=null"),
+        (
+            ["cluster.workers_per_node=3"],
+            r"needs 3 CPUs on the node .*cluster.workers_per_node=3\) but cluster.num_cpus=2",
+        ),
+    ],
+)
 def test_recipes_that_do_not_fit_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         plan(TINY, *overrides)

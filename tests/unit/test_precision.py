@@ -1,5 +1,6 @@
 """policy.precision: auto, the engine dtype key, the refit tolerance by dtype pair, the consolidated export's dtype
 (utils/precision.py, docs/precision.md). Only the CPU capability probe is mocked."""
+
 from __future__ import annotations
 
 import json
@@ -74,15 +75,21 @@ def test_unknown_precision_is_an_error():
         prec.choose_precision("float16", on_gpu=False)
 
 
-@pytest.mark.parametrize("overrides, engine, tol", [
-    ([], "float32", 1e-3),
-    (["policy.precision=bfloat16"], "bfloat16", prec.REFIT_TOLERANCE[("bfloat16", "bfloat16")]),
-    (["policy.generation.vllm_cfg.precision=bfloat16"], "bfloat16", prec.REFIT_TOLERANCE[("float32", "bfloat16")]),
-    (["policy.precision=bfloat16", "policy.generation.vllm_cfg.precision=float32"], "float32",
-     prec.REFIT_TOLERANCE[("bfloat16", "float32")]),
-    (["policy.refit.logprob_mismatch_threshold=0.5"], "float32", 0.5),
-    (["policy.refit.logprob_mismatch_threshold=null"], "float32", None),
-])
+@pytest.mark.parametrize(
+    "overrides, engine, tol",
+    [
+        ([], "float32", 1e-3),
+        (["policy.precision=bfloat16"], "bfloat16", prec.REFIT_TOLERANCE[("bfloat16", "bfloat16")]),
+        (["policy.generation.vllm_cfg.precision=bfloat16"], "bfloat16", prec.REFIT_TOLERANCE[("float32", "bfloat16")]),
+        (
+            ["policy.precision=bfloat16", "policy.generation.vllm_cfg.precision=float32"],
+            "float32",
+            prec.REFIT_TOLERANCE[("bfloat16", "float32")],
+        ),
+        (["policy.refit.logprob_mismatch_threshold=0.5"], "float32", 0.5),
+        (["policy.refit.logprob_mismatch_threshold=null"], "float32", None),
+    ],
+)
 def test_engine_dtype_and_refit_tolerance(native_bf16, overrides, engine, tol):
     p = load_config(TINY, overrides).policy
     assert p.engine_precision == engine and p.refit_threshold == tol

@@ -4,6 +4,7 @@ The rollout path under test is the real one (RolloutGenerator -> UniformAllocato
 build_train_data -> ClippedPGLossFn); only the two ends are stand-ins: a generation object returning fixed token
 rows (no engine needed to score text) and an environment whose reward function returns NaN, as a broken one would.
 """
+
 import math
 
 import pytest
@@ -20,9 +21,15 @@ from nemo_rl_spec.utils.config import ConfigError, load_config
 NAN = float("nan")
 ISSUE_GROUP = [NAN] * 7 + [1.0]
 SECOND_GROUP = [NAN, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
-LOSS_CFG = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "token_level_loss": True, "reference_policy_kl_penalty": 0.0,
-            "reference_policy_kl_type": "k3", "use_importance_sampling_correction": False,
-            "truncated_importance_sampling_ratio": None}
+LOSS_CFG = {
+    "ratio_clip_min": 0.2,
+    "ratio_clip_max": 0.2,
+    "token_level_loss": True,
+    "reference_policy_kl_penalty": 0.0,
+    "reference_policy_kl_type": "k3",
+    "use_importance_sampling_correction": False,
+    "truncated_importance_sampling_ratio": None,
+}
 
 
 class _FixedRows:
@@ -31,12 +38,16 @@ class _FixedRows:
     def generate(self, prompts, n, seed, **overrides):
         rows = [ids + [7, 8] for ids in prompts["prompt_token_ids"] for _ in range(n)]
         width = max(map(len, rows))
-        return {"output_ids": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
-                "input_lengths": torch.tensor([len(r) - 2 for r in rows]),
-                "unpadded_sequence_lengths": torch.tensor([len(r) for r in rows]),
-                "generation_logprobs": torch.full((len(rows), width), -0.5),
-                "prompt_index": torch.arange(len(prompts["prompt_token_ids"])).repeat_interleave(n),
-                "policy_version": 0, "draft_version": None, "spec_counters": None}
+        return {
+            "output_ids": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
+            "input_lengths": torch.tensor([len(r) - 2 for r in rows]),
+            "unpadded_sequence_lengths": torch.tensor([len(r) for r in rows]),
+            "generation_logprobs": torch.full((len(rows), width), -0.5),
+            "prompt_index": torch.arange(len(prompts["prompt_token_ids"])).repeat_interleave(n),
+            "policy_version": 0,
+            "draft_version": None,
+            "spec_counters": None,
+        }
 
 
 class _Tokenizer:
@@ -61,11 +72,18 @@ class _ScriptedRewards(EnvironmentInterface):
 
 def _selection(groups: dict[int, list[float]], policy: str):
     pool = [{"id": i, "rewards": groups.get(i, [0.0] * 8)} for i in range(max(groups) + 1)]
-    alloc = UniformAllocator(list(groups), num_prompts_per_step=len(groups), num_generations_per_prompt=8,
-                             shuffle=False)
-    gen_fn = RolloutGenerator(_FixedRows(), _Tokenizer(), _ScriptedRewards(), pool,
-                              lambda problems: [[1, 2 + p["id"]] for p in problems], non_finite_reward=policy,
-                              version=0)
+    alloc = UniformAllocator(
+        list(groups), num_prompts_per_step=len(groups), num_generations_per_prompt=8, shuffle=False
+    )
+    gen_fn = RolloutGenerator(
+        _FixedRows(),
+        _Tokenizer(),
+        _ScriptedRewards(),
+        pool,
+        lambda problems: [[1, 2 + p["id"]] for p in problems],
+        non_finite_reward=policy,
+        version=0,
+    )
     return alloc.step(gen_fn)
 
 
@@ -84,8 +102,12 @@ def test_without_the_guard_the_issue_group_poisons_advantages_and_loss():
     adv = compute_grpo_advantages(torch.tensor(ISSUE_GROUP), 8, False, True)
     assert torch.isnan(adv).all()
     mask = torch.ones(8, 4)
-    data = {"input_ids": torch.zeros(8, 4, dtype=torch.long), "token_mask": mask, "sample_mask": torch.ones(8),
-            "advantages": adv}
+    data = {
+        "input_ids": torch.zeros(8, 4, dtype=torch.long),
+        "token_mask": mask,
+        "sample_mask": torch.ones(8),
+        "advantages": adv,
+    }
     loss, grad, _, _ = _loss_and_grad(data)
     assert math.isnan(float(loss)) and torch.isnan(grad).all()
 
@@ -151,8 +173,11 @@ def test_validation_counts_a_non_finite_reward_as_wrong_in_mask_mode():
     prompt_ids = [[1, 2 + i] for i in range(len(problems))]
     m = validate(_FixedRows(), _Tokenizer(), _ScriptedRewards(), problems, prompt_ids, 2, "mask")
     # hand: rewards [1, 0 (masked nan), 0, 1, 0 (masked inf)] -> accuracy 2/5; 2 non-finite; 2 tokens per answer
-    assert m == {"validation/accuracy": pytest.approx(0.4, abs=1e-7), "validation/mean_response_length": 2.0,
-                 "validation/non_finite_rewards": 2.0}
+    assert m == {
+        "validation/accuracy": pytest.approx(0.4, abs=1e-7),
+        "validation/mean_response_length": 2.0,
+        "validation/non_finite_rewards": 2.0,
+    }
     clean = validate(_FixedRows(), _Tokenizer(), _ScriptedRewards(), problems[:1] + problems[2:4], prompt_ids[:3], 2)
     assert clean["validation/non_finite_rewards"] == 0.0
     assert clean["validation/accuracy"] == pytest.approx(2 / 3, abs=1e-7)

@@ -3,6 +3,7 @@
 Scripted pools (H = all wrong, E = all right, M = alternating 1, 0, ...) make every outcome deterministic; the
 expected batches, kept/discarded groups and rollout counts are worked out by hand in the comments.
 """
+
 from __future__ import annotations
 
 import io
@@ -35,6 +36,7 @@ def scripted_generate(kinds: str, calls: list, version: int = 0):
             rewards = [float(i % 2 == 0) for i in range(r.n)] if p == 0.5 else [p] * r.n
             out.append(r.result(rewards, version))
         return out
+
     return generate
 
 
@@ -45,18 +47,18 @@ def ids(sel):
 # ----------------------------------------------------------------------------------------------- stream
 def test_prompt_stream_epochs_eviction_and_partial_batches():
     s = PromptStream(range(5), seed=0, shuffle=False)
-    assert [s.next_batch(2) for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]   # no batch crosses an epoch
+    assert [s.next_batch(2) for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]  # no batch crosses an epoch
     assert s.epoch == 1
     s.evict(3)
-    assert s.next_batch(2) == [2, 4]                                   # evicted 3 skipped in the running epoch
-    assert s.next_batch(10) == [0, 1, 2, 4] and s.epoch == 2           # and gone from the next permutation
+    assert s.next_batch(2) == [2, 4]  # evicted 3 skipped in the running epoch
+    assert s.next_batch(10) == [0, 1, 2, 4] and s.epoch == 2  # and gone from the next permutation
     for pid in (0, 1, 2, 4):
         s.evict(pid)
     assert s.next_batch(3) == [] and s.pool_size == 0 and s.epoch == 2
     t = PromptStream(range(4), seed=0, shuffle=False)
     assert t.next_batch(2) == [0, 1]
-    t.evict(2), t.evict(3)                                             # the rest of the epoch is evicted:
-    assert t.next_batch(2) == [0, 1] and t.epoch == 1                  # [] would mean "pool empty", so start anew
+    t.evict(2), t.evict(3)  # the rest of the epoch is evicted:
+    assert t.next_batch(2) == [0, 1] and t.epoch == 1  # [] would mean "pool empty", so start anew
 
 
 def test_prompt_stream_shuffle_is_seeded_permutation_and_round_trips():
@@ -64,7 +66,7 @@ def test_prompt_stream_shuffle_is_seeded_permutation_and_round_trips():
     first = a.next_batch(50)
     assert sorted(first) == list(range(50)) and first != list(range(50))
     assert first == b.next_batch(50)
-    assert a.next_batch(50) != first                                   # a new permutation per epoch
+    assert a.next_batch(50) != first  # a new permutation per epoch
     assert PromptStream(range(50), seed=4).next_batch(50) != first
     a.next_batch(7)
     c = PromptStream(range(50), seed=3)
@@ -80,8 +82,13 @@ def test_prompt_stream_shuffle_is_seeded_permutation_and_round_trips():
 
 def test_mix_seed_is_deterministic_and_spreads():
     assert mix_seed(1, 2, 3) == mix_seed(1, 2, 3)
-    seeds = {mix_seed(7, step, rnd, stage, pid) for step in range(20) for rnd in range(3) for stage in range(3)
-             for pid in range(20)}
+    seeds = {
+        mix_seed(7, step, rnd, stage, pid)
+        for step in range(20)
+        for rnd in range(3)
+        for stage in range(3)
+        for pid in range(20)
+    }
     assert len(seeds) == 20 * 3 * 3 * 20
     assert all(0 <= s < 2**31 for s in seeds)
 
@@ -92,8 +99,8 @@ def test_requests_by_n_groups_indices():
 
 
 def test_group_reward_stats_hand_values():
-    g1 = TrainGroup(0, [RolloutResult(0, Stage.GROUP, [1.0, 0.0, 0.0, 0.0], 0)])    # var 3/16
-    g2 = TrainGroup(1, [RolloutResult(1, Stage.GROUP, [1.0, 1.0, 1.0, 1.0], 0)])    # zero advantage
+    g1 = TrainGroup(0, [RolloutResult(0, Stage.GROUP, [1.0, 0.0, 0.0, 0.0], 0)])  # var 3/16
+    g2 = TrainGroup(1, [RolloutResult(1, Stage.GROUP, [1.0, 1.0, 1.0, 1.0], 0)])  # zero advantage
     assert group_reward_stats([g1, g2]) == (pytest.approx(3 / 32, abs=1e-7), 0.5, 4)
     assert group_reward_stats([]) == (0.0, 0.0, 0)
 
@@ -163,14 +170,20 @@ def test_dynamic_sampling_hand_computed():
     gen = scripted_generate("HMEMHH", calls)
     s0, s1 = alloc.step(gen), alloc.step(gen)
     assert ids(s0) == [1, 3] and ids(s1) == [1, 3]
-    assert [s0.metrics[k] for k in ("dynamic_sampling/gen_batches", "dynamic_sampling/kept_groups",
-                                    "dynamic_sampling/discarded_groups", "dynamic_sampling/batch_incomplete")] == \
-        [2, 2, 2, 0]
+    assert [
+        s0.metrics[k]
+        for k in (
+            "dynamic_sampling/gen_batches",
+            "dynamic_sampling/kept_groups",
+            "dynamic_sampling/discarded_groups",
+            "dynamic_sampling/batch_incomplete",
+        )
+    ] == [2, 2, 2, 0]
     assert s0.metrics["rollout_alloc/step_rollouts"] == 16 and s1.metrics["rollout_alloc/step_rollouts"] == 24
     assert s1.metrics["rollout_alloc/cumulative_rollouts"] == 40
     assert s1.metrics["dynamic_sampling/discarded_groups"] == 4
     assert s1.metrics["dynamic_sampling/generated_zero_adv_frac"] == pytest.approx(4 / 6, abs=1e-12)
-    assert s0.metrics["rollout_alloc/zero_adv_group_frac"] == 0.0      # only groups with a spread are trained
+    assert s0.metrics["rollout_alloc/zero_adv_group_frac"] == 0.0  # only groups with a spread are trained
     assert [[r.prompt_id for r in c] for c in calls] == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
 
 
@@ -263,6 +276,7 @@ def test_factory_selects_method():
     off = DynamicSamplingConfig(enabled=False)
     assert isinstance(build_rollout_allocator(range(8), dynamic_sampling=off, **kw), UniformAllocator)
     with pytest.raises(ValueError, match="both enabled"):
-        build_rollout_allocator(range(8), dynamic_sampling=DynamicSamplingConfig(),
-                                pilot_commit=PilotCommitConfig(), **kw)
+        build_rollout_allocator(
+            range(8), dynamic_sampling=DynamicSamplingConfig(), pilot_commit=PilotCommitConfig(), **kw
+        )
     assert all(isinstance(a, RolloutAllocator) for a in (ds,))

@@ -1,5 +1,6 @@
 """The one generate path of sync and async GRPO (:class:`RolloutGenerator`) and the one place speculative metrics
 are made (:class:`SpeculationMonitor`), against hand-worked values on a scripted engine (no Ray)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,13 +25,16 @@ class _Engine:
         self.calls.append((prompts["prompt_token_ids"], n, seed))
         rows = [ids + [ids[-1] + 10] * self.width for ids in prompts["prompt_token_ids"] for _ in range(n)]
         width = max(map(len, rows))
-        return {"output_ids": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
-                "input_lengths": torch.tensor([len(r) - self.width for r in rows]),
-                "unpadded_sequence_lengths": torch.tensor([len(r) for r in rows]),
-                "generation_logprobs": torch.full((len(rows), width), -0.25),
-                "prompt_index": torch.arange(len(prompts["prompt_token_ids"])).repeat_interleave(n),
-                "policy_version": 5 + i, "draft_version": 7 + i,
-                "spec_counters": SpecDecodeCounters(3, 9, 2, (2, 0, 0))}
+        return {
+            "output_ids": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
+            "input_lengths": torch.tensor([len(r) - self.width for r in rows]),
+            "unpadded_sequence_lengths": torch.tensor([len(r) for r in rows]),
+            "generation_logprobs": torch.full((len(rows), width), -0.25),
+            "prompt_index": torch.arange(len(prompts["prompt_token_ids"])).repeat_interleave(n),
+            "policy_version": 5 + i,
+            "draft_version": 7 + i,
+            "spec_counters": SpecDecodeCounters(3, 9, 2, (2, 0, 0)),
+        }
 
 
 class _Tokenizer:
@@ -46,8 +50,7 @@ class _Env:
 
 
 def _requests(ns: list[int]) -> list[RolloutRequest]:
-    return [RolloutRequest(prompt_id=i, n=n, stage=Stage.GROUP, target_step=0, seed=100 + i)
-            for i, n in enumerate(ns)]
+    return [RolloutRequest(prompt_id=i, n=n, stage=Stage.GROUP, target_step=0, seed=100 + i) for i, n in enumerate(ns)]
 
 
 def _generator(engine, **kwargs) -> RolloutGenerator:
@@ -77,6 +80,7 @@ def test_engine_reported_versions_gate_and_draft_tags():
     def gate():
         entered.append(len(engine.calls))
         yield
+
     gen = _generator(engine, version=None, gate=gate, tag_draft_version=True)
     results = gen(_requests([2, 4]))
     assert entered == [0, 1]  # every call under the gate
@@ -97,10 +101,16 @@ def test_speculation_monitor_metrics_and_alarm():
     assert monitor.step_metrics(high) == {**high, LowAcceptanceAlarm.METRIC: 0.0}
 
 
-@pytest.mark.parametrize("controller, protocol", [
-    ("nemo_rl_spec.models.policy.lm_policy:Policy", "nemo_rl_spec.models.policy.interfaces:PolicyController"),
-    ("nemo_rl_spec.models.generation.vllm_generation:VllmGeneration",
-     "nemo_rl_spec.models.generation.interfaces:GenerationController")])
+@pytest.mark.parametrize(
+    "controller, protocol",
+    [
+        ("nemo_rl_spec.models.policy.lm_policy:Policy", "nemo_rl_spec.models.policy.interfaces:PolicyController"),
+        (
+            "nemo_rl_spec.models.generation.vllm_generation:VllmGeneration",
+            "nemo_rl_spec.models.generation.interfaces:GenerationController",
+        ),
+    ],
+)
 def test_controllers_implement_their_protocols_and_return_no_ray_handles(controller, protocol):
     """Every protocol method exists on the controller with the protocol's parameters (extra optional ones
     allowed), and no controller method is annotated to return a Ray ObjectRef."""
@@ -110,6 +120,7 @@ def test_controllers_implement_their_protocols_and_return_no_ray_handles(control
     def load(path):
         module, name = path.split(":")
         return getattr(importlib.import_module(module), name)
+
     cls, proto = load(controller), load(protocol)
     for name, fn in inspect.getmembers(proto, inspect.isfunction):
         if name.startswith("_"):
@@ -118,7 +129,7 @@ def test_controllers_implement_their_protocols_and_return_no_ray_handles(control
         assert impl is not None, f"{cls.__name__} lacks {name}"
         want = list(inspect.signature(fn).parameters)
         got = inspect.signature(impl).parameters
-        assert list(got)[:len(want)] == want, (name, list(got), want)
-        assert all(p.default is not inspect.Parameter.empty for p in list(got.values())[len(want):]), name
+        assert list(got)[: len(want)] == want, (name, list(got), want)
+        assert all(p.default is not inspect.Parameter.empty for p in list(got.values())[len(want) :]), name
     for name, fn in inspect.getmembers(cls, inspect.isfunction):
         assert "ObjectRef" not in str(inspect.signature(fn).return_annotation), name

@@ -1,4 +1,5 @@
 """Batch assembly helpers, against hand-worked values."""
+
 import math
 
 import torch

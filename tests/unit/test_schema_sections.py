@@ -8,6 +8,7 @@ editing this file. The path under test is the CLI's own: ``load_config`` -> ``ch
 ``examples/run_grpo.py`` turns into exit status 2. The variants that pass are run for one real GRPO step in
 tests/functional/test_schema_sections_run.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -69,6 +70,7 @@ def test_packing_conflicts_by_hand():
 def test_packed_groups_greedy_by_hand():
     """With a fake pre-Ray outcome that refuses "b" with "c": a, b, d share group 1 (no conflicts), c opens group 2;
     refused-by-table keys are left out; a key refused alone is an error."""
+
     def fake(path):
         return ss.Switch(path, "bool", None, bool)
 
@@ -97,33 +99,50 @@ def test_enumeration_walks_nested_and_optional_sections_by_hand():
         always: Inner = Inner()
 
     got = [(s.path, s.kind) for s in ss.schema_switches(Outer)]
-    assert got == [("flag", "bool"), ("limit", "optional"), ("inner", "section"), ("inner.on", "bool"),
-                   ("inner.size", "optional"), ("inner.mode", "optional"), ("always.on", "bool"),
-                   ("always.size", "optional"), ("always.mode", "optional")]
+    assert got == [
+        ("flag", "bool"),
+        ("limit", "optional"),
+        ("inner", "section"),
+        ("inner.on", "bool"),
+        ("inner.size", "optional"),
+        ("inner.mode", "optional"),
+        ("always.on", "bool"),
+        ("always.size", "optional"),
+        ("always.mode", "optional"),
+    ]
     sw = {s.path: s for s in ss.schema_switches(Outer)}
     raw = {"flag": True, "name": "x", "limit": 0.5}
     assert ss.variant(sw["flag"], raw) == ["flag=false"]
     assert ss.variant(sw["limit"], raw) == ["limit=null"]
     assert ss.variant(sw["inner"], raw) == ["+inner={}"]
-    assert ss.variant(sw["inner.on"], raw) == ["+inner.on=false"]        # default True, flipped
-    assert ss.variant(sw["inner.size"], raw) == ["+inner.size=2"]       # first candidate an int accepts
+    assert ss.variant(sw["inner.on"], raw) == ["+inner.on=false"]  # default True, flipped
+    assert ss.variant(sw["inner.size"], raw) == ["+inner.size=2"]  # first candidate an int accepts
     assert ss.variant(sw["inner.mode"], raw) == ['+inner.mode="fast"']  # a Literal: its first value
 
 
 def test_the_schema_enumeration_reaches_known_switches():
     paths = {sw.path for sw, _ in VARIANTS}
-    for key in ("grpo.val_at_start", "grpo.async_grpo", "grpo.async_grpo.in_flight_weight_updates",
-                "grpo.pilot_commit.bind_pilot_to_commit", "loss_fn.truncated_importance_sampling_ratio",
-                "policy.draft.online", "policy.generation.dynamic_speculation", "logger.verbose",
-                "checkpointing.metric_name", "cluster.ray_address"):
+    for key in (
+        "grpo.val_at_start",
+        "grpo.async_grpo",
+        "grpo.async_grpo.in_flight_weight_updates",
+        "grpo.pilot_commit.bind_pilot_to_commit",
+        "loss_fn.truncated_importance_sampling_ratio",
+        "policy.draft.online",
+        "policy.generation.dynamic_speculation",
+        "logger.verbose",
+        "checkpointing.metric_name",
+        "cluster.ray_address",
+    ):
         assert key in paths, key
     assert len(paths) == len(VARIANTS) >= 60
 
 
 def test_names_key_accepts_the_key_or_its_section_only():
     assert ss.names_key("grpo.async_grpo.enabled=true trains on ...", "grpo.async_grpo.enabled")
-    assert ss.names_key("policy.megatron_cfg.scheduler: start_weight_decay=2.0 ...",
-                        "policy.megatron_cfg.scheduler.start_weight_decay")
+    assert ss.names_key(
+        "policy.megatron_cfg.scheduler: start_weight_decay=2.0 ...", "policy.megatron_cfg.scheduler.start_weight_decay"
+    )
     assert not ss.names_key("grpo: rollout_budget_per_step=8 leaves no commit slot", "grpo.pilot_commit")
     assert not ss.names_key("invalid value", "logger.verbose")
 

@@ -1,4 +1,5 @@
 """The scripted char_fraction reward (environments/char_fraction_env.py) against hand-worked values."""
+
 from pathlib import Path
 
 import pytest

@@ -1,4 +1,5 @@
 """Continuous batching in pass space, checked against hand-built schedules."""
+
 import numpy as np
 
 from nemo_rl_spec.sim.batching import active_batch_and_context, admission_passes, passes_needed

@@ -1,4 +1,5 @@
 """Calibration from metrics.jsonl (synthetic runs with a known truth) and the docs/install.md CPU profile fit."""
+
 import json
 
 import numpy as np
@@ -24,9 +25,15 @@ CPU = CONFIG_DIR / "cpu_smollm2_default.yaml"
 
 def record(step, phases, extra):
     total = phases.total
-    return {"step": step, "timing/train/generation": phases.generation,
-            "timing/train/policy_and_reference_logprobs": phases.logprob, "timing/train/policy_training": phases.training,
-            "timing/train/weight_sync": phases.refit, "timing/train/total_step_time": total, **extra}
+    return {
+        "step": step,
+        "timing/train/generation": phases.generation,
+        "timing/train/policy_and_reference_logprobs": phases.logprob,
+        "timing/train/policy_training": phases.training,
+        "timing/train/weight_sync": phases.refit,
+        "timing/train/total_step_time": total,
+        **extra,
+    }
 
 
 def write_run(path, phases, extra, steps=4):
@@ -38,10 +45,12 @@ def write_run(path, phases, extra, steps=4):
 
 
 def test_summarize_median_after_warmup_and_other():
-    rows = [{"step": 1, "timing/train/total_step_time": 100.0, "timing/train/generation": 90.0},
-            {"step": 2, "timing/train/total_step_time": 10.0, "timing/train/generation": 4.0},
-            {"step": 3, "timing/train/total_step_time": 12.0, "timing/train/generation": 6.0},
-            {"step": 4, "validation/accuracy": 0.5}]
+    rows = [
+        {"step": 1, "timing/train/total_step_time": 100.0, "timing/train/generation": 90.0},
+        {"step": 2, "timing/train/total_step_time": 10.0, "timing/train/generation": 4.0},
+        {"step": 3, "timing/train/total_step_time": 12.0, "timing/train/generation": 6.0},
+        {"step": 4, "validation/accuracy": 0.5},
+    ]
     s = summarize(rows, skip=1)
     assert s["timing/train/total_step_time"] == 11.0 and s["timing/train/generation"] == 5.0
     assert measured_phases(s).other == pytest.approx(6.0)
@@ -61,13 +70,20 @@ def test_calibration_recovers_a_known_truth(tmp_path):
     slower. Fitting on the AR run must reproduce it exactly and predict the speculative run exactly."""
     prior = load_scenario(CPU)
     e = CPU_EFFICIENCY
-    truth_eff = {**e.model_dump(), "decode_flops_eff": e.decode_flops_eff / 1.3, "mem_bw_eff": e.mem_bw_eff / 1.3,
-                 "prefill_mfu": e.prefill_mfu / 1.3, "forward_overhead_s": e.forward_overhead_s * 1.3,
-                 "train_mfu": e.train_mfu * 0.8, "logprob_mfu": e.logprob_mfu * 1.1,
-                 "refit_bw_eff": e.refit_bw_eff / 1.5}
+    truth_eff = {
+        **e.model_dump(),
+        "decode_flops_eff": e.decode_flops_eff / 1.3,
+        "mem_bw_eff": e.mem_bw_eff / 1.3,
+        "prefill_mfu": e.prefill_mfu / 1.3,
+        "forward_overhead_s": e.forward_overhead_s * 1.3,
+        "train_mfu": e.train_mfu * 0.8,
+        "logprob_mfu": e.logprob_mfu * 1.1,
+        "refit_bw_eff": e.refit_bw_eff / 1.5,
+    }
     extra_ar = {"train/mean_response_length": 120.0}
     extra_sp = {"train/mean_response_length": 120.0, "vllm/spec_acceptance_length": 1.8}
     from nemo_rl_spec.sim.calibrate import with_measured_inputs
+
     truth = prior.model_copy(update={"efficiency": truth_eff})
     ar_truth = predict(with_measured_inputs(truth, extra_ar), False).model_copy(update={"other": 2.0})
     sp_truth = predict(with_measured_inputs(truth, extra_sp), True).model_copy(update={"other": 2.0})
@@ -101,7 +117,7 @@ def test_cpu_profile_preset_is_the_design_fit():
 
 def test_cpu_training_mfu_by_hand():
     # Megatron fwd+bwd of 8 x 256 tokens in 23 s on 1 thread: 3 x (2 P 2048 + 2 L H d 8 256^2) FLOPs
-    flops = 3 * (2 * mm.matmul_params_per_token(MODELS["smollm2-135m"]) * 2048 + 2 * 30 * 9 * 64 * 8 * 256 ** 2)
+    flops = 3 * (2 * mm.matmul_params_per_token(MODELS["smollm2-135m"]) * 2048 + 2 * 30 * 9 * 64 * 8 * 256**2)
     assert cpu_efficiency_from_design().train_mfu == pytest.approx(flops / (23.0 * 2.94e11), rel=1e-12)
 
 

@@ -1,4 +1,5 @@
 """Every shipped configs/sim/*.yaml validates and simulates; defaults inheritance; the run_sim CLI output."""
+
 import json
 
 import pytest
@@ -47,7 +48,8 @@ def test_run_sim_writes_speedups_per_scenario_and_plots(tmp_path):
     assert main(["--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert {"paper_8b_rl_zero", "paper_8b_rl_think", "qwen3_235b_2048gb200_async", "cpu_smollm2_default"} <= set(
-        doc["scenarios"])
+        doc["scenarios"]
+    )
     for entry in doc["scenarios"].values():
         assert entry["generation_speedup"] > 0 and entry["e2e_speedup"] > 0
     assert doc["formulas"][0]["tokens_per_pass"] == pytest.approx(2.952)

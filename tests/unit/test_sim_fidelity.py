@@ -1,5 +1,6 @@
 """Held-out fidelity (nemo_rl_spec.sim.fidelity) and the speculative micro-benchmark comparison (spec_bench):
 hand-worked numbers and synthetic runs with a known truth. No timing, no vLLM."""
+
 import json
 
 import pytest
@@ -34,10 +35,15 @@ def truth_of(scn):
 
 
 def record(step, phases, extra):
-    return {"step": step, "timing/train/generation": phases.generation,
-            "timing/train/policy_and_reference_logprobs": phases.logprob,
-            "timing/train/policy_training": phases.training, "timing/train/weight_sync": phases.refit,
-            "timing/train/total_step_time": phases.total, **extra}
+    return {
+        "step": step,
+        "timing/train/generation": phases.generation,
+        "timing/train/policy_and_reference_logprobs": phases.logprob,
+        "timing/train/policy_training": phases.training,
+        "timing/train/weight_sync": phases.refit,
+        "timing/train/total_step_time": phases.total,
+        **extra,
+    }
 
 
 def synthetic_run(scn, lengths, speculative=False, extra=None, other=0.5):
@@ -66,28 +72,44 @@ def test_split_fit_holdout_by_hand():
 
 
 def test_timed_steps_drops_validation_only_records_and_sorts():
-    rows = [{"step": 3, "timing/train/total_step_time": 1.0}, {"step": 0, "validation/accuracy": 0.1},
-            {"step": 2, "timing/train/total_step_time": 2.0}]
+    rows = [
+        {"step": 3, "timing/train/total_step_time": 1.0},
+        {"step": 0, "validation/accuracy": 0.1},
+        {"step": 2, "timing/train/total_step_time": 2.0},
+    ]
     assert [r["step"] for r in timed_steps(rows)] == [2, 3]
 
 
 def test_conditional_acceptance_from_vllm_rates():
-    rec = {"vllm/spec_acceptance_rate_pos0": 0.6, "vllm/spec_acceptance_rate_pos1": 0.3,
-           "vllm/spec_acceptance_rate_pos2": 0.15}
+    rec = {
+        "vllm/spec_acceptance_rate_pos0": 0.6,
+        "vllm/spec_acceptance_rate_pos1": 0.3,
+        "vllm/spec_acceptance_rate_pos2": 0.15,
+    }
     alphas = conditional_acceptance(rec, 3)
     assert alphas == pytest.approx([0.6, 0.5, 0.5])
     # tokens per pass = 1 + sum of the unconditional rates = 2.05
     assert tokens_per_pass_per_position(alphas) == pytest.approx(2.05)
     assert conditional_acceptance(rec, 4) is None  # position 3 missing
-    assert conditional_acceptance({"vllm/spec_acceptance_rate_pos0": 0.5, "vllm/spec_acceptance_rate_pos1": 0.0,
-                                   "vllm/spec_acceptance_rate_pos2": 0.0}, 3) == [0.5, 0.0, 0.0]
+    assert conditional_acceptance(
+        {
+            "vllm/spec_acceptance_rate_pos0": 0.5,
+            "vllm/spec_acceptance_rate_pos1": 0.0,
+            "vllm/spec_acceptance_rate_pos2": 0.0,
+        },
+        3,
+    ) == [0.5, 0.0, 0.0]
 
 
 def test_compare_by_hand():
-    meas = [PhaseTimes(generation=10, logprob=4, training=20, refit=1, other=0.5),
-            PhaseTimes(generation=20, logprob=6, training=20, refit=1, other=0.5)]
-    pred = [PhaseTimes(generation=12, logprob=5, training=18, refit=2, other=0.5),
-            PhaseTimes(generation=18, logprob=5, training=18, refit=2, other=0.5)]
+    meas = [
+        PhaseTimes(generation=10, logprob=4, training=20, refit=1, other=0.5),
+        PhaseTimes(generation=20, logprob=6, training=20, refit=1, other=0.5),
+    ]
+    pred = [
+        PhaseTimes(generation=12, logprob=5, training=18, refit=2, other=0.5),
+        PhaseTimes(generation=18, logprob=5, training=18, refit=2, other=0.5),
+    ]
     out = compare(pred, meas, [4, 5])["phases"]
     assert out["generation"]["measured_s"] == 15 and out["generation"]["predicted_s"] == 15
     assert out["generation"]["error"] == 0 and out["generation"]["per_step_error"] == pytest.approx([0.2, -0.1])
@@ -103,8 +125,9 @@ def test_compare_by_hand():
 def test_apply_ratios_scales_each_phase_exactly():
     scn = load_scenario(CPU)
     base = predict(step_inputs(scn, {"train/mean_response_length": 100.0}), False)
-    scaled = predict(step_inputs(apply_ratios(scn, {**TRUTH_RATIOS, "refit": 3.0}),
-                                 {"train/mean_response_length": 100.0}), False)
+    scaled = predict(
+        step_inputs(apply_ratios(scn, {**TRUTH_RATIOS, "refit": 3.0}), {"train/mean_response_length": 100.0}), False
+    )
     for ph, r in {**TRUTH_RATIOS, "refit": 3.0}.items():
         assert getattr(scaled, ph) == pytest.approx(r * getattr(base, ph), rel=1e-9), ph
 
@@ -166,8 +189,12 @@ def test_fit_never_reads_held_out_timings():
 def test_speculative_run_predicted_from_its_acceptance():
     scn = load_scenario(CPU)
     ar = synthetic_run(scn, [100, 70, 90, 130])
-    rates = {"vllm/spec_acceptance_rate_pos0": 0.6, "vllm/spec_acceptance_rate_pos1": 0.3,
-             "vllm/spec_acceptance_rate_pos2": 0.15, "vllm/spec_acceptance_length": 2.05}
+    rates = {
+        "vllm/spec_acceptance_rate_pos0": 0.6,
+        "vllm/spec_acceptance_rate_pos1": 0.3,
+        "vllm/spec_acceptance_rate_pos2": 0.15,
+        "vllm/spec_acceptance_length": 2.05,
+    }
     sp = synthetic_run(scn, [100, 80, 120], speculative=True, extra=rates)
     rep = fidelity(scn, ar, sp, warmup=1)
     assert rep["spec"]["steps"] == [2, 3]
@@ -185,10 +212,18 @@ def test_scenario_from_recipe(tmp_path):
     draft_dir = tmp_path / "head"
     draft_dir.mkdir()
     (draft_dir / "config.json").write_text(json.dumps({"draft_vocab_size": 2048}))
-    recipe = {"grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 2},
-              "policy": {"generation": {"max_new_tokens": 64, "vllm_kwargs": {"speculative_config": {
-                  "method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 5}}},
-                  "draft": {"online": True, "ttt_steps": 2}}}
+    recipe = {
+        "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 2},
+        "policy": {
+            "generation": {
+                "max_new_tokens": 64,
+                "vllm_kwargs": {
+                    "speculative_config": {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 5}
+                },
+            },
+            "draft": {"online": True, "ttt_steps": 2},
+        },
+    }
     out = scenario_from_recipe(scn, recipe)
     assert out.speculative.ttt_steps == 2
     assert (out.workload.num_prompts, out.workload.generations_per_prompt) == (8, 2)
@@ -208,8 +243,11 @@ def test_cli_fidelity_writes_report(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in synthetic_run(scn, [100, 70, 90, 130, 60])))
     out = tmp_path / "fid.json"
     w = scn.workload  # the recipe of the synthetic run: the scenario's sizes (the default recipe's may differ)
-    sizes = [f"grpo.num_prompts_per_step={w.num_prompts}", f"grpo.num_generations_per_prompt={w.generations_per_prompt}",
-             f"policy.generation.max_new_tokens={w.response.max_tokens}"]
+    sizes = [
+        f"grpo.num_prompts_per_step={w.num_prompts}",
+        f"grpo.num_generations_per_prompt={w.generations_per_prompt}",
+        f"policy.generation.max_new_tokens={w.response.max_tokens}",
+    ]
     overrides = [arg for size in sizes for arg in ("--override", size)]
     assert run_sim_main()(["fidelity", "--metrics", str(path), "--out", str(out), *overrides]) == 0
     rep = json.loads(out.read_text())
@@ -226,8 +264,9 @@ def run_sim_main():
 def test_spec_bench_comparison_by_hand():
     rates = [0.6, 0.3, 0.15]
     row = {"batch": 4, "prompt_tokens": 20.4, "max_tokens": 64, "acceptance_length": 2.05, "per_position": rates}
-    scn = bench_scenario(4, 20.4, 64, 3, conditional_acceptance(
-        {f"vllm/spec_acceptance_rate_pos{i}": r for i, r in enumerate(rates)}, 3))
+    scn = bench_scenario(
+        4, 20.4, 64, 3, conditional_acceptance({f"vllm/spec_acceptance_rate_pos{i}": r for i, r in enumerate(rates)}, 3)
+    )
     assert scn.workload.prompt_tokens == 20 and scn.speculative.draft.vocab == 2048
     plain, spec = predict(scn, False).generation, predict(scn, True).generation
     # measured: the machine is 2x slower than the prior at everything -> the plain run fits r = 2 and the

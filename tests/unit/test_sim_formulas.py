@@ -1,4 +1,5 @@
 """Speculative-decoding and Amdahl formulas against published and hand-computed values."""
+
 import pytest
 
 from nemo_rl_spec.sim.formulas import (
@@ -49,7 +50,8 @@ def test_amdahl_from_phase_fractions():
     # RL-Zero: generation is 100 of 151.2 s; a 1.77x faster generation -> 151.2 / (51.2 + 100 / 1.77).
     assert amdahl_speedup(100 / 151.2, 1.77) == pytest.approx(1.403936, abs=1e-6)
     assert phase_amdahl_speedup({"gen": 100.0, "rest": 51.2}, {"gen": 1.77}) == pytest.approx(
-        amdahl_speedup(100 / 151.2, 1.77), abs=1e-12)
+        amdahl_speedup(100 / 151.2, 1.77), abs=1e-12
+    )
     assert amdahl_speedup(0.0, 5.0) == 1.0 and amdahl_speedup(1.0, 5.0) == pytest.approx(5.0)
 
 

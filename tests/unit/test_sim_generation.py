@@ -1,4 +1,5 @@
 """Generation phase: makespans on hand-checkable cost functions, speculative pass cost, batch dependence."""
+
 import numpy as np
 
 from nemo_rl_spec.sim.generation import (
@@ -23,9 +24,9 @@ def batch_cost(batch, context):
 
 def test_makespan_counts_passes():
     lengths = np.array([5, 2, 9, 4])
-    assert engine_makespan(lengths, 0, 1.0, 10, unit_cost)[0] == 9.0   # all at once: the longest
-    assert engine_makespan(lengths, 0, 1.0, 2, unit_cost)[0] == 11.0   # slots: 5 | 2, then 9 from 2 -> 11
-    assert engine_makespan(lengths, 0, 2.0, 10, unit_cost)[0] == 5.0   # two tokens per pass: ceil(9 / 2)
+    assert engine_makespan(lengths, 0, 1.0, 10, unit_cost)[0] == 9.0  # all at once: the longest
+    assert engine_makespan(lengths, 0, 1.0, 2, unit_cost)[0] == 11.0  # slots: 5 | 2, then 9 from 2 -> 11
+    assert engine_makespan(lengths, 0, 2.0, 10, unit_cost)[0] == 5.0  # two tokens per pass: ceil(9 / 2)
     # cost = active sequences: total = sum of per-sequence passes
     assert engine_makespan(lengths, 0, 1.0, 10, batch_cost)[0] == 20.0
 
@@ -60,8 +61,9 @@ def test_spec_pass_is_verify_plus_k_drafts():
     model, draft, prof = MODELS["qwen3-8b"], DRAFTS["eagle3-qwen3-8b"], resolve_profile("gb200")
     b, c = np.array([1.0, 64.0]), np.array([1000.0, 64000.0])
     eff = prof.efficiency
-    hand = (forward_seconds(model, prof, 1, b, c, 4, eff.forward_overhead_s)
-            + 3 * forward_seconds(draft, prof, 1, b, c, 1, eff.draft_forward_overhead_s))
+    hand = forward_seconds(model, prof, 1, b, c, 4, eff.forward_overhead_s) + 3 * forward_seconds(
+        draft, prof, 1, b, c, 1, eff.draft_forward_overhead_s
+    )
     np.testing.assert_allclose(spec_pass_cost(model, draft, prof, 1, 3, 64)(b, c), hand, rtol=1e-10)
 
 

@@ -1,4 +1,5 @@
 """Parameter, byte and FLOP counts against hand computation and published model sizes."""
+
 import numpy as np
 import pytest
 
@@ -58,5 +59,5 @@ def test_weight_bytes_dense_and_moe():
 def test_forward_flops_sequences_hand():
     m = MODELS["smollm2-135m"]
     s = np.full(8, 256)
-    hand = 2 * 134_479_872 * 2048 + 2 * 30 * 9 * 64 * 8 * 256 ** 2
+    hand = 2 * 134_479_872 * 2048 + 2 * 30 * 9 * 64 * 8 * 256**2
     assert mm.forward_flops_sequences(m, s) == pytest.approx(hand, rel=1e-12)

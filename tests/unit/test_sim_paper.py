@@ -1,4 +1,5 @@
 """The paper's 8B measurements reproduced within 10% from its own inputs; the k sweep's shape; 235B drivers."""
+
 import pytest
 
 from nemo_rl_spec.sim.config import CONFIG_DIR, load_scenario
@@ -68,8 +69,8 @@ def test_235b_projection_drivers():
     zero_fraction = 100.0 / 151.2
     assert rows[3]["ar_generation_fraction"] > 0.85 > zero_fraction  # generation dominates more at scale
     assert rows[7]["generation_speedup"] > rows[3]["generation_speedup"]  # cheap drafts favour longer k
-    assert rows[3]["bulk_draft_cost"] < 0.05                            # draft vs 22B-active target
-    assert rows[3]["tail_verify_cost"] > 1.2                            # k+1 tokens touch more experts
+    assert rows[3]["bulk_draft_cost"] < 0.05  # draft vs 22B-active target
+    assert rows[3]["tail_verify_cost"] > 1.2  # k+1 tokens touch more experts
     for row in rows.values():
         assert 1.5 < row["e2e_speedup"] < row["generation_speedup"]
-        assert row["e2e_speedup_vs_sync_ar"] > row["e2e_speedup"]       # async adds its own gain
+        assert row["e2e_speedup_vs_sync_ar"] > row["e2e_speedup"]  # async adds its own gain

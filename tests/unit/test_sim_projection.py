@@ -1,4 +1,5 @@
 """Projection of measured CPU speculative rows to GPUs (nemo_rl_spec.sim.projection), against independent paths."""
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,21 @@ CONTEXT_PROMPT, MAX_NEW = 45.0, 80
 
 def bench(acceptance: dict[int, float] | None = None) -> dict:
     """A rollout-benchmark JSON of two measured rows (values invented, shape as bench_spec_rollouts writes)."""
-    rows = {"k1_b1": {"k": 1, "batch": 1, "acceptance_length": 1.7, "step_cost_ratio": 1.3, "speedup": 1.2},
-            "k3_b8": {"k": 3, "batch": 8, "acceptance_length": 2.2, "step_cost_ratio": 2.7, "speedup": 0.9}}
-    meta = {"model": "smollm2-135m-instruct", "prompt_tokens_mean": CONTEXT_PROMPT, "max_new_tokens": MAX_NEW,
-            "draft_training": {"draft_vocab_size": 1160}}
-    return {"meta": meta, "rows": rows,
-            "step_costs": {"acceptance_rate": {str(k): a for k, a in (acceptance or {1: 0.7, 3: 0.6}).items()}}}
+    rows = {
+        "k1_b1": {"k": 1, "batch": 1, "acceptance_length": 1.7, "step_cost_ratio": 1.3, "speedup": 1.2},
+        "k3_b8": {"k": 3, "batch": 8, "acceptance_length": 2.2, "step_cost_ratio": 2.7, "speedup": 0.9},
+    }
+    meta = {
+        "model": "smollm2-135m-instruct",
+        "prompt_tokens_mean": CONTEXT_PROMPT,
+        "max_new_tokens": MAX_NEW,
+        "draft_training": {"draft_vocab_size": 1160},
+    }
+    return {
+        "meta": meta,
+        "rows": rows,
+        "step_costs": {"acceptance_rate": {str(k): a for k, a in (acceptance or {1: 0.7, 3: 0.6}).items()}},
+    }
 
 
 def test_expected_tokens_hand_worked():
@@ -37,11 +47,21 @@ def test_sweep_matches_scenario_path(hw):
     out = project_bench(bench(), hardware=[hw], sweep_batches=(1, 8, 32))
     target = MODELS["smollm2-135m"].model_copy(update=GPU_BYTES)
     for k, a in ((1, 0.7), (3, 0.6)):
-        scn = ScenarioSpec.model_validate({
-            "name": "x", "model": target.model_dump(), "hardware": hw,
-            "layout": {"total_devices": 1}, "workload": {"num_prompts": 1, "generations_per_prompt": 1,
-                                                         "prompt_tokens": 45, "response": {"median_tokens": 80, "sigma": 0.0, "max_tokens": 80}},
-            "speculative": {"k": k, "alpha": a, "draft": eagle3_draft(target, 1160).model_dump()}})
+        scn = ScenarioSpec.model_validate(
+            {
+                "name": "x",
+                "model": target.model_dump(),
+                "hardware": hw,
+                "layout": {"total_devices": 1},
+                "workload": {
+                    "num_prompts": 1,
+                    "generations_per_prompt": 1,
+                    "prompt_tokens": 45,
+                    "response": {"median_tokens": 80, "sigma": 0.0, "max_tokens": 80},
+                },
+                "speculative": {"k": k, "alpha": a, "draft": eagle3_draft(target, 1160).model_dump()},
+            }
+        )
         ref = pass_speedup_vs_batch(scn, [1, 8, 32], CONTEXT_PROMPT + MAX_NEW / 2)
         got = [r["speedup"] for r in out["sweep"][hw] if r["k"] == k]
         assert got == pytest.approx([r["pass_speedup"] for r in ref], rel=1e-9)

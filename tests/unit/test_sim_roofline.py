@@ -1,4 +1,5 @@
 """Roofline forward time of a toy model, computed by hand."""
+
 import numpy as np
 import pytest
 
@@ -7,14 +8,31 @@ from nemo_rl_spec.sim.roofline import forward_seconds, kv_capacity_tokens, tabul
 
 # 1 layer, h 2, 1 head, 1 KV head, d 2, d_ff 2, vocab 4, bf16: attention 2*3*2 + 2*2 = 16, MLP 12, lm_head 8.
 TOY = ModelSpec(name="toy", n_layers=1, hidden=2, n_heads=1, n_kv_heads=1, head_dim=2, intermediate=2, vocab=4)
-HW = HardwareSpec(name="toy", peak_flops=100.0, mem_bw=100.0, mem_capacity=1000.0, link_bw=100.0, net_bw=10.0,
-                  domain_size=2, collective_latency_s=0.01)
+HW = HardwareSpec(
+    name="toy",
+    peak_flops=100.0,
+    mem_bw=100.0,
+    mem_capacity=1000.0,
+    link_bw=100.0,
+    net_bw=10.0,
+    domain_size=2,
+    collective_latency_s=0.01,
+)
 
 
 def profile(overlap: bool) -> SystemProfile:
-    eff = EfficiencySpec(decode_flops_eff=0.5, mem_bw_eff=0.5, overlap=overlap, forward_overhead_s=1.0,
-                         draft_forward_overhead_s=0.0, prefill_mfu=0.5, logprob_mfu=0.5, train_mfu=0.5,
-                         refit_overhead_s=0.0, refit_bw_eff=1.0)
+    eff = EfficiencySpec(
+        decode_flops_eff=0.5,
+        mem_bw_eff=0.5,
+        overlap=overlap,
+        forward_overhead_s=1.0,
+        draft_forward_overhead_s=0.0,
+        prefill_mfu=0.5,
+        logprob_mfu=0.5,
+        train_mfu=0.5,
+        refit_overhead_s=0.0,
+        refit_bw_eff=1.0,
+    )
     return SystemProfile(hardware=HW, efficiency=eff)
 
 

@@ -1,4 +1,5 @@
 """RL-step composition: Pilot-Commit counts, sync/async formulas, refit/log-prob/training by hand, baseline fit."""
+
 import numpy as np
 import pytest
 
@@ -18,8 +19,9 @@ def zero() -> ScenarioSpec:
 
 def test_pilot_commit_rollout_counts():
     data = zero().model_dump()
-    data["workload"]["pilot_commit"] = PilotCommitSpec(sampling_prompts=64, n_pilot=4, n_commit=12,
-                                                       selected_fraction=0.25).model_dump()
+    data["workload"]["pilot_commit"] = PilotCommitSpec(
+        sampling_prompts=64, n_pilot=4, n_commit=12, selected_fraction=0.25
+    ).model_dump()
     # 64 x 4 pilot + 16 selected x 12 commit generated; 16 x (4 + 12) trained
     assert rollout_counts(ScenarioSpec.model_validate(data)) == (448, 256)
     assert rollout_counts(zero()) == (8192, 8192)
@@ -29,7 +31,7 @@ def test_refit_by_hand():
     prof = resolve_profile("gb200", {"refit_overhead_s": 1.0, "refit_bw_eff": 0.5})
     lay = LayoutSpec(total_devices=8, gen_devices_per_engine=2)
     # 1e9 params * 2 B / 2 devices = 1e9 B per device over 900 GB/s * 0.5
-    assert refit_seconds(10 ** 9, 2.0, prof, lay) == pytest.approx(1.0 + 1e9 / 450e9)
+    assert refit_seconds(10**9, 2.0, prof, lay) == pytest.approx(1.0 + 1e9 / 450e9)
 
 
 def test_logprob_and_training_from_flops():
@@ -51,8 +53,11 @@ def test_online_draft_training_scales_with_the_ttt_unroll():
         res = resolve(ScenarioSpec.model_validate({**base, "speculative": {**base["speculative"], "ttt_steps": ttt}}))
         extra[ttt], _ = speculative_overheads(res, lengths, 1)
     seqs = res.scenario.workload.prompt_tokens + lengths
-    one = 3 * mm.forward_flops_sequences(res.draft, seqs) / (res.profile.hardware.peak_flops
-                                                             * res.profile.efficiency.train_mfu)
+    one = (
+        3
+        * mm.forward_flops_sequences(res.draft, seqs)
+        / (res.profile.hardware.peak_flops * res.profile.efficiency.train_mfu)
+    )
     assert extra[1] == pytest.approx(one, rel=1e-12)
     assert extra[None] == pytest.approx(3 * one, rel=1e-12) and extra[5] == pytest.approx(5 * one, rel=1e-12)
 
@@ -93,7 +98,8 @@ def test_async_needs_separate_pools():
 
 def test_unreachable_baseline_is_an_error():
     # 1024 rollouts of at most 8192 tokens cannot keep 32 GB200 busy for 100 s
-    scn = load_scenario(CONFIG_DIR / "paper_8b_rl_zero.yaml", workload={"num_prompts": 64,
-                                                                        "response": {"max_tokens": 8192}})
+    scn = load_scenario(
+        CONFIG_DIR / "paper_8b_rl_zero.yaml", workload={"num_prompts": 64, "response": {"max_tokens": 8192}}
+    )
     with pytest.raises(ValueError, match="resize the workload"):
         simulate(scn)

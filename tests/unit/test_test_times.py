@@ -1,4 +1,5 @@
 """scripts/test_times.py: the time table and the CI summary from a hand-written JUnit XML and phase sources."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -44,29 +45,35 @@ def run(tmp_path: Path) -> tuple[Path, Path]:
 def test_junit_ids_tiers_outcomes_and_durations_log_phases(run):
     junit, log = run
     tests = tt.read_junit(junit)
-    assert [t.nodeid for t in tests] == ["tests/unit/test_a.py::test_fast", "tests/functional/test_b.py::test_loop[x.y-1]",
-                                         "tests/functional/test_slurm.py::test_job", "tests/functional/test_b.py::test_skip",
-                                         "tests/unit/test_a.py::TestGroup::test_m"]
+    assert [t.nodeid for t in tests] == [
+        "tests/unit/test_a.py::test_fast",
+        "tests/functional/test_b.py::test_loop[x.y-1]",
+        "tests/functional/test_slurm.py::test_job",
+        "tests/functional/test_b.py::test_skip",
+        "tests/unit/test_a.py::TestGroup::test_m",
+    ]
     # the property decides when present; the path when not (test_slurm.py -> slurm)
     assert [t.tier for t in tests] == ["unit", "functional", "slurm", "functional", "unit"]
     assert [t.outcome for t in tests] == ["passed", "passed", "failed", "skipped", "passed"]
     tt.attach_phases(tests, tt.read_durations_log(log))
     assert tests[1].phases == {"setup": 12.0, "call": 7.5, "teardown": 0.5}
-    assert tests[0].phases == {"setup": 0.0, "call": 0.0, "teardown": 0.0}   # hidden by pytest: counted as 0
-    assert tests[4].phases == {"setup": 0.0, "call": 0.2, "teardown": 0.0}   # a test in a class
+    assert tests[0].phases == {"setup": 0.0, "call": 0.0, "teardown": 0.0}  # hidden by pytest: counted as 0
+    assert tests[4].phases == {"setup": 0.0, "call": 0.2, "teardown": 0.0}  # a test in a class
     totals = tt.tier_totals(tests)
-    assert totals == {"unit": {"tests": 2, "seconds": 0.75, "setup": 0.0, "call": 0.2, "teardown": 0.0},
-                      "functional": {"tests": 2, "seconds": 21.0, "setup": 12.0, "call": 7.5, "teardown": 0.5},
-                      "slurm": {"tests": 1, "seconds": 10.0, "setup": 0.0, "call": 10.0, "teardown": 0.0}}
+    assert totals == {
+        "unit": {"tests": 2, "seconds": 0.75, "setup": 0.0, "call": 0.2, "teardown": 0.0},
+        "functional": {"tests": 2, "seconds": 21.0, "setup": 12.0, "call": 7.5, "teardown": 0.5},
+        "slurm": {"tests": 1, "seconds": 10.0, "setup": 0.0, "call": 10.0, "teardown": 0.0},
+    }
 
 
 def test_table_files_and_summary(run, tmp_path, capsys):
     junit, _ = run
-    phases = tmp_path / "phases.json"   # the form tests/conftest.py writes
+    phases = tmp_path / "phases.json"  # the form tests/conftest.py writes
     phases.write_text(json.dumps({"tests/functional/test_b.py::test_loop[x.y-1]": {"setup": 1.0, "call": 18.0}}))
     assert tt.main(["table", "--junit", str(junit), "--phases", str(phases), "--out", str(tmp_path / "t")]) == 0
     table = json.loads((tmp_path / "t.json").read_text())
-    assert [t["total"] for t in table["tests"]] == [20.0, 10.0, 1.0, 0.5, 0.25]   # slowest first
+    assert [t["total"] for t in table["tests"]] == [20.0, 10.0, 1.0, 0.5, 0.25]  # slowest first
     assert table["tests"][0]["phases"] == {"setup": 1.0, "call": 18.0, "teardown": 0.0}
     md = (tmp_path / "t.md").read_text()
     assert "| functional | 2 | 21.0 (0m21s) | 1.0 | 18.0 | 0.0 |" in md

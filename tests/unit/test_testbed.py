@@ -1,4 +1,5 @@
 """The testbed policy builder (nemo_rl_spec/models/testbed.py): chains, schedule, tokenizer, determinism."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,9 +12,24 @@ import pytest
 from nemo_rl_spec.models import testbed as tb
 
 SMALL = dataclasses.replace(
-    tb.TESTBED, slip_rate=0.0, sft_examples=96, sft_steps=4, batch_size=8, warmup_steps=2, direct_steps=2,
-    model=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-               intermediate_size=128, tie_word_embeddings=True, max_position_embeddings=256, rms_norm_eps=1e-6))
+    tb.TESTBED,
+    slip_rate=0.0,
+    sft_examples=96,
+    sft_steps=4,
+    batch_size=8,
+    warmup_steps=2,
+    direct_steps=2,
+    model=dict(
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    ),
+)
 
 
 def test_chain_solution_by_hand():
@@ -105,16 +121,21 @@ def test_direct_rate_0_draws_only_the_slips():
     r = dataclasses.replace(SMALL, slip_rate=0.3, sft_examples=200)
     name, settings = parse_generator(r.generator)
     rng = random.Random(r.seed)
-    expected = [tb.chain_solution(e, tb.draw_slips(len(e.split()) // 2, 0.3, rng))
-                for e in (item["metadata"]["expression"]
-                          for item in reasoning_gym.create_dataset(name, size=200, seed=r.seed, **settings))]
+    expected = [
+        tb.chain_solution(e, tb.draw_slips(len(e.split()) // 2, 0.3, rng))
+        for e in (
+            item["metadata"]["expression"]
+            for item in reasoning_gym.create_dataset(name, size=200, seed=r.seed, **settings)
+        )
+    ]
     assert [a for _, a in tb.sft_conversations(r, 0.0)] == expected
 
 
 def test_on_step_counts_over_both_stages():
     seen = []
-    model, tok, losses = tb.train_testbed(SMALL, progress=False,
-                                          on_step=lambda step, m, t: seen.append((step, t.eos_token)))
+    model, tok, losses = tb.train_testbed(
+        SMALL, progress=False, on_step=lambda step, m, t: seen.append((step, t.eos_token))
+    )
     assert seen == [(s, "<|im_end|>") for s in range(SMALL.sft_steps + SMALL.direct_steps)]
     assert len(losses) == SMALL.sft_steps + SMALL.direct_steps
 
@@ -133,12 +154,17 @@ def test_tokenizer_digits_chat_template_and_round_trip():
     pairs = tb.sft_conversations(SMALL)
     tok = tb.train_tokenizer([f"{tb.SYSTEM_PROMPT}\n{q}\n{a}" for q, a in pairs], 300)
     assert len(tok) <= 300
-    digits = [t for t in tok.convert_ids_to_tokens(tok.encode("12 - 345 = -333", add_special_tokens=False))
-              if any(c.isdigit() for c in t)]
+    digits = [
+        t
+        for t in tok.convert_ids_to_tokens(tok.encode("12 - 345 = -333", add_special_tokens=False))
+        if any(c.isdigit() for c in t)
+    ]
     assert all(sum(c.isdigit() for c in t) == 1 for t in digits) and len(digits) == 8
     ids = format_prompt(tok, "sys", "What is 1 + 2?")
-    assert tok.decode(ids) == "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n" \
-                              "<|im_start|>assistant\n"
+    assert (
+        tok.decode(ids) == "<|im_start|>system\nsys<|im_end|>\n<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
     text = "7 - 9 = -2\n\\boxed{-2} and unseen text: é ∑"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"

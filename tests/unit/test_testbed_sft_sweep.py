@@ -1,4 +1,5 @@
 """examples/testbed_sft_sweep.py: override parsing and the per-mode scores, by hand."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,9 @@ sweep = testbed_sft_sweep
 def test_overrides_parse_json_values_and_model_keys():
     from nemo_rl_spec.models.testbed import TESTBED
 
-    got = sweep.parse_overrides(["lr=2e-3", "sft_steps=300", "generator=chain_sum:min_terms=2", "model.hidden_size=128"])
+    got = sweep.parse_overrides(
+        ["lr=2e-3", "sft_steps=300", "generator=chain_sum:min_terms=2", "model.hidden_size=128"]
+    )
     assert got["lr"] == 2e-3 and got["sft_steps"] == 300 and got["generator"] == "chain_sum:min_terms=2"
     assert got["model"] == {**TESTBED.model, "hidden_size": 128}
 
@@ -27,8 +30,7 @@ def test_scores_by_hand():
     # problem 1 (answer -4): a right direct answer and a right chain
     texts = ["1 + 2 = 3\n\\boxed{3}", "\\boxed{5}", "\\boxed{-4}", "4 - 8 = -4\n\\boxed{-4}"]
     got = sweep.score(texts, ["3", "-4"], 2)
-    assert got == {"accuracy": 0.75, "p_direct": 0.5, "chain_accuracy": 1.0, "direct_accuracy": 0.5,
-                   "share_mixed": 0.5}
+    assert got == {"accuracy": 0.75, "p_direct": 0.5, "chain_accuracy": 1.0, "direct_accuracy": 0.5, "share_mixed": 0.5}
 
 
 def test_eval_steps_cover_both_stages_and_refuse_the_rest():

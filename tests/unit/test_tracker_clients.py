@@ -1,6 +1,7 @@
 """The W&B / MLflow trackers without Ray (nemo_rl_spec/utils/trackers.py): the missing-client error naming the extra,
 W&B's automatic offline decision, MLflow's param flattening / truncation and key cleaning, the Logger's fan-out, and
 the default local MLflow store under the log dir. The real runs: tests/functional/test_trackers.py."""
+
 from __future__ import annotations
 
 import math
@@ -92,10 +93,20 @@ def test_an_online_wandb_start_that_fails_falls_back_to_offline(monkeypatch, tmp
 
 def test_flatten_params_dots_jsons_and_truncates():
     long = "x" * (tr.MLFLOW_MAX_PARAM_VALUE + 10)
-    got = tr.flatten_params({"a": {"b": 1, "c": [1, 2], "d": None, "e": {}}, "s": "text", "f": 0.5, "t": True,
-                             "long": long, "k[0]=v": 1})
-    assert got == {"a.b": "1", "a.c": "[1, 2]", "a.d": "null", "a.e": "{}", "s": "text", "f": "0.5", "t": "true",
-                   "long": "x" * (tr.MLFLOW_MAX_PARAM_VALUE - 3) + "...", "k_0__v": "1"}
+    got = tr.flatten_params(
+        {"a": {"b": 1, "c": [1, 2], "d": None, "e": {}}, "s": "text", "f": 0.5, "t": True, "long": long, "k[0]=v": 1}
+    )
+    assert got == {
+        "a.b": "1",
+        "a.c": "[1, 2]",
+        "a.d": "null",
+        "a.e": "{}",
+        "s": "text",
+        "f": "0.5",
+        "t": "true",
+        "long": "x" * (tr.MLFLOW_MAX_PARAM_VALUE - 3) + "...",
+        "k_0__v": "1",
+    }
     assert len(got["long"]) == tr.MLFLOW_MAX_PARAM_VALUE
 
 
@@ -137,8 +148,7 @@ def test_logger_fans_out_the_jsonl_records(tmp_path):
     first = fake.calls[0]
     assert first[0] == "metrics" and first[2] == 0 and first[1]["train/reward"] == 0.25
     assert math.isnan(first[1]["validation/accuracy"])
-    assert fake.calls[1:] == [("metrics", {"train/reward": 1.0}, 2), ("image", str(tmp_path / "c.png"), 2),
-                              ("close",)]
+    assert fake.calls[1:] == [("metrics", {"train/reward": 1.0}, 2), ("image", str(tmp_path / "c.png"), 2), ("close",)]
 
 
 def test_mlflow_default_store_is_under_the_log_dir(tmp_path):

@@ -1,6 +1,7 @@
 """Trajectory buffer (inclusive age bound, eviction counts, back-pressure, checkpoint round trip), the generation
 gate, the overlap arithmetic behind ``timing/train/exposed_generation``, the producer's throttle with a scripted
 allocator, and the async config rules. No Ray, no engines."""
+
 from __future__ import annotations
 
 import io
@@ -21,18 +22,25 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _group(prompt_id: int, *versions: int) -> TrainGroup:
-    results = [RolloutResult(prompt_id, Stage.GROUP, [1.0, 0.0], v, payload={"ids": torch.arange(3) + v})
-               for v in versions]
+    results = [
+        RolloutResult(prompt_id, Stage.GROUP, [1.0, 0.0], v, payload={"ids": torch.arange(3) + v}) for v in versions
+    ]
     return TrainGroup(prompt_id, results)
 
 
 def _batch(index: int, *groups: TrainGroup, state=None) -> TrajectoryBatch:
-    return TrajectoryBatch(index, TrainSelection(index, list(groups), {"rollout_alloc/x": float(index)}),
-                           draft_version=7, allocator_state=state, generation_s=1.5, generated_tokens=10)
+    return TrajectoryBatch(
+        index,
+        TrainSelection(index, list(groups), {"rollout_alloc/x": float(index)}),
+        draft_version=7,
+        allocator_state=state,
+        generation_s=1.5,
+        generated_tokens=10,
+    )
 
 
 def test_group_age_uses_the_oldest_rollout():
-    assert group_age(_group(0, 3, 5), current_version=5) == 2   # pilot at 3, commit at 5
+    assert group_age(_group(0, 3, 5), current_version=5) == 2  # pilot at 3, commit at 5
     assert group_age(_group(0, 5), current_version=5) == 0
 
 
@@ -111,7 +119,9 @@ def test_get_timeout_close_and_producer_error():
 def test_state_dict_round_trip_through_torch_save():
     buf = TrajectoryBuffer(2, capacity=3)
     buf.put(_batch(0, _group(0, 0)))
-    buf.put(_batch(1, _group(1, 0), _group(2, 1)), )
+    buf.put(
+        _batch(1, _group(1, 0), _group(2, 1)),
+    )
     buf.put(_batch(2, _group(3, 1), state={"kind": "uniform", "step": 3}))
     assert buf.get(current_version=3, timeout=0).index == 1  # batch 0 (age 3) evicted, batch 1 partly
     f = io.BytesIO()
@@ -194,8 +204,10 @@ def scripted(make):
 
         def call(requests):
             return generate(requests)
+
         call.stats = RolloutStats()
         return call
+
     return make_generator
 
 
@@ -219,6 +231,7 @@ def test_producer_throttle_holds_the_bound_with_a_slow_trainer(monkeypatch):
                 v = holder["producer"]._version
             versions_seen.append(v)
             return [r.result([1.0, 0.0], v, payload=None) for r in requests]
+
         return generate
 
     monkeypatch.setattr(ag, "make_async_generator", scripted(fake_make))
@@ -249,6 +262,7 @@ def test_producer_error_reaches_the_trainer(monkeypatch):
     def fake_make(s, gate):
         def generate(requests):
             raise RuntimeError("engine crashed")
+
         return generate
 
     monkeypatch.setattr(ag, "make_async_generator", scripted(fake_make))
@@ -272,8 +286,9 @@ def test_async_recipe_runs_but_in_flight_updates_are_refused():
     assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 1
     check_runtime_support(cfg)
     with pytest.raises(ConfigError, match="in_flight_weight_updates"):
-        check_runtime_support(load_config(CONFIGS / "grpo_math_tiny_async.yaml",
-                                          ["grpo.async_grpo.in_flight_weight_updates=true"]))
+        check_runtime_support(
+            load_config(CONFIGS / "grpo_math_tiny_async.yaml", ["grpo.async_grpo.in_flight_weight_updates=true"])
+        )
 
 
 def test_pilot_binding_shrinks_the_producer_lead(monkeypatch):
@@ -289,6 +304,7 @@ def test_pilot_binding_shrinks_the_producer_lead(monkeypatch):
         def generate(requests):
             v = holder["producer"]._version
             return [r.result([float(i % 2) for i in range(r.n)], v, payload=None) for r in requests]
+
         return generate
 
     monkeypatch.setattr(ag, "make_async_generator", scripted(fake_make))
@@ -301,8 +317,9 @@ def test_pilot_binding_shrinks_the_producer_lead(monkeypatch):
 
     assert ag.carried_lag(Cfg) == 1
     buf = TrajectoryBuffer(2, capacity=3)
-    prod = TrajectoryProducer(_FakeSetup(alloc), buf, GenerationGate(), version=0, last_index=6,
-                              carried_lag=ag.carried_lag(Cfg))
+    prod = TrajectoryProducer(
+        _FakeSetup(alloc), buf, GenerationGate(), version=0, last_index=6, carried_lag=ag.carried_lag(Cfg)
+    )
     holder["producer"] = prod
     prod.start()
     ages = []

@@ -2,6 +2,7 @@
 data.validation set are validated, in generate calls of val_batch_size prompts; bad combinations are ConfigErrors
 naming the keys. The generation backend below returns fixed rows; validation's split and means are what is tested.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,11 +26,16 @@ class _Rows:
         self.calls.append(len(ids))
         rows = [p + [9] * p[-1] for p in ids]
         width = max(map(len, rows))
-        return {"output_ids": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
-                "input_lengths": torch.tensor([len(p) for p in ids]),
-                "unpadded_sequence_lengths": torch.tensor([len(r) for r in rows]),
-                "generation_logprobs": torch.zeros(len(rows), width), "prompt_index": torch.arange(len(ids)),
-                "policy_version": 0, "draft_version": None, "spec_counters": None}
+        return {
+            "output_ids": torch.tensor([r + [0] * (width - len(r)) for r in rows]),
+            "input_lengths": torch.tensor([len(p) for p in ids]),
+            "unpadded_sequence_lengths": torch.tensor([len(r) for r in rows]),
+            "generation_logprobs": torch.zeros(len(rows), width),
+            "prompt_index": torch.arange(len(ids)),
+            "policy_version": 0,
+            "draft_version": None,
+            "spec_counters": None,
+        }
 
 
 class _Tok:
@@ -44,7 +50,7 @@ class _Reward(EnvironmentInterface):
 
 def test_val_batch_size_splits_the_calls_and_keeps_the_means():
     problems = [{"reward": r} for r in (1.0, 0.0, 1.0, 1.0, 0.0)]
-    prompt_ids = [[1, k] for k in (1, 2, 3, 4, 5)]            # response lengths 1..5
+    prompt_ids = [[1, k] for k in (1, 2, 3, 4, 5)]  # response lengths 1..5
     split, whole = _Rows(), _Rows()
     m = validate(split, _Tok(), _Reward(), problems, prompt_ids, 8, batch_size=2)
     assert split.calls == [2, 2, 1]
@@ -61,12 +67,18 @@ def test_max_val_samples_caps_the_validated_problems():
     assert len(all_val) == cfg.data.validation.max_samples == 4
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["grpo.max_val_samples=5"], r"grpo.max_val_samples=5 exceeds data.validation.max_samples=4"),
-    (["grpo.max_val_samples=4", "grpo.val_batch_size=3"], r"grpo.max_val_samples=4 is not a multiple of "
-                                                           r"grpo.val_batch_size=3"),
-    (["grpo.val_batch_size=0"], r"grpo.val_batch_size"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["grpo.max_val_samples=5"], r"grpo.max_val_samples=5 exceeds data.validation.max_samples=4"),
+        (
+            ["grpo.max_val_samples=4", "grpo.val_batch_size=3"],
+            r"grpo.max_val_samples=4 is not a multiple of "
+            r"grpo.val_batch_size=3",
+        ),
+        (["grpo.val_batch_size=0"], r"grpo.val_batch_size"),
+    ],
+)
 def test_inconsistent_validation_sizes_are_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config("configs/grpo_math_tiny.yaml", overrides)
@@ -93,14 +105,19 @@ def test_sampled_validation_uses_the_keys_and_averages_pass_rates(val_temperatur
 
     from nemo_rl_spec.algorithms.validation import run_validation
 
-    cfg = load_config("configs/grpo_math_tiny.yaml", [f"grpo.val_temperature={val_temperature}",
-                                                      "grpo.val_num_generations=3", "policy.generation.temperature=1.0"])
+    cfg = load_config(
+        "configs/grpo_math_tiny.yaml",
+        [f"grpo.val_temperature={val_temperature}", "grpo.val_num_generations=3", "policy.generation.temperature=1.0"],
+    )
     gen = _SampledRows()
-    problems = [{"reward": 1.0}, {"reward": 0.0}]             # every answer of problem 0 right, of problem 1 wrong
-    s = SimpleNamespace(cfg=cfg, generation=gen, tokenizer=_Tok(), env=_Reward(), val_problems=problems,
-                        val_prompt_ids=[[1, 2], [1, 4]])
+    problems = [{"reward": 1.0}, {"reward": 0.0}]  # every answer of problem 0 right, of problem 1 wrong
+    s = SimpleNamespace(
+        cfg=cfg, generation=gen, tokenizer=_Tok(), env=_Reward(), val_problems=problems, val_prompt_ids=[[1, 2], [1, 4]]
+    )
     m = run_validation(s)
-    assert gen.kwargs == [dict(n=3, seed=0, temperature=expected_t, max_new_tokens=cfg.policy.generation.max_new_tokens)]
+    assert gen.kwargs == [
+        dict(n=3, seed=0, temperature=expected_t, max_new_tokens=cfg.policy.generation.max_new_tokens)
+    ]
     # hand: rows 2,2,2,4,4,4 tokens, pass rates 1 and 0
     assert m["validation/accuracy"] == 0.5 and m["validation/mean_response_length"] == 3.0
 

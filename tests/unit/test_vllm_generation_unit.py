@@ -1,5 +1,6 @@
 """Pure parts of the vLLM generation layer (no engine start): merging per-engine outputs, per-engine environment,
 engine arguments from the typed config, refit tensor handling, row-seed offsets."""
+
 from __future__ import annotations
 
 import copy
@@ -37,20 +38,30 @@ def gen_cfg(**vllm_cfg) -> GenerationConfig:
     return GenerationConfig.model_validate(cfg)
 
 
-def engine_output(prompts: list[list[int]], responses: list[list[int]], n: int, version: int = 0,
-                  counters: SpecDecodeCounters | None = None) -> dict:
+def engine_output(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    n: int,
+    version: int = 0,
+    counters: SpecDecodeCounters | None = None,
+) -> dict:
     """What one engine returns for ``prompts`` (rows prompt-major), pad 0, log-prob of token t = -t/100."""
     rows = [(prompts[r // n], responses[r]) for r in range(len(prompts) * n)]
     width = max(len(p) + len(t) for p, t in rows)
     ids, lps = torch.zeros(len(rows), width, dtype=torch.int64), torch.zeros(len(rows), width)
     for r, (p, t) in enumerate(rows):
-        ids[r, :len(p) + len(t)] = torch.tensor(p + t)
-        lps[r, len(p):len(p) + len(t)] = -torch.tensor(t, dtype=torch.float32) / 100
-    return dict(output_ids=ids, generation_logprobs=lps,
-                input_lengths=torch.tensor([len(p) for p, _ in rows]),
-                unpadded_sequence_lengths=torch.tensor([len(p) + len(t) for p, t in rows]),
-                prompt_index=torch.tensor([r // n for r in range(len(rows))]), policy_version=version,
-                draft_version=None if counters is None else version, spec_counters=counters)
+        ids[r, : len(p) + len(t)] = torch.tensor(p + t)
+        lps[r, len(p) : len(p) + len(t)] = -torch.tensor(t, dtype=torch.float32) / 100
+    return dict(
+        output_ids=ids,
+        generation_logprobs=lps,
+        input_lengths=torch.tensor([len(p) for p, _ in rows]),
+        unpadded_sequence_lengths=torch.tensor([len(p) + len(t) for p, t in rows]),
+        prompt_index=torch.tensor([r // n for r in range(len(rows))]),
+        policy_version=version,
+        draft_version=None if counters is None else version,
+        spec_counters=counters,
+    )
 
 
 def test_merge_equals_one_engine_output():
@@ -58,8 +69,10 @@ def test_merge_equals_one_engine_output():
     responses = [[7], [8, 9, 10], [11, 12], [13], [14, 15, 16, 17], [18]]  # n = 2
     whole = engine_output(prompts, responses, 2)
     c0, c1 = SpecDecodeCounters(3, 9, 4, (2, 1, 1)), SpecDecodeCounters(2, 6, 1, (1,))
-    parts = [engine_output(prompts[:2], responses[:4], 2, counters=c0),
-             engine_output(prompts[2:], responses[4:], 2, counters=c1)]
+    parts = [
+        engine_output(prompts[:2], responses[:4], 2, counters=c0),
+        engine_output(prompts[2:], responses[4:], 2, counters=c1),
+    ]
     merged = merge_generation_outputs(parts, prompt_starts=[0, 2], pad_token_id=0)
     for key in ("output_ids", "generation_logprobs", "input_lengths", "unpadded_sequence_lengths", "prompt_index"):
         assert torch.equal(merged[key], whole[key]), key

@@ -32,6 +32,7 @@ generator/trainer mismatch (Espeholt et al. 2018 IMPALA; Yao et al. 2025 "TIS");
 Optimization", eq. 7: s_i = (pi_theta(y_i|x) / pi_old(y_i|x)) ** (1/|y_i|)), which needs the sequence-level
 reduction (``token_level_loss: false``: J = mean_i min(s_i A_i, clip(s_i) A_i)).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -161,11 +162,18 @@ class ClippedPGLossFn:
                 kl = kl * weight.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
         if self.loss_normalizer == "constant":
-            loss = self._reduce(is_weight * pg + kl, mask, token_mask, sample_mask, self.loss_normalizer_constant,
-                                self.loss_normalizer_constant)
+            loss = self._reduce(
+                is_weight * pg + kl,
+                mask,
+                token_mask,
+                sample_mask,
+                self.loss_normalizer_constant,
+                self.loss_normalizer_constant,
+            )
         else:
-            loss = self._reduce(is_weight * pg + kl, mask, token_mask, sample_mask, global_valid_toks,
-                                global_valid_seqs)
+            loss = self._reduce(
+                is_weight * pg + kl, mask, token_mask, sample_mask, global_valid_toks, global_valid_seqs
+            )
         with torch.no_grad():
             outside = ((ratio < 1.0 - self.ratio_clip_min) | (ratio > 1.0 + self.ratio_clip_max)).to(mask.dtype)
             metrics = {

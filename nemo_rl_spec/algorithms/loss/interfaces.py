@@ -13,6 +13,7 @@ Metrics follow the same rule so the caller can aggregate them without knowing th
 ``_max`` is reduced with ``max`` over micro-batches, every other key with ``sum`` (means are already divided by
 the global normaliser, counts are plain counts).
 """
+
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable

@@ -1,4 +1,5 @@
 """Generation backend interface (NeMo-RL's GenerationInterface, trimmed to what this project uses)."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -43,8 +44,14 @@ class GenerationInterface(ABC):
     """A generation backend that samples responses and accepts versioned weight refits."""
 
     @abstractmethod
-    def generate(self, data: GenerationDatumSpec, n: int, seed: int, temperature: float | None = None,
-                 max_new_tokens: int | None = None) -> GenerationOutputSpec:
+    def generate(
+        self,
+        data: GenerationDatumSpec,
+        n: int,
+        seed: int,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> GenerationOutputSpec:
         """Sample ``n`` responses per prompt (temperature / max_new_tokens from config unless overridden)."""
 
     @abstractmethod
@@ -76,8 +83,14 @@ class GenerationController(Protocol):
     (:class:`~nemo_rl_spec.models.generation.vllm_generation.VllmGeneration`, over its vLLM engines). Every method
     returns a value, never a Ray handle; weights may be passed as a plain dict or as the policy's ``RemoteValue``."""
 
-    def generate(self, data: GenerationDatumSpec, n: int, seed: int, temperature: float | None = None,
-                 max_new_tokens: int | None = None) -> GenerationOutputSpec:
+    def generate(
+        self,
+        data: GenerationDatumSpec,
+        n: int,
+        seed: int,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> GenerationOutputSpec:
         """``n`` samples per prompt, with the engines' ``policy_version`` / ``draft_version`` / ``spec_counters``."""
 
     def score(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ its Qwen2 layers need but a Llama / Qwen3 trunk lacks were written as zeros, so 
 gets them added as zeros (:func:`with_zero_biases`); and a megatron-core MTP layer reads the final-normed hidden
 state, which :func:`~nemo_rl_spec.models.mtp_export.install_post_norm_mtp_input` wires into vLLM's MiMo drafter.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,7 @@ def with_zero_biases(weights: Mapping[str, torch.Tensor], zero_bias_names: set[s
     ``weights`` lacks and whose ``.weight`` it has; a plain copy of the dict when ``zero_bias_names`` is empty."""
     weights = dict(weights)
     for name in zero_bias_names - set(weights):
-        weight = weights.get(name[:-len("bias")] + "weight")
+        weight = weights.get(name[: -len("bias")] + "weight")
         if weight is not None:
             weights[name] = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
     return weights

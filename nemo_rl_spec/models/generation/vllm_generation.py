@@ -17,6 +17,7 @@ one ``get``).
 Weights: ``update_weights`` puts the weights in the object store once and every engine reads that copy; ``ranks=``
 targets a subset (a refit that skips an engine on purpose is then visible in :meth:`VllmGeneration.get_versions`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -64,8 +65,10 @@ def _common_version(outputs: Sequence[GenerationOutputSpec], key: str, engines: 
     versions = [out[key] for out in outputs]
     if len(set(versions)) > 1:
         raise EngineVersionMismatchError(
-            f"engines disagree on {key}: " + ", ".join(f"engine {e}: {v}" for e, v in zip(engines, versions))
-            + " (a refit skipped an engine or failed on it)")
+            f"engines disagree on {key}: "
+            + ", ".join(f"engine {e}: {v}" for e, v in zip(engines, versions))
+            + " (a refit skipped an engine or failed on it)"
+        )
     return versions[0]
 
 
@@ -80,8 +83,12 @@ def _sum_counters(counters: Sequence[Any]):
     return total
 
 
-def merge_generation_outputs(outputs: Sequence[GenerationOutputSpec], prompt_starts: Sequence[int],
-                             pad_token_id: int, engines: Sequence[int] | None = None) -> GenerationOutputSpec:
+def merge_generation_outputs(
+    outputs: Sequence[GenerationOutputSpec],
+    prompt_starts: Sequence[int],
+    pad_token_id: int,
+    engines: Sequence[int] | None = None,
+) -> GenerationOutputSpec:
     """One GenerationOutputSpec from per-engine outputs of consecutive prompt blocks (in block order).
 
     Args:
@@ -136,20 +143,40 @@ class VllmGeneration:
         ValueError: empty ``nodes``; ``draft_dir`` without ``speculative_config``; a reserved ``vllm_kwargs`` key.
     """
 
-    def __init__(self, cluster: RayVirtualCluster, nodes: Sequence[int], cfg: GenerationConfig, model_path: str,
-                 seed: int, num_cpus: float, num_gpus: float = 0.0, allow_stale_draft: bool = False,
-                 draft_dir: str | None = None, precision: str = "float32", name: str = "vllm",
-                 engine_env: Callable[[int], dict[str, str]] | None = None):
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        nodes: Sequence[int],
+        cfg: GenerationConfig,
+        model_path: str,
+        seed: int,
+        num_cpus: float,
+        num_gpus: float = 0.0,
+        allow_stale_draft: bool = False,
+        draft_dir: str | None = None,
+        precision: str = "float32",
+        name: str = "vllm",
+        engine_env: Callable[[int], dict[str, str]] | None = None,
+    ):
         self.cfg = _with_draft_dir(as_generation_config(cfg), draft_dir)
         worker_cfg = self.cfg
         self.workers = RayWorkerGroup(
-            cluster, VllmGenerationWorker, nodes,
-            init_args=lambda e: ((worker_cfg, model_path, seed), {"allow_stale_draft": allow_stale_draft,
-                                                                  "precision": precision}),
-            num_cpus=num_cpus, num_gpus=num_gpus,
-            env_vars=lambda e: {**vllm_runtime_env(worker_cfg.vllm_cfg, engine_index=e)["env_vars"],
-                                **(engine_env(e) if engine_env else {})},
-            torch_distributed=False, name=name)
+            cluster,
+            VllmGenerationWorker,
+            nodes,
+            init_args=lambda e: (
+                (worker_cfg, model_path, seed),
+                {"allow_stale_draft": allow_stale_draft, "precision": precision},
+            ),
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            env_vars=lambda e: {
+                **vllm_runtime_env(worker_cfg.vllm_cfg, engine_index=e)["env_vars"],
+                **(engine_env(e) if engine_env else {}),
+            },
+            torch_distributed=False,
+            name=name,
+        )
         try:
             self.workers.wait_ready()
             self._info = self.workers.get(self.workers.run_all_workers_single_data("engine_info"))
@@ -179,8 +206,14 @@ class VllmGeneration:
         return targets
 
     # ---------------------------------------------------------------------------------------------- generation
-    def generate(self, data: GenerationDatumSpec, n: int, seed: int, temperature: float | None = None,
-                 max_new_tokens: int | None = None) -> GenerationOutputSpec:
+    def generate(
+        self,
+        data: GenerationDatumSpec,
+        n: int,
+        seed: int,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+    ) -> GenerationOutputSpec:
         """Sample ``n`` responses per prompt over all engines; identical to one engine's ``generate`` (same rows,
         same order, same per-row seeds). Blocks until every engine has answered.
 
@@ -195,25 +228,33 @@ class VllmGeneration:
         prompts = list(data["prompt_token_ids"])
         bounds = shard_bounds(len(prompts), self.num_engines)
         used = [e for e, (start, stop) in enumerate(bounds) if stop > start] or [0]
-        calls = [(({"prompt_token_ids": prompts[bounds[e][0]:bounds[e][1]]}, n, seed, temperature, max_new_tokens),
-                  {"row_offset": bounds[e][0] * n}) for e in used]
+        calls = [
+            (
+                ({"prompt_token_ids": prompts[bounds[e][0] : bounds[e][1]]}, n, seed, temperature, max_new_tokens),
+                {"row_offset": bounds[e][0] * n},
+            )
+            for e in used
+        ]
         outputs = self.workers.get(self.workers.run_all_workers_multiple_data("generate", calls, ranks=used))
         return merge_generation_outputs(outputs, [bounds[e][0] for e in used], self.pad_token_id, used)
 
-    def score(self, input_ids: torch.Tensor, input_lengths: torch.Tensor,
-              ranks: Sequence[int] | None = None) -> list[torch.Tensor]:
+    def score(
+        self, input_ids: torch.Tensor, input_lengths: torch.Tensor, ranks: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
         """Every engine's (or ``ranks``') log-probs of the same sequences (the refit probe checks each engine).
 
         Shape: input_ids [B, S], input_lengths [B] -> one [B, S] float32 per engine (rank order); see
         :meth:`VllmGenerationWorker.score`.
         """
         ids_ref, len_ref = ray.put(input_ids), ray.put(input_lengths)
-        return self.workers.get(self.workers.run_all_workers_single_data("score", ids_ref, len_ref,
-                                                                         ranks=self._ranks(ranks)))
+        return self.workers.get(
+            self.workers.run_all_workers_single_data("score", ids_ref, len_ref, ranks=self._ranks(ranks))
+        )
 
     # ---------------------------------------------------------------------------------------------- weights
-    def update_weights(self, weights: dict[str, torch.Tensor] | RemoteValue, version: int,
-                       ranks: Sequence[int] | None = None) -> None:
+    def update_weights(
+        self, weights: dict[str, torch.Tensor] | RemoteValue, version: int, ranks: Sequence[int] | None = None
+    ) -> None:
         """Load HF-named policy weights into every engine (or only ``ranks``) and record ``version``; one
         object-store copy serves all engines. Blocks until all have loaded.
 
@@ -222,11 +263,13 @@ class VllmGeneration:
                 one may have loaded (see :meth:`get_versions`).
         """
         ref = RemoteValue.ref_of(weights)
-        self.workers.get(self.workers.run_all_workers_single_data("update_weights", ref, int(version),
-                                                                  ranks=self._ranks(ranks)))
+        self.workers.get(
+            self.workers.run_all_workers_single_data("update_weights", ref, int(version), ranks=self._ranks(ranks))
+        )
 
-    def update_draft_weights(self, draft: dict[str, Any] | RemoteValue,
-                             ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    def update_draft_weights(
+        self, draft: dict[str, Any] | RemoteValue, ranks: Sequence[int] | None = None
+    ) -> list[dict[str, Any]]:
         """Load an online draft (``{"weights", "draft_version", "policy_version"}``) into every engine's drafter
         (or ``ranks``'); returns each engine's result (rank order), see
         :meth:`VllmGenerationWorker.update_draft_weights`.
@@ -236,8 +279,9 @@ class VllmGeneration:
             DraftVersionMismatchError: the draft is paired with another policy version than an engine holds.
         """
         ref = RemoteValue.ref_of(draft)
-        return self.workers.get(self.workers.run_all_workers_single_data("update_draft_weights", ref,
-                                                                         ranks=self._ranks(ranks)))
+        return self.workers.get(
+            self.workers.run_all_workers_single_data("update_draft_weights", ref, ranks=self._ranks(ranks))
+        )
 
     def get_versions(self) -> list[dict[str, int | None]]:
         """Per engine (rank order): ``{"policy_version", "draft_version", "draft_policy_version"}``."""

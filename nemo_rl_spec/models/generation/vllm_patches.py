@@ -23,6 +23,7 @@ step's token budget). :func:`apply_vllm_cpu_seed_patches` installs the CPU equiv
 restored after it (so a discarded sample consumes no randomness and a row's tokens do not depend on whether its
 prefill was chunked), and the bookkeeping's offset rewind is skipped for those rows.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,14 @@ _seed_patch_applied = False
 _vllm_expand_kernel_impl = None  # vllm-cpu's own (buggy) override, kept for unpatched_expand_kernel()
 
 
-def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
-                       replace_from, replace_to, MAX_NUM_TOKENS=None) -> None:
+def expand_kernel_impl(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from,
+    replace_to,
+    MAX_NUM_TOKENS=None,
+) -> None:
     """``output[cu[i-1]:cu[i]] = input_val[i]`` (``replace_to`` where ``input_val[i] == replace_from``), in the
     output's own dtype. Shape: input_val [batch], cu_num_tokens [batch] (cumulative) -> output [num_tokens]."""
     del MAX_NUM_TOKENS
@@ -47,7 +54,7 @@ def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tok
     counts = torch.diff(cu, prepend=cu.new_zeros(1))
     values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
     expanded = torch.repeat_interleave(values, counts)
-    output[:expanded.numel()].copy_(expanded.to(output.dtype))
+    output[: expanded.numel()].copy_(expanded.to(output.dtype))
 
 
 def apply_vllm_cpu_spec_patches() -> bool:
@@ -99,13 +106,14 @@ def _discarded_seeded_rows(runner) -> dict[int, torch.Generator]:
     """Generators of this step's rows whose sample will be discarded (``runner.discard_request_mask``: a partial
     prefill), by batch index; empty when none of them has a per-request seed."""
     batch = runner.input_batch
-    mask = runner.discard_request_mask.np[:batch.num_reqs]
+    mask = runner.discard_request_mask.np[: batch.num_reqs]
     return {int(i): batch.generators[int(i)] for i in np.nonzero(mask)[0] if int(i) in batch.generators}
 
 
 def _sample_without_consuming_discarded(original):
     """Wrap ``GPUModelRunner._sample``: rows whose sample is discarded get their generator state back after
     sampling (the CPU form of vLLM's Philox offset rewind)."""
+
     @functools.wraps(original)
     def _sample(self, *args, **kwargs):
         saved = {i: g.get_state() for i, g in _discarded_seeded_rows(self).items()}
@@ -114,12 +122,14 @@ def _sample_without_consuming_discarded(original):
         finally:
             for i, state in saved.items():
                 self.input_batch.generators[i].set_state(state)
+
     return _sample
 
 
 def _bookkeeping_without_offset_rewind(original):
     """Wrap ``GPUModelRunner._bookkeeping_sync``: hide the discarded rows' generators (already restored by the
     ``_sample`` wrapper) from its ``set_offset`` rewind, which CPU generators do not support."""
+
     @functools.wraps(original)
     def _bookkeeping_sync(self, *args, **kwargs):
         generators = self.input_batch.generators
@@ -131,6 +141,7 @@ def _bookkeeping_without_offset_rewind(original):
             return original(self, *args, **kwargs)
         finally:
             self.input_batch.generators = generators
+
     return _bookkeeping_sync
 
 
@@ -155,8 +166,17 @@ def apply_vllm_cpu_seed_patches() -> bool:
 
 
 # ----------------------------------------------------------- lossy on purpose (negative controls, debug only)
-def sample_from_target_recovered(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
-                                 draft_probs, target_probs, sampling_metadata, device, use_fp64_gumbel=False):
+def sample_from_target_recovered(
+    max_spec_len,
+    num_draft_tokens,
+    cu_num_draft_tokens,
+    draft_token_ids,
+    draft_probs,
+    target_probs,
+    sampling_metadata,
+    device,
+    use_fp64_gumbel=False,
+):
     """NEGATIVE CONTROL (wrong on purpose): at a rejection, sample the replacement from the target's full
     distribution p instead of the residual norm(max(0, p - q)). Biases outputs toward the draft's proposals.
     Signature of vLLM's ``rejection_sampler.sample_recovered_tokens``; returns [num_tokens] int32 token ids."""
@@ -182,6 +202,9 @@ def install_lossy_sampler(name: str) -> None:
 
     if name not in LOSSY_SAMPLERS:
         raise ValueError(f"debug_lossy_sampler={name!r}: known lossy samplers {LOSSY_SAMPLERS}")
-    warnings.warn(f"policy.generation.debug_lossy_sampler={name}: speculative sampling is LOSSY on purpose "
-                  "(debug / negative control only; the samples are not the policy's)", stacklevel=2)
+    warnings.warn(
+        f"policy.generation.debug_lossy_sampler={name}: speculative sampling is LOSSY on purpose "
+        "(debug / negative control only; the samples are not the policy's)",
+        stacklevel=2,
+    )
     rs.sample_recovered_tokens = sample_from_target_recovered

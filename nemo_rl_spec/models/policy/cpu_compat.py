@@ -38,6 +38,7 @@ The patches, each with its reason:
    CUDA name of its dtype, so fp32 CPU parameters take the fp32 path; the worker wraps only the optimizer's
    construction in it (the checks are all in the constructor in megatron-core 0.19.2).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,8 +49,24 @@ import types
 import torch
 
 _CUDA_DEVICE_FACTORIES = (
-    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
-    "zeros_like", "ones_like", "empty_like", "full_like", "randn_like", "rand_like", "linspace", "eye",
+    "tensor",
+    "as_tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "randn_like",
+    "rand_like",
+    "linspace",
+    "eye",
 )
 
 # Megatron modules imported (before proxying) so the patches cover the training path.
@@ -137,6 +154,7 @@ def _install_triton_stub() -> None:
     try:
         import triton  # noqa: F401  # lazy: optional, absent on CPU
         import triton.language  # noqa: F401  # lazy: optional, absent on CPU
+
         return
     except Exception:  # ImportError, or a broken install that fails at import
         pass
@@ -150,7 +168,7 @@ def _install_triton_stub() -> None:
     triton_stub = _Anything("triton")
     language_stub = _Anything("triton.language")
     triton_stub.jit = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)
-    triton_stub.autotune = triton_stub.heuristics = lambda *a, **k: (lambda f: f)
+    triton_stub.autotune = triton_stub.heuristics = lambda *a, **k: lambda f: f
     triton_stub.Config = lambda *a, **k: None
     triton_stub.cdiv = lambda a, b: (a + b - 1) // b
     triton_stub.language = language_stub

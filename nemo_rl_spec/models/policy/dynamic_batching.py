@@ -21,6 +21,7 @@ padding), and the worker's losses are divided by global counts (valid tokens / s
 grouping. The one exception is OCC's coefficient lambda, computed per micro-batch (docs/occ.md): regrouping rows
 changes it as another micro-batch size would.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -104,5 +105,5 @@ def select_rows(data: dict, micro_batch: MicroBatch) -> dict:
             out[key] = value
             continue
         rows = value.index_select(0, micro_batch.rows)
-        out[key] = rows[:, :micro_batch.seq_len] if rows.dim() > 1 else rows
+        out[key] = rows[:, : micro_batch.seq_len] if rows.dim() > 1 else rows
     return out

@@ -1,4 +1,5 @@
 """Policy (trainer) backend interface (NeMo-RL's PolicyInterface, trimmed)."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

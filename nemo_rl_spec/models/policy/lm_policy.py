@@ -17,6 +17,7 @@ makes one optimizer step per mini-batch, each sharded over DP like any batch (gl
 ``prev_logprobs`` come with the batch, computed before the first mini-batch, so from the second mini-batch on the
 PPO ratio pi_theta / pi_old differs from 1 and clipping acts (:func:`train_minibatches`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -77,8 +78,9 @@ def combine_minibatch_metrics(parts: Sequence[dict[str, float]]) -> dict[str, fl
     return {**out, "num_optimizer_steps": float(len(parts))}
 
 
-def train_minibatches(step_fn: Callable[[TrainDatumSpec], dict[str, float]], data: TrainDatumSpec,
-                      global_batch_size: int) -> list[dict[str, float]]:
+def train_minibatches(
+    step_fn: Callable[[TrainDatumSpec], dict[str, float]], data: TrainDatumSpec, global_batch_size: int
+) -> list[dict[str, float]]:
     """``step_fn`` (one optimizer step) on each mini-batch of :func:`minibatch_bounds`, in row order; returns each
     step's metrics. ``data["prev_logprobs"]`` is the same slice of the log-probs taken before the first step, so the
     second step's ratio is pi_after_step_1 / pi_old (NeMo-RL's mini-batch PPO).
@@ -103,6 +105,7 @@ def prefetch_worker_class() -> threading.Thread:
     machine) in a daemon thread, so the import overlaps work that mostly waits, such as ``ray.init``. ``join()`` the
     thread before building a :class:`Policy`; an import error there is raised again by the :class:`Policy` constructor
     (a failed import leaves nothing in ``sys.modules``)."""
+
     def _import() -> None:
         try:
             _worker_class()
@@ -139,22 +142,41 @@ class Policy:
             by :meth:`wait_ready`).
     """
 
-    def __init__(self, cluster: RayVirtualCluster, nodes: Sequence[int], cfg: PolicyConfig, loss_fn, model_path: str,
-                 seed: int, num_cpus: float, num_gpus: float = 0.0, env_vars: dict[str, str] | None = None,
-                 rank_env: Callable[[int], dict[str, str]] | None = None, init_reference_model: bool = False,
-                 block: bool = True):
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        nodes: Sequence[int],
+        cfg: PolicyConfig,
+        loss_fn,
+        model_path: str,
+        seed: int,
+        num_cpus: float,
+        num_gpus: float = 0.0,
+        env_vars: dict[str, str] | None = None,
+        rank_env: Callable[[int], dict[str, str]] | None = None,
+        init_reference_model: bool = False,
+        block: bool = True,
+    ):
         mcfg = cfg.megatron_cfg
         self.tp_size, self.pp_size = mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size
         if not nodes or len(nodes) % (self.tp_size * self.pp_size):
-            raise ValueError(f"{len(nodes)} policy workers is not a multiple of policy.megatron_cfg."
-                             f"tensor_model_parallel_size={self.tp_size} x pipeline_model_parallel_size={self.pp_size}")
+            raise ValueError(
+                f"{len(nodes)} policy workers is not a multiple of policy.megatron_cfg."
+                f"tensor_model_parallel_size={self.tp_size} x pipeline_model_parallel_size={self.pp_size}"
+            )
         self.dp_size = len(nodes) // (self.tp_size * self.pp_size)
         self.train_global_batch_size = cfg.train_global_batch_size
         env = dict(env_vars or {})
-        self.group = RayWorkerGroup(cluster, _worker_class(), nodes, init_args=lambda rank: ((cfg, loss_fn, model_path,
-                                    seed), {"init_reference_model": init_reference_model}), num_cpus=num_cpus, num_gpus=num_gpus,
-                                    env_vars=lambda rank: {**env, **(rank_env(rank) if rank_env else {})},
-                                    name="policy")
+        self.group = RayWorkerGroup(
+            cluster,
+            _worker_class(),
+            nodes,
+            init_args=lambda rank: ((cfg, loss_fn, model_path, seed), {"init_reference_model": init_reference_model}),
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            env_vars=lambda rank: {**env, **(rank_env(rank) if rank_env else {})},
+            name="policy",
+        )
         self._layout_refs = self.group.run_all_workers_single_data("parallel_layout")  # queued behind __init__
         self.layouts: list[dict] = []
         if block:
@@ -175,8 +197,14 @@ class Policy:
             raise
         self.dp_rank_of = [layout["dp_rank"] for layout in self.layouts]
         # per-row results: the first (TP rank 0, PP rank 0) worker of each DP rank, in DP order
-        self._row_owners = [next(r for r, lay in enumerate(self.layouts) if lay["dp_rank"] == d and lay["tp_rank"] == 0
-                                 and lay["pp_rank"] == 0) for d in range(self.dp_size)]
+        self._row_owners = [
+            next(
+                r
+                for r, lay in enumerate(self.layouts)
+                if lay["dp_rank"] == d and lay["tp_rank"] == 0 and lay["pp_rank"] == 0
+            )
+            for d in range(self.dp_size)
+        ]
 
     @property
     def world_size(self) -> int:
@@ -184,8 +212,9 @@ class Policy:
         return self.group.world_size
 
     def _sharded(self, method: str, data: TrainDatumSpec, *args) -> list:
-        return self.group.get(self.group.run_all_workers_sharded_data(method, data, self.dp_rank_of, self.dp_size,
-                                                                      *args))
+        return self.group.get(
+            self.group.run_all_workers_sharded_data(method, data, self.dp_rank_of, self.dp_size, *args)
+        )
 
     def _all(self, method: str, *args, **kwargs) -> list:
         return self.group.get(self.group.run_all_workers_single_data(method, *args, **kwargs))

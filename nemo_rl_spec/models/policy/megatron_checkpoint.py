@@ -11,6 +11,7 @@ training step stays in the worker. They read the worker's state: ``module`` (the
 Exports cast once, on the sender, to the dtype asked (:func:`~nemo_rl_spec.utils.dtypes.cast_state`). Checkpoints
 hold the fp32 masters, so a resume is exact (docs/precision.md).
 """
+
 from __future__ import annotations
 
 import json
@@ -71,10 +72,15 @@ class WeightExportMixin:
             return self.draft.export(dtype) if self._is_rank_zero else {}
         if self.serves_mtp_drafter:
             weights = cast_state(self.mimo_mtp_weights(), dtype or "float32")
-            return {"weights": weights, "draft_version": self.step, "policy_version": self.weight_version} \
-                if self._is_rank_zero else {}
-        raise RuntimeError("export_draft_weights: no online draft (policy.draft.online is false) and no MTP drafter "
-                           "(speculative_config.method=mtp with policy.megatron_cfg.mtp_num_layers >= 1)")
+            return (
+                {"weights": weights, "draft_version": self.step, "policy_version": self.weight_version}
+                if self._is_rank_zero
+                else {}
+            )
+        raise RuntimeError(
+            "export_draft_weights: no online draft (policy.draft.online is false) and no MTP drafter "
+            "(speculative_config.method=mtp with policy.megatron_cfg.mtp_num_layers >= 1)"
+        )
 
     @property
     def serves_mtp_drafter(self) -> bool:
@@ -173,12 +179,16 @@ class WeightExportMixin:
         """
         file = self._checkpoint_file(path)
         if not os.path.exists(file):
-            raise FileNotFoundError(f"{file} missing: the checkpoint in {path} was not written with "
-                                    f"policy.megatron_cfg.tensor_model_parallel_size={self.layout.tp_size}")
+            raise FileNotFoundError(
+                f"{file} missing: the checkpoint in {path} was not written with "
+                f"policy.megatron_cfg.tensor_model_parallel_size={self.layout.tp_size}"
+            )
         state = torch.load(file, map_location="cpu", weights_only=False)
         if state["tp_size"] != self.layout.tp_size:
-            raise ValueError(f"checkpoint {path} has TP={state['tp_size']}; resume with "
-                             f"policy.megatron_cfg.tensor_model_parallel_size={state['tp_size']}")
+            raise ValueError(
+                f"checkpoint {path} has TP={state['tp_size']}; resume with "
+                f"policy.megatron_cfg.tensor_model_parallel_size={state['tp_size']}"
+            )
         mm.load_megatron_state(self.module, state["model"])
         load_named_adam_state(self.optimizer, self.module, state["adam"])
         if self.mtp_optimizer is not None and state.get("mtp_optimizer") is not None:

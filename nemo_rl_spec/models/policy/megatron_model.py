@@ -4,6 +4,7 @@ Local (non-Transformer-Engine) layer spec, every fusion off, rotary embeddings, 
 no biases, Qwen3's per-head q/k RMSNorm (``qk_layernorm``), tied embeddings ->
 ``share_embeddings_and_output_weights``. On CPU, :func:`~.cpu_compat.apply_cpu_compat` runs first.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,20 +61,31 @@ def initialize_distributed(tensor_parallel_size: int = 1, pipeline_parallel_size
             init_process_group_from_env()
         else:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                                 world_size=1, timeout=timedelta(minutes=30))
+            torch.distributed.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{_free_port()}",
+                rank=0,
+                world_size=1,
+                timeout=timedelta(minutes=30),
+            )
     world = torch.distributed.get_world_size()
     if world % (tensor_parallel_size * pipeline_parallel_size):
-        raise ValueError(f"policy.megatron_cfg.tensor_model_parallel_size={tensor_parallel_size} x "
-                         f"pipeline_model_parallel_size={pipeline_parallel_size} does not divide the {world} policy "
-                         "workers")
+        raise ValueError(
+            f"policy.megatron_cfg.tensor_model_parallel_size={tensor_parallel_size} x "
+            f"pipeline_model_parallel_size={pipeline_parallel_size} does not divide the {world} policy "
+            "workers"
+        )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
-    held = (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_pipeline_model_parallel_world_size())
+    held = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+    )
     if held != (tensor_parallel_size, pipeline_parallel_size):
-        raise ValueError(f"this process already runs megatron with TP x PP = {held}; cannot also build "
-                         f"{(tensor_parallel_size, pipeline_parallel_size)}")
+        raise ValueError(
+            f"this process already runs megatron with TP x PP = {held}; cannot also build "
+            f"{(tensor_parallel_size, pipeline_parallel_size)}"
+        )
 
 
 def _free_port() -> int:
@@ -104,8 +116,9 @@ MTP_PREFIX = "mtp."  # megatron-core names of the MTP block's parameters (``mtp.
 DECODER_PREFIX = "decoder."  # the transformer layers and final norm (not the embedding or output layer)
 
 
-def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_num_layers: int = 0,
-                       activation_checkpointing: bool = False) -> TransformerConfig:
+def transformer_config(
+    spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_num_layers: int = 0, activation_checkpointing: bool = False
+) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for ``spec``; dropout 0, all fusions off, CPU initialisation.
 
     ``mtp_num_layers`` > 0 adds megatron-core's multi-token-prediction block (``mtp_num_layers`` in the config,
@@ -116,8 +129,11 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_
     token / sequence counts, so Megatron DDP must SUM gradients over DP (gradient_scaling_factor 1) instead of
     averaging them.
     """
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if activation_checkpointing else {}
+    recompute = (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if activation_checkpointing
+        else {}
+    )
     return TransformerConfig(
         **recompute,
         calculate_per_token_loss=True,
@@ -152,8 +168,13 @@ def transformer_config(spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_
     )
 
 
-def build_gpt_model(spec: ModelSpec, dtype: torch.dtype = torch.float32, seed: int = 0,
-                    mtp_num_layers: int = 0, activation_checkpointing: bool = False) -> GPTModel:
+def build_gpt_model(
+    spec: ModelSpec,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    mtp_num_layers: int = 0,
+    activation_checkpointing: bool = False,
+) -> GPTModel:
     """A randomly initialised ``GPTModel`` with ``spec``'s architecture (distributed must be initialised).
 
     With ``mtp_num_layers`` > 0 the model carries megatron-core's ``MultiTokenPredictionBlock``
@@ -217,13 +238,16 @@ def import_hf_weights(model: torch.nn.Module, model_dir: str, spec: ModelSpec) -
     full = hf_to_megatron(load_hf_safetensors(model_dir), spec)
     full.update(mtp_init_from_trunk(megatron_param_state(model), full, spec.num_layers))
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    state = {name: tp_shard(name, full[name], rank, size) if name in full else local
-             for name, local in megatron_param_state(model).items()}
+    state = {
+        name: tp_shard(name, full[name], rank, size) if name in full else local
+        for name, local in megatron_param_state(model).items()
+    }
     load_megatron_state(model, state)
 
 
-def mtp_init_from_trunk(model_state: dict[str, torch.Tensor], trunk_state: dict[str, torch.Tensor],
-                        num_layers: int) -> dict[str, torch.Tensor]:
+def mtp_init_from_trunk(
+    model_state: dict[str, torch.Tensor], trunk_state: dict[str, torch.Tensor], num_layers: int
+) -> dict[str, torch.Tensor]:
     """Initial MTP tensors (megatron names, full size) copied from the full trunk tensors; MTP tensors without a
     trunk counterpart (``eh_proj``) are left out (they keep the model's values). Empty without an MTP block."""
     last = f"decoder.layers.{num_layers - 1}."
@@ -233,7 +257,7 @@ def mtp_init_from_trunk(model_state: dict[str, torch.Tensor], trunk_state: dict[
             continue
         _, _, k, rest = name.split(".", 3)  # mtp.layers.<k>.<rest>
         if rest.startswith("mtp_model_layer."):
-            source = last + rest[len("mtp_model_layer."):]
+            source = last + rest[len("mtp_model_layer.") :]
         elif rest.split(".")[0] in ("enorm", "hnorm", "final_layernorm"):
             source = "decoder.final_layernorm." + rest.split(".", 1)[1]
         else:
@@ -269,8 +293,9 @@ def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.
     return {name: t.to("cpu").clone(memory_format=torch.contiguous_format) for name, t in hf_state.items()}
 
 
-def build_from_hf(model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0,
-                  mtp_num_layers: int = 0) -> tuple[GPTModel, ModelSpec]:
+def build_from_hf(
+    model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0, mtp_num_layers: int = 0
+) -> tuple[GPTModel, ModelSpec]:
     """Initialise distributed if needed, build the GPTModel for ``model_path`` and load its HF weights."""
     spec = model_spec_from_hf_config(load_hf_config(model_path))
     initialize_distributed()
@@ -309,10 +334,16 @@ def gpt_trunk_forward(model: GPTModel, input_ids: torch.Tensor) -> TrunkOutput:
     """
     position_ids = _position_ids(input_ids)
     decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, seq_offset, _ = model._preprocess(
-        input_ids=input_ids, position_ids=position_ids)[:6]
-    hidden = model.decoder(hidden_states=decoder_input, attention_mask=None, rotary_pos_emb=rotary_pos_emb,
-                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                           sequence_len_offset=seq_offset)
+        input_ids=input_ids, position_ids=position_ids
+    )[:6]
+    hidden = model.decoder(
+        hidden_states=decoder_input,
+        attention_mask=None,
+        rotary_pos_emb=rotary_pos_emb,
+        rotary_pos_cos=rotary_pos_cos,
+        rotary_pos_sin=rotary_pos_sin,
+        sequence_len_offset=seq_offset,
+    )
     return TrunkOutput(hidden, position_ids, rotary_pos_emb)
 
 
@@ -329,14 +360,21 @@ def output_logits(model: GPTModel, hidden: torch.Tensor, weight: torch.Tensor | 
     return logits.transpose(0, 1).contiguous()
 
 
-def mtp_hidden_states(model: GPTModel, input_ids: torch.Tensor, trunk: TrunkOutput, hidden: torch.Tensor,
-                      embedding) -> list[torch.Tensor]:
+def mtp_hidden_states(
+    model: GPTModel, input_ids: torch.Tensor, trunk: TrunkOutput, hidden: torch.Tensor, embedding
+) -> list[torch.Tensor]:
     """Run megatron-core's MTP block on trunk output ``hidden`` [S, B, H]; one [S, B, H] tensor per MTP layer.
 
     Layer k (0-based) at position p sees tokens <= p + k + 1 and predicts token p + k + 2 (the main head at p
     predicts p + 1). ``embedding(input_ids=, position_ids=)`` is the callable the block embeds the shifted
     tokens with (the model's embedding, or a wrapper that detaches / rescales its gradient).
     """
-    out = model.mtp(input_ids=input_ids, position_ids=trunk.position_ids, hidden_states=hidden,
-                    attention_mask=None, rotary_pos_emb=trunk.rotary_pos_emb, embedding=embedding)
+    out = model.mtp(
+        input_ids=input_ids,
+        position_ids=trunk.position_ids,
+        hidden_states=hidden,
+        attention_mask=None,
+        rotary_pos_emb=trunk.rotary_pos_emb,
+        embedding=embedding,
+    )
     return list(torch.chunk(out, 1 + model.config.mtp_num_layers, dim=0))[1:]

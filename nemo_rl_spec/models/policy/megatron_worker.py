@@ -59,6 +59,7 @@ buffer, fp32 master weights and Adam state; log-probs, losses and the KL in fp32
 block's AdamW keeps its own fp32 masters (:mod:`~.mixed_precision`); the online EAGLE-3 head trains in fp32 on
 activations cast up.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -113,7 +114,8 @@ def _check_supported_layout(mcfg: MegatronConfig) -> None:
             f"policy.megatron_cfg.pipeline_model_parallel_size={mcfg.pipeline_model_parallel_size}: pipeline "
             "parallelism is not supported by this worker (its forward runs the trunk, the MTP block on detached trunk "
             "tensors, OCC's backward calls and the draft capture hooks in one process; PP would need megatron's "
-            "pipeline schedules with p2p stages). Use tensor_model_parallel_size and data parallelism instead")
+            "pipeline schedules with p2p stages). Use tensor_model_parallel_size and data parallelism instead"
+        )
 
 
 class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
@@ -131,8 +133,9 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
             TP x PP that does not divide the number of workers (each names its config key).
     """
 
-    def __init__(self, cfg: PolicyConfig, loss_fn: LossFn, model_path: str, seed: int,
-                 init_reference_model: bool = False):
+    def __init__(
+        self, cfg: PolicyConfig, loss_fn: LossFn, model_path: str, seed: int, init_reference_model: bool = False
+    ):
         mcfg = cfg.megatron_cfg
         torch.set_num_threads(mcfg.num_threads)
         apply_cpu_compat()
@@ -144,15 +147,19 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         _check_supported_layout(mcfg)
         mm.initialize_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size)
         self.layout = ParallelLayout.from_parallel_state()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")  # batches arrive as CPU tensors; each micro-batch moves here, results go back
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )  # batches arrive as CPU tensors; each micro-batch moves here, results go back
         self.dp_group, self.tp_group = parallel_state.get_data_parallel_group(), mm.tp_group()
         self.mtp_num_layers = mcfg.mtp_num_layers
         module = mm.build_gpt_model(self.spec, self.dtype, seed, self.mtp_num_layers, mcfg.activation_checkpointing)
         mm.import_hf_weights(module, model_path, self.spec)
         # NeMo-RL's reference policy: the initial weights (this rank's TP slice), kept on CPU and swapped in to score
-        self.reference_state = ({k: v.detach().to("cpu", copy=True) for k, v in mm.megatron_param_state(module).items()}
-                                if init_reference_model else None)
+        self.reference_state = (
+            {k: v.detach().to("cpu", copy=True) for k, v in mm.megatron_param_state(module).items()}
+            if init_reference_model
+            else None
+        )
         mtp_params = [p for n, p in module.named_parameters() if n.startswith(mm.MTP_PREFIX)]
         for p in mtp_params:  # keep them out of DDP's buffer and Megatron's optimizer (own AdamW: MTPCoTraining)
             p.requires_grad_(False)
@@ -161,8 +168,21 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         apply_cpu_compat()  # patch megatron modules imported lazily by DDP / optimizer construction
         self.scheduler = lr_scheduler(self.optimizer, mcfg)
         # the MTP/OCC co-training pass (mtp_cotraining.py), a plug-in the training step calls; None without MTP
-        self.mtp = MTPCoTraining(mcfg, module, mtp_params, self._current_lr(), loss_fn, self.optimizer.scale_loss,
-                                 self.train_temperature, self.tp_group, self.dp_group) if mtp_params else None
+        self.mtp = (
+            MTPCoTraining(
+                mcfg,
+                module,
+                mtp_params,
+                self._current_lr(),
+                loss_fn,
+                self.optimizer.scale_loss,
+                self.train_temperature,
+                self.tp_group,
+                self.dp_group,
+            )
+            if mtp_params
+            else None
+        )
         self.draft = self._online_draft(seed)
         self.step = 0
         self.weight_version = 0
@@ -200,8 +220,9 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
             return None
         # the schema requires speculative_config (method eagle3, num_speculative_tokens) with an online draft
         ttt = dcfg.ttt_steps or self.cfg.generation.speculative_config.num_speculative_tokens
-        head = build_draft_head(dcfg, mm.load_hf_config(self.model_path), self._full_embedding(),
-                                self._full_output_weight(), seed).to(self.device)
+        head = build_draft_head(
+            dcfg, mm.load_hf_config(self.model_path), self._full_embedding(), self._full_output_weight(), seed
+        ).to(self.device)
         return OnlineDraft(head, dcfg, int(ttt), self.train_temperature, sync=GroupSync(self.dp_group))
 
     @property
@@ -242,8 +263,9 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         if dyn is not None and dyn.enabled:
             budget = dyn.train_mb_tokens if phase == "train" else dyn.logprob_mb_tokens
             return token_budget_plan(lengths, budget, dyn.sequence_length_round, int(data["input_ids"].shape[1]))
-        return fixed_size_plan(lengths, self.cfg.train_micro_batch_size if phase == "train" else
-                               self.cfg.logprob_batch_size)
+        return fixed_size_plan(
+            lengths, self.cfg.train_micro_batch_size if phase == "train" else self.cfg.logprob_batch_size
+        )
 
     def _micro_batches(self, data: TrainDatumSpec, phase: str):
         """Yield (row indices, rows trimmed to the micro-batch's padded length, on the worker's device) per entry of
@@ -288,8 +310,10 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
             RuntimeError: the worker was built without ``init_reference_model``.
         """
         if self.reference_state is None:
-            raise RuntimeError("get_reference_policy_logprobs: the worker keeps no reference model (it is built with "
-                               "init_reference_model=True when loss_fn.reference_policy_kl_penalty > 0)")
+            raise RuntimeError(
+                "get_reference_policy_logprobs: the worker keeps no reference model (it is built with "
+                "init_reference_model=True when loss_fn.reference_policy_kl_penalty > 0)"
+            )
         with self._reference_weights():
             return self.get_logprobs(data, temperature)
 
@@ -338,11 +362,19 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         lr = self._current_lr()  # the lr this step used
         self.advance_scheduler()
         self.step += 1
-        local = {**(combine_metrics(per_mb_metrics) if per_mb_metrics else {}), "loss": sum(losses),
-                 "num_micro_batches": float(len(losses))}
-        return {**reduce_metrics(local, self.dp_group), **mtp_metrics, **draft_metrics,
-                "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
-                "lr": lr, "update_successful": float(update_ok)}
+        local = {
+            **(combine_metrics(per_mb_metrics) if per_mb_metrics else {}),
+            "loss": sum(losses),
+            "num_micro_batches": float(len(losses)),
+        }
+        return {
+            **reduce_metrics(local, self.dp_group),
+            **mtp_metrics,
+            **draft_metrics,
+            "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+            "lr": lr,
+            "update_successful": float(update_ok),
+        }
 
     def advance_scheduler(self, steps: int = 1) -> None:
         """Move the lr schedule ``steps`` optimizer steps on; the MTP AdamW follows the trunk's lr."""
@@ -356,8 +388,9 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         capture = self.draft.capture(self.model) if self.draft is not None else contextlib.nullcontext()
         with capture as cap:
             logits = mm.gpt_logits(self.model, mb["input_ids"])
-        curr_logprobs = token_logprobs(logits, mb["input_ids"], mb["input_lengths"], self.train_temperature,
-                                       self.tp_group)
+        curr_logprobs = token_logprobs(
+            logits, mb["input_ids"], mb["input_lengths"], self.train_temperature, self.tp_group
+        )
         loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
         self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
         if self.draft is not None:

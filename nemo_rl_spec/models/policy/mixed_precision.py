@@ -7,6 +7,7 @@ so :class:`MasterWeightAdamW` gives it the same semantics: gradients accumulated
 post-accumulate hook adds each bf16 ``.grad`` into it and frees the bf16 one), AdamW on fp32 masters, the updated
 masters cast into the bf16 parameters. With fp32 parameters it is exactly ``torch.optim.AdamW`` on them.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -84,8 +85,10 @@ class MasterWeightAdamW:
 
     def state_dict(self) -> dict:
         """The AdamW state and the fp32 masters of the half-precision parameters (by position)."""
-        return {"optimizer": self.optimizer.state_dict(),
-                "masters": [m.detach().clone() if m is not p else None for p, m in zip(self.params, self.masters)]}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [m.detach().clone() if m is not p else None for p, m in zip(self.params, self.masters)],
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:

@@ -12,6 +12,7 @@ sees them (needed for detach to leave the trunk bitwise unchanged); their gradie
 lambda is computed per micro-batch, so DP=N equals DP=1 when the shard boundaries fall on micro-batch boundaries
 (otherwise the micro-batches, and so the lambdas, differ, as with another micro-batch size).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -44,18 +45,29 @@ class MTPCoTraining:
         tp_group, dp_group: the tensor- and data-parallel process groups.
     """
 
-    def __init__(self, mcfg: MegatronConfig, module: torch.nn.Module, params: list[torch.nn.Parameter], lr: float,
-                 loss_fn: LossFn, scale_loss: Callable[[torch.Tensor], torch.Tensor], temperature: float,
-                 tp_group, dp_group):
+    def __init__(
+        self,
+        mcfg: MegatronConfig,
+        module: torch.nn.Module,
+        params: list[torch.nn.Parameter],
+        lr: float,
+        loss_fn: LossFn,
+        scale_loss: Callable[[torch.Tensor], torch.Tensor],
+        temperature: float,
+        tp_group,
+        dp_group,
+    ):
         for p in params:
             p.requires_grad_(True)
         opt = mcfg.optimizer
-        self.optimizer = MasterWeightAdamW(params, lr=lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
-                                           weight_decay=opt.weight_decay)
+        self.optimizer = MasterWeightAdamW(
+            params, lr=lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps, weight_decay=opt.weight_decay
+        )
         self.clip_grad = opt.clip_grad
         self.num_layers = mcfg.mtp_num_layers
-        self.coef = MTPCoefficient(mcfg.mtp_loss_mode, mcfg.mtp_loss_scaling_factor, mcfg.mtp_occ_eps,
-                                   mcfg.mtp_occ_lambda_max)
+        self.coef = MTPCoefficient(
+            mcfg.mtp_loss_mode, mcfg.mtp_loss_scaling_factor, mcfg.mtp_occ_eps, mcfg.mtp_occ_lambda_max
+        )
         self.occ_reference = mcfg.mtp_occ_reference
         self.occ_proxy = mcfg.mtp_occ_proxy
         self.module, self.loss_fn, self.scale_loss = module, loss_fn, scale_loss
@@ -116,8 +128,9 @@ class MTPCoTraining:
         trunk_grads = [c.grad for c in copies] if per_head is None else per_head
         coef = lambda: stats["lam"] if per_head is None else 1.0  # noqa: E731  (per_head is already weighted)
         if self.occ_reference:
-            stats.update(self._occ_reference(rl_loss, [h, weight, *(o for o, _ in emb_pairs)],
-                                             [c.grad for c in copies]))
+            stats.update(
+                self._occ_reference(rl_loss, [h, weight, *(o for o, _ in emb_pairs)], [c.grad for c in copies])
+            )
 
         valid = (torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < mb["input_lengths"].unsqueeze(1)).float()
         valid = (valid * mb["sample_mask"].float().unsqueeze(1)).t()  # [S, B] like h
@@ -149,11 +162,16 @@ class MTPCoTraining:
         if self.coef.mode != "occ" or self.occ_proxy != "logprob_delta":
             return None
         coef, prev = self.coef, mb["prev_logprobs"]
-        return [logprob_delta_lambda(lp, curr.detach(), prev, valid, coef.scaling_factor, len(heads), coef.eps,
-                                     coef.lambda_max) for lp, valid in tensors]
+        return [
+            logprob_delta_lambda(
+                lp, curr.detach(), prev, valid, coef.scaling_factor, len(heads), coef.eps, coef.lambda_max
+            )
+            for lp, valid in tensors
+        ]
 
-    def _per_head_trunk_grads(self, heads: list[dict], head_lams: list[float] | None,
-                              copies: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+    def _per_head_trunk_grads(
+        self, heads: list[dict], head_lams: list[float] | None, copies: list[torch.Tensor]
+    ) -> list[torch.Tensor | None] | None:
         """``d(sum_k lambda_k * L_k) / d copies`` (L_k head k's loss, un-averaged) when the heads' lambdas differ, else
         None (then ``sum_k lambda_k`` times the head-averaged gradient is the same thing). One extra backward through
         the MTP block; pops the heads' loss tensors."""
@@ -163,8 +181,9 @@ class MTPCoTraining:
         weighted = self.scale_loss(sum(lam * loss for lam, loss in zip(head_lams, losses)))
         return list(torch.autograd.grad(weighted, copies, retain_graph=True, allow_unused=True))
 
-    def _occ_reference(self, rl_loss: torch.Tensor, shared_outputs: list[torch.Tensor],
-                       mtp_grads: list[torch.Tensor | None]) -> dict[str, float]:
+    def _occ_reference(
+        self, rl_loss: torch.Tensor, shared_outputs: list[torch.Tensor], mtp_grads: list[torch.Tensor | None]
+    ) -> dict[str, float]:
         """The quantities the OCC proxies estimate, from full parameter gradients (``mtp_occ_reference``).
 
         ``g_RL = dL_RL/dtheta`` and ``g_MTP = dL_MTP/dtheta`` over every shared (non-MTP) parameter theta, the MTP
@@ -179,11 +198,14 @@ class MTPCoTraining:
         ``torch.autograd.grad`` returns the gradients without accumulating them, so training is unchanged
         (bitwise); the cost is two extra trunk backwards per micro-batch.
         """
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad and not n.startswith(mm.MTP_PREFIX)]
+        named = [
+            (n, p) for n, p in self.module.named_parameters() if p.requires_grad and not n.startswith(mm.MTP_PREFIX)
+        ]
         shared = [p for _, p in named]
         pairs = [(o, g) for o, g in zip(shared_outputs, mtp_grads) if g is not None]
-        g_mtp = torch.autograd.grad([o for o, _ in pairs], shared, [g for _, g in pairs], retain_graph=True,
-                                    allow_unused=True)
+        g_mtp = torch.autograd.grad(
+            [o for o, _ in pairs], shared, [g for _, g in pairs], retain_graph=True, allow_unused=True
+        )
         g_rl = torch.autograd.grad(rl_loss, shared, retain_graph=True, allow_unused=True)
         sums = torch.zeros(2, 4, dtype=torch.float64)  # [replicated, tensor-parallel] x [c, v2, c_dec, v2_dec]
         for (name, param), gr, gm in zip(named, g_rl, g_mtp):
@@ -199,8 +221,13 @@ class MTPCoTraining:
                 row[2:] += torch.tensor([dot, sq], dtype=torch.float64)
         c, v2, c_dec, v2_dec = (sums[0] + all_reduce_sum(sums[1], self.tp_group)).tolist()
         coef = self.coef
-        return {"c_ref": c, "v2_ref": v2, "c_ref_decoder": c_dec, "v2_ref_decoder": v2_dec,
-                "lam_ref": occ_lambda(c, v2, coef.scaling_factor, coef.eps, coef.lambda_max)}
+        return {
+            "c_ref": c,
+            "v2_ref": v2,
+            "c_ref_decoder": c_dec,
+            "v2_ref_decoder": v2_dec,
+            "lam_ref": occ_lambda(c, v2, coef.scaling_factor, coef.eps, coef.lambda_max),
+        }
 
     def _losses(self, mb, trunk, h_copy, w_copy, embed_copy, main_logits, global_seqs, global_mtp):
         """MTP loss of the mode (heads averaged) and per-head stats (loss, CE, acceptance counts)."""
@@ -218,8 +245,17 @@ class MTPCoTraining:
                 head_loss = ce
             total = total + head_loss / k_heads
             agree, count = ml.mtp_acceptance_counts(logits.detach(), main_logits.detach(), valid, k, self.tp_group)
-            stats["heads"].append({"loss": float(head_loss.detach()), "ce": float(ce.detach()), "agree": agree,
-                                   "count": count, "loss_t": head_loss, "lp": lp.detach(), "valid": valid})
+            stats["heads"].append(
+                {
+                    "loss": float(head_loss.detach()),
+                    "ce": float(ce.detach()),
+                    "agree": agree,
+                    "count": count,
+                    "loss_t": head_loss,
+                    "lp": lp.detach(),
+                    "valid": valid,
+                }
+            )
         return total, stats
 
     _REFERENCE_KEYS = ("c_ref", "v2_ref", "c_ref_decoder", "v2_ref_decoder")
@@ -227,10 +263,13 @@ class MTPCoTraining:
     def _sums(self, mtp_stats: list[dict]) -> dict[str, float]:
         """This rank's sums over its micro-batches of everything the ``mtp/*`` metrics are built from (a fixed key
         set, also for a rank without rows, so the sums can be all-reduced over DP)."""
-        sums = {"lam_toks": sum(s["lam"] * s["num_valid_tokens"] for s in mtp_stats),
-                "toks": sum(s["num_valid_tokens"] for s in mtp_stats),
-                "c_hat": sum(s["c_hat"] for s in mtp_stats), "v2_hat": sum(s["v2_hat"] for s in mtp_stats),
-                "delta_abs_sum": sum(s["delta_abs_sum"] for s in mtp_stats)}
+        sums = {
+            "lam_toks": sum(s["lam"] * s["num_valid_tokens"] for s in mtp_stats),
+            "toks": sum(s["num_valid_tokens"] for s in mtp_stats),
+            "c_hat": sum(s["c_hat"] for s in mtp_stats),
+            "v2_hat": sum(s["v2_hat"] for s in mtp_stats),
+            "delta_abs_sum": sum(s["delta_abs_sum"] for s in mtp_stats),
+        }
         if self.occ_proxy == "logprob_delta":  # the hidden-state rule on the same micro-batches, not applied
             sums["lam_hidden_grad_toks"] = sum(s["lam_hidden_grad"] * s["num_valid_tokens"] for s in mtp_stats)
         if self.occ_reference:
@@ -254,15 +293,21 @@ class MTPCoTraining:
         = agreeing / valid targets, ``mtp/acceptance`` over all heads; ``mtp/delta_abs_mean``; ``mtp/grad_norm``.
         """
         local = self._sums(mtp_stats)
-        total = dict(zip(local, all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64),
-                                               self.dp_group).tolist()))
+        total = dict(
+            zip(local, all_reduce_sum(torch.tensor(list(local.values()), dtype=torch.float64), self.dp_group).tolist())
+        )
         masters = self.optimizer.stage_grads()  # fp32 gradients (main_grad of bf16 parameters)
         all_reduce_grads(masters, self.dp_group)
         mtp_grad_norm = clip_grads_(masters, self.clip_grad, self.tp_group)
         self.optimizer.step()
         toks = max(total["toks"], 1.0)
-        out = {"mtp/lambda": total["lam_toks"] / toks, "mtp/c_hat": total["c_hat"], "mtp/v2_hat": total["v2_hat"],
-               "mtp/grad_norm": float(mtp_grad_norm), "mtp/delta_abs_mean": total["delta_abs_sum"] / toks}
+        out = {
+            "mtp/lambda": total["lam_toks"] / toks,
+            "mtp/c_hat": total["c_hat"],
+            "mtp/v2_hat": total["v2_hat"],
+            "mtp/grad_norm": float(mtp_grad_norm),
+            "mtp/delta_abs_mean": total["delta_abs_sum"] / toks,
+        }
         if self.occ_proxy == "logprob_delta":
             out["mtp/lambda_hidden_grad"] = total["lam_hidden_grad_toks"] / toks
         if self.occ_reference:

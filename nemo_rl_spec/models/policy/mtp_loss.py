@@ -7,6 +7,7 @@ main head's log-probs: ``out[b, s]`` belongs to target token ``input_ids[b, s]``
 With tensor parallelism the logits are vocabulary shards ``[..., V/T]``: pass the TP group as ``tp_group`` (see
 :mod:`~nemo_rl_spec.models.policy.vocab_parallel`); ``None`` means the whole vocabulary is local.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,15 +21,16 @@ def mtp_offset(head: int) -> int:
     return head + 2
 
 
-def mtp_token_logprobs(mtp_logits: torch.Tensor, input_ids: torch.Tensor, head: int,
-                       temperature: float = 1.0, tp_group=None) -> torch.Tensor:
+def mtp_token_logprobs(
+    mtp_logits: torch.Tensor, input_ids: torch.Tensor, head: int, temperature: float = 1.0, tp_group=None
+) -> torch.Tensor:
     """``out[b, s] = log_softmax(mtp_logits[b, s - head - 2] / temperature)[input_ids[b, s]]`` for
     s >= head + 2, else 0. Padding is not masked here (use :func:`mtp_valid_mask`).
 
     Shape: mtp_logits [B, S, V] (or [B, S, V/T] with ``tp_group``), input_ids [B, S] -> [B, S] float32.
     """
     off = mtp_offset(head)
-    target = target_logprobs(mtp_logits[:, : -off], input_ids[:, off:], temperature, tp_group)
+    target = target_logprobs(mtp_logits[:, :-off], input_ids[:, off:], temperature, tp_group)
     return torch.nn.functional.pad(target, (off, 0))
 
 
@@ -50,8 +52,9 @@ def mtp_ce_loss(mtp_logprobs: torch.Tensor, valid: torch.Tensor, global_valid: t
 
 
 @torch.no_grad()
-def mtp_acceptance_counts(mtp_logits: torch.Tensor, main_logits: torch.Tensor, valid: torch.Tensor,
-                          head: int, tp_group=None) -> tuple[float, float]:
+def mtp_acceptance_counts(
+    mtp_logits: torch.Tensor, main_logits: torch.Tensor, valid: torch.Tensor, head: int, tp_group=None
+) -> tuple[float, float]:
     """Top-1 agreement of MTP head ``head`` with the main head on the same target token.
 
     For target s (valid[b, s] = 1) the MTP head predicts from position s - head - 2 and the main head from
@@ -62,7 +65,7 @@ def mtp_acceptance_counts(mtp_logits: torch.Tensor, main_logits: torch.Tensor, v
     targets, valid targets).
     """
     off = mtp_offset(head)
-    mtp_top = vocab_argmax(mtp_logits[:, : -off], tp_group)
+    mtp_top = vocab_argmax(mtp_logits[:, :-off], tp_group)
     main_top = vocab_argmax(main_logits[:, off - 1 : -1], tp_group)
     mask = valid[:, off:] > 0
     return float(((mtp_top == main_top) & mask).sum()), float(mask.sum())

@@ -35,6 +35,7 @@ The paper's own proxy, from observed log-prob changes (``policy.megatron_cfg.mtp
 :func:`logprob_delta_lambda`; it is 0 on the first mini-batch of a step and needs several optimizer mini-batches
 per GRPO step (``policy.train_global_batch_size`` below the step's rows) to be anything else.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,9 @@ MODES = ("detach", "ce", "policy", "occ")
 PROXIES = ("hidden_grad", "logprob_delta")  # ``policy.megatron_cfg.mtp_occ_proxy`` (docs/occ.md section 3a)
 
 
-def occ_proxies(rl_hidden_grad: torch.Tensor, mtp_hidden_grad: torch.Tensor,
-                valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def occ_proxies(
+    rl_hidden_grad: torch.Tensor, mtp_hidden_grad: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Alignment and magnitude proxies from hidden-state gradients over valid positions.
 
     ``c_hat = sum_{p valid} <rl_hidden_grad[p], mtp_hidden_grad[p]>``, ``v2_hat = sum_{p valid} ||mtp_hidden_grad[p]||^2``
@@ -59,30 +61,39 @@ def occ_proxies(rl_hidden_grad: torch.Tensor, mtp_hidden_grad: torch.Tensor,
         ValueError: shapes disagree.
     """
     if rl_hidden_grad.shape != mtp_hidden_grad.shape or rl_hidden_grad.shape[:-1] != valid.shape:
-        raise ValueError(f"shapes {tuple(rl_hidden_grad.shape)}, {tuple(mtp_hidden_grad.shape)}, valid "
-                         f"{tuple(valid.shape)} disagree")
+        raise ValueError(
+            f"shapes {tuple(rl_hidden_grad.shape)}, {tuple(mtp_hidden_grad.shape)}, valid {tuple(valid.shape)} disagree"
+        )
     weight = valid.to(torch.float64).unsqueeze(-1)
     rl, mtp = rl_hidden_grad.to(torch.float64) * weight, mtp_hidden_grad.to(torch.float64) * weight
     return (rl * mtp).sum(), (mtp * mtp).sum()
 
 
-def occ_lambda(c_hat: float, v2_hat: float, lambda_plus: float, eps: float,
-               lambda_max: float | None = None) -> float:
+def occ_lambda(c_hat: float, v2_hat: float, lambda_plus: float, eps: float, lambda_max: float | None = None) -> float:
     """``lambda_t = lambda_plus * max(c_hat, 0) / (v2_hat + eps)``, then ``min(., lambda_max)`` when given.
 
     Raises:
         ValueError: lambda_plus < 0, eps <= 0, v2_hat < 0 or lambda_max < 0.
     """
     if lambda_plus < 0 or eps <= 0 or v2_hat < 0 or (lambda_max is not None and lambda_max < 0):
-        raise ValueError(f"need lambda_plus >= 0, eps > 0, v2_hat >= 0, lambda_max >= 0; got {lambda_plus}, {eps}, "
-                         f"{v2_hat}, {lambda_max}")
+        raise ValueError(
+            f"need lambda_plus >= 0, eps > 0, v2_hat >= 0, lambda_max >= 0; got {lambda_plus}, {eps}, "
+            f"{v2_hat}, {lambda_max}"
+        )
     lam = lambda_plus * max(float(c_hat), 0.0) / (float(v2_hat) + eps)
     return lam if lambda_max is None else min(lam, lambda_max)
 
 
-def logprob_delta_lambda(mtp_logprobs: torch.Tensor, logprobs: torch.Tensor, prev_logprobs: torch.Tensor,
-                         valid: torch.Tensor, lambda_plus: float, num_heads: int, eps: float,
-                         lambda_max: float | None = None) -> float:
+def logprob_delta_lambda(
+    mtp_logprobs: torch.Tensor,
+    logprobs: torch.Tensor,
+    prev_logprobs: torch.Tensor,
+    valid: torch.Tensor,
+    lambda_plus: float,
+    num_heads: int,
+    eps: float,
+    lambda_max: float | None = None,
+) -> float:
     """The paper's published OCC proxy for MTP head k (RL-MTP reference implementation; docs/occ.md section 3a).
 
     With ``d_mtp = mtp_logprobs - prev_logprobs`` and ``d = logprobs - prev_logprobs`` (all log-probs of the same
@@ -105,11 +116,15 @@ def logprob_delta_lambda(mtp_logprobs: torch.Tensor, logprobs: torch.Tensor, pre
         ValueError: shapes disagree, lambda_plus < 0, num_heads < 1, eps <= 0 or lambda_max < 0.
     """
     if not mtp_logprobs.shape == logprobs.shape == prev_logprobs.shape == valid.shape:
-        raise ValueError(f"shapes {tuple(mtp_logprobs.shape)}, {tuple(logprobs.shape)}, {tuple(prev_logprobs.shape)}, "
-                         f"valid {tuple(valid.shape)} disagree")
+        raise ValueError(
+            f"shapes {tuple(mtp_logprobs.shape)}, {tuple(logprobs.shape)}, {tuple(prev_logprobs.shape)}, "
+            f"valid {tuple(valid.shape)} disagree"
+        )
     if lambda_plus < 0 or num_heads < 1 or eps <= 0 or (lambda_max is not None and lambda_max < 0):
-        raise ValueError(f"need lambda_plus >= 0, num_heads >= 1, eps > 0, lambda_max >= 0; got {lambda_plus}, "
-                         f"{num_heads}, {eps}, {lambda_max}")
+        raise ValueError(
+            f"need lambda_plus >= 0, num_heads >= 1, eps > 0, lambda_max >= 0; got {lambda_plus}, "
+            f"{num_heads}, {eps}, {lambda_max}"
+        )
     weight = valid.to(torch.float64)
     count = float(weight.sum())
     if count == 0.0:

@@ -16,6 +16,7 @@ slice; distributed shards put together by an all-reduce over DP: each rank contr
 so a checkpoint written with one DP size (and either optimizer kind) loads with another (:func:`load_named_adam_state`).
 Hyper-parameters are not stored: they come from the recipe (the learning rate is constant).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,11 +51,15 @@ def _pairs(part) -> list[tuple[list, list]]:
     """(model parameter group, tensors the torch optimizer steps for them) pairs of one optimizer part: fp32
     parameters step themselves (or their DP shard), half-precision ones step fp32 master copies (or shards of them)."""
     if _is_distributed(part):
-        return [*zip(part.model_fp32_groups, part.shard_fp32_groups),
-                *zip(part.model_float16_groups, part.shard_fp32_from_float16_groups)]
+        return [
+            *zip(part.model_fp32_groups, part.shard_fp32_groups),
+            *zip(part.model_float16_groups, part.shard_fp32_from_float16_groups),
+        ]
     if hasattr(part, "float16_groups"):  # Float16OptimizerWithFloat16Params (bf16 / fp16 model parameters)
-        return [*zip(part.float16_groups, part.fp32_from_float16_groups),
-                *((group, group) for group in part.fp32_from_fp32_groups)]
+        return [
+            *zip(part.float16_groups, part.fp32_from_float16_groups),
+            *((group, group) for group in part.fp32_from_fp32_groups),
+        ]
     return [(group["params"], group["params"]) for group in part.optimizer.param_groups]
 
 
@@ -64,8 +69,15 @@ def _slots(optimizer) -> list[_Slot]:
         for model_group, stepped_group in _pairs(part):
             for param, stepped in zip(model_group, stepped_group):
                 rng = part._get_model_param_range_map(param)["param"] if _is_distributed(part) else None
-                slots.append(_Slot(part.optimizer, stepped, param, 0 if rng is None else rng.start,
-                                   param.numel() if rng is None else rng.end))
+                slots.append(
+                    _Slot(
+                        part.optimizer,
+                        stepped,
+                        param,
+                        0 if rng is None else rng.start,
+                        param.numel() if rng is None else rng.end,
+                    )
+                )
     return slots
 
 
@@ -93,16 +105,18 @@ def named_adam_state(optimizer, module: torch.nn.Module, dp_group) -> dict[str, 
         step = torch.zeros(1, dtype=torch.float64, device=param.device)
         if state:
             for i, key in enumerate(STATE_KEYS):
-                moments[i, slot.start: slot.stop] = state[key].reshape(-1).float()
+                moments[i, slot.start : slot.stop] = state[key].reshape(-1).float()
             if len(keys) > len(STATE_KEYS):
-                moments[-1, slot.start: slot.stop] = slot.key.detach().reshape(-1).float()
+                moments[-1, slot.start : slot.stop] = slot.key.detach().reshape(-1).float()
             step[0] = float(state["step"])
         if distributed and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(moments, group=dp_group)
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=dp_group)
         if step[0] > 0:
-            out[name] = {**{k: moments[i].view_as(param).to("cpu", copy=True) for i, k in enumerate(keys)},
-                         "step": torch.tensor(float(step[0]))}
+            out[name] = {
+                **{k: moments[i].view_as(param).to("cpu", copy=True) for i, k in enumerate(keys)},
+                "step": torch.tensor(float(step[0])),
+            }
     return out
 
 
@@ -123,16 +137,23 @@ def load_named_adam_state(optimizer, module: torch.nn.Module, state: dict[str, d
     for slot in _slots(optimizer):
         entry = state.get(names[id(slot.param)])
         if entry is not None and entry["exp_avg"].shape != slot.param.shape:
-            raise ValueError(f"{names[id(slot.param)]}: optimizer state shape {tuple(entry['exp_avg'].shape)} != "
-                             f"parameter {tuple(slot.param.shape)}")
+            raise ValueError(
+                f"{names[id(slot.param)]}: optimizer state shape {tuple(entry['exp_avg'].shape)} != "
+                f"parameter {tuple(slot.param.shape)}"
+            )
         if slot.key is not slot.param:  # mixed precision: the fp32 master (saved, else from the loaded parameter)
             master = entry["master"] if entry is not None and "master" in entry else slot.param.detach()
-            slot.key.copy_(master.reshape(-1)[slot.start: slot.stop].view_as(slot.key))
+            slot.key.copy_(master.reshape(-1)[slot.start : slot.stop].view_as(slot.key))
         if entry is None:
             slot.torch_optimizer.state.pop(slot.key, None)
             continue
         slot.torch_optimizer.state[slot.key] = {
             "step": entry["step"].clone(),
-            **{k: entry[k].reshape(-1)[slot.start: slot.stop].view_as(slot.key).to(slot.key.device, slot.key.dtype,
-                                                                                    copy=True)
-               for k in STATE_KEYS}}
+            **{
+                k: entry[k]
+                .reshape(-1)[slot.start : slot.stop]
+                .view_as(slot.key)
+                .to(slot.key.device, slot.key.dtype, copy=True)
+                for k in STATE_KEYS
+            },
+        }

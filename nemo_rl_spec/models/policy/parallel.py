@@ -11,6 +11,7 @@ ranks whose data shard is empty):
   combine by max, all others by sum, over micro-batches and then over DP ranks (:func:`combine_metrics`);
 - results are identical on every rank (all-reduce / all-gather, then the same arithmetic in rank order).
 """
+
 from __future__ import annotations
 
 import math
@@ -44,10 +45,16 @@ class ParallelLayout:
         """Read megatron ``parallel_state`` (initialised)."""
         from megatron.core import parallel_state as ps  # lazy: megatron-core is slow to import
 
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                   dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-                   tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-                   pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size())
+        return cls(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+        )
 
     @staticmethod
     def of_rank(rank: int, tp_size: int, pp_size: int, world_size: int) -> dict[str, int]:
@@ -106,7 +113,7 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter], group) -> None:
     dist.all_reduce(flat, group=group)
     offset = 0
     for p in params:
-        p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+        p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
         offset += p.numel()
 
 

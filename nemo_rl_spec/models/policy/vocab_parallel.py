@@ -15,6 +15,7 @@ The backward needs no communication: ``d log p / d logits_local = onehot_local(t
 ``group=None`` (or a group of size 1) takes the single-device path ``log_softmax(x).gather(target)`` (the very ops
 of the unsharded reference, so TP=1 stays bitwise what it was).
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
         return grad * grad_out.unsqueeze(-1), None, None
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                    group=None) -> torch.Tensor:
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, group=None) -> torch.Tensor:
     """``log_softmax(logits / temperature)[targets]`` over the full vocabulary, differentiable w.r.t. ``logits``.
 
     Args:
@@ -99,8 +99,9 @@ def gather_vocab(logits: torch.Tensor, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, input_lengths: torch.Tensor,
-                   temperature: float = 1.0, tp_group=None) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, input_lengths: torch.Tensor, temperature: float = 1.0, tp_group=None
+) -> torch.Tensor:
     """Log-prob of each token given its prefix, aligned with ``input_ids``.
 
     ``out[b, s] = log_softmax(logits[b, s-1] / temperature)[input_ids[b, s]]`` for 1 <= s < input_lengths[b],
