@@ -675,6 +675,16 @@ def format_k0_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_result(res: dict[str, Any], out: str, table: str) -> int:
+    """Write ``res`` as JSON to ``out`` (parents created), print ``table`` and the path; returns exit code 0."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1, default=float) + "\n")
+    print(table)
+    print(f"wrote {path} ({res['bench_seconds']:.0f} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from nemo_rl_spec.utils.config import ConfigError, load_config
 
@@ -763,12 +773,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1, default=float) + "\n")
-        print(format_k0_table(res))
-        print(f"wrote {out} ({res['bench_seconds']:.0f} s)")
-        return 0
+        return write_result(res, args.out, format_k0_table(res))
     res = checks.run_isolated(run_bench, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
     res["meta"] = {
         "command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -804,12 +809,7 @@ def main(argv: list[str] | None = None) -> int:
                 "acceptance_vs_steps",
             )
         }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1, default=float) + "\n")
-    print(format_table(res))
-    print(f"wrote {out} ({res['bench_seconds']:.0f} s)")
-    return 0
+    return write_result(res, args.out, format_table(res))
 
 
 if __name__ == "__main__":
