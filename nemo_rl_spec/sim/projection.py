@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_spec.sim.formulas import expected_tokens_per_pass
 from nemo_rl_spec.sim.generation import ar_pass_cost, spec_pass_cost
 from nemo_rl_spec.sim.interfaces import ModelSpec
 from nemo_rl_spec.sim.presets import MODELS, eagle3_draft, resolve_profile
@@ -128,31 +129,21 @@ def project_bench(
         for r in rows:
             ratio = spec[int(r["k"])][int(r["batch"])] / ar[int(r["batch"])]
             r[f"r_{hw}"], r[f"speedup_{hw}"] = ratio, float(r["acceptance_length"]) / ratio
-        out["sweep"][hw] = (
-            [
-                {
-                    "k": k,
-                    "batch": b,
-                    "r": spec[k][b] / ar[b],
-                    "speedup": _expected_tokens(accept.get(k), k) / (spec[k][b] / ar[b]),
-                }
-                for k in ks
-                for b in sweep_batches
-            ]
-            if accept
-            else []
-        )
+        out["sweep"][hw] = [
+            {
+                "k": k,
+                "batch": b,
+                "r": spec[k][b] / ar[b],
+                "speedup": expected_tokens_per_pass(accept[k], k) / (spec[k][b] / ar[b]),
+            }
+            for k in ks
+            if k in accept
+            for b in sweep_batches
+        ]
         if accept:
             out["schedule"][hw] = derive_schedule(ar, spec, accept, max_batch_size=max(batches))
     out["rows"] = rows
     return out
-
-
-def _expected_tokens(a: float | None, k: int) -> float:
-    """E_k(a) = (1 - a^(k+1)) / (1 - a): tokens per pass at per-token acceptance a (Leviathan et al., 2023)."""
-    if a is None:
-        return float("nan")
-    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 def format_projection(result: Mapping[str, Any]) -> str:

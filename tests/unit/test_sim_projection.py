@@ -9,7 +9,7 @@ import pytest
 
 from nemo_rl_spec.sim.interfaces import ScenarioSpec
 from nemo_rl_spec.sim.presets import MODELS, eagle3_draft
-from nemo_rl_spec.sim.projection import GPU_BYTES, _expected_tokens, main, project_bench
+from nemo_rl_spec.sim.projection import GPU_BYTES, main, project_bench
 from nemo_rl_spec.sim.sweeps import pass_speedup_vs_batch
 
 CONTEXT_PROMPT, MAX_NEW = 45.0, 80
@@ -32,12 +32,6 @@ def bench(acceptance: dict[int, float] | None = None) -> dict:
         "rows": rows,
         "step_costs": {"acceptance_rate": {str(k): a for k, a in (acceptance or {1: 0.7, 3: 0.6}).items()}},
     }
-
-
-def test_expected_tokens_hand_worked():
-    assert _expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert _expected_tokens(1.0, 3) == 4.0
-    assert _expected_tokens(0.0, 5) == 1.0
 
 
 @pytest.mark.parametrize("hw", ["h100", "gb200"])
