@@ -170,6 +170,7 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
     "grpo.pilot_commit": "rollout_budget_per_step=8 leaves no commit slot",
     "grpo.pilot_commit.rollout_budget_per_step": "rollout_budget_per_step=2 leaves no commit slot",
     "grpo.pilot_commit.bind_pilot_to_commit": "rollout_budget_per_step=8 leaves no commit slot",
+    "grpo.pilot_commit.fill_commit_budget": "rollout_budget_per_step=8 leaves no commit slot",
     "grpo.async_grpo.enabled": "set loss_fn.use_importance_sampling_correction=true",
     "loss_fn.sequence_level_importance_ratios": "(GSPO) needs loss_fn.token_level_loss=false",
     "policy.megatron_cfg.scheduler.start_weight_decay": "start_weight_decay=2.0 / end_weight_decay=0.0 must satisfy",

@@ -68,9 +68,6 @@ def compute_grpo_advantages(
     if rewards.numel() % group_size != 0:
         raise ValueError(f"len(rewards)={rewards.numel()} is not a multiple of group_size={group_size}")
     group_ids = torch.arange(rewards.numel(), device=rewards.device) // group_size
-    if valid is not None:
-        invalid = ~valid.to(torch.bool)
-        group_ids[invalid] = rewards.numel() + torch.nonzero(invalid).flatten()
     return compute_grpo_advantages_by_group(
         rewards,
         group_ids,
@@ -79,6 +76,7 @@ def compute_grpo_advantages(
         eps=eps,
         zero_spread_rtol=zero_spread_rtol,
         zero_spread_atol=zero_spread_atol,
+        valid=valid,
     )
 
 
@@ -90,11 +88,13 @@ def compute_grpo_advantages_by_group(
     eps: float = 1e-6,
     zero_spread_rtol: float = 1e-5,
     zero_spread_atol: float = 1e-6,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO advantages for arbitrary (unequal, non-contiguous) groups given by an id per response.
 
-    Shape: rewards [N], group_ids [N] (any integers; equal id = same prompt) -> advantages [N].
-    Formulas and the zero-spread rule are in the module docstring.
+    Shape: rewards [N], group_ids [N] (any integers; equal id = same prompt), valid [N] bool or None ->
+    advantages [N]. Formulas and the zero-spread rule are in the module docstring; ``valid`` as in
+    :func:`compute_grpo_advantages` (False rows leave their group and get advantage 0).
 
     Raises:
         ValueError: rewards or group_ids not 1-D, or their lengths differ.
@@ -105,6 +105,10 @@ def compute_grpo_advantages_by_group(
         raise ValueError(f"len(rewards)={rewards.numel()} != len(group_ids)={group_ids.numel()}")
     if rewards.numel() == 0:
         return rewards.clone()
+    if valid is not None:  # each masked row becomes a group of its own, with an id no real group uses
+        invalid = ~valid.to(torch.bool)
+        group_ids = group_ids.clone()
+        group_ids[invalid] = int(group_ids.max()) + 1 + torch.arange(int(invalid.sum()), device=group_ids.device)
 
     r = rewards.detach().to(torch.float64)
     _, inverse = torch.unique(group_ids, return_inverse=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages
+from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages_by_group
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
 from nemo_rl_spec.algorithms.overlong import apply_overlong_filtering, truncated_rows
 from nemo_rl_spec.algorithms.rollouts import build_train_data, logprob_agreement_metrics, selection_reward_valid
@@ -41,9 +41,9 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float
     """Advantages -> trainer log-probs (pi_old) -> one policy update, for the rollouts of ``selection``."""
     cfg = s.cfg
     valid = selection_reward_valid(selection)  # False: a masked NaN/inf reward (grpo.non_finite_reward=mask)
-    advantages = compute_grpo_advantages(
+    advantages = compute_grpo_advantages_by_group(
         selection.rewards,
-        selection.group_size,
+        selection.group_ids,
         cfg.grpo.use_leave_one_out_baseline,
         cfg.grpo.normalize_rewards,
         valid=valid,

@@ -206,6 +206,13 @@ class TrainSelection:
         return torch.cat([g.policy_versions for g in self.groups])
 
     @property
+    def group_ids(self) -> torch.Tensor:
+        """Shape: [num_rollouts] int64, the index of each row's group (0 .. len(groups) - 1), aligned with
+        :attr:`rewards`; groups may differ in size (Pilot-Commit's ``fill_commit_budget``)."""
+        sizes = torch.tensor([g.size for g in self.groups], dtype=torch.int64)
+        return torch.repeat_interleave(torch.arange(len(self.groups), dtype=torch.int64), sizes)
+
+    @property
     def group_size(self) -> int:
         """Rollouts per group (uniform/DAPO: n; Pilot-Commit: n_pilot + n_commit); 0 for an empty batch.
 

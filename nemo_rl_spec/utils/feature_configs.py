@@ -33,6 +33,11 @@ class PilotCommitConfig(BaseModel):
     ``rollout_budget_per_step`` None means the uniform-GRPO budget
     ``grpo.num_prompts_per_step * grpo.num_generations_per_prompt``.
 
+    ``fill_commit_budget``: the budget is a cap by default, and a step that commits fewer than K prompts leaves
+    commit rollouts unspent. With it on, the whole commit budget K * n_commit goes to the prompts committed this
+    step, split as evenly as possible (the first ones get the remainder), so every step that commits anything spends
+    its budget and trains on a larger batch (the paper's "the rest of the budget goes only to selected prompts").
+
     Thresholds: p_hat is a multiple of 1/n_pilot; put p_lower/p_upper between grid points to avoid ties
     (defaults 0.1/0.9 select every pilot that is neither all-wrong nor all-right).
     """
@@ -51,6 +56,10 @@ class PilotCommitConfig(BaseModel):
     max_off_steps: int = Field(default=2, ge=0, description="replay-buffer entries older than this (steps) expire")
     max_buffer_size: int = Field(default=64, ge=0, description="replay-buffer capacity (prompts); 0 disables it")
     all_too_hard_fallback: Literal["commit_top", "skip"] = "commit_top"
+    fill_commit_budget: bool = Field(
+        default=False,
+        description="fewer than K prompts committed: spread the K*n_commit commit rollouts over them (larger groups)",
+    )
 
     @field_validator("n_pilot")
     @classmethod

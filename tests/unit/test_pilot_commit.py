@@ -94,6 +94,35 @@ def m(sel, key):
     return sel.metrics[key]
 
 
+# --------------------------------------------------------------------------------------- fill_commit_budget
+def test_commit_sizes_hand_values():
+    big = dict(n_commit=6, pilot_batch_size=16, rollout_budget_per_step=62)  # K = (62 - 32) // 6 = 5
+    alloc = PilotCommitAllocator(range(20), cfg(fill_commit_budget=True, **big), shuffle=False)
+    assert alloc.commit_slots == 5
+    assert [alloc.commit_sizes(n) for n in (0, 1, 2, 4, 5)] == [[], [30], [15, 15], [8, 8, 7, 7], [6] * 5]
+    off = PilotCommitAllocator(range(20), cfg(**big), shuffle=False)
+    assert off.commit_sizes(2) == [6, 6] and off.commit_sizes(5) == [6] * 5
+
+
+@pytest.mark.parametrize("fill", [False, True])
+def test_fill_commit_budget_spends_the_budget_on_the_committed_prompts(fill):
+    """Pool 0..7 = M H H H M E H H, P = 4 x 2 pilots, K = 2 x 4 commits, budget 16: every pilot selects one prompt
+    (0, then 4), so without the option a step spends 8 + 4 = 12 and trains on groups of 6; with it the one committed
+    prompt gets all 8 commit rollouts: 16 a step, groups of 2 + 8 = 10 (cold start: + 8 pilot rollouts)."""
+    sim = Sim(kinds_fn("MHHHMEHH"), scripted=True)
+    alloc = PilotCommitAllocator(range(8), cfg(fill_commit_budget=fill), seed=0, shuffle=False)
+    sels = sim.run(alloc, 2)
+    commit_n = [[r.n for r in call if r.stage == Stage.COMMIT] for call in sim.calls]
+    per_step = 16 if fill else 12
+    assert commit_n == [[], [8 if fill else 4], [8 if fill else 4]]
+    assert [group_ids(s) for s in sels] == [[0], [4]]
+    assert [m(s, "rollout_alloc/step_rollouts") for s in sels] == [per_step + 8, per_step]
+    assert [m(s, "pilot_commit/commit_rollouts") for s in sels] == [8 if fill else 4] * 2
+    for s in sels:
+        assert s.num_rollouts == (10 if fill else 6) == s.groups[0].size
+        assert s.rewards.tolist() == [1, 0] + [1, 0] * (4 if fill else 2)
+
+
 # ----------------------------------------------------------------------------------------------- hand-computed
 # Pool 0..7 = M E H M M M E H, shuffle off, P=4 pilots x 2, K=(16-8)//4=2 commits x 4, binding on.
 # step 0: pilot [0,1,2,3] -> sel 0,3; easy 1 (solved 1x); hard 2.  commit 0,3 + pilot [4,5,6,7]: sel 4,5; easy 6; hard 7

@@ -86,14 +86,19 @@ def test_bench_recipe_methods_differ_only_in_the_allocator(recipe):
 
 
 def test_testbed_bench_budget_matches_uniform_grpo():
-    """Pilot-Commit on the testbed spends at most uniform GRPO's 8 x 8 = 64 rollouts: 16 x 2 pilots + K x 6
-    commits, K = (64 - 32) // 6 = 5, i.e. 62; each committed group (2 + 6) is as large as a uniform group."""
-    cfg = load_config(ROOT / "configs" / "grpo_math_testbed_pilot_commit.yaml", ["grpo.pilot_commit.enabled=true"])
-    pc, g = cfg.grpo.pilot_commit, cfg.grpo
-    budget = g.num_prompts_per_step * g.num_generations_per_prompt
-    assert budget == 64 and pc.commit_slots(budget) == 5
-    assert pc.pilot_batch_size * pc.n_pilot + pc.commit_slots(budget) * pc.n_commit == 62
-    assert pc.n_pilot + pc.n_commit == g.num_generations_per_prompt
+    """Pilot-Commit on the testbed spends at most uniform GRPO's 8 x 8 = 64 rollouts: 8 x 2 pilots + K x 6
+    commits, K = (64 - 16) // 6 = 8, i.e. 64; each committed group (2 + 6) is as large as a uniform group. Every
+    method runs at the same lr (the recipe's, 2.5e-5); the wide pool pins its runs' P 16 (K 5, 62) and lr 5e-5."""
+    for name, p, k, spend, lr in (("", 8, 8, 64, 2.5e-5), ("_wide", 16, 5, 62, 5e-5)):
+        cfg = load_config(
+            ROOT / "configs" / f"grpo_math_testbed_pilot_commit{name}.yaml", ["grpo.pilot_commit.enabled=true"]
+        )
+        pc, g = cfg.grpo.pilot_commit, cfg.grpo
+        budget = g.num_prompts_per_step * g.num_generations_per_prompt
+        assert budget == 64 and pc.pilot_batch_size == p and pc.commit_slots(budget) == k
+        assert pc.pilot_batch_size * pc.n_pilot + pc.commit_slots(budget) * pc.n_commit == spend
+        assert pc.n_pilot + pc.n_commit == g.num_generations_per_prompt
+        assert cfg.policy.megatron_cfg.optimizer.lr == lr
 
 
 def test_bench_rollouts_to_target_and_auto_target():

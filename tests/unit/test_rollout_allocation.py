@@ -120,6 +120,27 @@ def test_train_selection_flat_views():
         _ = TrainSelection(0, [TrainGroup(3, [pilot]), TrainGroup(8, [other])]).group_size
     empty = TrainSelection(1, [])
     assert (empty.rewards.numel(), empty.policy_versions.numel(), empty.group_size) == (0, 0, 0)
+    assert empty.group_ids.tolist() == []
+
+
+def test_train_selection_group_ids_unequal_groups_and_their_advantages():
+    """Pilot-Commit's fill_commit_budget trains on groups of different sizes: the row -> group map and the GRPO
+    advantages the training step computes from it (group means 3/5 and 1/3, hand-worked), with a masked row."""
+    from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages_by_group
+    from nemo_rl_spec.algorithms.interfaces import TrainSelection
+
+    a = TrainGroup(
+        3, [RolloutResult(3, Stage.PILOT, [1.0, 0.0], 4), RolloutResult(3, Stage.COMMIT, [1.0, 1.0, 0.0], 5)]
+    )
+    b = TrainGroup(8, [RolloutResult(8, Stage.COMMIT, [0.0, 1.0, 0.0], 5)])
+    sel = TrainSelection(0, [a, b])
+    assert sel.group_ids.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    adv = compute_grpo_advantages_by_group(sel.rewards, sel.group_ids, False, False)
+    want = [0.4, -0.6, 0.4, 0.4, -0.6, -1 / 3, 2 / 3, -1 / 3]
+    assert adv.tolist() == pytest.approx(want, abs=1e-6)
+    valid = torch.tensor([True, True, True, True, False, True, True, True])  # row 4 masked: group a = [1,0,1,1]
+    adv = compute_grpo_advantages_by_group(sel.rewards, sel.group_ids, False, False, valid=valid)
+    assert adv.tolist() == pytest.approx([0.25, -0.75, 0.25, 0.25, 0.0, -1 / 3, 2 / 3, -1 / 3], abs=1e-6)
 
 
 def test_result_validation():
