@@ -11,6 +11,10 @@ issue's "falls by more than 0.05 from its peak over the last 10 steps") and over
 mean times seen of the trained prompts and the run's final distinct-prompt fraction. Per ablation:
 each of those per seed and their mean with a bootstrap 90% interval over seeds
 (:func:`nemo_rl_spec.utils.bench_runs.mean_and_interval`). Prints a markdown table; ``--out`` writes the numbers.
+
+``--reference FILE`` (a bench JSON with uniform GRPO runs): every row's rollouts to start + f x (reference's mean
+final - start), f = 0.5 / 0.75 / 0.9 / 1, paired by seed with the reference's, and the ratios reference / row
+(:func:`reference_ratios`), as a second table and under ``"reference"`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
+from nemo_rl_spec.bench.pilot_commit import final_accuracy, gain_fraction_targets
 from nemo_rl_spec.utils.bench_runs import finish_plot, mean_and_interval
 
 FIELDS = (
@@ -84,6 +89,46 @@ def summarize_file(path: Path) -> dict[str, dict]:
             "mean": mean,
         }
     return out
+
+
+def reference_ratios(reference: dict, by_seed: dict) -> dict:
+    """Rollouts to f x the reference's gain for one row, against the reference's uniform runs.
+
+    Args:
+        reference: a bench JSON (``runs["uniform"][seed]`` records with ``curve``).
+        by_seed: one method's ``runs[method]`` records of another bench JSON (any method).
+
+    Returns:
+        ``{f: {"accuracy", "rollouts_to_target": {"uniform": {seed: n}, "pilot_commit": {seed: n}}, "ratios":
+        {"uniform_over_pilot_commit": ratio_stats}}}`` as :func:`nemo_rl_spec.bench.pilot_commit.gain_fraction_targets`
+        computes it, the target being the reference's mean final accuracy ("pilot_commit" stands for the row).
+
+    Raises:
+        KeyError: the reference has no uniform runs.
+    """
+    uniform = reference["runs"]["uniform"]
+    finals = [a for r in uniform.values() if (a := final_accuracy(r)) is not None]
+    target = sum(finals) / len(finals) if finals else None
+    return gain_fraction_targets({"uniform": uniform, "pilot_commit": by_seed}, target)
+
+
+def reference_markdown(ratios: dict[str, dict]) -> str:
+    """One markdown row per ablation: rollouts to each gain fraction per seed (reference / row) and the median
+    ratio reference / row over the seeds where both reached it (``cens`` = seeds where one side never did)."""
+    fracs = list(next(iter(ratios.values()), {}))
+    head = "| ablation | " + " | ".join(f"to {float(f):.0%} of gain: ref / row per seed, median ratio" for f in fracs)
+    lines = [head + " |", "|" + "---|" * (len(fracs) + 1)]
+    for label, by_f in ratios.items():
+        cells = []
+        for f in fracs:
+            rt, r = by_f[f]["rollouts_to_target"], by_f[f]["ratios"]["uniform_over_pilot_commit"]
+            seeds = sorted(rt["pilot_commit"], key=int)
+            pairs = " ".join(f"{_fmt(rt['uniform'].get(k), 0)}/{_fmt(rt['pilot_commit'][k], 0)}" for k in seeds)
+            cells.append(
+                f"{pairs}, {_fmt(r['median'], 2)}" + (f" (cens {len(r['censored'])})" if r["censored"] else "")
+            )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _fmt(v, d=3) -> str:
@@ -165,11 +210,21 @@ def main(argv=None) -> int:
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="PNG of the mean accuracy curves and train rows")
+    p.add_argument("--reference", type=Path, default=None, help="bench JSON whose uniform runs set the gain targets")
     args = p.parse_args(argv)
     summary: dict = {}
     for f in args.files:
         summary.update(summarize_file(f))
     print(markdown(summary))
+    if args.reference:
+        ref = json.loads(args.reference.read_text())
+        ratios = {}
+        for f in args.files:
+            runs = json.loads(f.read_text())["runs"]
+            for method, by_seed in runs.items():
+                ratios[f.stem if len(runs) == 1 else f"{f.stem}/{method}"] = reference_ratios(ref, by_seed)
+        print(f"\nreference: {args.reference}\n" + reference_markdown(ratios))
+        summary = {"ablations": summary, "reference": {"file": str(args.reference), "gain_targets": ratios}}
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
     if args.plot:

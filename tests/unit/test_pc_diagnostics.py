@@ -243,3 +243,26 @@ def test_bench_training_diagnostics_and_ablation_table(tmp_path):
     assert table.mean_curve({"0": run, "1": {"curve": run["curve"][:3]}}) == [(0, 0.3), (2, 0.7), (4, 0.8), (6, 0.6)]
     table.plot([f], tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_reference_ratios_hand_values():
+    """Targets from the reference's uniform runs (start 0.3, finals 0.7 and 0.5: mean 0.6, gain 0.3): f = 0.5 ->
+    0.45, f = 1 -> 0.6; ratios reference / row per seed, a seed where the row never gets there censored."""
+    ref = {
+        "runs": {
+            "uniform": {
+                "0": {"curve": [[0, 0, 0.3], [2, 128, 0.5], [4, 256, 0.7]]},
+                "1": {"curve": [[0, 0, 0.3], [2, 128, 0.4], [4, 256, 0.5]]},
+            }
+        }
+    }
+    row = {"0": {"curve": [[0, 0, 0.3], [2, 32, 0.46], [4, 64, 0.6]]}, "1": {"curve": [[0, 0, 0.3], [2, 64, 0.45]]}}
+    out = pc_ablation_table.reference_ratios(ref, row)
+    assert out["0.5"]["accuracy"] == pytest.approx(0.45) and out["1"]["accuracy"] == pytest.approx(0.6)
+    half = out["0.5"]
+    assert half["rollouts_to_target"] == {"uniform": {"0": 128, "1": 256}, "pilot_commit": {"0": 32, "1": 64}}
+    assert half["ratios"]["uniform_over_pilot_commit"]["per_seed"] == {"0": 4.0, "1": 4.0}
+    full = out["1"]["ratios"]["uniform_over_pilot_commit"]
+    assert full["per_seed"] == {"0": 4.0} and full["censored"] == {"1": "both missed"}
+    table = pc_ablation_table.reference_markdown({"row": out})
+    assert "128/32 256/64, 4.00" in table and "(cens 1)" in table
