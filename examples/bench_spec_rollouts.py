@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "plain k = 0 path) at --batches, and the rollout phase of those engines, interleaved; "
         "a fresh draft head when --draft has none",
     )
+    p.add_argument(
+        "--spec-profile",
+        action="store_true",
+        help="issue 35 item 2: per-component cost of steps that carry k > 0 drafts (--ks, default 1 3) at "
+        "--batches, beside the AR step; a never-matching fresh draft head when --draft is not given",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: ks 1 3, batches 1 4, 32 tokens, 1 group")
     return p.parse_known_args(argv)
 
@@ -166,9 +172,11 @@ def run_requests(
     max_tokens: int,
     cap: int | None = None,
     ignore_eos: bool = False,
+    logprobs: int | None = None,
 ) -> dict[str, Any]:
-    """One ``llm.generate`` of ``prompts`` (at most ``cap`` running at once). Returns tokens, seconds, counters and
-    the engine's step records."""
+    """One ``llm.generate`` of ``prompts`` (at most ``cap`` running at once; ``logprobs`` as vLLM's sampling
+    parameter, 0: the sampled token's log-prob, as the rollout asks). Returns tokens, seconds, counters and the
+    engine's step records."""
     from vllm import SamplingParams, TokensPrompt
 
     from nemo_rl_spec.speculative.metrics import (
@@ -182,7 +190,14 @@ def run_requests(
     if cap is not None:
         sched.max_num_active_reqs = cap
     params = [
-        SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_tokens, seed=s, ignore_eos=ignore_eos)
+        SamplingParams(
+            temperature=temperature,
+            top_p=1.0,
+            max_tokens=max_tokens,
+            seed=s,
+            ignore_eos=ignore_eos,
+            logprobs=logprobs,
+        )
         for s in seeds
     ]
     before = read_spec_decode_counters(llm) if worker.speculative else SpecDecodeCounters()
@@ -478,26 +493,45 @@ K0_ENGINES = {  # name: (schedule or None for AR, dynamic_speculation extras)
     "aware_before": ([[1, 4, 3], [5, 1024, 0]], {"plain_step_at_k0": False}),
     "aware_after": ([[1, 4, 3], [5, 1024, 0]], {"plain_step_at_k0": True}),
 }
-COMPONENTS = ("target_forward", "target_logits", "sampling", "drafter", "bookkeeping")
 
 
 class ComponentTimer:
-    """Times the parts of every engine step of an in-process ``vllm.LLM``: the target forward
-    (``_model_forward``), the target logits (``compute_logits``), sampling (``_sample``: vLLM's ``Sampler`` or its
-    ``RejectionSampler``), the drafter (``propose_draft_token_ids``: input preparation, the drafter's passes) and
-    the rest of the step (``bookkeeping``: scheduler, input preparation, output processing, spec-decode
-    bookkeeping and stats). Records (step seconds, requests scheduled, tokens scheduled, {component: seconds})."""
+    """Times the parts of every engine step of an in-process ``vllm.LLM`` (the measured keys of
+    :mod:`nemo_rl_spec.bench.step_profile`): the target forward (``_model_forward``), the target logits
+    (``compute_logits``), sampling (``_sample``: vLLM's ``Sampler`` or its ``RejectionSampler``) and the drafter
+    (``propose_draft_token_ids``); with ``detail`` (an engine with a drafter) also the rejection sampler's parts
+    (its forward, the bonus ``Sampler`` call, ``apply_logits_processors``, ``apply_sampling_constraints``,
+    ``rejection_sample``, ``_get_logprobs_tensors``) and the drafter's (its model's first forward of the step,
+    its later forwards, ``_sample_draft_tokens``). ``records``: (step seconds, requests scheduled, tokens
+    scheduled, components from :func:`~nemo_rl_spec.bench.step_profile.step_parts`). :meth:`remove` undoes every
+    wrapper."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, detail: bool = False) -> None:
+        from nemo_rl_spec.bench import step_profile as sp
+
         holder: list = []
         llm.collective_rpc(lambda worker: holder.append(worker.model_runner))  # in-process engine
         self.runner = runner = holder[0]
-        self.acc: dict[str, float] = dict.fromkeys(COMPONENTS[:-1], 0.0)
+        keys = sp.MAIN + (sp.SPEC_DETAIL if detail else ())
+        self.acc: dict[str, float] = dict.fromkeys(keys, 0.0)
         self.saved: list[tuple[Any, str, Any]] = []
         self._wrap(runner, "_model_forward", "target_forward")
         self._wrap(runner.model, "compute_logits", "target_logits")
         self._wrap(runner, "_sample", "sampling")
         self._wrap(runner, "propose_draft_token_ids", "drafter")
+        if detail:
+            import vllm.v1.sample.rejection_sampler as rs_mod  # lazy: vllm is slow to import
+
+            rs = runner.rejection_sampler
+            self._wrap(rs, "forward", "rs_forward")
+            self._wrap(rs.sampler, "forward", "rs_bonus")
+            self._wrap(rs, "apply_logits_processors", "rs_processors")
+            self._wrap(rs, "_get_logprobs_tensors", "rs_logprobs")
+            self._wrap(rs_mod, "apply_sampling_constraints", "rs_constraints")
+            self._wrap(rs_mod, "rejection_sample", "rs_accept")
+            drafter = runner.drafter
+            self._wrap(drafter, "_sample_draft_tokens", "drafter_sample")
+            self._wrap(drafter.model, "forward", "drafter_forward", first_key="drafter_kv_pass")
         self.steps = StepTimer(llm)
         self.records: list[tuple[float, int, int, dict[str, float]]] = []
         step = self.steps.core.step_fn
@@ -505,27 +539,32 @@ class ComponentTimer:
         def timed_step():
             for key in self.acc:
                 self.acc[key] = 0.0
+            self._calls = 0
             n0 = len(self.steps.records)
             out = step()
             if len(self.steps.records) > n0:
                 seconds, n, tok = self.steps.records[-1]
-                parts = dict(self.acc)
-                parts["bookkeeping"] = seconds - sum(parts.values())
-                self.records.append((seconds, n, tok, parts))
+                self.records.append((seconds, n, tok, sp.step_parts(seconds, self.acc)))
             return out
 
         self.steps.core.step_fn = timed_step
 
-    def _wrap(self, obj, attr: str, key: str) -> None:
+    def _wrap(self, obj, attr: str, key: str, first_key: str | None = None) -> None:
+        """Time ``obj.attr`` into ``key`` (its first call of a step into ``first_key`` when given)."""
         had = attr in vars(obj)
         original = getattr(obj, attr)
+        self._calls = 0
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
+            into = key
+            if first_key is not None:
+                into = first_key if self._calls == 0 else key
+                self._calls += 1
             try:
                 return original(*args, **kwargs)
             finally:
-                self.acc[key] += time.perf_counter() - t0
+                self.acc[into] += time.perf_counter() - t0
 
         object.__setattr__(obj, attr, timed)
         self.saved.append((obj, attr, original if had else None))
@@ -533,11 +572,65 @@ class ComponentTimer:
     def remove(self) -> None:
         self.steps.core.step_fn = self.steps._step
         self.steps.remove()
-        for obj, attr, original in self.saved:
+        for obj, attr, original in reversed(self.saved):
             if original is None:
                 object.__delattr__(obj, attr)
             else:
                 object.__setattr__(obj, attr, original)
+
+
+def profile_components(
+    workers: dict[str, Any],
+    ks: dict[str, int],
+    opts: dict[str, Any],
+    detail: bool = False,
+    log=print,
+) -> tuple[dict[str, dict[int, list[dict[str, float]]]], dict[str, dict[int, list[float]]]]:
+    """Per-component step costs of ``workers`` (name -> :class:`VllmGenerationWorker`) at constant batch: for each
+    of ``opts["step_cost_repeats"]`` repeats and each b in ``opts["batches"]``, every engine (interleaved, order
+    reversed on odd repeats) decodes b requests of ``opts["step_cost_tokens"]`` tokens (ignore_eos, at most b
+    running, ``opts["logprobs"]`` when set) under a :class:`ComponentTimer`; the steps with all b requests
+    decoding ``ks[name]`` drafts each (:func:`~nemo_rl_spec.bench.step_profile.keep_step`) give the run's median per component (seconds).
+
+    Returns:
+        ``({name: {b: [run summary per repeat]}}, {name: {b: [acceptance length per repeat]}})``, a summary being
+        ``{component: seconds, "step": seconds, "n_steps": int}``; acceptance lengths (vLLM's counters) only for
+        engines with ``ks[name] > 0``.
+
+    Raises:
+        ValueError: a run had no kept step.
+    """
+    from nemo_rl_spec.bench import step_profile as sp
+    from nemo_rl_spec.models.generation.vllm_worker import derive_row_seeds
+
+    prompts, T, M, seed = opts["prompts"], opts["temperature"], opts["step_cost_tokens"], opts["seed"]
+    t_start = time.perf_counter()
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {n: {b: [] for b in opts["batches"]} for n in workers}
+    acceptance: dict[str, dict[int, list[float]]] = {n: {b: [] for b in opts["batches"]} for n in workers if ks[n]}
+    for rep in range(opts["step_cost_repeats"]):
+        for b in opts["batches"]:
+            for name in sp.interleaved_order(list(workers), rep):
+                worker = workers[name]
+                timer = ComponentTimer(worker.llm, detail=detail and ks[name] > 0)
+                try:
+                    res = run_requests(
+                        worker,
+                        prompts[:b],
+                        derive_row_seeds(seed + 7 * b, b),
+                        T,
+                        M,
+                        cap=b,
+                        ignore_eos=True,
+                        logprobs=opts.get("logprobs"),
+                    )
+                finally:
+                    timer.remove()
+                if ks[name]:
+                    acceptance[name][b].append(res["counters"].acceptance_length)
+                kept = [parts for s, n, tok, parts in timer.records if sp.keep_step(n, tok, b, ks[name])]
+                runs[name][b].append(sp.run_summary(kept))
+        log(f"component repeat {rep + 1} [{time.perf_counter() - t_start:.0f} s]")
+    return runs, acceptance
 
 
 def fresh_draft(model_path: str, out_dir: str) -> str:
@@ -556,16 +649,10 @@ def fresh_draft(model_path: str, out_dir: str) -> str:
 def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
     """Issue 35: what a speculative engine's k = 0 step costs, by component, next to an AR step, before and after
     the plain k = 0 path; and the rollout phase of each engine, interleaved (in a fresh process, see :func:`main`)."""
-    from nemo_rl_spec.models.generation.vllm_worker import derive_row_seeds
+    from nemo_rl_spec.bench import step_profile as sp
 
-    gen_cfg, model_path, prompts = opts["gen_cfg"], opts["model_path"], opts["prompts"]
-    groups, G, T, M, seed = (
-        opts["groups"],
-        opts["generations"],
-        opts["temperature"],
-        opts["step_cost_tokens"],
-        opts["seed"],
-    )
+    gen_cfg, model_path = opts["gen_cfg"], opts["model_path"]
+    groups, G, seed = opts["groups"], opts["generations"], opts["seed"]
     log = opts.get("log", print)
     t_start = time.perf_counter()
     draft = opts["draft"] or fresh_draft(model_path, tempfile.mkdtemp(prefix="k0_draft_"))
@@ -578,33 +665,13 @@ def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
         workers[name] = build_worker(gen_cfg, model_path, seed, spec, dyn, precision=opts["precision"])
     log(f"engines up [{time.perf_counter() - t_start:.0f} s]")
     step_engines = [n for n in K0_ENGINES if not n.startswith("aware")]
-    comp: dict[str, dict[int, list[dict[str, float]]]] = {n: {b: [] for b in opts["batches"]} for n in step_engines}
-    for rep in range(opts["step_cost_repeats"]):  # per-step components at constant batch, interleaved
-        for b in opts["batches"]:
-            for name in step_engines if rep % 2 == 0 else step_engines[::-1]:
-                llm = workers[name].llm
-                timer = ComponentTimer(llm)
-                try:
-                    run_requests(
-                        workers[name], prompts[:b], derive_row_seeds(seed + 7 * b, b), T, M, cap=b, ignore_eos=True
-                    )
-                finally:
-                    timer.remove()
-                steps = [parts | {"step": s} for s, n, tok, parts in timer.records if n == b and tok == b]
-                comp[name][b].append(
-                    {key: statistics.median(x[key] for x in steps) for key in (*COMPONENTS, "step")}
-                    | {"n_steps": len(steps)}
-                )
-        log(f"component repeat {rep + 1} [{time.perf_counter() - t_start:.0f} s]")
-    table = {
-        name: {b: {key: min(r[key] for r in runs) for key in (*COMPONENTS, "step")} for b, runs in by_b.items()}
-        for name, by_b in comp.items()
-    }
+    comp, _ = profile_components({n: workers[n] for n in step_engines}, dict.fromkeys(step_engines, 0), opts, log=log)
+    table = sp.reduce_runs(comp)
     rollouts: dict[str, list[dict[str, Any]]] = {n: [] for n in K0_ENGINES}
     names = list(K0_ENGINES)
     for rep in range(opts["rollout_repeats"]):  # the GRPO rollout call, engines interleaved
         for r in range(len(groups)):
-            for name in names if rep % 2 == 0 else names[::-1]:
+            for name in sp.interleaved_order(names, rep):
                 w = workers[name]
                 before = w.spec_counters()
                 t0 = time.perf_counter()
@@ -645,19 +712,9 @@ def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
 
 def format_k0_table(res: dict[str, Any]) -> str:
     """Per-component ms per decode step by engine and batch, and the rollout-phase ratios."""
-    lines = [
-        "| engine | batch | step ms | target forward | target logits | sampling | drafter | bookkeeping | step / AR |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    comps = res["components_s"]
-    for b in sorted(next(iter(comps.values()))):
-        for name, by_b in comps.items():
-            c = by_b[b]
-            lines.append(
-                f"| {name} | {b} | {1e3 * c['step']:.1f} | "
-                + " | ".join(f"{1e3 * c[key]:.1f}" for key in COMPONENTS)
-                + f" | {c['step'] / comps['ar'][b]['step']:.3f} |"
-            )
+    from nemo_rl_spec.bench import step_profile as sp
+
+    lines = [sp.format_component_table(res["components_s"], sp.COMPONENTS)]
     lines += [
         "",
         "| engine | rollout s (per run) | ratio to AR (per run) | total ratio | acc. length |",
@@ -673,6 +730,84 @@ def format_k0_table(res: dict[str, Any]) -> str:
             f"{statistics.mean(acc) if acc else float('nan'):.2f} |"
         )
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- issue 35 item 2: steps that carry drafts
+def never_matching_fresh_draft(model_path: str, out_dir: str) -> str:
+    """A fresh EAGLE-3 head (:func:`fresh_draft`) with a zero ``lm_head`` (:func:`never_matching_weights`),
+    written to ``out_dir``: its proposals are (near-)never accepted, so every request carries k drafts on every
+    decode step and the steps cost what verification costs; the draft's full 49,152-token vocabulary and layer
+    shapes are the cost structure of any head of this shape (trained or not)."""
+    from safetensors.torch import save_file
+
+    fresh_draft(model_path, out_dir)
+    _, bad = never_matching_weights(out_dir)
+    save_file(bad, str(Path(out_dir) / "model.safetensors"))
+    return out_dir
+
+
+def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
+    """Issue 35 item 2: what an EAGLE-3 step with k > 0 drafts per request costs, by component, next to the AR
+    step, for each k in ``opts["ks"]`` and each b in ``opts["batches"]`` (in a fresh process, see :func:`main`).
+
+    Engines (one process, every one a :class:`VllmGenerationWorker` in ``opts["precision"]``): ``ar`` and
+    ``k<k>`` (``speculative_config`` eagle3 with ``num_speculative_tokens`` k, ``opts["draft_sample_method"]``, no
+    batch-size schedule) drafting with ``opts["draft"]`` or, without one, a never-matching fresh head
+    (:func:`never_matching_fresh_draft`). Costs: :func:`profile_components` with the detail timers and
+    ``logprobs=0`` (the sampled token's log-prob, as the GRPO rollout asks: the rejection sampler then also
+    computes the accepted tokens' log-probs).
+
+    Returns:
+        The result JSON: ``components_s`` ``{engine: {b: {component: seconds}}}`` (quietest of the repeats),
+        ``component_runs`` (every repeat's medians), ``verification`` (where each engine's extra time over AR goes,
+        ms), ``acceptance_length`` per engine and b, ``engines``, ``draft``, ``bench_seconds``.
+    """
+    from nemo_rl_spec.bench import step_profile as sp
+
+    gen_cfg, model_path, seed = opts["gen_cfg"], opts["model_path"], opts["seed"]
+    log = opts.get("log", print)
+    t_start = time.perf_counter()
+    draft = opts["draft"] or never_matching_fresh_draft(model_path, tempfile.mkdtemp(prefix="spec_prof_draft_"))
+    engines: dict[str, dict | None] = {"ar": None}
+    for k in opts["ks"]:
+        engines[f"k{k}"] = {
+            "method": "eagle3",
+            "model": draft,
+            "num_speculative_tokens": k,
+            "draft_sample_method": opts["draft_sample_method"],
+        }
+    workers = {
+        name: build_worker(gen_cfg, model_path, seed, spec, None, precision=opts["precision"])
+        for name, spec in engines.items()
+    }
+    log(f"engines up [{time.perf_counter() - t_start:.0f} s]")
+    ks = {name: (spec or {}).get("num_speculative_tokens", 0) for name, spec in engines.items()}
+    comp, acceptance = profile_components(workers, ks, opts | {"logprobs": 0}, detail=True, log=log)
+    for w in workers.values():
+        w.shutdown()
+    table = sp.reduce_runs(comp)
+    return {
+        "components_s": table,
+        "component_runs": comp,
+        "verification": sp.verification_summary(table),
+        "acceptance_length": acceptance,
+        "engines": engines,
+        "draft": draft if opts["draft"] else "fresh EAGLE-3 head, zero lm_head (never matching)",
+        "bench_seconds": time.perf_counter() - t_start,
+    }
+
+
+def format_spec_table(res: dict[str, Any]) -> str:
+    """The spec profile's two tables: the step by component with shares, and the drafter and rejection sampler
+    taken apart (ms per step)."""
+    from nemo_rl_spec.bench import step_profile as sp
+
+    return "\n\n".join(
+        [
+            sp.format_component_table(res["components_s"], sp.SPEC_COMPONENTS, shares=True),
+            sp.format_component_table(res["components_s"], sp.SPEC_DETAIL_COLUMNS),
+        ]
+    )
 
 
 def write_result(res: dict[str, Any], out: str, table: str) -> int:
@@ -705,7 +840,9 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl_spec.testing import checks
 
     draft = args.draft or f"results/drafts/{Path(args.config).stem}"
-    if args.k0_profile and not (Path(draft) / "config.json").is_file():
+    if args.spec_profile and not args.draft:
+        draft = None  # a never-matching fresh head: the step's cost structure, whatever the draft's quality
+    elif args.k0_profile and not (Path(draft) / "config.json").is_file():
         draft = None  # a fresh head (k = 0: the draft's quality does not enter)
     elif not (Path(draft) / "config.json").is_file():
         print(
@@ -715,10 +852,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     quick = args.quick
-    ks = args.ks or ([1, 3] if quick else [1, 3, 5, 7])
+    ks = args.ks or ([1, 3] if quick or args.spec_profile else [1, 3, 5, 7])
     G, P = cfg.grpo.num_generations_per_prompt, cfg.grpo.num_prompts_per_step
     R = G * P
-    batches = sorted(set(args.batches or ([1, 4] if quick else [1, 8, 32])) | ({R} if not quick else set()))
+    batches = sorted(
+        set(args.batches or ([1, 4] if quick else [1, 8, 32])) | ({R} if not (quick or args.spec_profile) else set())
+    )
     max_new = args.max_new_tokens or (32 if quick else cfg.policy.generation.max_new_tokens)
     repeats = 1 if quick else args.rollout_repeats
     model_path = resolve_model(cfg.policy.model_name)
@@ -754,6 +893,27 @@ def main(argv: list[str] | None = None) -> int:
         "skip_k0": not args.no_skip_k0,
         "quick": quick,
     }
+    if args.spec_profile:
+        opts["draft"] = None if draft is None else str(draft)
+        opts["step_cost_tokens"] = args.step_cost_tokens
+        opts["step_cost_repeats"] = args.step_cost_repeats
+        opts["precision"] = cfg.policy.engine_precision
+        res = checks.run_isolated(run_spec_profile, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
+        res["meta"] = {
+            "command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else sys.argv[1:])]),
+            "config": args.config,
+            "ks": ks,
+            "batches": batches,
+            "temperature": cfg.policy.generation.temperature,
+            "step_cost_tokens": args.step_cost_tokens,
+            "step_cost_repeats": args.step_cost_repeats,
+            "draft_sample_method": args.draft_sample_method,
+            "engine_dtype": opts["precision"],
+            "num_threads": int(gen_cfg["vllm_cfg"]["num_threads"]),
+            "seed": args.seed,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        }
+        return write_result(res, args.out, format_spec_table(res))
     if args.k0_profile:
         opts["draft"] = None if draft is None else str(draft)
         opts["step_cost_tokens"] = args.step_cost_tokens
