@@ -89,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="issue 35 item 2: per-component cost of steps that carry k > 0 drafts (--ks, default 1 3) at "
         "--batches, beside the AR step; a never-matching fresh draft head when --draft is not given",
     )
+    p.add_argument(
+        "--vllm-recovered-sampler",
+        action="store_true",
+        help="--spec-profile: measure with vLLM's own sample_recovered_tokens (noise filled twice for seeded "
+        "rows) instead of the CPU patch vllm_patches.sample_recovered_tokens_noise_once (the 'before')",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: ks 1 3, batches 1 4, 32 tokens, 1 group")
     return p.parse_known_args(argv)
 
@@ -753,14 +759,17 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
     Engines (one process, every one a :class:`VllmGenerationWorker` in ``opts["precision"]``): ``ar`` and
     ``k<k>`` (``speculative_config`` eagle3 with ``num_speculative_tokens`` k, ``opts["draft_sample_method"]``, no
     batch-size schedule) drafting with ``opts["draft"]`` or, without one, a never-matching fresh head
-    (:func:`never_matching_fresh_draft`). Costs: :func:`profile_components` with the detail timers and
+    (:func:`never_matching_fresh_draft`); vLLM's own recovered-token sampler with
+    ``opts["vllm_recovered_sampler"]``, else the CPU patch (``vllm_patches.sample_recovered_tokens_noise_once``).
+    Costs: :func:`profile_components` with the detail timers and
     ``logprobs=0`` (the sampled token's log-prob, as the GRPO rollout asks: the rejection sampler then also
     computes the accepted tokens' log-probs).
 
     Returns:
         The result JSON: ``components_s`` ``{engine: {b: {component: seconds}}}`` (quietest of the repeats),
         ``component_runs`` (every repeat's medians), ``verification`` (where each engine's extra time over AR goes,
-        ms), ``acceptance_length`` per engine and b, ``engines``, ``draft``, ``bench_seconds``.
+        ms), ``acceptance_length`` per engine and b, ``recovered_sampler`` (``vllm`` | ``noise_once``),
+        ``engines``, ``draft``, ``bench_seconds``.
     """
     from nemo_rl_spec.bench import step_profile as sp
 
@@ -781,6 +790,12 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
         for name, spec in engines.items()
     }
     log(f"engines up [{time.perf_counter() - t_start:.0f} s]")
+    recovered = "noise_once"
+    if opts.get("vllm_recovered_sampler"):
+        from nemo_rl_spec.models.generation.vllm_patches import use_vllm_recovered_sampler
+
+        use_vllm_recovered_sampler()
+        recovered = "vllm"
     ks = {name: (spec or {}).get("num_speculative_tokens", 0) for name, spec in engines.items()}
     comp, acceptance = profile_components(workers, ks, opts | {"logprobs": 0}, detail=True, log=log)
     for w in workers.values():
@@ -791,6 +806,7 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
         "component_runs": comp,
         "verification": sp.verification_summary(table),
         "acceptance_length": acceptance,
+        "recovered_sampler": recovered,
         "engines": engines,
         "draft": draft if opts["draft"] else "fresh EAGLE-3 head, zero lm_head (never matching)",
         "bench_seconds": time.perf_counter() - t_start,
@@ -898,6 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         opts["step_cost_tokens"] = args.step_cost_tokens
         opts["step_cost_repeats"] = args.step_cost_repeats
         opts["precision"] = cfg.policy.engine_precision
+        opts["vllm_recovered_sampler"] = args.vllm_recovered_sampler
         res = checks.run_isolated(run_spec_profile, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
         res["meta"] = {
             "command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else sys.argv[1:])]),
