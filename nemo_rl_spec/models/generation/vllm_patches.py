@@ -27,7 +27,7 @@ A cost, not a bug (issue 35 item 2, docs/speculative.md "Where a drafting step's
 vLLM's ``sample_recovered_tokens`` fills a [batch, vocab] tensor of exponential noise from the global RNG and then
 refills every row whose request has its own seed from that request's generator, so with seeded requests (every
 rollout row here) the first fill is thrown away. On this CPU the noise is most of the rejection sampler's time
-(~2 ms per request per fill at a 49,152-token vocabulary). :func:`sample_recovered_tokens_noise_once` fills each
+(~1 ms per row per fill at a 49,152-token vocabulary, so ~2 ms per seeded request). :func:`sample_recovered_tokens_noise_once` fills each
 row once; seeded rows get exactly vLLM's values (their own generator, same call), so a fully seeded batch
 verifies to the same tokens; rows without a seed draw from the global RNG as before (other realisations of the
 same distribution, since the global stream is consumed differently). Installed on CPU by
