@@ -909,47 +909,38 @@ def main(argv: list[str] | None = None) -> int:
         "skip_k0": not args.no_skip_k0,
         "quick": quick,
     }
-    if args.spec_profile:
+    if args.spec_profile or args.k0_profile:
         opts["draft"] = None if draft is None else str(draft)
         opts["step_cost_tokens"] = args.step_cost_tokens
         opts["step_cost_repeats"] = args.step_cost_repeats
         opts["precision"] = cfg.policy.engine_precision
-        opts["vllm_recovered_sampler"] = args.vllm_recovered_sampler
-        res = checks.run_isolated(run_spec_profile, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
-        res["meta"] = {
+        threads = int(gen_cfg["vllm_cfg"]["num_threads"])
+        meta = {
             "command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else sys.argv[1:])]),
             "config": args.config,
-            "ks": ks,
             "batches": batches,
             "temperature": cfg.policy.generation.temperature,
+            "engine_dtype": opts["precision"],
+            "seed": args.seed,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        }
+    if args.spec_profile:
+        opts["vllm_recovered_sampler"] = args.vllm_recovered_sampler
+        res = checks.run_isolated(run_spec_profile, opts, threads=threads)
+        res["meta"] = {
+            **meta,
+            "ks": ks,
             "step_cost_tokens": args.step_cost_tokens,
             "step_cost_repeats": args.step_cost_repeats,
             "draft_sample_method": args.draft_sample_method,
-            "engine_dtype": opts["precision"],
-            "num_threads": int(gen_cfg["vllm_cfg"]["num_threads"]),
-            "seed": args.seed,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "num_threads": threads,
         }
         return write_result(res, args.out, format_spec_table(res))
     if args.k0_profile:
-        opts["draft"] = None if draft is None else str(draft)
-        opts["step_cost_tokens"] = args.step_cost_tokens
-        opts["step_cost_repeats"] = args.step_cost_repeats
         opts["rollout_repeats"] = args.rollout_repeats
         opts["groups"] = opts["groups"][:1]
-        opts["precision"] = cfg.policy.engine_precision
-        res = checks.run_isolated(run_k0_profile, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
-        res["meta"] = {
-            "command": " ".join(["examples/bench_spec_rollouts.py", *(argv if argv is not None else sys.argv[1:])]),
-            "config": args.config,
-            "batches": batches,
-            "rollout_batch": R,
-            "temperature": cfg.policy.generation.temperature,
-            "max_new_tokens": max_new,
-            "engine_dtype": opts["precision"],
-            "seed": args.seed,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        }
+        res = checks.run_isolated(run_k0_profile, opts, threads=threads)
+        res["meta"] = {**meta, "rollout_batch": R, "max_new_tokens": max_new}
         return write_result(res, args.out, format_k0_table(res))
     res = checks.run_isolated(run_bench, opts, threads=int(gen_cfg["vllm_cfg"]["num_threads"]))
     res["meta"] = {
