@@ -60,8 +60,10 @@ chmod 0700 /etc/munge; chmod 0400 /etc/munge/munge.key; chmod 0755 /run/munge
 if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
   log "starting munged"
   rm -f /run/munge/munged.pid
-  if id munge >/dev/null 2>&1; then runuser -u munge -- /usr/sbin/munged --force
-  else /usr/sbin/munged --force; fi
+  # 9>&-: munged stays up after this script; it must not keep the fd of ../shared/tools/heavy's lock (fd 9), or
+  # every later heavy job waits for it
+  if id munge >/dev/null 2>&1; then runuser -u munge -- /usr/sbin/munged --force 9>&-
+  else /usr/sbin/munged --force 9>&-; fi
   for _ in $(seq 1 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.2; done
   munge -n | unmunge >/dev/null || { echo "start_local_slurm: munged did not start" >&2; exit 4; }
 fi
