@@ -21,6 +21,7 @@ import torch
 
 from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
 from nemo_rl_spec.speculative.interfaces import DraftTrainerInterface
+from nemo_rl_spec.speculative.ttt_scored import scored_index, scored_ttt_loss
 
 
 class DataParallelSync(Protocol):
@@ -145,7 +146,11 @@ class DraftTrainer(DraftTrainerInterface):
         """Forward + backward of one micro-batch, weighted by its share ``valid tokens / total_tokens`` of the
         whole batch (so the accumulated gradient is that of the token-weighted mean loss).
 
-        Shapes as in :meth:`step`; ``total_tokens`` = :meth:`num_loss_tokens` of the whole batch's mask.
+        Shapes as in :meth:`step`; ``target_logprobs`` may also be the scored tokens' rows only, [N, V] or
+        [N, draft_vocab_size] in :func:`~nemo_rl_spec.speculative.ttt_scored.scored_index` order (what the online
+        draft passes, :func:`~nemo_rl_spec.speculative.ttt_scored.scored_soft_targets`). The loss is
+        :func:`~nemo_rl_spec.speculative.ttt_scored.scored_ttt_loss`: ``ttt_loss`` computed at the scored tokens only.
+        ``total_tokens`` = :meth:`num_loss_tokens` of the whole batch's mask.
         Raises:
             ValueError: an input still requires grad.
         """
@@ -156,8 +161,11 @@ class DraftTrainer(DraftTrainerInterface):
         if valid == 0:
             return
         self.head.train()
-        loss, metrics = self.head.ttt_loss(
-            hidden_states.float(), input_ids, mask, self.ttt_steps, target_logprobs, self.step_weights
+        if target_logprobs is not None and target_logprobs.dim() == 3:
+            rows, cols = scored_index(mask)
+            target_logprobs = target_logprobs[rows, cols - 1]
+        loss, metrics = scored_ttt_loss(
+            self.head, hidden_states.float(), input_ids, mask, self.ttt_steps, target_logprobs, self.step_weights
         )
         share = valid / total_tokens
         (loss * share * self.loss_weight).backward()

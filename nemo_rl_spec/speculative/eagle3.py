@@ -294,6 +294,31 @@ class Eagle3MidLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)) + residual
 
 
+@dataclass
+class _DraftKeyValues:
+    """What one unroll's queries attend to: step 0's keys/values at every index < end (causally), plus each chain's
+    own keys/values of steps 1..j (the drafter KV cache vLLM holds). ``causal`` [W, end]: row i is chain start + i."""
+
+    causal: torch.Tensor
+    scale: float
+    keys0: torch.Tensor | None = None
+    values0: torch.Tensor | None = None
+    diag_k: list[torch.Tensor] = field(default_factory=list)
+    diag_v: list[torch.Tensor] = field(default_factory=list)
+
+    def attend(self, q: torch.Tensor) -> torch.Tensor:
+        """Softmax attention in fp32. Shape: q [B, nh, W, hd] -> ctx [B, nh, W, hd] (float32)."""
+        scores = torch.matmul(q.float(), self.keys0.float().transpose(-1, -2)) * self.scale  # [B, nh, W, end]
+        scores = scores.masked_fill(~self.causal, float("-inf"))
+        diag = [(q.float() * dk.float()).sum(-1, keepdim=True) * self.scale for dk in self.diag_k]  # [B, nh, W, 1]
+        probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
+        n_keys = scores.shape[-1]
+        ctx = torch.matmul(probs[..., :n_keys], self.values0.float())
+        for i, dv in enumerate(self.diag_v):
+            ctx = ctx + probs[..., n_keys + i : n_keys + i + 1] * dv.float()
+        return ctx
+
+
 class Eagle3DraftHead(nn.Module):
     """EAGLE-3 draft head. Parameter names match the speculators/vLLM checkpoint layout:
     ``fc``, ``midlayer.*``, ``norm``, ``lm_head`` (+ buffers ``d2t``, ``t2d`` for a reduced vocabulary).
@@ -412,41 +437,68 @@ class Eagle3DraftHead(nn.Module):
         Shape: aux_hidden [B, S, n_aux * H_t], input_ids [B, S] -> list of num_steps logits [B, S, draft_vocab]
         (float32); ``logits[j][:, t]`` predicts ``input_ids[t+2+j]``.
         """
-        B, S, _ = aux_hidden.shape
-        cfg = self.cfg
-        if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
-        hidden = self.combine(aux_hidden)
-        causal = torch.ones(S, S, dtype=torch.bool, device=aux_hidden.device).tril()
-        scale = 1.0 / math.sqrt(cfg.head_dim)
-        keys0 = values0 = None
-        diag_k: list[torch.Tensor] = []
-        diag_v: list[torch.Tensor] = []
-        logits_per_step = []
-        for j in range(num_steps):
-            if free_running and j > 0:
-                tokens = self.draft_ids[logits_per_step[-1].argmax(-1)]
-            else:
-                tokens = F.pad(input_ids[:, 1 + j :], (0, 1 + j), value=0)[:, :S]
-            x, residual = self.midlayer.pre_attention(self.embed_tokens(tokens), hidden)
-            cos, sin = rope_cos_sin(position_ids + j, cfg.head_dim, cfg.rope_theta)
-            q, k, v = self.midlayer.self_attn.qkv(x, cos, sin)
-            if j == 0:
-                keys0, values0 = k, v
-            else:
-                diag_k.append(k)
-                diag_v.append(v)
-            scores = torch.matmul(q.float(), keys0.float().transpose(-1, -2)) * scale  # [B, nh, S, S]
-            scores = scores.masked_fill(~causal, float("-inf"))
-            diag = [(q.float() * dk.float()).sum(-1, keepdim=True) * scale for dk in diag_k]  # [B, nh, S, 1]
-            probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
-            ctx = torch.matmul(probs[..., :S], values0.float())
-            for i, dv in enumerate(diag_v):
-                ctx = ctx + probs[..., S + i : S + i + 1] * dv.float()
-            attn_out = self.midlayer.self_attn.out(ctx.to(x.dtype))
-            hidden = self.midlayer.post_attention(attn_out, residual)
+        logits_per_step: list[torch.Tensor] = []
+
+        def tokens_of_step(j: int, teacher: torch.Tensor) -> torch.Tensor:
+            return self.draft_ids[logits_per_step[-1].argmax(-1)] if free_running and j > 0 else teacher
+
+        S = aux_hidden.shape[1]
+        for hidden in self._draft_steps(aux_hidden, input_ids, num_steps, position_ids, (0, S), tokens_of_step):
             logits_per_step.append(self.lm_head(self.norm(hidden)).float())
         return logits_per_step
+
+    def unroll_hidden(
+        self,
+        aux_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        num_steps: int,
+        window: tuple[int, int],
+        position_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Teacher-forced :meth:`unroll` for the chain starts t in ``window = (start, end)`` only, before the output
+        layer: the pre-norm output of every draft step (``unroll``'s logits are ``lm_head(norm(.))`` of it). Step 0's
+        keys/values are computed at every index < end (the chains attend to them); the rest of the layer runs on the
+        window only. A loss that scores only some positions needs only the chains that reach them
+        (:func:`~nemo_rl_spec.speculative.ttt_scored.chain_window`).
+
+        Shape: aux_hidden [B, S, n_aux * H_t], input_ids [B, S] -> num_steps tensors [B, end - start, H];
+        ``out[j][:, i]`` is chain t = start + i, whose output predicts ``input_ids[t+2+j]``.
+        """
+        return list(self._draft_steps(aux_hidden, input_ids, num_steps, position_ids, window, None))
+
+    def _draft_steps(self, aux_hidden, input_ids, num_steps, position_ids, window, tokens_of_step):
+        """Yield the pre-norm output [B, end - start, H] of draft steps 0..num_steps-1 for chains [start, end).
+        ``tokens_of_step(j, teacher)`` may replace the teacher tokens [B, S] of step j (free running, window (0, S))."""
+        start, end = window
+        B, S, _ = aux_hidden.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
+        causal = torch.ones(end, end, dtype=torch.bool, device=aux_hidden.device).tril()[start:]
+        kv = _DraftKeyValues(causal, 1.0 / math.sqrt(self.cfg.head_dim))
+        hidden = self.combine(aux_hidden[:, :end])
+        for j in range(num_steps):
+            tokens = F.pad(input_ids[:, 1 + j :], (0, 1 + j), value=0)[:, :S]
+            if tokens_of_step is not None:
+                tokens = tokens_of_step(j, tokens)
+            first = 0 if j == 0 else start
+            hidden = self._draft_step(j, tokens[:, first:end], hidden, position_ids[:, first:end] + j, kv, start)
+            yield hidden
+
+    def _draft_step(self, j, tokens, hidden, positions, kv, start) -> torch.Tensor:
+        """One draft step (module docstring). Step 0 reads indices [0, end) (its keys/values are what every later
+        query attends to) and keeps [start, end); later steps read and return [start, end).
+        Shape: tokens, positions [B, L], hidden [B, L, H] -> [B, end - start, H]."""
+        x, residual = self.midlayer.pre_attention(self.embed_tokens(tokens), hidden)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        q, k, v = self.midlayer.self_attn.qkv(x, cos, sin)
+        if j == 0:
+            kv.keys0, kv.values0 = k, v
+            q, residual = q[:, :, start:], residual[:, start:]
+        else:
+            kv.diag_k.append(k)
+            kv.diag_v.append(v)
+        attn_out = self.midlayer.self_attn.out(kv.attend(q).to(x.dtype))
+        return self.midlayer.post_attention(attn_out, residual)
 
     @torch.no_grad()
     def propose_greedy(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, num_steps: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from nemo_rl_spec.speculative.capture import HiddenStateCapture, capture_hidden_states
 from nemo_rl_spec.speculative.draft_trainer import DataParallelSync, DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
+from nemo_rl_spec.speculative.ttt_scored import scored_soft_targets
 from nemo_rl_spec.utils.config_schema import DraftConfig
 from nemo_rl_spec.utils.dtypes import cast_state
 
@@ -126,12 +127,17 @@ class OnlineDraft:
     def accumulate(
         self, cap: HiddenStateCapture, input_ids: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor
     ) -> None:
-        """Draft forward/backward on one captured micro-batch.
+        """Draft forward/backward on one captured micro-batch, at the scored (response) tokens only: the soft targets
+        ``log_softmax(logits / T)`` at those tokens in the draft vocabulary's columns
+        (:func:`~nemo_rl_spec.speculative.ttt_scored.scored_soft_targets`) and the TTT loss there
+        (:func:`~nemo_rl_spec.speculative.ttt_scored.scored_ttt_loss`; the same loss and gradients as at every position).
 
         Shape: input_ids [b, s], loss_mask [b, s], logits [b, s, V] (the policy's, detached here).
         """
         t0 = time.perf_counter()
-        target = torch.log_softmax(logits.detach().float() / self.temperature, dim=-1)
+        cfg = self.head.cfg
+        draft_ids = self.head.draft_ids if cfg.draft_vocab_size != cfg.vocab_size else None
+        target = scored_soft_targets(logits, loss_mask, self.temperature, draft_ids)
         self.trainer.accumulate(cap.aux_hidden(), input_ids, loss_mask, target, self._total)
         self._seconds += time.perf_counter() - t0
 

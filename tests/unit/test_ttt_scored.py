@@ -1,0 +1,189 @@
+"""The online draft's TTT loss at the scored tokens only (nemo_rl_spec/speculative/ttt_scored.py) against the
+full-position formula it replaces, written out here: the same loss, gradients and metrics to fp32 rounding, on tiny
+random heads (reduced and full vocabulary), a mask with holes, rows without scored tokens, soft and hard targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
+from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
+from nemo_rl_spec.speculative.online import OnlineDraft
+from nemo_rl_spec.speculative.ttt_scored import chain_window, scored_index, scored_soft_targets, scored_ttt_loss
+from nemo_rl_spec.utils.config_schema import DraftConfig
+
+torch.set_num_threads(1)
+V, H, S, K, T = 64, 16, 14, 3, 0.7
+# Prompts of 3-5 tokens, responses with holes (masked-out tokens inside a response), right padding, one row with
+# nothing to score, one scored token at the first scorable index (2) and one at the last (S - 1).
+MASK = torch.tensor(
+    [
+        [0, 0, 0, 1, 1, 0, 1, 1, 1, 0, 0, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1],
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 1, 1, 1, 0, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0],
+    ],
+    dtype=torch.bool,
+)
+
+
+def make_head(draft_vocab_size: int | None, seed: int = 0) -> Eagle3DraftHead:
+    """A random head with visible weights (std 0.3, norms off 1) and a random embedding."""
+    cfg = Eagle3Config(
+        vocab_size=V,
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=32,
+        aux_layer_ids=(0, 1, 2),
+        target_num_hidden_layers=2,
+        draft_vocab_size=draft_vocab_size,
+    )
+    head = Eagle3DraftHead(cfg)
+    head.reset_parameters(seed=seed, std=0.3)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+    head.set_target_embeddings(torch.randn(V, H, generator=gen))
+    if draft_vocab_size is not None:
+        head.set_draft_vocab(torch.randperm(V, generator=gen)[:draft_vocab_size].sort().values)
+    return head
+
+
+def make_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """aux hidden [B, S, 3H], input_ids [B, S], policy logits [B, S, V] (scale 3: peaked and flat rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    B = MASK.shape[0]
+    return (
+        torch.randn(B, S, 3 * H, generator=gen),
+        torch.randint(0, V, (B, S), generator=gen),
+        3.0 * torch.randn(B, S, V, generator=gen),
+    )
+
+
+def reference_loss(head, aux, ids, mask, logits, weights, soft=True):
+    """The pre-restriction formula, at every position: soft targets log_softmax(logits / T) [B, S, V], the draft's
+    logits at every chain of every step, each term weighted by the mask, mean per step, weighted mean of steps."""
+    target = torch.log_softmax(logits.float() / T, dim=-1).index_select(-1, head.draft_ids)
+    per_step, metrics = [], {}
+    for j, step_logits in enumerate(head.unroll(aux, ids, K)):
+        shift = 2 + j
+        logq = torch.log_softmax(step_logits[:, : S - shift], dim=-1)
+        tokens, valid = ids[:, shift:], mask[:, shift:].clone()
+        if soft:
+            per_tok = -(target[:, shift - 1 : S - 1].exp() * logq).sum(-1)
+        else:
+            draft_tok = head.target_to_draft[tokens]
+            valid &= draft_tok >= 0
+            per_tok = -logq.gather(-1, draft_tok.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        n = valid.sum().clamp_min(1)
+        per_step.append((per_tok * valid).sum() / n)
+        pred = head.draft_ids[step_logits[:, : S - shift].argmax(-1)]
+        metrics[f"draft_acc_step{j}"] = float(((pred == tokens) & valid).sum() / n)
+        metrics[f"draft_loss_step{j}"] = float(per_step[-1].detach())
+    return sum(w * s for w, s in zip(weights, per_step, strict=True)) / sum(weights), metrics
+
+
+def control_positions(head, ids) -> list[tuple[int, int]]:
+    """The last scored token and the last hole inside a response whose tokens the draft vocabulary holds (a hard
+    target outside it scores nothing either way)."""
+    in_vocab = head.target_to_draft[ids] >= 0
+    scored = [(r, q) for r, q in zip(*scored_index(MASK & in_vocab), strict=True)]
+    holes = [(r, q) for r, q in zip(*scored_index(~MASK & in_vocab), strict=True) if MASK[r, :q].any()]
+    return [tuple(map(int, scored[-1])), tuple(map(int, holes[-1]))]
+
+
+def grads_of(head, loss) -> dict[str, torch.Tensor]:
+    head.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in head.named_parameters() if p.requires_grad}
+
+
+def assert_same(new: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert new.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(new[name], ref[name], rtol=2e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("draft_vocab_size", [24, None], ids=["reduced_vocab", "full_vocab"])
+@pytest.mark.parametrize("soft", [True, False], ids=["soft", "hard"])
+def test_scored_loss_and_gradients_equal_the_full_position_formula(draft_vocab_size, soft):
+    head = make_head(draft_vocab_size)
+    aux, ids, logits = make_batch()
+    weights = [1.0, 0.7, 0.3]
+    ref, ref_metrics = reference_loss(head, aux, ids, MASK, logits, weights, soft)
+    ref_grads = grads_of(head, ref)
+    targets = scored_soft_targets(logits, MASK, T, head.draft_ids) if soft else None
+    new, metrics = scored_ttt_loss(head, aux, ids, MASK, K, targets, weights)
+    torch.testing.assert_close(new, ref, rtol=1e-6, atol=0.0)
+    assert_same(grads_of(head, new), ref_grads)
+    assert metrics.keys() == ref_metrics.keys()
+    for key, value in ref_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    # control: the comparison sees one scored position dropped, or a hole filled, at this tolerance
+    for r, q in control_positions(head, ids):
+        changed = MASK.clone()
+        changed[r, q] = not changed[r, q]
+        other, _ = reference_loss(head, aux, ids, changed, logits, weights, soft)
+        assert abs(float(other.detach()) - float(new.detach())) > 1e-4 * abs(float(new))
+
+
+def test_scored_soft_targets_are_the_full_log_softmax_rows():
+    head = make_head(24)
+    _, _, logits = make_batch(1)
+    rows, cols = scored_index(MASK)
+    assert len(rows) == DraftTrainer.scored_tokens(MASK) == int(MASK[:, 2:].sum())
+    assert bool(MASK[rows, cols].all()) and int(cols.min()) == 2 and int(cols.max()) == S - 1
+    full = torch.log_softmax(logits.bfloat16().float() / T, dim=-1)
+    got = scored_soft_targets(logits.bfloat16(), MASK, T, head.draft_ids)
+    torch.testing.assert_close(got, full[rows, cols - 1][:, head.draft_ids], rtol=0.0, atol=1e-6)
+
+
+def test_chain_window_covers_exactly_the_chains_that_score():
+    rows, cols = scored_index(MASK)
+    start, end = chain_window(cols, K, S)
+    chains = {int(q) - 2 - j for q in cols for j in range(K) if int(q) - 2 - j >= 0}
+    assert (start, end) == (min(chains), max(chains) + 1) == (0, S - 2)
+    lone = torch.zeros(2, 20, dtype=torch.bool)
+    lone[1, 12] = lone[0, 15] = True
+    assert chain_window(scored_index(lone)[1], 3, 20) == (12 - 2 - 2, 15 - 2 + 1)
+    assert chain_window(scored_index(torch.zeros(2, 20, dtype=torch.bool))[1], 3, 20) == (0, 20)
+
+
+def test_online_draft_step_equals_the_full_position_formula():
+    """OnlineDraft.begin / accumulate (two micro-batches) / gradients, against the reference weighted by each
+    micro-batch's share of the scored tokens, as the trainer did before."""
+    head = make_head(24)
+    ref_head = make_head(24)
+    aux, ids, logits = make_batch(2)
+    draft = OnlineDraft(head, DraftConfig(online=True), ttt_steps=K, temperature=T)
+    draft.begin(head.embed_tokens.weight.detach().clone(), MASK)
+    parts = (slice(0, 2), slice(2, 5))
+    for sl in parts:
+        draft.accumulate(_Captured(aux[sl]), ids[sl], MASK[sl], logits[sl])
+    total = DraftTrainer.scored_tokens(MASK)
+    weights = [0.8**j for j in range(K)]
+    ref = sum(
+        reference_loss(ref_head, aux[sl], ids[sl], MASK[sl], logits[sl], weights)[0]
+        * (DraftTrainer.scored_tokens(MASK[sl]) / total)
+        for sl in parts
+    )
+    ref_grads = grads_of(ref_head, ref)
+    assert_same({n: p.grad for n, p in head.named_parameters() if p.requires_grad}, ref_grads)
+    metrics = draft.finish()
+    assert metrics["draft_loss"] == pytest.approx(float(ref), rel=1e-6)
+
+
+class _Captured:
+    """Stands in for a HiddenStateCapture: the aux hidden states of one micro-batch."""
+
+    def __init__(self, aux: torch.Tensor) -> None:
+        self._aux = aux
+
+    def aux_hidden(self) -> torch.Tensor:
+        return self._aux
