@@ -37,6 +37,7 @@ from nemo_rl_spec.models.hf_weight_mapping import check_tp_size, model_spec_from
 from nemo_rl_spec.models.mtp_export import mtp_drafter_support_error
 from nemo_rl_spec.models.policy.interfaces import PolicyController
 from nemo_rl_spec.models.policy.lm_policy import Policy, prefetch_worker_class
+from nemo_rl_spec.speculative.calibration import resolve_step_costs
 from nemo_rl_spec.speculative.metrics import SpecDecodeCounters, SpeculationMonitor
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import ConfigError, to_yaml
@@ -400,7 +401,8 @@ def build_allocator(cfg: MasterConfig, pool_size: int, problems: list[dict] | No
 
 def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], PlacementPlan]:
     """Every check :func:`setup` makes before Ray starts: draft directory, model, data, MTP drafter, TP split, the
-    placement plan and the Ray address. Returns ``(model_path, tokenizer, train problems, validation problems, plan)``.
+    step costs of the batch-size-aware schedule (``step_costs: auto`` resolved for this machine), the placement
+    plan and the Ray address. Returns ``(model_path, tokenizer, train problems, validation problems, plan)``.
 
     Raises:
         ConfigError: naming the key whose file, model or layout does not work.
@@ -414,6 +416,9 @@ def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], Plac
     train, val = load_datasets(cfg)
     check_mtp_drafter_model(cfg, model_path)
     check_tensor_parallel_model(cfg, model_path)
+    step_costs = resolve_step_costs(cfg, model_path)  # `step_costs: auto` -> this machine's table entry
+    if step_costs is not None:
+        log_only(f"dynamic speculation: step costs from {step_costs}")
     plan = plan_placement(cfg)  # ConfigError when the recipe does not fit its cluster, before Ray starts
     check_ray_address(cfg)
     return model_path, tokenizer, train, val, plan

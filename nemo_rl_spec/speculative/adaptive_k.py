@@ -162,12 +162,18 @@ def schedule_from_config(cfg: DynamicSpeculationConfig | Mapping[str, Any], max_
     """The schedule a ``policy.generation.dynamic_speculation`` section describes (explicit or derived).
 
     Raises:
-        ValueError: derivation without an acceptance rate (neither in the config nor in the file).
+        ValueError: derivation without an acceptance rate (neither in the config nor in the file), or
+            ``step_costs: auto`` not yet resolved to a table entry.
     """
     if not isinstance(cfg, DynamicSpeculationConfig):
         cfg = DynamicSpeculationConfig(**cfg)
     if cfg.num_speculative_tokens_per_batch_size is not None:
         return validate_schedule(cfg.num_speculative_tokens_per_batch_size)
+    if cfg.step_costs == "auto":
+        raise ValueError(
+            "policy.generation.dynamic_speculation.step_costs=auto was not resolved: call "
+            "nemo_rl_spec.speculative.calibration.resolve_step_costs(cfg, model_path) before building engines"
+        )
     data = load_step_costs(cfg.step_costs)
     a = cfg.acceptance_rate if cfg.acceptance_rate is not None else data.get("acceptance_rate")
     if a is None:

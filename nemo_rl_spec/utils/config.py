@@ -208,7 +208,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> MasterConfig
         ConfigError: see :func:`load_yaml_with_defaults`, :func:`apply_overrides`, :func:`validate_config`.
     """
     cfg = apply_overrides(load_yaml_with_defaults(path), overrides)
-    return validate_config(OmegaConf.to_container(cfg, resolve=True), source=str(path))
+    master = validate_config(OmegaConf.to_container(cfg, resolve=True), source=str(path))
+    master._recipe_args = (str(path), *overrides)
+    return master
 
 
 def to_yaml(cfg: MasterConfig) -> str:

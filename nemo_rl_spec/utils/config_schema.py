@@ -716,6 +716,13 @@ class MasterConfig(_Strict):
     logger: LoggerConfig
     checkpointing: CheckpointingConfig
     cluster: ClusterConfig
+    _recipe_args: tuple[str, ...] = PrivateAttr(default=())  # (recipe path, *overrides) as load_config got them
+
+    @property
+    def recipe_args(self) -> tuple[str, ...]:
+        """The recipe path and the overrides this config was loaded with (``load_config``); empty for a config
+        validated from a dict. Error messages use them to print the exact command of a follow-up tool."""
+        return self._recipe_args
 
     @model_validator(mode="after")
     def _resolve_precision(self) -> "MasterConfig":

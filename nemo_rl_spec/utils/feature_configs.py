@@ -122,8 +122,11 @@ class DynamicSpeculationConfig(BaseModel):
     - ``num_speculative_tokens_per_batch_size``: ``[[first, last, k], ...]`` inclusive batch-size ranges (vLLM's
       format; the first range starts at 1; k = 0 turns drafting off for that range);
     - ``step_costs``: a JSON file with measured step costs (``examples/bench_spec_rollouts.py --out FILE``
-      writes them under ``"step_costs"``; see :func:`load_step_costs`); the schedule is :func:`derive_schedule`
-      of it, with ``acceptance_rate`` (per-token acceptance a; None: the file's) and ``min_speedup``.
+      writes them under ``"step_costs"``; see :func:`load_step_costs`), or ``auto``: the entry measured for this
+      machine, engine dtype and model (:mod:`nemo_rl_spec.speculative.calibration`; written by
+      ``examples/calibrate_spec_schedule.py``; resolved before any worker starts, a clear error when there is
+      none); the schedule is :func:`derive_schedule` of it, with ``acceptance_rate`` (per-token acceptance a;
+      None: the file's; an ``auto`` entry has none, so set it) and ``min_speedup``.
 
     ``max_batch_size``: largest running batch the derived schedule covers (larger ones keep the last k).
     ``drafter_pass_at_k0``: keep vLLM's drafter forward pass on k = 0 steps (its KV cache stays complete); false
@@ -149,14 +152,15 @@ class DynamicSpeculationConfig(BaseModel):
     @field_validator("step_costs")
     @classmethod
     def _step_costs_file(cls, value: str | None) -> str | None:
-        """An existing file, made absolute here (Ray actors may run elsewhere than the driver's directory)."""
-        if value is None:
-            return None
+        """An existing file, made absolute here (Ray actors may run elsewhere than the driver's directory), or
+        ``auto`` (kept; resolved by :func:`~nemo_rl_spec.speculative.calibration.resolve_step_costs`)."""
+        if value is None or value == "auto":
+            return value
         path = Path(value)
         if not path.is_file():
             raise ValueError(
                 f"policy.generation.dynamic_speculation.step_costs: no file {value} (write one with "
-                "examples/bench_spec_rollouts.py --out FILE)"
+                "examples/bench_spec_rollouts.py --out FILE, or set auto: the calibration table of this machine)"
             )
         return str(path.resolve())
 
