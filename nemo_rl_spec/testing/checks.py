@@ -34,7 +34,12 @@ from nemo_rl_spec.models.generation.vllm_patches import (
 )
 from nemo_rl_spec.models.hf_assets import default_cache_root
 from nemo_rl_spec.speculative.draft_refit import drafter_state_dict, refit_drafter
-from nemo_rl_spec.speculative.metrics import LowAcceptanceAlarm, SpecDecodeMeter, read_spec_decode_counters
+from nemo_rl_spec.speculative.metrics import (
+    LowAcceptanceAlarm,
+    SpecDecodeMeter,
+    attach_spec_decode_counter,
+    read_spec_decode_counters,
+)
 from nemo_rl_spec.speculative.offline import train_draft_on_sequences
 from nemo_rl_spec.testing.lossless import (
     install_proposal_recorder,
@@ -115,7 +120,10 @@ def make_llm(
     if speculative_config:
         args["speculative_config"] = dict(speculative_config)
     args.update(kwargs)
-    return LLM(**args)
+    llm = LLM(**args)
+    if args.get("disable_log_stats") is False:
+        attach_spec_decode_counter(llm)  # this engine's own counts, from its first step
+    return llm
 
 
 def shutdown(llm) -> None:

@@ -63,7 +63,7 @@ from nemo_rl_spec.models.generation.vllm_patches import (
     install_lossy_sampler,
 )
 from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule, install_k0_paths
-from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+from nemo_rl_spec.speculative.metrics import attach_spec_decode_counter, read_spec_decode_counters
 from nemo_rl_spec.utils.config_schema import GenerationConfig
 
 __all__ = ["VllmGenerationWorker", "vllm_runtime_env", "derive_row_seeds"]
@@ -192,6 +192,7 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         start = time.perf_counter()
         self.llm = LLM(**engine_kwargs)
         if self.speculative:
+            attach_spec_decode_counter(self.llm)  # this engine's own counts (not the process-global registry's)
             self._install_k0_paths(engine_kwargs["speculative_config"])
         self._warm_up()
         self.engine_start_s = time.perf_counter() - start
