@@ -53,6 +53,7 @@ from nemo_rl_spec.bench.engine_steps import (  # noqa: F401  (re-exported: the e
     never_matching_weights,
     profile_components,
     run_requests,
+    time_rollout,
 )
 
 DEFAULT_RECIPE = "configs/grpo_math_smollm2_135m.yaml"
@@ -173,17 +174,8 @@ def run_bench(opts: dict[str, Any]) -> dict[str, Any]:
         return {"s": decode_step_cost(res, b, k), "counters": res["counters"]}
 
     def rollout(worker, r: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        before = worker.spec_counters()
-        out = worker.generate({"prompt_token_ids": groups[r]}, n=G, seed=seed + 1000 + r)
-        seconds = time.perf_counter() - t0
-        tokens = int((out["unpadded_sequence_lengths"] - out["input_lengths"]).sum())
-        counters = (worker.spec_counters() - before) if before is not None else None
-        return {
-            "seconds": seconds,
-            "tokens": tokens,
-            "acceptance_length": counters.acceptance_length if counters else None,
-        }
+        res = time_rollout(worker, groups[r], G, seed + 1000 + r)
+        return {k: res[k] for k in ("seconds", "tokens", "acceptance_length")}
 
     t_start = time.perf_counter()
     ar = build_worker(gen_cfg, model_path, seed)

@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_accuracy": float(greedy.rewards.mean()),
         **pass_rate_summary(sampled.rewards, args.n),
         "mean_response_tokens": float(lengths.mean()),
+        "response_tokens_p10_p50_p90_max": [float(lengths.quantile(q)) for q in (0.1, 0.5, 0.9)]
+        + [float(lengths.max())],
+        "share_at_max_new_tokens": float((lengths >= cfg.policy.generation.max_new_tokens).float().mean()),
         "seconds": round(time.perf_counter() - start, 1),
         "example_response": sampled.responses[0][:300],
     }

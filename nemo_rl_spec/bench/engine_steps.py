@@ -123,6 +123,42 @@ def run_requests(
     }
 
 
+def time_rollout(worker, prompts: list[list[int]], n: int, seed: int) -> dict[str, Any]:
+    """Time one GRPO rollout call, ``worker.generate(prompts, n=n, seed=seed)`` (natural lengths), step by step.
+
+    Args:
+        worker: a :class:`VllmGenerationWorker`.
+        prompts: P prompts as token-id lists; the call generates P x ``n`` rows.
+        n: generations per prompt.
+        seed: the rollout seed (per-row seeds derive from it, as in the GRPO loop).
+
+    Returns:
+        ``seconds`` (wall), ``tokens`` (generated), ``response_tokens`` (per row, length P x n),
+        ``acceptance_length`` (vLLM's counters over the call; None on an autoregressive engine) and
+        ``seconds_by_batch`` ({running batch b: seconds of the engine steps that ran b requests}).
+    """
+    before = worker.spec_counters()
+    timer = StepTimer(worker.llm)
+    try:
+        t0 = time.perf_counter()
+        out = worker.generate({"prompt_token_ids": prompts}, n=n, seed=seed)
+        seconds = time.perf_counter() - t0
+    finally:
+        timer.remove()
+    lengths = (out["unpadded_sequence_lengths"] - out["input_lengths"]).tolist()
+    by_batch: dict[int, float] = {}
+    for s, b, _ in timer.records:
+        by_batch[b] = by_batch.get(b, 0.0) + s
+    counters = (worker.spec_counters() - before) if before is not None else None
+    return {
+        "seconds": seconds,
+        "tokens": int(sum(lengths)),
+        "response_tokens": [int(x) for x in lengths],
+        "acceptance_length": counters.acceptance_length if counters else None,
+        "seconds_by_batch": dict(sorted(by_batch.items())),
+    }
+
+
 def never_matching_weights(draft_dir: str) -> tuple[dict, dict]:
     """(in-domain weights, the same with a zero lm_head): all draft logits equal, so the draft always proposes its
     first vocabulary entry (the smallest token id in its vocabulary)."""
