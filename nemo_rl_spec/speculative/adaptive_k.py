@@ -213,7 +213,7 @@ def apply_batch_size_schedule(engine_kwargs: dict[str, Any], generation_cfg: Map
     return {**engine_kwargs, "speculative_config": spec.engine_dict()}
 
 
-def _skip_drafter_at_k0(worker) -> None:
+def _skip_drafter_at_k0(worker, keep_pass_up_to: int = 0) -> None:
     import torch  # lazy: this module imports without torch
 
     runner = worker.model_runner
@@ -223,16 +223,16 @@ def _skip_drafter_at_k0(worker) -> None:
     propose = drafter.propose
 
     def propose_or_skip(num_speculative_tokens, *args, **kwargs):
-        if num_speculative_tokens == 0:
-            cad = kwargs["common_attn_metadata"]
+        cad = kwargs["common_attn_metadata"]
+        if num_speculative_tokens == 0 and cad.batch_size() > keep_pass_up_to:
             return torch.empty(cad.batch_size(), 0, dtype=torch.int64, device=kwargs["target_positions"].device)
         return propose(num_speculative_tokens, *args, **kwargs)
 
     drafter.propose = propose_or_skip
     drafter._nemo_rl_spec_skip_k0 = True
 
-    # The drafter is the only reader of the target's auxiliary hidden states (EAGLE-3): on a step whose proposals
-    # are k = 0 the target forward does not capture them either (vLLM's plain forward, one tensor out).
+    # The drafter is the only reader of the target's auxiliary hidden states (EAGLE-3): on a step whose drafter
+    # pass is skipped the target forward does not capture them either (vLLM's plain forward, one tensor out).
     model = runner.get_model()
     inner = getattr(model, "model", None)
     layers = getattr(inner, "aux_hidden_state_layers", None)
@@ -242,30 +242,37 @@ def _skip_drafter_at_k0(worker) -> None:
 
     def execute_model_aux_when_drafting(scheduler_output, *args, **kwargs):
         drafting = int(getattr(scheduler_output, "num_spec_tokens_to_schedule", 1) or 0) > 0
+        drafter_runs = drafting or (
+            keep_pass_up_to > 0 and len(scheduler_output.num_scheduled_tokens) <= keep_pass_up_to
+        )
         # read again by sample_tokens -> propose_draft_token_ids of the same step: stays set until the next step
-        runner.use_aux_hidden_state_outputs = drafting
-        inner.aux_hidden_state_layers = layers if drafting else ()
+        runner.use_aux_hidden_state_outputs = drafter_runs
+        inner.aux_hidden_state_layers = layers if drafter_runs else ()
         return execute_model(scheduler_output, *args, **kwargs)
 
     runner.execute_model = execute_model_aux_when_drafting
 
 
-def install_drafter_skip_at_k0(llm) -> None:
+def install_drafter_skip_at_k0(llm, keep_pass_up_to: int = 0) -> None:
     """Skip the EAGLE drafter's forward pass, and the target's auxiliary hidden-state capture, on engine steps
-    whose proposals the schedule sets to k = 0.
+    whose proposals the schedule sets to k = 0 and whose running batch is above ``keep_pass_up_to`` (0: every
+    k = 0 step).
 
     vLLM runs the drafter's first pass at k = 0 so that its KV cache holds every position when drafting resumes
     (``EagleProposer.propose``). Skipped, those positions' drafter KV slots are never written: when the batch
     shrinks and drafting resumes, the drafter attends to stale slots for them, which can only lower acceptance.
-    Verification is untouched, so outputs stay lossless (the target decides every token). Trade measured by
-    ``examples/bench_spec_rollouts.py`` (``batch_aware_skip_k0``); turned on by
-    ``policy.generation.dynamic_speculation.drafter_pass_at_k0: false``, and always when the schedule gives k = 0
-    at every batch size (the drafter never proposes, so its KV cache is never read).
+    ``keep_pass_up_to`` above the schedule's drafting range keeps the pass on the k = 0 steps just above it, so a
+    request that reaches the drafting range has its most recent positions in the drafter's cache. Verification is
+    untouched, so outputs stay lossless (the target decides every token). Trade measured by
+    ``examples/bench_spec_rollouts.py`` (``batch_aware_skip_k0``) and ``examples/bench_spec_schedule.py``; turned on
+    by ``policy.generation.dynamic_speculation.drafter_pass_at_k0: false`` (0) or ``drafter_pass_max_batch: N``
+    (N), and always when the schedule gives k = 0 at every batch size (the drafter never proposes, so its KV cache
+    is never read).
 
     Raises:
         AttributeError: the engine has no drafter (no model-based ``speculative_config``).
     """
-    llm.collective_rpc(_skip_drafter_at_k0)
+    llm.collective_rpc(_skip_drafter_at_k0, args=(keep_pass_up_to,))
 
 
 def _plain_step_when_not_drafting(worker) -> None:
@@ -306,7 +313,7 @@ def install_k0_paths(
     that carry no draft (:func:`install_plain_step_without_drafts`; unless ``dynamic_speculation.plain_step_at_k0``
     is false), and no drafter pass nor auxiliary hidden states on k = 0 steps (:func:`install_drafter_skip_at_k0`)
     when ``drafter_pass_at_k0`` is false or the engine's schedule gives k = 0 at every batch size (then nothing
-    ever reads the drafter's KV cache).
+    ever reads the drafter's KV cache), or on k = 0 steps above ``drafter_pass_max_batch`` running requests.
 
     Args:
         speculative_config: the engine's ``speculative_config`` as passed to ``vllm.LLM`` (schedule applied).
@@ -325,3 +332,5 @@ def install_k0_paths(
     never_drafts = plain and bool(schedule) and max(k for _, _, k in schedule) == 0
     if never_drafts or not dynamic.drafter_pass_at_k0:
         install_drafter_skip_at_k0(llm)
+    elif dynamic.drafter_pass_max_batch is not None:
+        install_drafter_skip_at_k0(llm, dynamic.drafter_pass_max_batch)

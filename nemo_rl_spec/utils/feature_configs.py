@@ -132,6 +132,10 @@ class DynamicSpeculationConfig(BaseModel):
     ``drafter_pass_at_k0``: keep vLLM's drafter forward pass on k = 0 steps (its KV cache stays complete); false
     skips it (:func:`~nemo_rl_spec.speculative.adaptive_k.install_drafter_skip_at_k0`: cheaper k = 0 steps, stale
     drafter KV for those positions once drafting resumes; lossless either way).
+    ``drafter_pass_max_batch`` (with ``drafter_pass_at_k0: true``): keep that pass only on k = 0 steps with at
+    most this many running requests (None: on every k = 0 step); above it the pass and the target's auxiliary
+    hidden states are skipped. Set it above the schedule's drafting range: requests reaching that range then have
+    their recent positions in the drafter's cache, while large-batch steps cost what an autoregressive step costs.
     ``plain_step_at_k0`` (issue 35): engine steps that carry no draft token take vLLM's plain sampler (no rejection
     sampler), and a schedule with k = 0 at every batch size also skips the drafter's pass and the target's auxiliary
     hidden states (:func:`~nemo_rl_spec.speculative.adaptive_k.install_plain_step_without_drafts`); false keeps
@@ -147,6 +151,7 @@ class DynamicSpeculationConfig(BaseModel):
     min_speedup: float = Field(default=1.0, gt=0.0)
     max_batch_size: PositiveInt = 256
     drafter_pass_at_k0: bool = True
+    drafter_pass_max_batch: PositiveInt | None = None
     plain_step_at_k0: bool = True
 
     @field_validator("step_costs")
@@ -172,6 +177,12 @@ class DynamicSpeculationConfig(BaseModel):
                 "policy.generation.dynamic_speculation: set exactly one of "
                 "num_speculative_tokens_per_batch_size (explicit schedule) or step_costs (a JSON file "
                 "of measured step costs)"
+            )
+        if self.drafter_pass_max_batch is not None and not self.drafter_pass_at_k0:
+            raise ValueError(
+                "policy.generation.dynamic_speculation.drafter_pass_max_batch="
+                f"{self.drafter_pass_max_batch} needs drafter_pass_at_k0: true (false skips the pass on every "
+                "k = 0 step; the limit would do nothing)"
             )
         if self.num_speculative_tokens_per_batch_size is not None:
             validate_schedule(self.num_speculative_tokens_per_batch_size)

@@ -141,8 +141,8 @@ class _FakeLLM:
     def __init__(self, worker):
         self.worker = worker
 
-    def collective_rpc(self, fn):
-        return [fn(self.worker)]
+    def collective_rpc(self, fn, args=()):
+        return [fn(self.worker, *args)]
 
 
 class _Meta:
@@ -202,12 +202,50 @@ def test_drafter_skip_turns_aux_capture_off_on_k0_steps_only():
     assert calls[-1] == ("propose", 2)
 
 
+def test_drafter_pass_kept_up_to_a_running_batch():
+    """drafter_pass_max_batch = 6: k = 0 steps keep the drafter's pass (and the aux capture) at <= 6 running
+    requests, skip both above; drafting steps always run it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nemo_rl_spec.speculative.adaptive_k import install_drafter_skip_at_k0
+
+    worker, calls = _fake_worker()
+    install_drafter_skip_at_k0(_FakeLLM(worker), 6)
+    runner = worker.model_runner
+
+    def step(k, batch):
+        runner.execute_model(
+            SimpleNamespace(num_spec_tokens_to_schedule=k, num_scheduled_tokens=dict.fromkeys(range(batch), 1))
+        )
+        cad = SimpleNamespace(batch_size=lambda: batch)
+        return runner.drafter.propose(k, common_attn_metadata=cad, target_positions=torch.zeros(batch))
+
+    assert step(0, 8).shape == (8, 0)  # above the limit: no capture, no pass
+    step(0, 6)  # at the limit: capture and pass
+    step(3, 2)
+    assert calls == [(False, ()), (True, (2, 15, 27)), ("propose", 0), (True, (2, 15, 27)), ("propose", 3)]
+
+
+def test_drafter_pass_max_batch_needs_the_pass():
+    from nemo_rl_spec.utils.feature_configs import DynamicSpeculationConfig
+
+    with pytest.raises(ValueError, match="drafter_pass_max_batch=8 needs drafter_pass_at_k0: true"):
+        DynamicSpeculationConfig(
+            num_speculative_tokens_per_batch_size=[[1, 4, 3], [5, 32, 0]],
+            drafter_pass_at_k0=False,
+            drafter_pass_max_batch=8,
+        )
+
+
 @pytest.mark.parametrize(
     "schedule,extra,plain,skip",
     [
         ([[1, 1024, 0]], {}, True, True),  # never drafts: both
         ([[1, 4, 3], [5, 32, 0]], {}, True, False),  # can draft: keep the drafter's KV pass
         ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_at_k0": False}, True, True),
+        ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_max_batch": 8}, True, True),  # skipped above 8 only
         ([[1, 1024, 0]], {"plain_step_at_k0": False}, False, False),  # vLLM's own path (before issue 35)
     ],
 )
