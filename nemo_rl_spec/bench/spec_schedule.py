@@ -15,6 +15,8 @@ Measured, every pair interleaved and its order alternated:
   prompts and seed for both engines. ``speedup`` = AR seconds / speculative seconds, per group and over all groups
   (total over total). Also: each engine's seconds by running batch size (where a rollout spends its time) and the
   response lengths.
+- ``--variant KEY=VALUE ...``: a second speculative engine, the recipe's with these ``policy.generation.
+  dynamic_speculation`` keys changed (one change: an ablation measured in the same process, every trio interleaved).
 - **Running-batch sweep**: at each b in ``--batches`` (default 1-64), b requests of ``--sweep-tokens`` tokens with
   ``ignore_eos`` and at most b running, so the running batch is b for the whole run; tokens/s of each engine,
   ``--sweep-repeats`` interleaved pairs, speedup = the median over pairs of spec tokens/s / AR tokens/s, with the
@@ -57,13 +59,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--batches", type=int, nargs="*", default=list(DEFAULT_BATCHES), help="sweep's running batches")
     p.add_argument("--sweep-tokens", type=int, default=32, help="tokens per request in the sweep (default 32)")
     p.add_argument("--sweep-repeats", type=int, default=3, help="interleaved pairs per sweep point (default 3)")
+    p.add_argument(
+        "--variant",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a second speculative engine: the recipe's with these dynamic_speculation keys changed",
+    )
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_known_args(argv)
 
 
-def _pair_order(i: int) -> tuple[str, str]:
-    """Engine order of the i-th interleaved pair: AR first on even pairs, speculative first on odd ones."""
-    return ("ar", "spec") if i % 2 == 0 else ("spec", "ar")
+def _order(names: list[str], i: int) -> list[str]:
+    """Engine order of the i-th interleaved run: ``names`` rotated by i (AR first, then second, ...)."""
+    j = i % len(names)
+    return names[j:] + names[:j]
 
 
 def measure(opts: dict[str, Any]) -> dict[str, Any]:
@@ -83,22 +93,22 @@ def measure(opts: dict[str, Any]) -> dict[str, Any]:
     """
     t0 = time.perf_counter()
     gen_cfg, path, seed, prec = opts["gen_cfg"], opts["model_path"], opts["seed"], opts["precision"]
-    engines = {
-        "ar": build_worker(gen_cfg, path, seed, None, None, precision=prec),
-        "spec": build_worker(gen_cfg, path, seed, opts["spec"], gen_cfg["dynamic_speculation"], precision=prec),
-    }
+    engines = {"ar": build_worker(gen_cfg, path, seed, None, None, precision=prec)}
+    for name, dynamic in opts["dynamic"].items():
+        engines[name] = build_worker(gen_cfg, path, seed, opts["spec"], dynamic, precision=prec)
+    names = list(engines)
     try:
         sched = engines["spec"].llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
         if not sched:
             raise RuntimeError("the speculative engine has no batch-size schedule (dynamic_speculation is off)")
         schedule = [list(x) for x in sched]
-        for name in _pair_order(0):  # warm-up: first calls pay one-off costs
+        for name in names:  # warm-up: first calls pay one-off costs
             run_requests(engines[name], opts["prompts"][:2], [seed, seed + 1], opts["temperature"], 8)
         rollouts = []
         for g, group in enumerate(opts["groups"]):
-            order = _pair_order(g)
-            pair = {n: time_rollout(engines[n], group, opts["generations"], seed + 1000 + g) for n in order}
-            rollouts.append({**pair, "order": list(order)})
+            order = _order(names, g)
+            runs = {n: time_rollout(engines[n], group, opts["generations"], seed + 1000 + g) for n in order}
+            rollouts.append({**runs, "order": order})
         sweep = {b: _sweep_point(engines, opts, b, schedule) for b in opts["batches"]}
     finally:
         for w in engines.values():
@@ -107,11 +117,13 @@ def measure(opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sweep_point(engines: dict, opts: dict[str, Any], b: int, schedule: list[list[int]]) -> dict[str, Any]:
-    """``--sweep-repeats`` interleaved AR / speculative runs at constant running batch ``b``."""
-    runs: dict[str, list[dict[str, float]]] = {"ar": [], "spec": []}
+    """``--sweep-repeats`` interleaved runs of every engine at constant running batch ``b``; per speculative
+    engine the median over repeats of its tokens/s over the AR run's of the same repeat."""
+    names = list(engines)
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for i in range(opts["sweep_repeats"]):
         seeds = derive_row_seeds(opts["seed"] + 97 * b + i, b)
-        for name in _pair_order(i):
+        for name in _order(names, i):
             res = run_requests(
                 engines[name],
                 opts["prompts"][:b],
@@ -125,75 +137,98 @@ def _sweep_point(engines: dict, opts: dict[str, Any], b: int, schedule: list[lis
             runs[name].append(
                 {"tokens_per_s": res["tokens"] / res["seconds"], "acceptance_length": res["counters"].acceptance_length}
             )
-    ratios = [s["tokens_per_s"] / a["tokens_per_s"] for a, s in zip(runs["ar"], runs["spec"])]
-    return {
+    point: dict[str, Any] = {
         "k": k_for_batch_size(schedule, b),
-        "speedup": statistics.median(ratios),
-        "speedup_runs": ratios,
         "ar_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs["ar"]),
-        "spec_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs["spec"]),
-        "acceptance_length": statistics.median(r["acceptance_length"] for r in runs["spec"]),
     }
+    for name in names[1:]:
+        ratios = [s["tokens_per_s"] / a["tokens_per_s"] for a, s in zip(runs["ar"], runs[name])]
+        point[name] = {
+            "speedup": statistics.median(ratios),
+            "speedup_runs": ratios,
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs[name]),
+            "acceptance_length": statistics.median(r["acceptance_length"] for r in runs[name]),
+        }
+    return point
+
+
+def spec_names(res: dict[str, Any]) -> list[str]:
+    """The speculative engines of a result, in measurement order (``spec``, then ``variant`` if any)."""
+    return [n for n in res["rollouts"][0] if n not in ("ar", "order")]
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
-    """Rollout-phase ratios (per group, total AR seconds / total speculative seconds) and the sweep's minimum.
+    """Per speculative engine: rollout-phase ratios (per group, and total AR seconds / total seconds) and the sweep's
+    minimum; and the share of the AR rollouts' engine-step time at running batches where the schedule drafts.
 
     Returns:
-        ``rollout_phase_speedup``, ``rollout_speedups`` (per group), ``ar_seconds`` / ``spec_seconds`` (per group),
-        ``acceptance_length`` (per group), ``ar_share_at_drafting_batches`` (share of the AR rollout's engine-step
-        time at running batches where the schedule gives k > 0), ``sweep_min_speedup`` and its batch.
+        ``{"ar_seconds": [per group], "ar_share_at_drafting_batches": [per group], NAME: {"rollout_phase_speedup",
+        "rollout_speedups", "seconds", "acceptance_length" (per group), "sweep_min_speedup", "sweep_min_batch"}}``.
     """
-    sched, rolls = res["schedule"], res["rollouts"]
+    sched, rolls, sweep = res["schedule"], res["rollouts"], res["sweep"]
     ar_s = [r["ar"]["seconds"] for r in rolls]
-    sp_s = [r["spec"]["seconds"] for r in rolls]
-    drafting = [
-        sum(s for b, s in r["ar"]["seconds_by_batch"].items() if k_for_batch_size(sched, int(b)) > 0)
-        / sum(r["ar"]["seconds_by_batch"].values())
-        for r in rolls
-    ]
-    sweep = res["sweep"]
-    worst = min(sweep, key=lambda b: sweep[b]["speedup"]) if sweep else None
-    return {
-        "rollout_phase_speedup": sum(ar_s) / sum(sp_s),
-        "rollout_speedups": [a / s for a, s in zip(ar_s, sp_s)],
+    out: dict[str, Any] = {
         "ar_seconds": ar_s,
-        "spec_seconds": sp_s,
-        "acceptance_length": [r["spec"]["acceptance_length"] for r in rolls],
-        "ar_share_at_drafting_batches": drafting,
-        "sweep_min_speedup": sweep[worst]["speedup"] if worst is not None else None,
-        "sweep_min_batch": worst,
+        "ar_share_at_drafting_batches": [
+            sum(s for b, s in r["ar"]["seconds_by_batch"].items() if k_for_batch_size(sched, int(b)) > 0)
+            / sum(r["ar"]["seconds_by_batch"].values())
+            for r in rolls
+        ],
     }
+    for name in spec_names(res):
+        sp_s = [r[name]["seconds"] for r in rolls]
+        worst = min(sweep, key=lambda b: sweep[b][name]["speedup"]) if sweep else None
+        out[name] = {
+            "rollout_phase_speedup": sum(ar_s) / sum(sp_s),
+            "rollout_speedups": [x / y for x, y in zip(ar_s, sp_s)],
+            "seconds": sp_s,
+            "acceptance_length": [r[name]["acceptance_length"] for r in rolls],
+            "sweep_min_speedup": sweep[worst][name]["speedup"] if worst is not None else None,
+            "sweep_min_batch": worst,
+        }
+    return out
 
 
 def format_tables(res: dict[str, Any]) -> str:
-    """Markdown: the rollout phase per group, then the sweep."""
-    s = res["summary"]
-    lines = [
-        f"schedule [first, last, k]: {res['schedule']}",
-        "| group | AR s | spec s | speedup | acceptance length | AR time at drafting batches | AR tokens |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    """Markdown: the rollout phase per group, then the sweep, one column group per speculative engine."""
+    s, names = res["summary"], spec_names(res)
+    lines = [f"schedule [first, last, k]: {res['schedule']}; engines: {', '.join(names)}"]
+    head = "| group | AR s | AR tokens | AR time at drafting batches | "
+    head += " | ".join(f"{n} s | {n} speedup | {n} acc. length" for n in names)
+    lines += [head + " |", "|" + "---|" * (4 + 3 * len(names))]
     for g, r in enumerate(res["rollouts"]):
-        lines.append(
-            f"| {g} | {r['ar']['seconds']:.1f} | {r['spec']['seconds']:.1f} | {s['rollout_speedups'][g]:.3f} | "
-            f"{r['spec']['acceptance_length']:.2f} | {s['ar_share_at_drafting_batches'][g]:.0%} | "
-            f"{r['ar']['tokens']} |"
-        )
+        cells = [
+            f"{g}",
+            f"{r['ar']['seconds']:.1f}",
+            f"{r['ar']['tokens']}",
+            f"{s['ar_share_at_drafting_batches'][g]:.0%}",
+        ]
+        for n in names:
+            cells += [
+                f"{r[n]['seconds']:.1f}",
+                f"{s[n]['rollout_speedups'][g]:.3f}",
+                f"{r[n]['acceptance_length']:.2f}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    for n in names:
+        lines.append(f"rollout phase, {n}: {s[n]['rollout_phase_speedup']:.3f}x (total AR seconds / total seconds)")
     lines += [
-        f"rollout phase: {s['rollout_phase_speedup']:.3f}x (total AR seconds / total speculative seconds)",
         "",
-        "| running batch | k | AR tok/s | spec tok/s | speedup (median) | per pair | acceptance length |",
-        "|---|---|---|---|---|---|---|",
+        "| running batch | k | AR tok/s | "
+        + " | ".join(f"{n} tok/s | {n} speedup (median) | per repeat | {n} acc. length" for n in names)
+        + " |",
+        "|" + "---|" * (3 + 4 * len(names)),
     ]
     for b, p in res["sweep"].items():
-        lines.append(
-            f"| {b} | {p['k']} | {p['ar_tokens_per_s']:.1f} | {p['spec_tokens_per_s']:.1f} | {p['speedup']:.3f} | "
-            + " ".join(f"{x:.3f}" for x in p["speedup_runs"])
-            + f" | {p['acceptance_length']:.2f} |"
-        )
-    if s["sweep_min_batch"] is not None:
-        lines.append(f"sweep minimum: {s['sweep_min_speedup']:.3f}x at b = {s['sweep_min_batch']}")
+        cells = [f"{b}", f"{p['k']}", f"{p['ar_tokens_per_s']:.1f}"]
+        for n in names:
+            q = p[n]
+            runs = " ".join(f"{x:.3f}" for x in q["speedup_runs"])
+            cells += [f"{q['tokens_per_s']:.1f}", f"{q['speedup']:.3f}", runs, f"{q['acceptance_length']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    for n in names:
+        if s[n]["sweep_min_batch"] is not None:
+            lines.append(f"sweep minimum, {n}: {s[n]['sweep_min_speedup']:.3f}x at b = {s[n]['sweep_min_batch']}")
     return "\n".join(lines)
 
 
@@ -216,14 +251,21 @@ def _opts(args: argparse.Namespace, cfg, model_path: str) -> dict[str, Any]:
     spec.setdefault("model", cfg.policy.draft.model_name if cfg.policy.draft is not None else None)
     if not spec.get("model") or not (Path(spec["model"]) / "config.json").is_file():
         raise ConfigError(f"policy.draft.model_name={spec.get('model')}: no draft there (make it: see the recipe)")
-    gen_cfg["dynamic_speculation"]["max_batch_size"] = max(
-        gen_cfg["dynamic_speculation"]["max_batch_size"], max(args.batches, default=1)
-    )
+    dyn = gen_cfg["dynamic_speculation"]
+    dyn["max_batch_size"] = max(dyn["max_batch_size"], max(args.batches, default=1))
+    dynamic = {"spec": dyn}
+    if args.variant:
+        changed = load_config(
+            args.config,
+            [*args.overrides, *(f"policy.generation.dynamic_speculation.{kv}" for kv in args.variant)],
+        ).policy.generation.dynamic_speculation.model_dump()
+        dynamic["variant"] = {**changed, "step_costs": dyn["step_costs"], "max_batch_size": dyn["max_batch_size"]}
     return {
         "gen_cfg": gen_cfg,
         "model_path": model_path,
         "precision": cfg.policy.engine_precision,
         "spec": spec,
+        "dynamic": dynamic,
         "groups": [pool[g * P : (g + 1) * P] for g in range(args.groups)],
         "generations": G,
         "prompts": pool,
@@ -238,6 +280,15 @@ def _opts(args: argparse.Namespace, cfg, model_path: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0, or 2 on a bad recipe, override, option or missing draft / calibration entry."""
     args, overrides = parse_args(argv)
+    args.overrides = overrides
+    bad = [kv for kv in args.variant or () if "=" not in kv or "." in kv.split("=", 1)[0]]
+    if bad:
+        print(
+            f"error: --variant {bad}: dynamic_speculation KEY=VALUE items only (put the recipe's key=value "
+            "overrides before --variant)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         cfg = load_config(args.config, overrides)
         if cfg.policy.generation.speculative_config is None or cfg.policy.generation.dynamic_speculation is None:
@@ -256,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": shlex.join(["python", "examples/bench_spec_schedule.py", *(sys.argv[1:] if argv is None else argv)]),
         "config": args.config,
         "overrides": list(overrides),
+        "variant": args.variant,
         "draft": opts["spec"]["model"],
         "step_costs": step_costs,
         "engine_dtype": opts["precision"],
