@@ -44,6 +44,7 @@ from pathlib import Path
 
 from nemo_rl_spec.utils.bench_runs import ROOT, finish_plot, read_metrics, run_grpo_subprocess
 from nemo_rl_spec.utils.config import load_config
+from nemo_rl_spec.utils.precision import NATIVE_BF16_FLAGS, cpuinfo_value, read_cpuinfo
 
 #: (short name, metrics.jsonl key) of the step phases, in the order of the table.
 PHASES = [
@@ -60,7 +61,7 @@ NUMERICS = [("token_mult_prob_error", "train/token_mult_prob_error"), ("logprob_
 GOALS = {"generation": 0.55, "training": 0.6, "total_step": 0.6}
 MOONSHOT = {"total_step": 0.5}
 PRECISIONS = ("float32", "bfloat16")
-BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+BF16_FLAGS = NATIVE_BF16_FLAGS
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -179,13 +180,8 @@ def ratio_entry(phase: str, by: dict) -> dict:
 def parse_cpuinfo(text: str) -> dict:
     """CPU model name, the bf16-related flags present (:data:`BF16_FLAGS` and every ``amx*``) and the logical CPU
     count of a ``/proc/cpuinfo`` text (empty fields when a line is missing)."""
-    model, flags = None, set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and model is None:
-            model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
+    model = cpuinfo_value(text, "model name")
+    flags = set((cpuinfo_value(text, "flags") or "").split())
     wanted = sorted(f for f in flags if f in BF16_FLAGS or f.startswith("amx"))
     return {
         "cpu_model": model,
@@ -198,10 +194,7 @@ def parse_cpuinfo(text: str) -> dict:
 def machine_info() -> dict:
     """This machine: :func:`parse_cpuinfo` of ``/proc/cpuinfo``, ``nproc`` (CPUs this process may use), the load
     average now."""
-    try:
-        info = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        info = parse_cpuinfo("")
+    info = parse_cpuinfo(read_cpuinfo() or "")
     return {**info, "nproc": len(os.sched_getaffinity(0)), "loadavg": list(os.getloadavg())}
 
 

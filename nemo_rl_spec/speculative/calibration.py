@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_spec.utils.config import ConfigError
+from nemo_rl_spec.utils.precision import cpuinfo_value, read_cpuinfo
 
 logger = logging.getLogger(__name__)
 
@@ -80,17 +81,9 @@ def parse_cpu_identity(cpuinfo: str) -> dict[str, Any]:
         (Arm) value, "unknown" without one; the :data:`CPU_FLAGS` present in the first ``flags`` / ``Features``
         line, sorted.
     """
-    model, flags = None, None
-    for line in cpuinfo.splitlines():
-        name, sep, value = line.partition(":")
-        if not sep:
-            continue
-        name, value = name.strip().lower(), value.strip()
-        if model is None and name in ("model name", "cpu part"):
-            model = value
-        elif flags is None and name in ("flags", "features"):
-            flags = set(value.split())
-    return {"model": model or "unknown", "flags": sorted(set(CPU_FLAGS) & (flags or set()))}
+    model = cpuinfo_value(cpuinfo, "model name", "cpu part")
+    flags = set((cpuinfo_value(cpuinfo, "flags", "features") or "").split())
+    return {"model": model or "unknown", "flags": sorted(set(CPU_FLAGS) & flags)}
 
 
 def target_identity(hf_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -224,9 +217,9 @@ def key_differences(stored: Mapping[str, Any], current: Mapping[str, Any], prefi
 # ---------------------------------------------------------------------------------------------- this machine
 def this_cpu(cpuinfo_path: str = "/proc/cpuinfo") -> dict[str, Any]:
     """:func:`parse_cpu_identity` of this machine (``platform.processor()`` and no flags without /proc/cpuinfo)."""
-    path = Path(cpuinfo_path)
-    if path.is_file():
-        return parse_cpu_identity(path.read_text())
+    text = read_cpuinfo(Path(cpuinfo_path))
+    if text is not None:
+        return parse_cpu_identity(text)
     return {"model": platform.processor() or platform.machine() or "unknown", "flags": []}
 
 

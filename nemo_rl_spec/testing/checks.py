@@ -146,20 +146,14 @@ def greedy_generate(
     model: str, prompts: Sequence[Sequence[int]], max_tokens: int, speculative_config: dict | None = None
 ) -> dict[str, Any]:
     """Temperature-0 outputs (``ignore_eos``: every row runs ``max_tokens``), spec-decode counters and timings."""
-    from vllm import SamplingParams  # lazy: vllm is slow to import
-
-    t0 = time.perf_counter()
-    llm = make_llm(model, speculative_config)
-    start_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    generate_tokens(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
-    before = read_spec_decode_counters(llm)
-    t0 = time.perf_counter()
-    outputs = generate_tokens(llm, prompts, params)
-    gen_s = time.perf_counter() - t0
-    counters = read_spec_decode_counters(llm) - before
-    shutdown(llm)
-    return {"outputs": outputs, "counters": counters, "start_s": start_s, "generate_s": gen_s}
+    res = _counted_greedy_generate(model, prompts, max_tokens, [None], speculative_config, reset_prefix_cache=False)
+    run = res["shapes"][None]
+    return {
+        "outputs": run["outputs"],
+        "counters": run["counters"],
+        "start_s": res["start_s"],
+        "generate_s": run["generate_s"],
+    }
 
 
 def greedy_at_shapes(
@@ -177,6 +171,27 @@ def greedy_at_shapes(
 
     Returns {"start_s", "shapes": {b: {"outputs" (in prompt order), "counters", "generate_s"}}}.
     """
+    return _counted_greedy_generate(
+        model, prompts, max_tokens, batch_sizes, speculative_config, reset_prefix_cache=True, **engine_kwargs
+    )
+
+
+def _counted_greedy_generate(
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    batch_sizes: Sequence[int | None],
+    speculative_config: dict | None,
+    reset_prefix_cache: bool,
+    **engine_kwargs,
+) -> dict[str, Any]:
+    """One engine (:func:`make_llm` with ``engine_kwargs``), a 4-token warm-up on the first two prompts, then per
+    ``b`` in ``batch_sizes`` the temperature-0 outputs of ``prompts`` (``ignore_eos``) in consecutive groups of
+    ``b`` (``None``: all in one ``generate`` call), with the spec-decode counters and seconds of that shape alone;
+    ``reset_prefix_cache``: reset the prefix cache before each shape.
+
+    Returns {"start_s", "shapes": {b: {"outputs" (in prompt order), "counters", "generate_s"}}}.
+    """
     from vllm import SamplingParams  # lazy: vllm is slow to import
 
     t0 = time.perf_counter()
@@ -185,16 +200,21 @@ def greedy_at_shapes(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     generate_tokens(llm, prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     for b in batch_sizes:
-        llm.reset_prefix_cache()
+        if reset_prefix_cache:
+            llm.reset_prefix_cache()
         before = read_spec_decode_counters(llm)
         t0 = time.perf_counter()
-        outputs = []
-        for i in range(0, len(prompts), b):
-            outputs += generate_tokens(llm, prompts[i : i + b], params)
+        if b is None:
+            outputs = generate_tokens(llm, prompts, params)
+        else:
+            outputs = []
+            for i in range(0, len(prompts), b):
+                outputs += generate_tokens(llm, prompts[i : i + b], params)
+        generate_s = time.perf_counter() - t0
         out["shapes"][b] = {
             "outputs": outputs,
             "counters": read_spec_decode_counters(llm) - before,
-            "generate_s": time.perf_counter() - t0,
+            "generate_s": generate_s,
         }
     shutdown(llm)
     return out

