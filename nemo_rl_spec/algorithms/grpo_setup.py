@@ -467,7 +467,8 @@ def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], Plac
     """Every check :func:`setup` makes before Ray starts: draft directory, model, data, MTP drafter, TP split, the
     step costs of the batch-size-aware schedule (``step_costs: auto`` resolved for this machine), whether an online
     draft is ever used (:func:`freeze_draft_without_drafting` sets ``policy.draft.online = false`` when the schedule
-    never drafts), the placement plan and the Ray address. Returns ``(model_path, tokenizer, train problems, validation problems, plan)``.
+    never drafts), the placement plan and the Ray address. Returns ``(model_path, tokenizer, train problems,
+    validation problems, plan)``.
 
     Raises:
         ConfigError: naming the key whose file, model or layout does not work.

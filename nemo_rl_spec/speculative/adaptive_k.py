@@ -360,8 +360,8 @@ def install_k0_paths(
     """Install what a speculative engine runs on steps without drafts (issue 35): vLLM's plain sampler on steps
     that carry no draft (:func:`install_plain_step_without_drafts`; unless ``dynamic_speculation.plain_step_at_k0``
     is false), and no drafter pass nor auxiliary hidden states on k = 0 steps (:func:`install_drafter_skip_at_k0`)
-    when ``drafter_pass_at_k0`` is false or the engine's schedule gives k = 0 at every batch size it can reach (then nothing
-    ever reads the drafter's KV cache), or on k = 0 steps above ``drafter_pass_max_batch`` running requests.
+    when ``drafter_pass_at_k0`` is false or the engine's schedule gives k = 0 at every batch size it can reach (then
+    nothing ever reads the drafter's KV cache), or on k = 0 steps above ``drafter_pass_max_batch`` running requests.
 
     Args:
         speculative_config: the engine's ``speculative_config`` as passed to ``vllm.LLM`` (schedule applied).
