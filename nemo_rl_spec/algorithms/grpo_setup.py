@@ -7,6 +7,7 @@ Kept out of ``grpo.py`` so the training loop reads in one screen.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -37,8 +38,10 @@ from nemo_rl_spec.models.hf_weight_mapping import check_tp_size, model_spec_from
 from nemo_rl_spec.models.mtp_export import mtp_drafter_support_error
 from nemo_rl_spec.models.policy.interfaces import PolicyController
 from nemo_rl_spec.models.policy.lm_policy import Policy, prefetch_worker_class
+from nemo_rl_spec.speculative.adaptive_k import engine_schedule, never_drafts
 from nemo_rl_spec.speculative.calibration import resolve_step_costs
 from nemo_rl_spec.speculative.metrics import SpecDecodeCounters, SpeculationMonitor
+from nemo_rl_spec.speculative.online import write_fresh_draft_head
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import ConfigError, to_yaml
 from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
@@ -47,6 +50,8 @@ from nemo_rl_spec.utils.console_log import active_console_log, log_only
 from nemo_rl_spec.utils.logger import Logger
 from nemo_rl_spec.utils.precision import precision_line
 from nemo_rl_spec.utils.trackers import build_trackers
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -185,16 +190,66 @@ def enabled_draft(cfg: MasterConfig) -> DraftConfig | None:
     return draft if draft is not None and draft.enabled else None
 
 
-def _engine_draft_dir(cfg: MasterConfig, policy) -> str | None:
+def _engine_draft_dir(cfg: MasterConfig, policy, model_path: str) -> str | None:
     """The EAGLE-3 head directory the engine starts with: with online training, the policy worker's head written
-    to ``<logger.log_dir>/draft_init`` (so both start equal); else ``policy.draft.model_name`` (None: keep
-    ``speculative_config.model``)."""
+    to ``<logger.log_dir>/draft_init`` (so both start equal); else ``policy.draft.model_name``, else
+    ``speculative_config.model`` (None returned: kept); a frozen draft that names neither (a fresh head, e.g. one
+    :func:`freeze_draft_without_drafting` froze) is written there from the checkpoint at ``model_path``
+    (:func:`~nemo_rl_spec.speculative.online.write_fresh_draft_head`)."""
     draft = enabled_draft(cfg)
     if draft is None:
         return None
+    out = str((Path(cfg.logger.log_dir) / "draft_init").resolve())
     if draft.online:
-        return policy.save_draft(str((Path(cfg.logger.log_dir) / "draft_init").resolve()))
-    return draft.model_name
+        return policy.save_draft(out)
+    spec = cfg.policy.generation.speculative_config
+    if draft.model_name or spec is None or spec.method != "eagle3" or spec.model:
+        return draft.model_name
+    return write_fresh_draft_head(draft, model_path, out, cfg.grpo.seed)
+
+
+def freeze_draft_without_drafting(cfg: MasterConfig) -> str | None:
+    """Freeze an online EAGLE-3 draft that the engines would never use: when ``policy.draft.online`` is true but the
+    batch-size-aware schedule (:func:`~nemo_rl_spec.speculative.adaptive_k.engine_schedule`) gives k = 0 at every
+    running batch size the engines can reach (1..``vllm_kwargs.max_num_seqs``, every batch size when unset;
+    :func:`~nemo_rl_spec.speculative.adaptive_k.never_drafts`), sets ``policy.draft.online = false`` in ``cfg``
+    and logs one warning naming the schedule. The run is then the frozen-draft run: no draft training step, no
+    hidden-state capture or soft targets on the policy worker, no draft refit (the policy refit is unchanged); the
+    engines keep their initial draft, whose ``DraftVersionGuard`` pair stays (0, 0) and is not checked, as with any
+    frozen draft. Call before any worker starts, after ``step_costs: auto`` is resolved (:func:`preflight` does).
+
+    Returns:
+        The warning's text when the draft was frozen, else None (no online draft, no schedule, a schedule that
+        cannot be built, which the engines then report as before, or some reachable batch size drafts).
+    """
+    draft = enabled_draft(cfg)
+    gen = cfg.policy.generation
+    spec = gen.speculative_config
+    if draft is None or not draft.online or spec is None:
+        return None
+    try:
+        schedule = engine_schedule(gen)
+    except ValueError:  # e.g. a derivation without acceptance_rate: the engine's start names it, as before
+        return None
+    max_running = gen.vllm_kwargs.get("max_num_seqs")
+    max_running = int(max_running) if max_running is not None else None
+    if schedule is None or not never_drafts(schedule, spec.num_speculative_tokens, max_running):
+        return None
+    source = (
+        "policy.generation.dynamic_speculation"
+        if gen.dynamic_speculation is not None and gen.dynamic_speculation.enabled
+        else "policy.generation.vllm_kwargs.speculative_config.num_speculative_tokens_per_batch_size"
+    )
+    reach = f"1..{max_running} (max_num_seqs)" if max_running is not None else "every running batch size"
+    message = (
+        f"policy.draft.online=true, but the speculation schedule {[list(r) for r in schedule]} ({source}) gives "
+        f"k = 0 at {reach}: the engines never propose a draft token, so the EAGLE-3 draft is frozen "
+        "(run as policy.draft.online=false): no draft training step, hidden-state capture, soft targets or draft "
+        f"refit; the engines keep {draft.model_name or spec.model or 'a fresh head'}"
+    )
+    draft.online = False
+    logger.warning(message)
+    return message
 
 
 def serves_policy_mtp(cfg: MasterConfig) -> bool:
@@ -202,6 +257,15 @@ def serves_policy_mtp(cfg: MasterConfig) -> bool:
     ``policy.megatron_cfg.mtp_num_layers >= 1`` then)."""
     spec = cfg.policy.generation.speculative_config
     return spec is not None and spec.method == "mtp" and cfg.policy.megatron_cfg.mtp_num_layers > 0
+
+
+def syncs_draft(cfg: MasterConfig) -> bool:
+    """True when every refit also pushes the policy workers' drafter into the engines (``WeightRefitter.sync_draft``):
+    an online EAGLE-3 draft (``policy.draft.online``, after :func:`freeze_draft_without_drafting`) or the policy's
+    own MTP block (:func:`serves_policy_mtp`). A frozen draft is never refit: the engines keep the one they start
+    with."""
+    draft = enabled_draft(cfg)
+    return (draft is not None and draft.online) or serves_policy_mtp(cfg)
 
 
 def check_mtp_drafter_model(cfg: MasterConfig, model_path: str) -> None:
@@ -348,7 +412,7 @@ def _start_controllers(cfg: MasterConfig, model_path: str, plan: PlacementPlan, 
             num_cpus=plan.generation_num_cpus,
             num_gpus=plan.generation_num_gpus,
             allow_stale_draft=draft is not None and draft.allow_stale_draft,
-            draft_dir=_engine_draft_dir(cfg, policy),
+            draft_dir=_engine_draft_dir(cfg, policy, model_path),
             precision=cfg.policy.engine_precision,
             engine_env=lambda e: plan.visible_devices_env("generation", e),
         )
@@ -401,8 +465,10 @@ def build_allocator(cfg: MasterConfig, pool_size: int, problems: list[dict] | No
 
 def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], PlacementPlan]:
     """Every check :func:`setup` makes before Ray starts: draft directory, model, data, MTP drafter, TP split, the
-    step costs of the batch-size-aware schedule (``step_costs: auto`` resolved for this machine), the placement
-    plan and the Ray address. Returns ``(model_path, tokenizer, train problems, validation problems, plan)``.
+    step costs of the batch-size-aware schedule (``step_costs: auto`` resolved for this machine), whether an online
+    draft is ever used (:func:`freeze_draft_without_drafting` sets ``policy.draft.online = false`` when the schedule
+    never drafts), the placement plan and the Ray address. Returns ``(model_path, tokenizer, train problems,
+    validation problems, plan)``.
 
     Raises:
         ConfigError: naming the key whose file, model or layout does not work.
@@ -419,6 +485,7 @@ def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], Plac
     step_costs = resolve_step_costs(cfg, model_path)  # `step_costs: auto` -> this machine's table entry
     if step_costs is not None:
         log_only(f"dynamic speculation: step costs from {step_costs}")
+    freeze_draft_without_drafting(cfg)  # an online draft the schedule never uses is not trained (one warning)
     plan = plan_placement(cfg)  # ConfigError when the recipe does not fit its cluster, before Ray starts
     check_ray_address(cfg)
     return model_path, tokenizer, train, val, plan
@@ -443,7 +510,6 @@ def setup(cfg: MasterConfig) -> GRPOSetup:
 def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[dict], val: list[dict]) -> GRPOSetup:
     policy, generation = workers.policy, workers.generation
     val_prompt_ids = chat_prompt_ids(cfg, tokenizer, val)
-    draft = enabled_draft(cfg)
     refitter = WeightRefitter(
         policy,
         generation,
@@ -451,7 +517,7 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
         cfg.policy.refit_threshold,
         pad_token_id(tokenizer),
         engine_dtype=cfg.policy.engine_precision,
-        sync_draft=(draft is not None and draft.online) or serves_policy_mtp(cfg),
+        sync_draft=syncs_draft(cfg),
     )
     spec = None
     if cfg.policy.generation.speculative_config is not None:

@@ -427,6 +427,22 @@ def merge(paths: list[str], out: Path) -> str:
     return write_reports(out, results)
 
 
+def mode_recipe(args: argparse.Namespace, key: str, spec: dict | None, workdir: Path) -> tuple[str, list[str]]:
+    """The recipe and overrides mode ``key`` ("<name>/<decoding>") runs with: ``--spec-recipe`` (else ``--config``)
+    for the speculative modes, then the common overrides, the mode's own (:func:`mode_overrides`) and, for
+    ``speculative@NAME``, the variant's. ``grpo_setup.preflight`` resolves the result as for any run (e.g. a
+    ``speculative@k0`` variant whose schedule never drafts runs with its online draft frozen)."""
+    name, decoding = key.split("/")
+    speculative = decoding.startswith("speculative")
+    variant = args.variants.get(decoding.partition("@")[2], []) if speculative else []
+    overrides = [
+        *args.overrides,
+        *mode_overrides(name, dict(MODES)[name], decoding, spec, args.steps, workdir),
+        *variant,
+    ]
+    return (args.spec_recipe if speculative and args.spec_recipe else args.config), overrides
+
+
 def run_with_attempts(
     args: argparse.Namespace, key: str, spec: dict | None, spec_error: str | None, workdir: Path
 ) -> dict:
@@ -437,9 +453,7 @@ def run_with_attempts(
     if speculative and spec_error:
         return {"error": spec_error}
     age = dict(MODES)[name]
-    variant = args.variants.get(decoding.partition("@")[2], []) if speculative else []
-    overrides = [*args.overrides, *mode_overrides(name, age, decoding, spec, args.steps, workdir), *variant]
-    config = args.spec_recipe if speculative and args.spec_recipe else args.config
+    config, overrides = mode_recipe(args, key, spec, workdir)
     result: dict = {}
     for attempt in range(1, args.attempts + 1):
         print(f"=== {key} (attempt {attempt})", flush=True)

@@ -181,6 +181,51 @@ def schedule_from_config(cfg: DynamicSpeculationConfig | Mapping[str, Any], max_
     return derive_schedule(data["ar_step_s"], data["spec_step_s"], a, cfg.max_batch_size, cfg.min_speedup, max_k)
 
 
+def never_drafts(schedule: Sequence[Sequence[int]], max_k: int | None = None, max_running: int | None = None) -> bool:
+    """True when ``schedule`` (vLLM format) gives k = 0 at every running batch size 1..``max_running`` (None: every
+    batch size; gaps and the tail keep the previous range's k, as in :func:`k_for_batch_size`), with k capped at
+    ``max_k`` (the engine's ``num_speculative_tokens``). Such an engine never proposes a draft token.
+
+    Args:
+        schedule: ``[(first, last, k), ...]`` inclusive running-batch ranges, the first starting at 1.
+        max_k: cap on k (None: uncapped); ``max_k = 0`` never drafts whatever the schedule.
+        max_running: the largest running batch the engine can reach (its ``max_num_seqs``); None: unbounded.
+
+    Raises:
+        ValueError: an invalid schedule (:func:`~nemo_rl_spec.utils.feature_configs.validate_schedule`).
+    """
+    for first, _last, k in validate_schedule(schedule):
+        if max_running is not None and first > max_running:
+            break
+        if (k if max_k is None else min(k, max_k)) > 0:
+            return False
+    return True
+
+
+def engine_schedule(generation_cfg) -> Schedule | None:
+    """The k-per-running-batch schedule a ``policy.generation`` section gives its engines: the one
+    ``dynamic_speculation`` describes (explicit or derived, as :func:`apply_batch_size_schedule` builds it), else a
+    ``num_speculative_tokens_per_batch_size`` set by hand in ``vllm_kwargs.speculative_config``, else None (no
+    speculation, or a fixed k = ``num_speculative_tokens`` at every batch size).
+
+    Args:
+        generation_cfg: a :class:`~nemo_rl_spec.utils.config_schema.GenerationConfig` (``speculative_config`` and
+            ``dynamic_speculation`` attributes).
+
+    Raises:
+        ValueError: as :func:`schedule_from_config` (e.g. ``step_costs: auto`` not yet resolved).
+    """
+    spec = generation_cfg.speculative_config
+    if spec is None:
+        return None
+    dyn = generation_cfg.dynamic_speculation
+    if dyn is not None and dyn.enabled:
+        return schedule_from_config(dyn, spec.num_speculative_tokens)
+    if spec.num_speculative_tokens_per_batch_size is not None:
+        return validate_schedule(spec.num_speculative_tokens_per_batch_size)
+    return None
+
+
 def apply_batch_size_schedule(engine_kwargs: dict[str, Any], generation_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Engine kwargs with ``speculative_config.num_speculative_tokens_per_batch_size`` set from
     ``generation_cfg["dynamic_speculation"]`` (unchanged when that is absent or disabled). Call before
@@ -307,17 +352,22 @@ def install_plain_step_without_drafts(llm) -> None:
 
 
 def install_k0_paths(
-    llm, speculative_config: Mapping[str, Any], dynamic: DynamicSpeculationConfig | Mapping[str, Any] | None
+    llm,
+    speculative_config: Mapping[str, Any],
+    dynamic: DynamicSpeculationConfig | Mapping[str, Any] | None,
+    max_running: int | None = None,
 ) -> None:
     """Install what a speculative engine runs on steps without drafts (issue 35): vLLM's plain sampler on steps
     that carry no draft (:func:`install_plain_step_without_drafts`; unless ``dynamic_speculation.plain_step_at_k0``
     is false), and no drafter pass nor auxiliary hidden states on k = 0 steps (:func:`install_drafter_skip_at_k0`)
-    when ``drafter_pass_at_k0`` is false or the engine's schedule gives k = 0 at every batch size (then nothing
-    ever reads the drafter's KV cache), or on k = 0 steps above ``drafter_pass_max_batch`` running requests.
+    when ``drafter_pass_at_k0`` is false or the engine's schedule gives k = 0 at every batch size it can reach (then
+    nothing ever reads the drafter's KV cache), or on k = 0 steps above ``drafter_pass_max_batch`` running requests.
 
     Args:
         speculative_config: the engine's ``speculative_config`` as passed to ``vllm.LLM`` (schedule applied).
         dynamic: ``policy.generation.dynamic_speculation`` (None: no schedule).
+        max_running: the engine's ``max_num_seqs`` (the largest running batch it schedules; None: unbounded): a
+            schedule whose k > 0 ranges all start above it never drafts (:func:`never_drafts`).
     """
     if dynamic is not None and not isinstance(dynamic, DynamicSpeculationConfig):
         dynamic = DynamicSpeculationConfig(**dynamic)
@@ -328,9 +378,9 @@ def install_k0_paths(
     spec = SpeculativeConfig.model_validate(dict(speculative_config))
     if not on or spec.method not in ("eagle", "eagle3", "draft_model", "mtp"):
         return
-    schedule = spec.num_speculative_tokens_per_batch_size or []
-    never_drafts = plain and bool(schedule) and max(k for _, _, k in schedule) == 0
-    if never_drafts or not dynamic.drafter_pass_at_k0:
+    schedule = spec.num_speculative_tokens_per_batch_size
+    never = plain and bool(schedule) and never_drafts(schedule, spec.num_speculative_tokens, max_running)
+    if never or not dynamic.drafter_pass_at_k0:
         install_drafter_skip_at_k0(llm)
     elif dynamic.drafter_pass_max_batch is not None:
         install_drafter_skip_at_k0(llm, dynamic.drafter_pass_max_batch)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from nemo_rl_spec.speculative.capture import HiddenStateCapture, capture_hidden_states
 from nemo_rl_spec.speculative.draft_trainer import DataParallelSync, DraftTrainer
@@ -65,6 +66,43 @@ def build_draft_head(
     with torch.no_grad():
         head.lm_head.weight.copy_(output_weight.detach())
     return head
+
+
+def target_embedding_and_output(model_path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's input embedding and output weight, each [V, H] as stored, read from the safetensors files of the
+    HF checkpoint directory ``model_path`` (``model.embed_tokens.weight``; ``lm_head.weight``, or the embedding when
+    the checkpoint ties them and stores no ``lm_head``).
+
+    Raises:
+        FileNotFoundError: no ``model.embed_tokens.weight`` in any ``*.safetensors`` file of ``model_path``.
+    """
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as fh:
+            for name in {"model.embed_tokens.weight", "lm_head.weight"} & set(fh.keys()):
+                found[name] = fh.get_tensor(name)
+    if "model.embed_tokens.weight" not in found:
+        raise FileNotFoundError(f"{model_path}: no model.embed_tokens.weight in its *.safetensors files")
+    embedding = found["model.embed_tokens.weight"]
+    return embedding, found.get("lm_head.weight", embedding)
+
+
+def write_fresh_draft_head(draft_cfg: DraftConfig, model_path: str, out_dir: str | Path, seed: int = 0) -> str:
+    """Write the head :func:`build_draft_head` makes without ``policy.draft.model_name`` (fresh layers from
+    ``seed``, ``lm_head`` = the policy's output layer) in vLLM's eagle3 format to ``out_dir``, from the HF
+    checkpoint at ``model_path`` and without a policy worker: the initial draft of an engine whose draft is frozen
+    (``policy.draft.online: false``) and names no directory. Returns ``out_dir`` as a string.
+
+    Raises:
+        FileNotFoundError: ``model_path`` holds no ``model.embed_tokens.weight``.
+    """
+    from transformers import AutoConfig  # lazy: transformers is slow to import
+
+    embedding, output = target_embedding_and_output(model_path)
+    hf_config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    head = build_draft_head(draft_cfg.model_copy(update={"model_name": None}), hf_config, embedding, output, seed)
+    head.save_pretrained(out_dir)
+    return str(out_dir)
 
 
 class OnlineDraft:

@@ -11,9 +11,11 @@ from nemo_rl_spec.speculative.adaptive_k import (
     VLLM_KEY,
     apply_batch_size_schedule,
     derive_schedule,
+    engine_schedule,
     expected_tokens_per_step,
     interpolate_cost,
     k_for_batch_size,
+    never_drafts,
     predicted_speedups,
     schedule_from_config,
 )
@@ -267,3 +269,68 @@ def test_install_k0_paths_without_a_schedule_only_takes_the_plain_sampler():
     install_k0_paths(_FakeLLM(worker), {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}, None)
     assert worker.model_runner._nemo_rl_spec_plain_k0
     assert not getattr(worker.model_runner.drafter, "_nemo_rl_spec_skip_k0", False)
+
+
+@pytest.mark.parametrize(
+    "schedule,max_k,max_running,expected",
+    [
+        ([[1, 32, 0]], None, None, True),  # k = 0 everywhere (the tail keeps k = 0)
+        ([[1, 1024, 0]], 3, None, True),  # bench_sync_vs_async's speculative@k0 variant
+        ([[1, 4, 3], [5, 32, 0]], 3, None, False),  # drafts in the tail (the default spec recipe's shape)
+        ([[1, 4, 0], [5, 32, 0]], None, None, True),
+        ([[1, 8, 0], [9, 16, 2]], None, None, False),  # drafts from b = 9 ...
+        ([[1, 8, 0], [9, 16, 2]], None, 8, True),  # ... which an engine of max_num_seqs 8 never reaches
+        ([[1, 8, 0], [9, 16, 2]], None, 9, False),
+        ([[1, 8, 0], [12, 16, 2]], None, 11, True),  # b = 9..11 fall in the gap: the previous range's k = 0
+        ([[1, 2, 0], [3, 4, 1], [5, 8, 0]], None, None, False),  # one drafting range in the middle
+        ([[1, 4, 3]], 0, None, True),  # capped at num_speculative_tokens = 0
+    ],
+)
+def test_never_drafts_by_hand(schedule, max_k, max_running, expected):
+    assert never_drafts(schedule, max_k, max_running) is expected
+    # the same as asking k_for_batch_size at every batch size the engine can reach
+    reach = range(1, (max_running or 64) + 1)
+    assert expected == all(k_for_batch_size(schedule, b, max_k) == 0 for b in reach)
+
+
+def test_never_drafts_rejects_an_invalid_schedule():
+    with pytest.raises(ValueError, match="first range must start at batch size 1"):
+        never_drafts([[2, 4, 0]])
+
+
+def test_engine_schedule_sources(tmp_path):
+    from nemo_rl_spec.utils.feature_configs import SpeculativeConfig
+
+    class Gen:  # the two attributes engine_schedule reads from a GenerationConfig
+        def __init__(self, spec, dynamic):
+            self.speculative_config = None if spec is None else SpeculativeConfig.model_validate(spec)
+            self.dynamic_speculation = None if dynamic is None else DynamicSpeculationConfig(**dynamic)
+
+    spec = {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
+    assert engine_schedule(Gen(None, None)) is None  # no speculation
+    assert engine_schedule(Gen(spec, None)) is None  # fixed k = 3 at every batch size
+    assert engine_schedule(Gen({**spec, VLLM_KEY: [[1, 32, 0]]}, None)) == [(1, 32, 0)]  # set by hand
+    dyn = {"num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 32, 0]]}
+    assert engine_schedule(Gen(spec, dyn)) == [(1, 4, 3), (5, 32, 0)]
+    assert engine_schedule(Gen(spec, {**dyn, "enabled": False})) is None
+    # derived from the hand-worked costs above (test_derive_schedule_by_hand)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"step_costs": {"ar_step_s": AR, "spec_step_s": SPEC}}))
+    derived = {"step_costs": str(path), "acceptance_rate": A, "max_batch_size": 32, "min_speedup": 1.05}
+    assert engine_schedule(Gen(spec, derived)) == [(1, 1, 3), (2, 10, 1), (11, 32, 0)]
+    assert not never_drafts(engine_schedule(Gen(spec, derived)), 3)
+    nothing_pays = {**derived, "acceptance_rate": 0.0, "max_batch_size": 16}
+    assert engine_schedule(Gen(spec, nothing_pays)) == [(1, 16, 0)]
+    assert never_drafts(engine_schedule(Gen(spec, nothing_pays)), 3)
+
+
+def test_install_k0_paths_skips_the_drafter_when_drafting_is_out_of_reach():
+    """A schedule that drafts only above the engine's max_num_seqs never drafts there: no drafter pass."""
+    from nemo_rl_spec.speculative.adaptive_k import install_k0_paths
+
+    schedule = [[1, 8, 0], [9, 16, 2]]
+    spec = {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3, VLLM_KEY: schedule}
+    for max_running, skip in ((8, True), (16, False), (None, False)):
+        worker, _ = _fake_worker()
+        install_k0_paths(_FakeLLM(worker), spec, {"num_speculative_tokens_per_batch_size": schedule}, max_running)
+        assert getattr(worker.model_runner.drafter, "_nemo_rl_spec_skip_k0", False) == skip, max_running

