@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from nemo_rl_spec.speculative.capture import HiddenStateCapture, capture_hidden_states
 from nemo_rl_spec.speculative.draft_trainer import DataParallelSync, DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
 from nemo_rl_spec.speculative.ttt_scored import scored_soft_targets
+from nemo_rl_spec.utils.checkpoint import read_safetensors
 from nemo_rl_spec.utils.config_schema import DraftConfig
 from nemo_rl_spec.utils.dtypes import cast_state
 
@@ -76,11 +76,7 @@ def target_embedding_and_output(model_path: str) -> tuple[torch.Tensor, torch.Te
     Raises:
         FileNotFoundError: no ``model.embed_tokens.weight`` in any ``*.safetensors`` file of ``model_path``.
     """
-    found: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as fh:
-            for name in {"model.embed_tokens.weight", "lm_head.weight"} & set(fh.keys()):
-                found[name] = fh.get_tensor(name)
+    found = read_safetensors(model_path, {"model.embed_tokens.weight", "lm_head.weight"})
     if "model.embed_tokens.weight" not in found:
         raise FileNotFoundError(f"{model_path}: no model.embed_tokens.weight in its *.safetensors files")
     embedding = found["model.embed_tokens.weight"]

@@ -22,6 +22,8 @@ import re
 import shutil
 from pathlib import Path
 
+from safetensors import safe_open
+
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -108,3 +110,14 @@ class CheckpointManager:
     def read_info(path: Path) -> dict:
         """The ``training_info.json`` of a complete checkpoint."""
         return json.loads((path / "training_info.json").read_text())
+
+
+def read_safetensors(directory: str | Path, names: set[str]) -> dict:
+    """Those of ``names`` found in the ``*.safetensors`` files of the HF checkpoint ``directory`` (files in sorted
+    order), as ``{name: torch.Tensor}`` with their stored shapes and dtypes; a name in no file is absent."""
+    found = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as fh:
+            for name in set(fh.keys()) & names:
+                found[name] = fh.get_tensor(name)
+    return found

@@ -14,22 +14,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from nemo_rl_spec.models.mtp_export import MIMO_MTP_PREFIX, MTP_POST_NORM_FLAG, install_post_norm_mtp_input
+from nemo_rl_spec.utils.checkpoint import read_safetensors
 
 MIMO_ARCHITECTURE = "MiMoForCausalLM"
 
 
 def zero_tensor_names(model_path: str, names: set[str]) -> set[str]:
     """Those of ``names`` whose tensor in the safetensors checkpoint at ``model_path`` is all zeros."""
-    out: set[str] = set()
-    for file in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as fh:
-            for name in set(fh.keys()) & names:
-                if not fh.get_tensor(name).any():
-                    out.add(name)
-    return out
+    return {name for name, tensor in read_safetensors(model_path, names).items() if not tensor.any()}
 
 
 def serves_mimo(hf_config) -> bool:
