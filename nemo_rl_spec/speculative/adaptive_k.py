@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_spec.speculative.drafter_catch_up import DrafterCatchUp
 from nemo_rl_spec.utils.feature_configs import DynamicSpeculationConfig, Schedule, SpeculativeConfig, validate_schedule
 
 logger = logging.getLogger(__name__)
@@ -258,24 +259,40 @@ def apply_batch_size_schedule(engine_kwargs: dict[str, Any], generation_cfg: Map
     return {**engine_kwargs, "speculative_config": spec.engine_dict()}
 
 
-def _skip_drafter_at_k0(worker, keep_pass_up_to: int = 0) -> None:
+def _no_drafts(cad, device):
     import torch  # lazy: this module imports without torch
 
-    runner = worker.model_runner
-    drafter = runner.drafter
-    if getattr(drafter, "_nemo_rl_spec_skip_k0", False):
-        return
-    propose = drafter.propose
+    return torch.empty(cad.batch_size(), 0, dtype=torch.int64, device=device)
 
+
+def _propose_or_skip(propose, keep_pass_up_to: int):
     def propose_or_skip(num_speculative_tokens, *args, **kwargs):
         cad = kwargs["common_attn_metadata"]
         if num_speculative_tokens == 0 and cad.batch_size() > keep_pass_up_to:
-            return torch.empty(cad.batch_size(), 0, dtype=torch.int64, device=kwargs["target_positions"].device)
+            return _no_drafts(cad, kwargs["target_positions"].device)
         return propose(num_speculative_tokens, *args, **kwargs)
 
-    drafter.propose = propose_or_skip
-    drafter._nemo_rl_spec_skip_k0 = True
+    return propose_or_skip
 
+
+def _propose_or_record(runner, propose, keep_pass_up_to: int, store: DrafterCatchUp):
+    def propose_or_record(num_speculative_tokens, *args, **kwargs):
+        cad = kwargs["common_attn_metadata"]
+        store.forget_all_but(runner.requests)
+        req_ids = runner.input_batch.req_ids
+        # only pure decode steps (one token per request) are skipped and recorded: prefill chunks (possibly shared
+        # through the prefix cache) and steps verifying drafts keep the pass
+        if num_speculative_tokens == 0 and cad.batch_size() > keep_pass_up_to and cad.max_query_len == 1:
+            store.record(req_ids, kwargs)
+            return _no_drafts(cad, kwargs["target_positions"].device)
+        if store.pending:
+            store.replay(store.runs_for(req_ids, kwargs), propose, kwargs)
+        return propose(num_speculative_tokens, *args, **kwargs)
+
+    return propose_or_record
+
+
+def _aux_only_when_drafter_runs(runner, keep_pass_up_to: int) -> None:
     # The drafter is the only reader of the target's auxiliary hidden states (EAGLE-3): on a step whose drafter
     # pass is skipped the target forward does not capture them either (vLLM's plain forward, one tensor out).
     model = runner.get_model()
@@ -298,7 +315,23 @@ def _skip_drafter_at_k0(worker, keep_pass_up_to: int = 0) -> None:
     runner.execute_model = execute_model_aux_when_drafting
 
 
-def install_drafter_skip_at_k0(llm, keep_pass_up_to: int = 0) -> None:
+def _skip_drafter_at_k0(worker, keep_pass_up_to: int = 0, catch_up: bool = False) -> None:
+    runner = worker.model_runner
+    drafter = runner.drafter
+    if getattr(drafter, "_nemo_rl_spec_skip_k0", False):
+        return
+    if catch_up:
+        # the recorded steps need the target's auxiliary hidden states: they stay on
+        store = DrafterCatchUp(int(getattr(drafter, "max_num_tokens", 0) or 8192))
+        drafter.propose = _propose_or_record(runner, drafter.propose, keep_pass_up_to, store)
+        drafter._nemo_rl_spec_catch_up = store
+    else:
+        drafter.propose = _propose_or_skip(drafter.propose, keep_pass_up_to)
+        _aux_only_when_drafter_runs(runner, keep_pass_up_to)
+    drafter._nemo_rl_spec_skip_k0 = True
+
+
+def install_drafter_skip_at_k0(llm, keep_pass_up_to: int = 0, catch_up: bool = False) -> None:
     """Skip the EAGLE drafter's forward pass, and the target's auxiliary hidden-state capture, on engine steps
     whose proposals the schedule sets to k = 0 and whose running batch is above ``keep_pass_up_to`` (0: every
     k = 0 step).
@@ -314,10 +347,15 @@ def install_drafter_skip_at_k0(llm, keep_pass_up_to: int = 0) -> None:
     (N), and always when the schedule gives k = 0 at every batch size (the drafter never proposes, so its KV cache
     is never read).
 
+    ``catch_up`` (``dynamic_speculation.drafter_catch_up``): skip only pure decode steps, keep the target's auxiliary
+    hidden states on, record what each skipped step's pass would have read, and replay a request's skipped
+    positions through the drafter right before its next pass (:class:`~nemo_rl_spec.speculative.drafter_catch_up.
+    DrafterCatchUp`): the drafter's KV cache is then complete when drafting resumes.
+
     Raises:
         AttributeError: the engine has no drafter (no model-based ``speculative_config``).
     """
-    llm.collective_rpc(_skip_drafter_at_k0, args=(keep_pass_up_to,))
+    llm.collective_rpc(_skip_drafter_at_k0, args=(keep_pass_up_to, catch_up))
 
 
 def _plain_step_when_not_drafting(worker) -> None:
@@ -361,7 +399,11 @@ def install_k0_paths(
     that carry no draft (:func:`install_plain_step_without_drafts`; unless ``dynamic_speculation.plain_step_at_k0``
     is false), and no drafter pass nor auxiliary hidden states on k = 0 steps (:func:`install_drafter_skip_at_k0`)
     when ``drafter_pass_at_k0`` is false or the engine's schedule gives k = 0 at every batch size it can reach (then
-    nothing ever reads the drafter's KV cache), or on k = 0 steps above ``drafter_pass_max_batch`` running requests.
+    nothing ever reads the drafter's KV cache), or on k = 0 steps above ``drafter_pass_max_batch`` running requests;
+    with ``drafter_catch_up`` the skipped decode positions are replayed through the drafter when its pass next runs.
+
+    Raises:
+        ValueError: ``drafter_catch_up`` with a ``draft_model`` drafter (it reads no target hidden states).
 
     Args:
         speculative_config: the engine's ``speculative_config`` as passed to ``vllm.LLM`` (schedule applied).
@@ -380,7 +422,13 @@ def install_k0_paths(
         return
     schedule = spec.num_speculative_tokens_per_batch_size
     never = plain and bool(schedule) and never_drafts(schedule, spec.num_speculative_tokens, max_running)
+    catch_up = dynamic.drafter_catch_up and not never
+    if catch_up and spec.method == "draft_model":
+        raise ValueError(
+            "policy.generation.dynamic_speculation.drafter_catch_up needs a drafter fed the target's hidden states "
+            "(speculative_config.method eagle, eagle3 or mtp), got draft_model"
+        )
     if never or not dynamic.drafter_pass_at_k0:
-        install_drafter_skip_at_k0(llm)
+        install_drafter_skip_at_k0(llm, 0, catch_up)
     elif dynamic.drafter_pass_max_batch is not None:
-        install_drafter_skip_at_k0(llm, dynamic.drafter_pass_max_batch)
+        install_drafter_skip_at_k0(llm, dynamic.drafter_pass_max_batch, catch_up)

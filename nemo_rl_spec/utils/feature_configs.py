@@ -136,6 +136,10 @@ class DynamicSpeculationConfig(BaseModel):
     most this many running requests (None: on every k = 0 step); above it the pass and the target's auxiliary
     hidden states are skipped. Set it above the schedule's drafting range: requests reaching that range then have
     their recent positions in the drafter's cache, while large-batch steps cost what an autoregressive step costs.
+    ``drafter_catch_up`` (with ``drafter_pass_at_k0: false`` or ``drafter_pass_max_batch``): record what each
+    skipped decode step's drafter pass would have read and replay a request's skipped positions through the drafter
+    right before its next pass (:mod:`~nemo_rl_spec.speculative.drafter_catch_up`), so its KV cache is complete when
+    drafting resumes; the target's auxiliary hidden states stay on at every step.
     ``plain_step_at_k0`` (issue 35): engine steps that carry no draft token take vLLM's plain sampler (no rejection
     sampler), and a schedule with k = 0 at every batch size also skips the drafter's pass and the target's auxiliary
     hidden states (:func:`~nemo_rl_spec.speculative.adaptive_k.install_plain_step_without_drafts`); false keeps
@@ -152,6 +156,7 @@ class DynamicSpeculationConfig(BaseModel):
     max_batch_size: PositiveInt = 256
     drafter_pass_at_k0: bool = True
     drafter_pass_max_batch: PositiveInt | None = None
+    drafter_catch_up: bool = False
     plain_step_at_k0: bool = True
 
     @field_validator("step_costs")
@@ -183,6 +188,11 @@ class DynamicSpeculationConfig(BaseModel):
                 "policy.generation.dynamic_speculation.drafter_pass_max_batch="
                 f"{self.drafter_pass_max_batch} needs drafter_pass_at_k0: true (false skips the pass on every "
                 "k = 0 step; the limit would do nothing)"
+            )
+        if self.drafter_catch_up and self.drafter_pass_at_k0 and self.drafter_pass_max_batch is None:
+            raise ValueError(
+                "policy.generation.dynamic_speculation.drafter_catch_up=true needs a skipped drafter pass to catch "
+                "up on: set drafter_pass_at_k0: false or drafter_pass_max_batch"
             )
         if self.num_speculative_tokens_per_batch_size is not None:
             validate_schedule(self.num_speculative_tokens_per_batch_size)

@@ -249,6 +249,8 @@ def test_drafter_pass_max_batch_needs_the_pass():
         ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_at_k0": False}, True, True),
         ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_max_batch": 8}, True, True),  # skipped above 8 only
         ([[1, 1024, 0]], {"plain_step_at_k0": False}, False, False),  # vLLM's own path (before issue 35)
+        ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_at_k0": False, "drafter_catch_up": True}, True, "catch_up"),
+        ([[1, 1024, 0]], {"drafter_pass_at_k0": False, "drafter_catch_up": True}, True, True),  # never: no store
     ],
 )
 def test_install_k0_paths_follows_the_config(schedule, extra, plain, skip):
@@ -259,7 +261,85 @@ def test_install_k0_paths_follows_the_config(schedule, extra, plain, skip):
     install_k0_paths(_FakeLLM(worker), spec, {"num_speculative_tokens_per_batch_size": schedule, **extra})
     runner = worker.model_runner
     assert getattr(runner, "_nemo_rl_spec_plain_k0", False) == plain
-    assert getattr(runner.drafter, "_nemo_rl_spec_skip_k0", False) == skip
+    assert getattr(runner.drafter, "_nemo_rl_spec_skip_k0", False) == bool(skip)
+    assert (getattr(runner.drafter, "_nemo_rl_spec_catch_up", None) is not None) == (skip == "catch_up")
+
+
+def test_catch_up_records_decode_steps_replays_them_and_keeps_aux_on():
+    """drafter_catch_up: k = 0 decode steps above the limit are recorded (no pass), prefill steps and steps at or
+    below the limit run the pass, and a request's recorded positions are replayed (vLLM's propose, k = 0) right
+    before its next pass; aux capture is never switched off; finished requests are forgotten."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from nemo_rl_spec.speculative.adaptive_k import install_drafter_skip_at_k0
+
+    worker, calls = _fake_worker()
+    runner = worker.model_runner
+    runner.requests = {"a": 0, "b": 1, "c": 2}
+    runner.drafter.max_num_tokens = 64
+    backend = pytest.importorskip("vllm.v1.attention.backend")
+    runner.drafter.propose = lambda num_speculative_tokens, **kw: calls.append(
+        ("propose", num_speculative_tokens, kw["target_positions"].tolist())
+    )
+    install_drafter_skip_at_k0(_FakeLLM(worker), 2, True)
+    store = runner.drafter._nemo_rl_spec_catch_up
+
+    def step(k, req_ids, positions, query_len=1):
+        runner.input_batch = SimpleNamespace(req_ids=list(req_ids))
+        b = len(req_ids)
+        qsl = torch.arange(0, b * query_len + 1, query_len, dtype=torch.int32)
+        cad = backend.CommonAttentionMetadata(
+            query_start_loc=qsl,
+            query_start_loc_cpu=qsl,
+            seq_lens=torch.tensor([p + query_len for p in positions], dtype=torch.int32),
+            num_reqs=b,
+            num_actual_tokens=b * query_len,
+            max_query_len=query_len,
+            max_seq_len=max(positions) + query_len,
+            block_table_tensor=torch.arange(b * 2).view(b, 2),
+            slot_mapping=torch.arange(b * query_len),
+        )
+        pos = torch.tensor([p + i for p in positions for i in range(query_len)])
+        return runner.drafter.propose(
+            k,
+            common_attn_metadata=cad,
+            target_positions=pos,
+            target_token_ids=pos * 10,
+            target_hidden_states=pos[:, None].float(),
+            next_token_ids=torch.zeros(b, dtype=torch.int32),
+            sampling_metadata=None,
+        )
+
+    runner.execute_model(SimpleNamespace(num_spec_tokens_to_schedule=0))
+    assert calls == [(True, (2, 15, 27))]  # aux capture untouched
+    step(0, "abc", [0, 0, 0], query_len=4)  # prefill: the pass runs
+    assert calls[-1] == ("propose", 0, list(range(4)) * 3)
+    assert step(0, "abc", [4, 4, 4]).shape == (3, 0)  # recorded, no pass
+    assert step(0, "abc", [5, 5, 5]).shape == (3, 0)
+    assert len(calls) == 2 and store.pending == {"a", "b", "c"}
+    del runner.requests["c"]  # c finished
+    step(0, "ab", [6, 6])  # at the limit: replay a and b (positions 4-5), then the step's own pass
+    assert calls[-2:] == [("propose", 0, [4, 5, 4, 5]), ("propose", 0, [6, 6])] and store.replayed_tokens == 4
+    assert store.pending == set() and store.steps == []
+
+
+def test_catch_up_needs_a_skipped_pass_and_a_hidden_state_drafter():
+    from nemo_rl_spec.speculative.adaptive_k import install_k0_paths
+    from nemo_rl_spec.utils.feature_configs import DynamicSpeculationConfig
+
+    schedule = [[1, 4, 3], [5, 32, 0]]
+    with pytest.raises(ValueError, match="drafter_catch_up=true needs a skipped drafter pass"):
+        DynamicSpeculationConfig(num_speculative_tokens_per_batch_size=schedule, drafter_catch_up=True)
+    DynamicSpeculationConfig(
+        num_speculative_tokens_per_batch_size=schedule, drafter_catch_up=True, drafter_pass_max_batch=8
+    )
+    worker, _ = _fake_worker()
+    spec = {"method": "draft_model", "model": "/d", "num_speculative_tokens": 3, VLLM_KEY: schedule}
+    dynamic = {"num_speculative_tokens_per_batch_size": schedule, "drafter_pass_at_k0": False, "drafter_catch_up": True}
+    with pytest.raises(ValueError, match="drafter_catch_up needs a drafter fed the target's hidden states"):
+        install_k0_paths(_FakeLLM(worker), spec, dynamic)
 
 
 def test_install_k0_paths_without_a_schedule_only_takes_the_plain_sampler():
