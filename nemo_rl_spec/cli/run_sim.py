@@ -28,6 +28,12 @@ Projection of a measured rollout benchmark to GPUs (same acceptance, simulated c
 
     python examples/run_sim.py project-spec --bench docs/bench_spec_rollouts_default.json \
         --out docs/sim_projection_spec_default.json
+
+The same for the long-tail recipe's benchmark (one or several bench_spec_schedule JSONs: the sweep rows and the
+rollout phase, rebuilt per prompt group from the measured response lengths and acceptance):
+
+    python examples/run_sim.py project-spec --bench docs/spec_longtail/bench_rep1.json \
+        docs/spec_longtail/bench_rep2.json docs/spec_longtail/bench_rep3.json --out docs/sim_projection_spec_longtail.json
 """
 
 from __future__ import annotations
@@ -296,7 +302,7 @@ def fidelity_main(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``calibrate ...`` fits a scenario to measured runs, ``fidelity ...`` checks held-out predictions,
     ``spec-bench ...`` measures vLLM with and without speculation, ``project-spec ...`` projects a measured
-    rollout benchmark to GPUs; anything else runs the sweep. Returns the
+    rollout benchmark (or the long-tail recipe's schedule benchmarks) to GPUs; anything else runs the sweep. Returns the
     exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "calibrate":
