@@ -32,7 +32,7 @@ from nemo_rl_spec.models.generation.vllm_patches import (
     sample_from_target_recovered,
     unpatched_expand_kernel,
 )
-from nemo_rl_spec.models.hf_assets import default_cache_root
+from nemo_rl_spec.models.hf_assets import default_cache_root, resolve_model
 from nemo_rl_spec.speculative.draft_refit import drafter_state_dict, refit_drafter
 from nemo_rl_spec.speculative.metrics import (
     LowAcceptanceAlarm,
@@ -43,6 +43,7 @@ from nemo_rl_spec.speculative.metrics import (
 from nemo_rl_spec.speculative.offline import train_draft_on_sequences
 from nemo_rl_spec.testing.lossless import (
     install_proposal_recorder,
+    lossless_prompts,
     recorded_proposals,
 )
 
@@ -399,6 +400,18 @@ def _cache_key(target: str, payload: dict) -> str:
     for f in sorted(Path(target).glob("*.safetensors")) + [Path(target) / "config.json"]:
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def tiny_qwen3_with_trained_head(out_dir: str, num_prompts: int = 64) -> tuple[str, list[list[int]], str]:
+    """The engine tests' common setup: tiny-qwen3's path, ``num_prompts`` :func:`lossless_prompts` and an EAGLE-3
+    head trained (cached, :func:`default_draft_cache`) on greedy continuations of the first 16 of them, written to
+    ``out_dir``. Returns ``(target path, prompts, head path)``."""
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
+
+    target = resolve_model("tiny-qwen3")
+    prompts = lossless_prompts(AutoTokenizer.from_pretrained(target), num_prompts)
+    head = train_tiny_head(target, prompts[:16], out_dir, cache_dir=default_draft_cache())
+    return target, prompts, head["path"]
 
 
 def train_tiny_head(

@@ -183,6 +183,24 @@ def install_proposal_recorder(llm) -> None:
     llm.collective_rpc(install)
 
 
+def record_scheduled_steps(llm) -> list[tuple[int, int]]:
+    """Wrap the in-process engine's ``scheduler.schedule``: the returned list gains ``(running batch size, k
+    scheduled)`` for every engine step that schedules tokens (vLLM's own numbers: ``num_scheduled_tokens`` and
+    ``num_spec_tokens_to_schedule``)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    steps: list[tuple[int, int]] = []
+    schedule_fn = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        out = schedule_fn(*args, **kwargs)
+        if out.num_scheduled_tokens:
+            steps.append((len(out.num_scheduled_tokens), int(out.num_spec_tokens_to_schedule)))
+        return out
+
+    scheduler.schedule = recording_schedule
+    return steps
+
+
 def recorded_proposals(llm, clear: bool = True) -> list[torch.Tensor]:
     """Proposals recorded since the last clear, one [batch, k] tensor per engine step."""
 

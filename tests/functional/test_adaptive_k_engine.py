@@ -17,10 +17,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
-from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.speculative.adaptive_k import k_for_batch_size
 from nemo_rl_spec.testing import checks
-from nemo_rl_spec.testing.lossless import first_mismatch, lossless_prompts, require_acceptance
+from nemo_rl_spec.testing.lossless import first_mismatch, record_scheduled_steps, require_acceptance
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # ~100 s on the shared 2-core machine
 
@@ -71,17 +70,7 @@ def greedy_scenario(
     llm = worker.llm
     if draft is not None:
         llm.collective_rpc(_count_drafter_forwards)  # in-process engine: the hook appends to this module's list
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    steps: list[tuple[int, int]] = []
-    schedule_fn = scheduler.schedule
-
-    def recording_schedule(*args, **kwargs):
-        out = schedule_fn(*args, **kwargs)
-        if out.num_scheduled_tokens:
-            steps.append((len(out.num_scheduled_tokens), int(out.num_spec_tokens_to_schedule)))
-        return out
-
-    scheduler.schedule = recording_schedule
+    steps = record_scheduled_steps(llm)
     spec_cfg = llm.llm_engine.vllm_config.speculative_config
     read = read_spec_decode_counters if draft is not None else (lambda _: SpecDecodeCounters())  # stats off
     before = read(llm)
@@ -101,13 +90,7 @@ def greedy_scenario(
 
 @pytest.mark.parametrize("drafter_pass_at_k0", [True, False])
 def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path, drafter_pass_at_k0):
-    from transformers import AutoTokenizer
-
-    target = resolve_model("tiny-qwen3")
-    prompts = lossless_prompts(AutoTokenizer.from_pretrained(target), 64)
-    draft = checks.train_tiny_head(
-        target, prompts[:16], str(tmp_path / "draft"), cache_dir=checks.default_draft_cache()
-    )["path"]
+    target, prompts, draft = checks.tiny_qwen3_with_trained_head(str(tmp_path / "draft"))
     test_prompts = prompts[:NUM_PROMPTS]
     # at most the 64 tokens the head was trained on (16 * (i + 1) drafted mostly past them: acceptance 1.37)
     lengths = [8 * (i + 1) for i in range(NUM_PROMPTS)]

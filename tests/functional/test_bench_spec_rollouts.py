@@ -16,9 +16,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
-from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.testing import checks
-from nemo_rl_spec.testing.lossless import lossless_prompts
 from nemo_rl_spec.utils.feature_configs import validate_schedule
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -27,13 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_bench_on_tiny(tmp_path):
-    from transformers import AutoTokenizer
-
-    target = resolve_model("tiny-qwen3")
-    prompts = lossless_prompts(AutoTokenizer.from_pretrained(target), 64)
-    draft = checks.train_tiny_head(
-        target, prompts[:16], str(tmp_path / "draft"), cache_dir=checks.default_draft_cache()
-    )["path"]
+    target, prompts, draft = checks.tiny_qwen3_with_trained_head(str(tmp_path / "draft"))
     out = tmp_path / "bench.json"
     res = subprocess.run(
         [

@@ -23,9 +23,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm")
 
-from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.testing import checks
-from nemo_rl_spec.testing.lossless import first_mismatch, lossless_prompts, require_acceptance
+from nemo_rl_spec.testing.lossless import first_mismatch, record_scheduled_steps, require_acceptance
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # ~2 min on the 2-core machine
 
@@ -72,17 +71,7 @@ def scenario(model: str, draft: str, prompts: list[list[int]], lengths: list[int
     llm = worker.llm
     llm.collective_rpc(_count_drafter_forwards)
     install_proposal_recorder(llm)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    steps: list[tuple[int, int]] = []
-    schedule_fn = scheduler.schedule
-
-    def recording_schedule(*args, **kwargs):
-        out = schedule_fn(*args, **kwargs)
-        if out.num_scheduled_tokens:
-            steps.append((len(out.num_scheduled_tokens), int(out.num_spec_tokens_to_schedule)))
-        return out
-
-    scheduler.schedule = recording_schedule
+    steps = record_scheduled_steps(llm)
     before = read_spec_decode_counters(llm)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -99,13 +88,7 @@ def scenario(model: str, draft: str, prompts: list[list[int]], lengths: list[int
 
 
 def test_catch_up_gives_the_full_pass_drafts_and_stays_lossless(tmp_path):
-    from transformers import AutoTokenizer
-
-    target = resolve_model("tiny-qwen3")
-    prompts = lossless_prompts(AutoTokenizer.from_pretrained(target), 64)
-    draft = checks.train_tiny_head(
-        target, prompts[:16], str(tmp_path / "draft"), cache_dir=checks.default_draft_cache()
-    )["path"]
+    target, prompts, draft = checks.tiny_qwen3_with_trained_head(str(tmp_path / "draft"))
     lengths = [8 * (i + 1) for i in range(NUM_PROMPTS)]
     runs = {m: checks.run_isolated(scenario, target, draft, prompts[:NUM_PROMPTS], lengths, m) for m in MODES}
     full, catch_up, skip = runs["full"], runs["catch_up"], runs["skip"]
