@@ -18,7 +18,7 @@ layer; on a 2-core CPU its per-step cost is dominated by fixed overheads).
 Only pure decode steps (one token per request, no draft tokens) are skipped and recorded: steps with a prefill
 chunk or verified draft tokens keep the pass, so prompt positions shared through vLLM's prefix cache always have
 drafter KV, and recorded rows never include rejected tokens. Verification is untouched: outputs stay lossless
-whatever the drafter's cache holds (tests/functional/test_drafter_catch_up.py).
+whatever the drafter's cache holds (tests/functional/test_drafter_catch_up_engine.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """DrafterCatchUp against hand-worked batches: what a skipped decode step records, which positions a request
 replays (contiguous, ending right before its current query), the chunking of long replays and the attention
 metadata of a replay pass (vLLM's own CommonAttentionMetadata). The real-engine check (same drafts as the full
-pass, a negative control) is tests/functional/test_drafter_catch_up.py (slow tier)."""
+pass, a negative control) is tests/functional/test_drafter_catch_up_engine.py (slow tier)."""
 
 from __future__ import annotations
 
