@@ -96,6 +96,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "a fresh draft head when --draft has none",
     )
     p.add_argument(
+        "--k0-engines",
+        nargs="+",
+        choices=list(K0_ENGINES),
+        default=list(K0_DEFAULT_ENGINES),
+        help=f"--k0-profile: the engines (default {' '.join(K0_DEFAULT_ENGINES)}); aware_* engines are timed "
+        "only where every --batches is above their drafting range (b > 4)",
+    )
+    p.add_argument(
         "--spec-profile",
         action="store_true",
         help="issue 35 item 2: per-component cost of steps that carry k > 0 drafts (--ks, default 1 3) at "
@@ -388,7 +396,22 @@ K0_ENGINES = {  # name: (schedule or None for AR, dynamic_speculation extras)
     "k0_after": ([[1, 1024, 0]], {"plain_step_at_k0": True}),
     "aware_before": ([[1, 4, 3], [5, 1024, 0]], {"plain_step_at_k0": False}),
     "aware_after": ([[1, 4, 3], [5, 1024, 0]], {"plain_step_at_k0": True}),
+    # not in the default set (--k0-engines): the drafter pass skipped at k = 0 (aux capture off), and the same with
+    # the drafter catch-up (aux capture on, skipped decode steps recorded); the k = 0 profile needs --batches > 4
+    "aware_skip": ([[1, 4, 3], [5, 1024, 0]], {"drafter_pass_at_k0": False}),
+    "aware_catch_up": ([[1, 4, 3], [5, 1024, 0]], {"drafter_pass_at_k0": False, "drafter_catch_up": True}),
 }
+K0_DEFAULT_ENGINES = ("ar", "k0_before", "k0_after", "aware_before", "aware_after")
+
+
+def k0_step_engines(names: list[str], batches: list[int]) -> list[str]:
+    """The engines of ``names`` whose schedule gives k = 0 at every batch in ``batches`` (and AR): those whose
+    decode steps the k = 0 profile times."""
+    from nemo_rl_spec.speculative.adaptive_k import k_for_batch_size
+
+    return [
+        n for n in names if K0_ENGINES[n][0] is None or all(k_for_batch_size(K0_ENGINES[n][0], b) == 0 for b in batches)
+    ]
 
 
 def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
@@ -402,18 +425,19 @@ def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
     t_start = time.perf_counter()
     draft = opts["draft"] or fresh_draft(model_path, tempfile.mkdtemp(prefix="k0_draft_"))
     workers = {}
-    for name, (schedule, extra) in K0_ENGINES.items():
+    names = list(opts.get("k0_engines") or K0_DEFAULT_ENGINES)
+    for name in names:
+        schedule, extra = K0_ENGINES[name]
         spec = dyn = None
         if schedule is not None:
             spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": 3}
             dyn = {"num_speculative_tokens_per_batch_size": schedule, **extra}
         workers[name] = build_worker(gen_cfg, model_path, seed, spec, dyn, precision=opts["precision"])
     log(f"engines up [{time.perf_counter() - t_start:.0f} s]")
-    step_engines = [n for n in K0_ENGINES if not n.startswith("aware")]
+    step_engines = k0_step_engines(names, opts["batches"])
     comp, _ = profile_components({n: workers[n] for n in step_engines}, dict.fromkeys(step_engines, 0), opts, log=log)
     table = sp.reduce_runs(comp)
-    rollouts: dict[str, list[dict[str, Any]]] = {n: [] for n in K0_ENGINES}
-    names = list(K0_ENGINES)
+    rollouts: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for rep in range(opts["rollout_repeats"]):  # the GRPO rollout call, engines interleaved
         for r in range(len(groups)):
             for name in sp.interleaved_order(names, rep):
@@ -443,13 +467,14 @@ def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
             "total": sum(x["seconds"] for x in runs) / sum(ar_total),
         }
         for name, runs in rollouts.items()
+        if ar_total
     }
     return {
         "components_s": table,
         "component_runs": comp,
         "rollouts": rollouts,
         "rollout_ratio_vs_ar": ratio,
-        "engines": {n: {"schedule": s, **e} for n, (s, e) in K0_ENGINES.items()},
+        "engines": {n: {"schedule": K0_ENGINES[n][0], **K0_ENGINES[n][1]} for n in names},
         "draft": draft if opts["draft"] else "fresh head (lm_head = target output layer)",
         "bench_seconds": time.perf_counter() - t_start,
     }
@@ -466,6 +491,8 @@ def format_k0_table(res: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for name, runs in res["rollouts"].items():
+        if name not in res["rollout_ratio_vs_ar"]:
+            continue
         rr = res["rollout_ratio_vs_ar"][name]
         acc = [x["acceptance_length"] for x in runs if x["acceptance_length"] is not None and x["num_drafts"]]
         secs = " ".join(f"{x['seconds']:.2f}" for x in runs)
@@ -665,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.k0_profile:
         opts["rollout_repeats"] = args.rollout_repeats
         opts["groups"] = opts["groups"][:1]
+        opts["k0_engines"] = args.k0_engines
         res = checks.run_isolated(run_k0_profile, opts, threads=threads)
         res["meta"] = {**meta, "rollout_batch": R, "max_new_tokens": max_new}
         return write_result(res, args.out, format_k0_table(res))

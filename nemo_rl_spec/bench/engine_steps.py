@@ -266,7 +266,8 @@ def profile_components(
 
     Returns:
         ``({name: {b: [run summary per repeat]}}, {name: {b: [acceptance length per repeat]}})``, a summary being
-        ``{component: seconds, "step": seconds, "n_steps": int}``; acceptance lengths (vLLM's counters) only for
+        ``{component: seconds, "step": seconds, "n_steps": int, "run_s": the whole generate call's seconds,
+        "steps_s": the seconds of all its engine steps (prefill and ramp included)}``; acceptance lengths (vLLM's counters) only for
         engines with ``ks[name] > 0``.
 
     Raises:
@@ -298,7 +299,8 @@ def profile_components(
                 if ks[name]:
                     acceptance[name][b].append(res["counters"].acceptance_length)
                 kept = [parts for s, n, tok, parts in timer.records if sp.keep_step(n, tok, b, ks[name])]
-                runs[name][b].append(sp.run_summary(kept))
+                whole = {"run_s": res["seconds"], "steps_s": sum(s for s, *_ in timer.records)}
+                runs[name][b].append(sp.run_summary(kept) | whole)
         log(f"component repeat {rep + 1} [{time.perf_counter() - t_start:.0f} s]")
     return runs, acceptance
 

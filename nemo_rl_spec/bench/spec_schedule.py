@@ -17,10 +17,13 @@ Measured, every pair interleaved and its order alternated:
   response lengths.
 - ``--variant KEY=VALUE ...``: a second speculative engine, the recipe's with these ``policy.generation.
   dynamic_speculation`` keys changed (one change: an ablation measured in the same process, every trio interleaved).
+- ``--ar-control``: a second autoregressive engine, identical to the first, measured like a speculative one: its
+  ratios to AR are this machine's noise floor (what "never below 0.98x at any b" can resolve here).
 - **Running-batch sweep**: at each b in ``--batches`` (default 1-64), b requests of ``--sweep-tokens`` tokens with
   ``ignore_eos`` and at most b running, so the running batch is b for the whole run; tokens/s of each engine,
   ``--sweep-repeats`` interleaved pairs, speedup = the median over pairs of spec tokens/s / AR tokens/s, with the
-  k the schedule gives at b and the acceptance length.
+  k the schedule gives at b and the acceptance length. Over every k = 0 point and repeat, the geometric mean of the
+  ratios with a 90% bootstrap interval (``sweep_k0_pooled``): the engine's k = 0 cost, pooled.
 
 CPU numbers from this machine; nothing here is a GPU result (``meta.device``).
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import statistics
@@ -44,10 +48,12 @@ from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.speculative import calibration as cal
 from nemo_rl_spec.speculative.adaptive_k import k_for_batch_size
 from nemo_rl_spec.testing import checks
+from nemo_rl_spec.utils.bench_runs import bootstrap_interval
 from nemo_rl_spec.utils.config import ConfigError, load_config
 
 DEFAULT_RECIPE = "configs/grpo_math_smollm2_135m_longtail_spec.yaml"
 DEFAULT_BATCHES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+AR_CONTROL = "ar_control"
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -65,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         default=None,
         metavar="KEY=VALUE",
         help="a second speculative engine: the recipe's with these dynamic_speculation keys changed",
+    )
+    p.add_argument(
+        "--ar-control",
+        action="store_true",
+        help="also measure a second autoregressive engine against the first (the noise floor of every ratio)",
     )
     p.add_argument("--seed", type=int, default=1234)
     return p.parse_known_args(argv)
@@ -96,6 +107,8 @@ def measure(opts: dict[str, Any]) -> dict[str, Any]:
     engines = {"ar": build_worker(gen_cfg, path, seed, None, None, precision=prec)}
     for name, dynamic in opts["dynamic"].items():
         engines[name] = build_worker(gen_cfg, path, seed, opts["spec"], dynamic, precision=prec)
+    if opts.get("ar_control"):
+        engines[AR_CONTROL] = build_worker(gen_cfg, path, seed, None, None, precision=prec)
     names = list(engines)
     try:
         sched = engines["spec"].llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
@@ -153,17 +166,38 @@ def _sweep_point(engines: dict, opts: dict[str, Any], b: int, schedule: list[lis
 
 
 def spec_names(res: dict[str, Any]) -> list[str]:
-    """The speculative engines of a result, in measurement order (``spec``, then ``variant`` if any)."""
+    """The engines compared with AR, in measurement order (``spec``, then ``variant`` and ``ar_control`` if any)."""
     return [n for n in res["rollouts"][0] if n not in ("ar", "order")]
 
 
+def pooled_k0(sweep: dict, name: str) -> dict[str, Any] | None:
+    """Geometric mean of ``name``'s per-repeat tokens/s ratios to AR over every sweep point where the schedule gives
+    k = 0, with a 90% percentile-bootstrap interval of it (resampling the ratios' logs; the repeats of one point
+    are treated as independent, which they are up to the machine's drift). None without such a point.
+
+    Returns:
+        ``{"geomean", "interval90": (low, high) or None, "n": number of ratios}``.
+    """
+    logs = [math.log(x) for p in sweep.values() if p["k"] == 0 for x in p[name]["speedup_runs"]]
+    if not logs:
+        return None
+    ci = bootstrap_interval(logs)
+    return {
+        "geomean": math.exp(statistics.fmean(logs)),
+        "interval90": None if ci is None else (math.exp(ci[0]), math.exp(ci[1])),
+        "n": len(logs),
+    }
+
+
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
-    """Per speculative engine: rollout-phase ratios (per group, and total AR seconds / total seconds) and the sweep's
-    minimum; and the share of the AR rollouts' engine-step time at running batches where the schedule drafts.
+    """Per compared engine: rollout-phase ratios (per group, and total AR seconds / total seconds), the sweep's
+    minimum and its pooled k = 0 ratio (:func:`pooled_k0`); and the share of the AR rollouts' engine-step time at
+    running batches where the schedule drafts.
 
     Returns:
         ``{"ar_seconds": [per group], "ar_share_at_drafting_batches": [per group], NAME: {"rollout_phase_speedup",
-        "rollout_speedups", "seconds", "acceptance_length" (per group), "sweep_min_speedup", "sweep_min_batch"}}``.
+        "rollout_speedups", "seconds", "acceptance_length" (per group), "sweep_min_speedup", "sweep_min_batch",
+        "sweep_k0_pooled"}}``.
     """
     sched, rolls, sweep = res["schedule"], res["rollouts"], res["sweep"]
     ar_s = [r["ar"]["seconds"] for r in rolls]
@@ -185,6 +219,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "acceptance_length": [r[name]["acceptance_length"] for r in rolls],
             "sweep_min_speedup": sweep[worst][name]["speedup"] if worst is not None else None,
             "sweep_min_batch": worst,
+            "sweep_k0_pooled": pooled_k0(sweep, name) if sweep else None,
         }
     return out
 
@@ -207,7 +242,7 @@ def format_tables(res: dict[str, Any]) -> str:
             cells += [
                 f"{r[n]['seconds']:.1f}",
                 f"{s[n]['rollout_speedups'][g]:.3f}",
-                f"{r[n]['acceptance_length']:.2f}",
+                _acc(r[n]["acceptance_length"]),
             ]
         lines.append("| " + " | ".join(cells) + " |")
     for n in names:
@@ -224,12 +259,21 @@ def format_tables(res: dict[str, Any]) -> str:
         for n in names:
             q = p[n]
             runs = " ".join(f"{x:.3f}" for x in q["speedup_runs"])
-            cells += [f"{q['tokens_per_s']:.1f}", f"{q['speedup']:.3f}", runs, f"{q['acceptance_length']:.2f}"]
+            cells += [f"{q['tokens_per_s']:.1f}", f"{q['speedup']:.3f}", runs, _acc(q["acceptance_length"])]
         lines.append("| " + " | ".join(cells) + " |")
     for n in names:
         if s[n]["sweep_min_batch"] is not None:
             lines.append(f"sweep minimum, {n}: {s[n]['sweep_min_speedup']:.3f}x at b = {s[n]['sweep_min_batch']}")
+        pooled = s[n].get("sweep_k0_pooled")
+        if pooled is not None:
+            ci = pooled["interval90"]
+            within = "" if ci is None else f", 90% interval {ci[0]:.3f}-{ci[1]:.3f}"
+            lines.append(f"sweep k = 0 pooled, {n}: {pooled['geomean']:.3f}x (geometric mean of {pooled['n']}{within})")
     return "\n".join(lines)
+
+
+def _acc(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{x:.2f}"
 
 
 def _opts(args: argparse.Namespace, cfg, model_path: str) -> dict[str, Any]:
@@ -274,6 +318,7 @@ def _opts(args: argparse.Namespace, cfg, model_path: str) -> dict[str, Any]:
         "sweep_repeats": args.sweep_repeats,
         "temperature": cfg.policy.generation.temperature,
         "seed": args.seed,
+        "ar_control": args.ar_control,
     }
 
 

@@ -54,3 +54,29 @@ def test_order_rotates_and_tables_render():
     text = format_tables(res)
     assert "rollout phase, spec: 1.222x" in text and "sweep minimum, spec: 0.970x at b = 8" in text
     assert "rollout phase, variant: 0.978x" in text
+
+
+def test_pooled_k0_geometric_mean_over_k0_points_only():
+    res = _result()
+    res["sweep"][8]["spec"]["speedup_runs"] = [0.9, 1.0, 1.1]
+    res["sweep"][16] = _point(0, 60.0, 1.0, 1.0)
+    res["sweep"][16]["spec"]["speedup_runs"] = [0.95, 1.05]
+    pooled = summarize(res)["spec"]["sweep_k0_pooled"]
+    # k = 3 at b = 1 (1.5x) is left out; the five k = 0 ratios pool, geometric mean by hand
+    by_hand = math.exp(sum(math.log(x) for x in (0.9, 1.0, 1.1, 0.95, 1.05)) / 5)
+    assert pooled["n"] == 5 and math.isclose(pooled["geomean"], by_hand, rel_tol=1e-12)
+    lo, hi = pooled["interval90"]
+    assert 0.9 <= lo < by_hand < hi <= 1.1
+
+
+def test_ar_control_is_compared_like_an_engine_and_renders_without_acceptance():
+    res = _result()
+    for r in res["rollouts"]:
+        r["ar_control"] = {"seconds": r["ar"]["seconds"] * 1.05, "tokens": 100, "acceptance_length": None}
+    for p in res["sweep"].values():
+        p["ar_control"] = {"speedup": 0.99, "speedup_runs": [0.99], "tokens_per_s": 1.0, "acceptance_length": None}
+    res["summary"] = summarize(res)
+    assert math.isclose(res["summary"]["ar_control"]["rollout_phase_speedup"], 1 / 1.05, rel_tol=1e-12)
+    text = format_tables(res)
+    assert "rollout phase, ar_control: 0.952x" in text
+    assert "sweep k = 0 pooled, ar_control: 0.990x (geometric mean of 1)" in text
