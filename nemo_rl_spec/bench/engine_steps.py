@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +79,14 @@ def run_requests(
     prompts: list[list[int]],
     seeds: list[int],
     temperature: float,
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     cap: int | None = None,
     ignore_eos: bool = False,
     logprobs: int | None = None,
 ) -> dict[str, Any]:
     """One ``llm.generate`` of ``prompts`` (at most ``cap`` running at once; ``logprobs`` as vLLM's sampling
-    parameter, 0: the sampled token's log-prob, as the rollout asks). Returns tokens, seconds, counters and the
-    engine's step records."""
+    parameter, 0: the sampled token's log-prob, as the rollout asks; ``max_tokens``: one for all rows or one per row).
+    Returns tokens, seconds, counters and the engine's step records."""
     from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
 
     llm = worker.llm
@@ -93,16 +94,19 @@ def run_requests(
     saved_cap = sched.max_num_active_reqs
     if cap is not None:
         sched.max_num_active_reqs = cap
+    caps = [int(max_tokens)] * len(seeds) if isinstance(max_tokens, int) else [int(m) for m in max_tokens]
+    if len(caps) != len(seeds):
+        raise ValueError(f"max_tokens: {len(caps)} values for {len(seeds)} rows")
     params = [
         SamplingParams(
             temperature=temperature,
             top_p=1.0,
-            max_tokens=max_tokens,
+            max_tokens=m,
             seed=s,
             ignore_eos=ignore_eos,
             logprobs=logprobs,
         )
-        for s in seeds
+        for s, m in zip(seeds, caps)
     ]
     before = read_spec_decode_counters(llm) if worker.speculative else SpecDecodeCounters()
     timer = StepTimer(llm)
@@ -155,6 +159,39 @@ def time_rollout(worker, prompts: list[list[int]], n: int, seed: int) -> dict[st
         "tokens": int(sum(lengths)),
         "response_tokens": [int(x) for x in lengths],
         "acceptance_length": counters.acceptance_length if counters else None,
+        "seconds_by_batch": dict(sorted(by_batch.items())),
+    }
+
+
+def time_matched_rollout(
+    worker, prompts: list[list[int]], n: int, seed: int, temperature: float, lengths: Sequence[int]
+) -> dict[str, Any]:
+    """The rollout call of :func:`time_rollout` (P prompts x ``n`` rows, prompt-major, the GRPO loop's per-row seeds)
+    with row r held to exactly ``lengths[r]`` generated tokens (``ignore_eos``): an autoregressive engine run at the
+    lengths another engine sampled goes through that engine's running-batch profile, so the time ratio compares the
+    engines on the same rollout shape, free of the sampled tails' lengths. (Speculative sampling draws other tokens
+    than an autoregressive engine from the same seed, so natural lengths differ per row, and a rollout's time follows
+    its longest row.)
+
+    Returns:
+        ``seconds``, ``tokens``, ``acceptance_length`` (None on an autoregressive engine), ``seconds_by_batch``.
+
+    Raises:
+        ValueError: ``lengths`` is not one value >= 1 per row.
+    """
+    rows = [list(p) for p in prompts for _ in range(n)]
+    if len(lengths) != len(rows) or min(lengths, default=1) < 1:
+        raise ValueError(f"lengths: need {len(rows)} values >= 1 (P x n rows), got {list(lengths)[:8]}...")
+    res = run_requests(
+        worker, rows, derive_row_seeds(seed, len(rows)), temperature, list(lengths), ignore_eos=True, logprobs=0
+    )
+    by_batch: dict[int, float] = {}
+    for s, b, _ in res["steps"]:
+        by_batch[b] = by_batch.get(b, 0.0) + s
+    return {
+        "seconds": res["seconds"],
+        "tokens": res["tokens"],
+        "acceptance_length": res["counters"].acceptance_length if worker.speculative else None,
         "seconds_by_batch": dict(sorted(by_batch.items())),
     }
 

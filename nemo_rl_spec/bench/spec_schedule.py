@@ -17,6 +17,13 @@ Measured, every pair interleaved and its order alternated:
   response lengths.
 - ``--variant KEY=VALUE ...``: a second speculative engine, the recipe's with these ``policy.generation.
   dynamic_speculation`` keys changed (one change: an ablation measured in the same process, every trio interleaved).
+- ``--matched-lengths``: the AR engine runs each group again once per engine, every row held to the length that
+  engine sampled for it (``ignore_eos``; :func:`~nemo_rl_spec.bench.engine_steps.time_matched_rollout`): the
+  ratio AR-at-those-lengths / the engine's natural run compares the same running-batch profile. The natural-length
+  ratio also carries the difference between the sampled tails (speculative sampling draws other tokens than AR from
+  the same seed, and a rollout's time follows its longest row). AR is the one held: its step cost does not depend
+  on what it samples, while a speculative engine held past its own EOS would draft on text the draft never saw. The
+  AR engine at its own lengths checks the held path against the natural one.
 - ``--ar-control``: a second autoregressive engine, identical to the first, measured like a speculative one: its
   ratios to AR are this machine's noise floor (what "never below 0.98x at any b" can resolve here).
 - **Running-batch sweep**: at each b in ``--batches`` (default 1-64), b requests of ``--sweep-tokens`` tokens with
@@ -41,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_spec.bench.engine_steps import build_worker, run_requests, time_rollout
+from nemo_rl_spec.bench.engine_steps import build_worker, run_requests, time_matched_rollout, time_rollout
 from nemo_rl_spec.data.prompts import format_prompt
 from nemo_rl_spec.models.generation.vllm_worker import derive_row_seeds
 from nemo_rl_spec.models.hf_assets import resolve_model
@@ -71,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         default=None,
         metavar="KEY=VALUE",
         help="a second speculative engine: the recipe's with these dynamic_speculation keys changed",
+    )
+    p.add_argument(
+        "--matched-lengths",
+        action="store_true",
+        help="also run AR on every group held to each engine's sampled row lengths (the tails' length difference "
+        "removed from the ratio)",
     )
     p.add_argument(
         "--ar-control",
@@ -121,6 +134,12 @@ def measure(opts: dict[str, Any]) -> dict[str, Any]:
         for g, group in enumerate(opts["groups"]):
             order = _order(names, g)
             runs = {n: time_rollout(engines[n], group, opts["generations"], seed + 1000 + g) for n in order}
+            if opts.get("matched_lengths"):
+                T, G = opts["temperature"], opts["generations"]
+                runs["matched"] = {
+                    n: time_matched_rollout(engines["ar"], group, G, seed + 1000 + g, T, runs[n]["response_tokens"])
+                    for n in names
+                }
             rollouts.append({**runs, "order": order})
         sweep = {b: _sweep_point(engines, opts, b, schedule) for b in opts["batches"]}
     finally:
@@ -167,7 +186,7 @@ def _sweep_point(engines: dict, opts: dict[str, Any], b: int, schedule: list[lis
 
 def spec_names(res: dict[str, Any]) -> list[str]:
     """The engines compared with AR, in measurement order (``spec``, then ``variant`` and ``ar_control`` if any)."""
-    return [n for n in res["rollouts"][0] if n not in ("ar", "order")]
+    return [n for n in res["rollouts"][0] if n not in ("ar", "order", "matched")]
 
 
 def pooled_k0(sweep: dict, name: str) -> dict[str, Any] | None:
@@ -197,7 +216,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     Returns:
         ``{"ar_seconds": [per group], "ar_share_at_drafting_batches": [per group], NAME: {"rollout_phase_speedup",
         "rollout_speedups", "seconds", "acceptance_length" (per group), "sweep_min_speedup", "sweep_min_batch",
-        "sweep_k0_pooled"}}``.
+        "sweep_k0_pooled"; with ``--matched-lengths`` also "matched_phase_speedup", "matched_speedups" (AR held to
+        NAME's row lengths over NAME's seconds)}, "ar_held_over_natural" (with ``--matched-lengths``)}``.
     """
     sched, rolls, sweep = res["schedule"], res["rollouts"], res["sweep"]
     ar_s = [r["ar"]["seconds"] for r in rolls]
@@ -221,6 +241,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "sweep_min_batch": worst,
             "sweep_k0_pooled": pooled_k0(sweep, name) if sweep else None,
         }
+        if all("matched" in r for r in rolls):
+            m_ar = [r["matched"][name]["seconds"] for r in rolls]  # AR held to this engine's row lengths
+            out[name]["matched_phase_speedup"] = sum(m_ar) / sum(sp_s)
+            out[name]["matched_speedups"] = [x / y for x, y in zip(m_ar, sp_s)]
+    if rolls and all("matched" in r for r in rolls):
+        out["ar_held_over_natural"] = sum(r["matched"]["ar"]["seconds"] for r in rolls) / sum(ar_s)
     return out
 
 
@@ -247,6 +273,11 @@ def format_tables(res: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     for n in names:
         lines.append(f"rollout phase, {n}: {s[n]['rollout_phase_speedup']:.3f}x (total AR seconds / total seconds)")
+        if "matched_phase_speedup" in s[n]:
+            per = " ".join(f"{x:.3f}" for x in s[n]["matched_speedups"])
+            lines.append(f"rollout phase, AR held to {n}'s row lengths: {s[n]['matched_phase_speedup']:.3f}x ({per})")
+    if "ar_held_over_natural" in s:
+        lines.append(f"check: AR held to its own lengths / AR natural: {s['ar_held_over_natural']:.3f}")
     lines += [
         "",
         "| running batch | k | AR tok/s | "
@@ -319,6 +350,7 @@ def _opts(args: argparse.Namespace, cfg, model_path: str) -> dict[str, Any]:
         "temperature": cfg.policy.generation.temperature,
         "seed": args.seed,
         "ar_control": args.ar_control,
+        "matched_lengths": args.matched_lengths,
     }
 
 

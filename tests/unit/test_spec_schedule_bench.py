@@ -80,3 +80,33 @@ def test_ar_control_is_compared_like_an_engine_and_renders_without_acceptance():
     text = format_tables(res)
     assert "rollout phase, ar_control: 0.952x" in text
     assert "sweep k = 0 pooled, ar_control: 0.990x (geometric mean of 1)" in text
+
+
+def test_matched_length_phase_is_ar_held_to_each_engines_lengths_over_its_natural_seconds():
+    res = _result()  # natural seconds: AR 10 / 12, spec 8 / 10, variant 10 / 12.5
+    for r, (own, at_spec, at_var) in zip(res["rollouts"], [(10.5, 9.0, 11.0), (12.0, 11.0, 10.0)]):
+        r["matched"] = {
+            "ar": {"seconds": own, "tokens": 100, "acceptance_length": None},
+            "spec": {"seconds": at_spec, "tokens": 90, "acceptance_length": None},
+            "variant": {"seconds": at_var, "tokens": 110, "acceptance_length": None},
+        }
+    res["summary"] = s = summarize(res)
+    assert math.isclose(s["spec"]["matched_phase_speedup"], 20.0 / 18.0, rel_tol=1e-12)
+    assert s["spec"]["matched_speedups"] == [9.0 / 8.0, 11.0 / 10.0]
+    assert math.isclose(s["variant"]["matched_phase_speedup"], 21.0 / 22.5, rel_tol=1e-12)
+    assert math.isclose(s["ar_held_over_natural"], 22.5 / 22.0, rel_tol=1e-12)
+    assert s["spec"]["rollout_phase_speedup"] == 22.0 / 18.0  # the natural-length ratio is unchanged
+    text = format_tables(res)
+    assert "rollout phase, AR held to spec's row lengths: 1.111x (1.125 1.100)" in text
+    assert "check: AR held to its own lengths / AR natural: 1.023" in text
+
+
+def test_time_matched_rollout_refuses_lengths_that_do_not_fit_the_rows():
+    import pytest
+
+    from nemo_rl_spec.bench.engine_steps import time_matched_rollout
+
+    with pytest.raises(ValueError, match="need 4 values >= 1"):
+        time_matched_rollout(None, [[1, 2], [3]], 2, 0, 0.7, [5, 5, 5])  # 2 prompts x n = 2 rows
+    with pytest.raises(ValueError, match="need 4 values >= 1"):
+        time_matched_rollout(None, [[1, 2], [3]], 2, 0, 0.7, [5, 0, 5, 5])
