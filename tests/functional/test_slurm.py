@@ -286,8 +286,12 @@ def test_two_node_grpo_places_a_policy_worker_and_an_engine_on_each_node(slurm_n
 
 # ---- container plumbing, without Slurm: stub srun/scontrol/squeue/scancel on PATH --------------------------------
 STUB_SRUN = r"""#!/bin/bash
-# records its arguments (one JSON list per call), then emulates the step by its --job-name
-python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >> "$STUB_LOG"
+# records its arguments (one JSON list per call, in one O_APPEND write: steps start concurrently, and print() under
+# PYTHONUNBUFFERED writes the line and its newline separately, so another step's line could land between them),
+# then emulates the step by its --job-name
+python3 -c 'import json, os, sys
+fd = os.open(os.environ["STUB_LOG"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+os.write(fd, (json.dumps(sys.argv[1:]) + "\n").encode())' "$@"
 name=""; args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[$i]}" in --job-name=*) name=${args[$i]#--job-name=} ;; bash) cmd=("${args[@]:$i}"); break ;; esac
