@@ -150,17 +150,23 @@ def time_rollout(worker, prompts: list[list[int]], n: int, seed: int) -> dict[st
     finally:
         timer.remove()
     lengths = (out["unpadded_sequence_lengths"] - out["input_lengths"]).tolist()
-    by_batch: dict[int, float] = {}
-    for s, b, _ in timer.records:
-        by_batch[b] = by_batch.get(b, 0.0) + s
     counters = (worker.spec_counters() - before) if before is not None else None
     return {
         "seconds": seconds,
         "tokens": int(sum(lengths)),
         "response_tokens": [int(x) for x in lengths],
         "acceptance_length": counters.acceptance_length if counters else None,
-        "seconds_by_batch": dict(sorted(by_batch.items())),
+        "seconds_by_batch": seconds_by_batch(timer.records),
     }
+
+
+def seconds_by_batch(records) -> dict[int, float]:
+    """``{running batch b: seconds of the engine steps that ran b requests}`` from :class:`StepTimer` records
+    ``(seconds, b, tokens)``, sorted by b."""
+    out: dict[int, float] = {}
+    for s, b, _ in records:
+        out[b] = out.get(b, 0.0) + s
+    return dict(sorted(out.items()))
 
 
 def time_matched_rollout(
@@ -185,14 +191,11 @@ def time_matched_rollout(
     res = run_requests(
         worker, rows, derive_row_seeds(seed, len(rows)), temperature, list(lengths), ignore_eos=True, logprobs=0
     )
-    by_batch: dict[int, float] = {}
-    for s, b, _ in res["steps"]:
-        by_batch[b] = by_batch.get(b, 0.0) + s
     return {
         "seconds": res["seconds"],
         "tokens": res["tokens"],
         "acceptance_length": res["counters"].acceptance_length if worker.speculative else None,
-        "seconds_by_batch": dict(sorted(by_batch.items())),
+        "seconds_by_batch": seconds_by_batch(res["steps"]),
     }
 
 
@@ -304,8 +307,8 @@ def profile_components(
     Returns:
         ``({name: {b: [run summary per repeat]}}, {name: {b: [acceptance length per repeat]}})``, a summary being
         ``{component: seconds, "step": seconds, "n_steps": int, "run_s": the whole generate call's seconds,
-        "steps_s": the seconds of all its engine steps (prefill and ramp included)}``; acceptance lengths (vLLM's counters) only for
-        engines with ``ks[name] > 0``.
+        "steps_s": the seconds of all its engine steps (prefill and ramp included)}``; acceptance lengths (vLLM's
+        counters) only for engines with ``ks[name] > 0``.
 
     Raises:
         ValueError: a run had no kept step.
