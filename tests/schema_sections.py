@@ -184,6 +184,7 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
     "policy.generation.dynamic_speculation.drafter_pass_max_batch": "set exactly one of num_speculative_tokens_per_batch_size",
     "policy.generation.dynamic_speculation.drafter_catch_up": "set exactly one of num_speculative_tokens_per_batch_size",
     "policy.generation.dynamic_speculation.plain_step_at_k0": "set exactly one of num_speculative_tokens_per_batch_size",
+    "policy.generation.dynamic_speculation.live_acceptance": "set exactly one of num_speculative_tokens_per_batch_size",
     "policy.generation.debug_lossy_sampler": "needs policy.generation.vllm_kwargs.speculative_config",
     "policy.draft.model_name": "no draft there (config.json missing)",
     "policy.draft.online": "needs policy.generation.vllm_kwargs.speculative_config.method=eagle3",

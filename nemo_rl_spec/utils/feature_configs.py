@@ -144,6 +144,12 @@ class DynamicSpeculationConfig(BaseModel):
     sampler), and a schedule with k = 0 at every batch size also skips the drafter's pass and the target's auxiliary
     hidden states (:func:`~nemo_rl_spec.speculative.adaptive_k.install_plain_step_without_drafts`); false keeps
     vLLM's own speculative path on those steps (the cost measured before issue 35).
+    ``live_acceptance`` (issue 35; needs ``step_costs``): every engine step picks k in 0..schedule(b) from the step
+    costs and the draft's acceptance measured over the engine's recent steps instead of the fixed
+    ``acceptance_rate`` (which becomes the prior): k = 0 where drafting is predicted not to pay
+    (:mod:`~nemo_rl_spec.speculative.live_acceptance`). ``live_acceptance_half_life``: engine steps over which that
+    evidence halves (after a stretch without drafts the estimate returns to the prior and the engine drafts again);
+    ``live_acceptance_prior_trials``: the prior's weight, in proposals.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -158,6 +164,9 @@ class DynamicSpeculationConfig(BaseModel):
     drafter_pass_max_batch: PositiveInt | None = None
     drafter_catch_up: bool = False
     plain_step_at_k0: bool = True
+    live_acceptance: bool = False
+    live_acceptance_half_life: PositiveInt = 16
+    live_acceptance_prior_trials: float = Field(default=4.0, ge=0.0)
 
     @field_validator("step_costs")
     @classmethod
@@ -193,6 +202,11 @@ class DynamicSpeculationConfig(BaseModel):
             raise ValueError(
                 "policy.generation.dynamic_speculation.drafter_catch_up=true needs a skipped drafter pass to catch "
                 "up on: set drafter_pass_at_k0: false or drafter_pass_max_batch"
+            )
+        if self.live_acceptance and self.enabled and self.step_costs is None:
+            raise ValueError(
+                "policy.generation.dynamic_speculation.live_acceptance=true needs step_costs (a file or auto): k is "
+                "chosen from measured step costs, which an explicit num_speculative_tokens_per_batch_size lacks"
             )
         if self.num_speculative_tokens_per_batch_size is not None:
             validate_schedule(self.num_speculative_tokens_per_batch_size)

