@@ -115,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="--spec-profile: measure with vLLM's own sample_recovered_tokens (noise filled twice for seeded "
         "rows) instead of the CPU patch vllm_patches.sample_recovered_tokens_noise_once (the 'before')",
     )
+    p.add_argument(
+        "--vllm-draft-sampler",
+        action="store_true",
+        help="--spec-profile: measure with vLLM's own probabilistic draft sampler (a [batch, vocab] exponential "
+        "noise fill per draft token) instead of the CPU patch draft_sampling.compute_probs_and_sample_inverse_cdf",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: ks 1 3, batches 1 4, 32 tokens, 1 group")
     return p.parse_known_args(argv)
 
@@ -513,7 +519,8 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
     ``k<k>`` (``speculative_config`` eagle3 with ``num_speculative_tokens`` k, ``opts["draft_sample_method"]``, no
     batch-size schedule) drafting with ``opts["draft"]`` or, without one, a never-matching fresh head
     (:func:`never_matching_fresh_draft`); vLLM's own recovered-token sampler with
-    ``opts["vllm_recovered_sampler"]``, else the CPU patch (``vllm_patches.sample_recovered_tokens_noise_once``).
+    ``opts["vllm_recovered_sampler"]``, else the CPU patch (``vllm_patches.sample_recovered_tokens_noise_once``);
+    vLLM's own draft sampler with ``opts["vllm_draft_sampler"]``, else the CPU patch (``draft_sampling``).
     Costs: :func:`profile_components` with the detail timers and
     ``logprobs=0`` (the sampled token's log-prob, as the GRPO rollout asks: the rejection sampler then also
     computes the accepted tokens' log-probs).
@@ -522,6 +529,7 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
         The result JSON: ``components_s`` ``{engine: {b: {component: seconds}}}`` (quietest of the repeats),
         ``component_runs`` (every repeat's medians), ``verification`` (where each engine's extra time over AR goes,
         ms), ``acceptance_length`` per engine and b, ``recovered_sampler`` (``vllm`` | ``noise_once``),
+        ``draft_sampler`` (``vllm`` | ``inverse_cdf``),
         ``engines``, ``draft``, ``bench_seconds``.
     """
     from nemo_rl_spec.bench import step_profile as sp
@@ -549,6 +557,12 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
 
         use_vllm_recovered_sampler()
         recovered = "vllm"
+    draft_sampler = "inverse_cdf"
+    if opts.get("vllm_draft_sampler"):
+        from nemo_rl_spec.models.generation.draft_sampling import use_vllm_draft_sampler
+
+        use_vllm_draft_sampler()
+        draft_sampler = "vllm"
     ks = {name: (spec or {}).get("num_speculative_tokens", 0) for name, spec in engines.items()}
     comp, acceptance = profile_components(workers, ks, opts | {"logprobs": 0}, detail=True, log=log)
     for w in workers.values():
@@ -560,6 +574,7 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
         "verification": sp.verification_summary(table),
         "acceptance_length": acceptance,
         "recovered_sampler": recovered,
+        "draft_sampler": draft_sampler,
         "engines": engines,
         "draft": draft if opts["draft"] else "fresh EAGLE-3 head, zero lm_head (never matching)",
         "bench_seconds": time.perf_counter() - t_start,
@@ -679,6 +694,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     if args.spec_profile:
         opts["vllm_recovered_sampler"] = args.vllm_recovered_sampler
+        opts["vllm_draft_sampler"] = args.vllm_draft_sampler
         res = checks.run_isolated(run_spec_profile, opts, threads=threads)
         res["meta"] = {
             **meta,

@@ -32,6 +32,10 @@ row once; seeded rows get exactly vLLM's values (their own generator, same call)
 verifies to the same tokens; rows without a seed draw from the global RNG as before (other realisations of the
 same distribution, since the global stream is consumed differently). Installed on CPU by
 :func:`apply_vllm_cpu_spec_patches`; :func:`use_vllm_recovered_sampler` puts vLLM's own back (benchmarks).
+
+A second cost of the same kind: the EAGLE proposer draws each probabilistic draft token with a [batch, vocab] fill of
+exponential noise too (k per row per drafting step); :func:`apply_vllm_cpu_spec_patches` also installs the
+inverse-CDF draft sampler of :mod:`~nemo_rl_spec.models.generation.draft_sampling` (one uniform per row).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ import warnings
 
 import numpy as np
 import torch
+
+from nemo_rl_spec.models.generation.draft_sampling import install_inverse_cdf_draft_sampler
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 _applied = False
@@ -69,9 +75,10 @@ def expand_kernel_impl(
 
 
 def apply_vllm_cpu_spec_patches() -> bool:
-    """Install :func:`expand_kernel_impl` as vLLM's CPU ``expand_kernel`` override and
-    :func:`sample_recovered_tokens_noise_once` as the rejection sampler's ``sample_recovered_tokens``. Returns True
-    if installed (CPU platform without Triton), False otherwise."""
+    """Install :func:`expand_kernel_impl` as vLLM's CPU ``expand_kernel`` override,
+    :func:`sample_recovered_tokens_noise_once` as the rejection sampler's ``sample_recovered_tokens`` and the
+    inverse-CDF draft sampler (:mod:`~nemo_rl_spec.models.generation.draft_sampling`). Returns True if installed
+    (CPU platform without Triton), False otherwise."""
     global _applied, _vllm_expand_kernel_impl
     from vllm.triton_utils import HAS_TRITON  # lazy: vllm is slow to import
 
@@ -87,6 +94,7 @@ def apply_vllm_cpu_spec_patches() -> bool:
     if EXPAND_KERNEL in dispatcher._registry:  # a worker in this process already registered the buggy one
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
     _install_recovered_noise_once()
+    install_inverse_cdf_draft_sampler()
     _applied = True
     return True
 
