@@ -45,8 +45,10 @@ from nemo_rl_spec.utils.precision import cpuinfo_value, read_cpuinfo
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
-KEY_VERSION = 1
-"""Bumped when the key's fields change (old entries then stop matching)."""
+KEY_VERSION = 2
+"""Bumped when the key's fields change, or when this project's CPU patches change what a step costs (old entries
+then stop matching): 2, the inverse-CDF draft sampler (models/generation/draft_sampling.py; drafting steps 10-35%
+cheaper)."""
 CPU_FLAGS = (
     "avx",
     "avx2",
