@@ -327,10 +327,12 @@ def calibrated_cost_fns(step_costs: Mapping[str, Any]) -> dict[int, PassCostFn]:
 
 def resolve_referenced(path_str: str, name: str, key: str, subdir: str) -> Path:
     """A file a bench JSON names (``meta.<key>``): the path as written, else ``<subdir>/<basename>`` under the working
-    directory (a copy of the repository on another machine). Raises FileNotFoundError naming ``name`` and the key."""
+    directory (a copy of the repository on another machine), else ``<subdir>/superseded/<basename>`` (step-cost
+    entries of an older calibration key version, kept for the JSONs that name them). Raises FileNotFoundError naming
+    ``name`` and the key."""
     path = Path(path_str)
     local = Path(subdir) / path.name  # preferred for an absolute path: the JSON written here stays portable
-    for cand in (local, path) if path.is_absolute() else (path, local):
+    for cand in (*((local, path) if path.is_absolute() else (path, local)), Path(subdir) / "superseded" / path.name):
         if cand.is_file():
             return cand
     raise FileNotFoundError(f"{name}: meta.{key}={path_str}: no such file (nor {Path(subdir) / path.name})")
