@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 KEY_VERSION = 2
 """Bumped when the key's fields change, or when this project's CPU patches change what a step costs (old entries
-then stop matching): 2, the inverse-CDF draft sampler (models/generation/draft_sampling.py; drafting steps 10-35%
+then stop matching): 2, the inverse-CDF draft sampler (models/generation/draft_sampling.py; drafting steps 3-30%
 cheaper)."""
 CPU_FLAGS = (
     "avx",
