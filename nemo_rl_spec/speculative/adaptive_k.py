@@ -103,6 +103,26 @@ def predicted_speedups(
     return out
 
 
+def best_k(speedups: Mapping[int, float], min_speedup: float = 1.0) -> int:
+    """The k with the largest predicted speedup in ``speedups`` ({k: speedup}, k = 0 included; ties to the smaller
+    k), or 0 unless it beats k = 0's by the factor ``min_speedup`` (the rule of :func:`derive_schedule`)."""
+    best = max(sorted(speedups), key=lambda k: (speedups[k], -k))
+    return best if best > 0 and speedups[best] >= min_speedup * speedups[0] else 0
+
+
+def configured_acceptance(cfg: DynamicSpeculationConfig, data: Mapping[str, Any]) -> float | Mapping[int, float]:
+    """The acceptance rate a derived schedule uses: ``cfg.acceptance_rate``, else the step-cost file's (``data``;
+    a number, or {k: a}).
+
+    Raises:
+        ValueError: neither gives one.
+    """
+    a = cfg.acceptance_rate if cfg.acceptance_rate is not None else data.get("acceptance_rate")
+    if a is None:
+        raise ValueError("policy.generation.dynamic_speculation: set acceptance_rate (the step-cost file has none)")
+    return a
+
+
 def derive_schedule(
     ar_step_s: Mapping[int, float],
     spec_step_s: Mapping[int, Mapping[int, float]],
@@ -133,8 +153,7 @@ def derive_schedule(
     schedule: Schedule = []
     for b in range(1, int(max_batch_size) + 1):
         s = predicted_speedups(ar, spec, acceptance_rate, b)
-        best = max(sorted(s), key=lambda k: (s[k], -k))
-        k = best if best > 0 and s[best] >= min_speedup * s[0] else 0
+        k = best_k(s, min_speedup)
         if schedule and schedule[-1][2] == k:
             schedule[-1] = (schedule[-1][0], b, k)
         else:
@@ -176,9 +195,7 @@ def schedule_from_config(cfg: DynamicSpeculationConfig | Mapping[str, Any], max_
             "nemo_rl_spec.speculative.calibration.resolve_step_costs(cfg, model_path) before building engines"
         )
     data = load_step_costs(cfg.step_costs)
-    a = cfg.acceptance_rate if cfg.acceptance_rate is not None else data.get("acceptance_rate")
-    if a is None:
-        raise ValueError("policy.generation.dynamic_speculation: set acceptance_rate (the step-cost file has none)")
+    a = configured_acceptance(cfg, data)
     return derive_schedule(data["ar_step_s"], data["spec_step_s"], a, cfg.max_batch_size, cfg.min_speedup, max_k)
 
 

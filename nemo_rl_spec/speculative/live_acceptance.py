@@ -18,13 +18,18 @@ every k gives the same tokens (lossless; tests/functional/test_live_acceptance_e
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_spec.speculative.adaptive_k import expected_tokens_per_step, interpolate_cost, load_step_costs
+from nemo_rl_spec.speculative.adaptive_k import (
+    best_k,
+    configured_acceptance,
+    expected_tokens_per_step,
+    interpolate_cost,
+    load_step_costs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +155,9 @@ class LiveKLookup:
         """k for a running batch of ``batch_size`` at per-token acceptance ``rate`` (no state change)."""
         b = min(int(batch_size), len(self.cap) - 1)
         cap, ratio = self.cap[b], self._ratio[b]
-        speedup = {k: expected_tokens_per_step(rate, k) * r for k, r in ratio.items() if k <= cap}
-        best = max(sorted(speedup), key=lambda k: (speedup[k], -k))
-        return best if best > 0 and speedup[best] >= self.min_speedup * speedup[0] else 0
+        return best_k(
+            {k: expected_tokens_per_step(rate, k) * r for k, r in ratio.items() if k <= cap}, self.min_speedup
+        )
 
     def __getitem__(self, batch_size: int) -> int:
         self.estimate.step()
@@ -186,14 +191,10 @@ def prior_acceptance(dynamic, costs: Mapping[str, Any]) -> float:
     file's (a number, or {k: a}: the largest k's).
 
     Raises:
-        ValueError: neither gives one.
+        ValueError: neither gives one (:func:`~nemo_rl_spec.speculative.adaptive_k.configured_acceptance`).
     """
-    a = dynamic.acceptance_rate if dynamic.acceptance_rate is not None else costs.get("acceptance_rate")
-    if isinstance(a, Mapping):
-        a = a[max(a, key=int)] if a else None
-    if a is None:
-        raise ValueError("policy.generation.dynamic_speculation: set acceptance_rate (the step-cost file has none)")
-    return float(a)
+    a = configured_acceptance(dynamic, costs)
+    return float(a[max(a, key=int)] if isinstance(a, Mapping) else a)
 
 
 def install_live_acceptance(llm, dynamic) -> LiveKLookup:
@@ -237,7 +238,7 @@ def install_live_acceptance(llm, dynamic) -> LiveKLookup:
     scheduler.dynamic_sd_lookup = lookup
     logger.info(
         "live acceptance: k per step from %s, prior a=%.3f (%.1f trials), half-life %d steps",
-        json.dumps(dynamic.step_costs),
+        dynamic.step_costs,
         prior_rate,
         dynamic.live_acceptance_prior_trials,
         dynamic.live_acceptance_half_life,

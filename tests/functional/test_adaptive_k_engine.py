@@ -52,6 +52,11 @@ def _count_drafter_forwards(worker) -> None:
     worker.model_runner.drafter.model.register_forward_hook(lambda *_: DRAFTER_FORWARDS.append(1))
 
 
+def _live_counts(lookup) -> dict:
+    """A live-acceptance lookup's counts and its estimate's accepted / tried proposals."""
+    return {**lookup.counts, "accepted": lookup.estimate.accepted, "tried": lookup.estimate.tried}
+
+
 def greedy_scenario(
     model: str,
     draft: str | None,
@@ -78,9 +83,7 @@ def greedy_scenario(
     steps = record_scheduled_steps(llm)
     lookup = llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup
     live = hasattr(lookup, "estimate")  # live acceptance: its counts so far (the worker's warm-up)
-    live_before = (
-        {**lookup.counts, "accepted": lookup.estimate.accepted, "tried": lookup.estimate.tried} if live else {}
-    )
+    live_before = _live_counts(lookup) if live else {}
     spec_cfg = llm.llm_engine.vllm_config.speculative_config
     read = read_spec_decode_counters if draft is not None else (lambda _: SpecDecodeCounters())  # stats off
     before = read(llm)
@@ -95,7 +98,7 @@ def greedy_scenario(
         "drafter_forwards": len(DRAFTER_FORWARDS),
     }
     if live:
-        after = {**lookup.counts, "accepted": lookup.estimate.accepted, "tried": lookup.estimate.tried}
+        after = _live_counts(lookup)
         result["live"] = {key: after[key] - live_before[key] for key in after}
     worker.shutdown()
     return result
