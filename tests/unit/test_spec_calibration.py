@@ -232,7 +232,10 @@ def test_auto_finds_this_machines_entry_and_derives_the_schedule(machine):
     # b = 1: k1 1.61 * 10 / 12 = 1.342, k3 2.209 * 10 / 15 = 1.473 -> 3.
     # b = 2: c_AR 11.43, c_1 16.0, c_3 24.29 ms: k1 1.150, k3 1.040 -> 1.   b = 3: c_AR 12.86, c_1 20.0: k1 1.035 -> 1.
     # b = 4: c_AR 14.29, c_1 24.0, c_3 42.86: k1 0.958, k3 0.736 -> 0 (below k = 0's 1.0), and so on up to 32.
-    assert schedule_from_config(dyn, 3) == [(1, 1, 3), (2, 3, 1), (4, 32, 0)]
+    assert schedule_from_config(dyn.model_copy(update={"min_speedup": 1.0}), 3) == [(1, 1, 3), (2, 3, 1), (4, 32, 0)]
+    # The recipe's min_speedup 1.3: b = 1 keeps k3 (1.473 >= 1.3); b = 2-3's best, k1 1.150 / 1.035, is below 1.3 -> 0.
+    assert dyn.min_speedup == 1.3
+    assert schedule_from_config(dyn, 3) == [(1, 1, 3), (2, 32, 0)]
 
 
 def test_a_step_cost_file_from_another_key_is_used_with_a_warning(machine, tmp_path, caplog):
