@@ -15,7 +15,7 @@ run: install
 
 # Offline EAGLE-3 draft for RECIPE (in-domain prompts, policy samples; resumable: rerun after an interruption):
 # make draft [RECIPE=...] [OUT=...] [ARGS=...]. DRAFT_ARGS: the setting measured for the default recipe
-# (docs/speculative.md: 1,152 samples, 400 steps, ~25 min on 2 cores).
+# (docs/speculative.md: 1,152 samples, 400 steps, ~13 min on 2 cores in bf16, 27 min in fp32).
 OUT ?= results/drafts/$(basename $(notdir $(RECIPE)))
 DRAFT_ARGS ?= --num-prompts 320 --samples-per-prompt 4 --eval-prompts 32 --steps 400 --batch-size 16 --threads 2
 draft: install
