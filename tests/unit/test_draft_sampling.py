@@ -53,7 +53,10 @@ def _meta(temperature, all_greedy=False, all_random=True):
 
 def test_same_probs_and_distribution_as_vllms_sampler():
     vllm_proposer = pytest.importorskip("vllm.v1.spec_decode.llm_base_proposer")
-    vllm_sample = ds._vllm_compute_probs_and_sample or vllm_proposer.compute_probs_and_sample_next_token
+    vllm_sample = (
+        ds._vllm_originals.get("compute_probs_and_sample_next_token")
+        or vllm_proposer.compute_probs_and_sample_next_token
+    )
     torch.manual_seed(1)
     base = torch.tensor([2.0, 0.5, float("-inf"), 1.0, -1.0, float("-inf")])  # -inf: outside a draft vocabulary
     temp = torch.full((N,), 0.7)

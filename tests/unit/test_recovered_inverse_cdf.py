@@ -31,7 +31,7 @@ def rs():
 
 @pytest.fixture()
 def vllm_own(rs):
-    own = ds._vllm_sample_recovered_tokens or rs.sample_recovered_tokens
+    own = ds._vllm_originals.get("sample_recovered_tokens") or rs.sample_recovered_tokens
     assert own.__module__ == rs.__name__  # vLLM's function, not a patch
     return own
 
@@ -126,7 +126,7 @@ def test_a_position_whose_residual_has_no_mass_gets_the_last_index():
 
 def test_install_leaves_a_negative_control_in_place_and_toggles(rs, vllm_own, monkeypatch):
     monkeypatch.setattr(rs, "sample_recovered_tokens", vp.sample_from_target_recovered)
-    monkeypatch.setattr(ds, "_vllm_sample_recovered_tokens", None)
+    monkeypatch.setattr(ds, "_vllm_originals", {})
     assert not ds.install_inverse_cdf_recovered_sampler()
     assert rs.sample_recovered_tokens is vp.sample_from_target_recovered
     with pytest.raises(RuntimeError, match="has not run"):

@@ -27,11 +27,13 @@ by the request's positions as vLLM shares E (only the first rejected position's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import ModuleType
+
 import torch
 
 _SAMPLING_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy (vllm/v1/sample/sampler.py)
-_vllm_compute_probs_and_sample = None  # vLLM's own, kept for use_vllm_draft_sampler()
-_vllm_sample_recovered_tokens = None  # vLLM's own, kept for use_vllm_recovered_sampler()
+_vllm_originals: dict[str, Callable] = {}  # vLLM's own functions replaced here, by name (for the use_vllm_* toggles)
 
 
 def _draw(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -86,21 +88,38 @@ def compute_probs_and_sample_inverse_cdf(logits: torch.Tensor, sampling_metadata
     return next_token_ids, probs
 
 
+def _install(module: ModuleType, name: str, replacement: Callable) -> bool:
+    """``module.name = replacement`` if ``module.name`` is vLLM's own function (defined in ``module``), keeping the
+    original for :func:`_use_vllm`; a function from elsewhere (a negative control) keeps its place. Idempotent.
+    Returns True when ``replacement`` is installed."""
+    current = getattr(module, name)
+    if current is replacement:
+        return True
+    if getattr(current, "__module__", None) != module.__name__:
+        return False
+    _vllm_originals[name] = current
+    setattr(module, name, replacement)
+    return True
+
+
+def _use_vllm(module: ModuleType, name: str, replacement: Callable, on: bool) -> None:
+    """``module.name`` = vLLM's original (``on``) or ``replacement``.
+
+    Raises:
+        RuntimeError: :func:`_install` has not replaced ``module.name`` in this process.
+    """
+    if name not in _vllm_originals:
+        raise RuntimeError(f"the inverse-CDF patch of {module.__name__}.{name} has not run in this process")
+    setattr(module, name, _vllm_originals[name] if on else replacement)
+
+
 def install_inverse_cdf_draft_sampler() -> bool:
     """Make :func:`compute_probs_and_sample_inverse_cdf` the EAGLE proposer's draft sampler in this process
     (``llm_base_proposer.compute_probs_and_sample_next_token``, read at call time). Idempotent; leaves anything
     other than vLLM's own in place. Returns True when installed."""
-    global _vllm_compute_probs_and_sample
     import vllm.v1.spec_decode.llm_base_proposer as proposer  # lazy: vllm is slow to import
 
-    current = proposer.compute_probs_and_sample_next_token
-    if current is compute_probs_and_sample_inverse_cdf:
-        return True
-    if getattr(current, "__module__", None) != proposer.__name__:
-        return False
-    _vllm_compute_probs_and_sample = current
-    proposer.compute_probs_and_sample_next_token = compute_probs_and_sample_inverse_cdf
-    return True
+    return _install(proposer, "compute_probs_and_sample_next_token", compute_probs_and_sample_inverse_cdf)
 
 
 def use_vllm_draft_sampler(on: bool = True) -> None:
@@ -108,15 +127,11 @@ def use_vllm_draft_sampler(on: bool = True) -> None:
     ``on=False`` reinstalls :func:`compute_probs_and_sample_inverse_cdf`.
 
     Raises:
-        RuntimeError: :func:`install_inverse_cdf_draft_sampler` has not installed it in this process.
+        RuntimeError: :func:`install_inverse_cdf_draft_sampler` has not replaced vLLM's in this process.
     """
     import vllm.v1.spec_decode.llm_base_proposer as proposer  # lazy: vllm is slow to import
 
-    if _vllm_compute_probs_and_sample is None:
-        raise RuntimeError("install_inverse_cdf_draft_sampler() has not run in this process")
-    proposer.compute_probs_and_sample_next_token = (
-        _vllm_compute_probs_and_sample if on else compute_probs_and_sample_inverse_cdf
-    )
+    _use_vllm(proposer, "compute_probs_and_sample_next_token", compute_probs_and_sample_inverse_cdf, on)
 
 
 def request_uniforms(num_draft_tokens: list[int], generators: dict, device=None) -> torch.Tensor:
@@ -163,17 +178,9 @@ def install_inverse_cdf_recovered_sampler() -> bool:
     """Make :func:`sample_recovered_tokens_inverse_cdf` the rejection sampler's ``sample_recovered_tokens`` in this
     process (read at call time by ``rejection_sample``). Idempotent; leaves anything other than vLLM's own in place
     (a negative control keeps its place). Returns True when installed."""
-    global _vllm_sample_recovered_tokens
     import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
 
-    current = rs.sample_recovered_tokens
-    if current is sample_recovered_tokens_inverse_cdf:
-        return True
-    if getattr(current, "__module__", None) != rs.__name__:
-        return False
-    _vllm_sample_recovered_tokens = current
-    rs.sample_recovered_tokens = sample_recovered_tokens_inverse_cdf
-    return True
+    return _install(rs, "sample_recovered_tokens", sample_recovered_tokens_inverse_cdf)
 
 
 def use_vllm_recovered_sampler(on: bool = True) -> None:
@@ -181,10 +188,8 @@ def use_vllm_recovered_sampler(on: bool = True) -> None:
     twice for seeded rows) back in this process; ``on=False`` reinstalls :func:`sample_recovered_tokens_inverse_cdf`.
 
     Raises:
-        RuntimeError: :func:`install_inverse_cdf_recovered_sampler` has not installed it in this process.
+        RuntimeError: :func:`install_inverse_cdf_recovered_sampler` has not replaced vLLM's in this process.
     """
     import vllm.v1.sample.rejection_sampler as rs  # lazy: vllm is slow to import
 
-    if _vllm_sample_recovered_tokens is None:
-        raise RuntimeError("install_inverse_cdf_recovered_sampler() has not run in this process")
-    rs.sample_recovered_tokens = _vllm_sample_recovered_tokens if on else sample_recovered_tokens_inverse_cdf
+    _use_vllm(rs, "sample_recovered_tokens", sample_recovered_tokens_inverse_cdf, on)
