@@ -7,6 +7,9 @@ training step"), at the default speculative recipe's shapes, interleaved, side b
   every position of every TTT step).
 - "after": ``OnlineDraft.accumulate`` (nemo_rl_spec/speculative/ttt_scored.py): the same loss and gradients at the
   scored tokens only.
+- "bf16": "after" with ``policy.draft.precision: bfloat16`` (the draft's forward under ``torch.autocast``; fp32
+  weights, gradients and AdamW state). Its first-step loss is printed next to the fp32 one, and every variant's head
+  takes the same steps on the same batch, so ``loss_after_steps`` compares where the fp32 and bf16 heads end.
 
 Shapes (``RecipeShapes``): SmolLM2-135M (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocab 49,152, aux layers
 2 / 15 / 27), the recipe's batch (configs/grpo_math_smollm2_135m.yaml: 8 prompts x 4 rollouts = 32 rows, dynamic
@@ -36,12 +39,13 @@ from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
 from nemo_rl_spec.speculative.online import OnlineDraft
 from nemo_rl_spec.utils.config_schema import DraftConfig
 
-VARIANTS = ("before", "after")
+VARIANTS = ("before", "after", "bf16")
 LOOP_RUNS = {
-    "vocab1160": ["docs/spec_k0_loop/default_vocab1160_rerun.json"],
-    "full": [f"docs/spec_k0_loop/default_rep{i}.json" for i in (1, 2, 3)],
+    "vocab1160": [("docs/spec_k0_loop/real_draft_5steps.json", "sync/speculative@ms13")],
+    "full": [(f"docs/spec_k0_loop/default_rep{i}.json", "sync/speculative@after") for i in (1, 2, 3)],
 }
-"""In-loop runs (examples/bench_sync_vs_async.py) whose logged phases give the policy's training time for scale."""
+"""In-loop runs (examples/bench_sync_vs_async.py, file and speculative mode) whose logged phases give the policy's
+training time for scale: the default recipe with its real 1,160-row draft (session 24) and the full-vocabulary head."""
 
 
 @dataclass
@@ -117,15 +121,18 @@ def micro_batches(shapes: RecipeShapes, batch: dict[str, torch.Tensor], seed: in
     return out
 
 
-def make_draft(shapes: RecipeShapes, draft_vocab_size: int | None, seed: int = 0) -> OnlineDraft:
-    """A fresh online draft of the recipe's shape (the recipe's optimizer settings: ``policy.draft`` lr 1e-4)."""
+def make_draft(
+    shapes: RecipeShapes, draft_vocab_size: int | None, seed: int = 0, precision: str = "float32"
+) -> OnlineDraft:
+    """A fresh online draft of the recipe's shape (the recipe's optimizer settings: ``policy.draft`` lr 1e-4;
+    ``precision``: ``policy.draft.precision``)."""
     cfg = Eagle3Config.from_target(shapes.target_config(), draft_vocab_size=draft_vocab_size)
     head = Eagle3DraftHead(cfg)
     head.reset_parameters(seed=seed)
     if draft_vocab_size is not None:
         ids = torch.randperm(shapes.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab_size]
         head.set_draft_vocab(ids.sort().values)
-    draft_cfg = DraftConfig(online=True, optimizer={"lr": 1e-4})
+    draft_cfg = DraftConfig(online=True, optimizer={"lr": 1e-4}, precision=precision)
     return OnlineDraft(head, draft_cfg, ttt_steps=shapes.ttt_steps, temperature=shapes.temperature)
 
 
@@ -166,17 +173,17 @@ def loop_policy_seconds(root: Path, head: str) -> dict[str, Any]:
     """From the in-loop runs of ``head``: the AR mode's training phase (the policy's own step) and the speculative
     mode's draft seconds, whole step and step / AR (means over the files found)."""
     rows = []
-    for name in LOOP_RUNS.get(head, []):
+    for name, mode in LOOP_RUNS.get(head, []):
         path = root / name
         if path.is_file():
             modes = json.loads(path.read_text())["modes"]
-            ar, spec = modes["sync/autoregressive"], modes["sync/speculative@after"]
+            ar, spec = modes["sync/autoregressive"], modes[mode]
             rows.append((ar["training_s"], spec["draft_train_s"], spec["step_time_s"], ar["step_time_s"]))
     if not rows:
         return {}
     mean = [statistics.fmean(col) for col in zip(*rows, strict=True)]
     return {
-        "files": LOOP_RUNS.get(head, []),
+        "files": [name for name, _ in LOOP_RUNS.get(head, [])],
         "ar_policy_training_s": mean[0],
         "spec_draft_train_s": mean[1],
         "spec_step_s": mean[2],
@@ -195,40 +202,46 @@ def run(shapes: RecipeShapes, heads: dict[str, int | None], repeats: int, thread
     result["settings"]["micro_batches"] = [list(mb["input_ids"].shape) for mb in mbs]
     result["settings"]["scored_tokens"] = DraftTrainer.scored_tokens(batch["loss_mask"])
     for head, vocab in heads.items():
-        drafts = {v: make_draft(shapes, vocab) for v in VARIANTS}
+        drafts = {v: make_draft(shapes, vocab, precision="bfloat16" if v == "bf16" else "float32") for v in VARIANTS}
         warm = {v: draft_step(drafts[v], v, embedding, batch["loss_mask"], mbs) for v in VARIANTS}
         times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        last: dict[str, float] = {}
         for rep in range(repeats):
             for v in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
-                times[v].append(draft_step(drafts[v], v, embedding, batch["loss_mask"], mbs)[0])
-        result["heads"][head] = _head_summary(vocab, shapes, times, warm, loop_policy_seconds(root, head))
+                seconds, metrics = draft_step(drafts[v], v, embedding, batch["loss_mask"], mbs)
+                times[v].append(seconds)
+                last[v] = metrics["draft_loss"]
+        summary = _head_summary(vocab, shapes, times, warm, loop_policy_seconds(root, head))
+        result["heads"][head] = {**summary, "loss_after_steps": {"steps": repeats + 1, **last}}
         print_row(head, result["heads"][head], flush=True)
     return result
 
 
 def _head_summary(vocab, shapes, times, warm, loop) -> dict[str, Any]:
     median = {v: statistics.median(times[v]) for v in VARIANTS}
-    before_m, after_m = warm["before"][1], warm["after"][1]
     summary = {
         "draft_vocab_size": vocab or shapes.vocab_size,
         "seconds": times,
         "median_s": median,
         "after_over_before": median["after"] / median["before"],
+        "bf16_over_after": median["bf16"] / median["after"],
         "warmup_s": {v: warm[v][0] for v in VARIANTS},
-        "first_step_draft_loss": {"before": before_m["draft_loss"], "after": after_m["draft_loss"]},
-        "first_step_grad_norm": {"before": before_m["draft_grad_norm"], "after": after_m["draft_grad_norm"]},
+        "first_step_draft_loss": {v: warm[v][1]["draft_loss"] for v in VARIANTS},
+        "first_step_grad_norm": {v: warm[v][1]["draft_grad_norm"] for v in VARIANTS},
         "loop": loop,
     }
     if loop:
-        saved = loop["spec_draft_train_s"] * (1.0 - summary["after_over_before"])
+        # the loop files were measured with the "after" path in fp32: project the bf16 step from them
+        saved = loop["spec_draft_train_s"] * (1.0 - summary["bf16_over_after"])
         summary["projected_step_over_ar"] = (loop["spec_step_s"] - saved) / loop["ar_step_s"]
         summary["loop_step_over_ar"] = loop["spec_step_s"] / loop["ar_step_s"]
     return summary
 
 
 HEADER = (
-    "| head | before s (per repeat) | after s (per repeat) | after / before | first-step loss before / after "
-    "| policy training s (loop, AR) | loop step / AR | projected step / AR |"
+    "| head | before s (per repeat) | after s (per repeat) | bf16 s (per repeat) | after / before | bf16 / after "
+    "| first-step loss after / bf16 | loss after all steps, after / bf16 "
+    "| policy training s (loop, AR) | loop step / AR | projected step / AR with bf16 |"
 )
 
 
@@ -236,11 +249,12 @@ def print_row(head: str, s: dict[str, Any], flush: bool = False) -> str:
     def reps(v: str) -> str:
         return f"{s['median_s'][v]:.3f} ({' / '.join(f'{x:.2f}' for x in s['seconds'][v])})"
 
-    loss = s["first_step_draft_loss"]
+    loss, end = s["first_step_draft_loss"], s["loss_after_steps"]
     loop = s["loop"]
     row = (
-        f"| {head} ({s['draft_vocab_size']} rows) | {reps('before')} | {reps('after')} | {s['after_over_before']:.3f} "
-        f"| {loss['before']:.6f} / {loss['after']:.6f} "
+        f"| {head} ({s['draft_vocab_size']} rows) | {reps('before')} | {reps('after')} | {reps('bf16')} "
+        f"| {s['after_over_before']:.3f} | {s['bf16_over_after']:.3f} | {loss['after']:.6f} / {loss['bf16']:.6f} "
+        f"| {end['after']:.6f} / {end['bf16']:.6f} "
         f"| {loop.get('ar_policy_training_s', float('nan')):.2f} | {s.get('loop_step_over_ar', float('nan')):.3f} "
         f"| {s.get('projected_step_over_ar', float('nan')):.3f} |"
     )

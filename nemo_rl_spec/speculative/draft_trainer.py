@@ -48,6 +48,9 @@ class DraftTrainer(DraftTrainerInterface):
         step_weights: per-step loss weights (default ``0.8^j``).
         loss_weight: multiplies the loss (``policy.draft.loss_weight``); reported loss is unweighted.
         micro_batch_size: rows per forward/backward (gradients accumulate; None: whole batch).
+        autocast_dtype: run the draft's forward under ``torch.autocast`` in this dtype (``torch.bfloat16``:
+            mixed precision, the weights, gradients and optimizer state stay fp32; None: plain fp32).
+            ``policy.draft.precision``.
 
     Attributes:
         draft_version: number of optimizer steps taken (exported with the weights for versioned refits).
@@ -65,8 +68,10 @@ class DraftTrainer(DraftTrainerInterface):
         step_weights: Sequence[float] | None = None,
         loss_weight: float = 1.0,
         micro_batch_size: int | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.head = head
+        self.autocast_dtype = autocast_dtype
         self.params = [p for p in head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.max_grad_norm = max_grad_norm
@@ -164,14 +169,21 @@ class DraftTrainer(DraftTrainerInterface):
         if target_logprobs is not None and target_logprobs.dim() == 3:
             rows, cols = scored_index(mask)
             target_logprobs = target_logprobs[rows, cols - 1]
-        loss, metrics = scored_ttt_loss(
-            self.head, hidden_states.float(), input_ids, mask, self.ttt_steps, target_logprobs, self.step_weights
-        )
+        with self._autocast(hidden_states.device.type):
+            loss, metrics = scored_ttt_loss(
+                self.head, hidden_states.float(), input_ids, mask, self.ttt_steps, target_logprobs, self.step_weights
+            )
         share = valid / total_tokens
         (loss * share * self.loss_weight).backward()
         self._loss_sum += float(loss.detach()) * share
         for k, v in metrics.items():
             self._metric_sums[k] = self._metric_sums.get(k, 0.0) + v * share
+
+    def _autocast(self, device_type: str) -> torch.autocast:
+        """``torch.autocast`` in :attr:`autocast_dtype` for the forward (disabled when it is None). The backward runs
+        outside it, as torch recommends; the loss and log-softmaxes are fp32 either way (autocast's fp32 ops)."""
+        dtype = self.autocast_dtype or torch.float32
+        return torch.autocast(device_type, dtype=dtype, enabled=self.autocast_dtype is not None)
 
     def apply(self, sync: DataParallelSync | None = None) -> dict[str, float]:
         """Clip and take the optimizer step on the accumulated gradient; returns the metrics of :meth:`step`.

@@ -10,7 +10,8 @@ is connected to the policy's graph, so the policy's gradients are bitwise those 
 
 Config (``policy.draft``, :class:`~nemo_rl_spec.utils.config_schema.DraftConfig`): ``model_name`` (a head directory
 to start from, e.g. from ``examples/init_draft.py``; None: a fresh head whose ``lm_head`` is the policy's output
-layer), ``aux_layer_ids``, ``loss_weight``, ``ttt_steps``, ``optimizer.{lr, weight_decay, max_grad_norm}``.
+layer), ``aux_layer_ids``, ``loss_weight``, ``precision`` (the draft forward's autocast dtype), ``ttt_steps``,
+``optimizer.{lr, weight_decay, max_grad_norm}``.
 
 Data parallel: every policy worker trains the same head on its own row shard; the loss normaliser is the global
 count of scored tokens and the gradients are summed over the ranks before the step (``sync``, a
@@ -131,6 +132,7 @@ class OnlineDraft:
             max_grad_norm=opt.max_grad_norm,
             ttt_steps=int(ttt_steps),
             loss_weight=draft_cfg.loss_weight,
+            autocast_dtype=torch.bfloat16 if draft_cfg.precision == "bfloat16" else None,
         )
         self.temperature = float(temperature) if temperature > 0 else 1.0
         self.sync = sync
@@ -187,7 +189,8 @@ class OnlineDraft:
     def export(self, dtype: str | None = None) -> dict[str, Any]:
         """``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}`` for
         :meth:`VllmGenerationWorker.update_draft_weights`; floating-point weights cast to ``dtype`` (the engine's,
-        ``float32`` | ``bfloat16``; None: as trained, fp32). The head trains in fp32 whatever the policy's dtype."""
+        ``float32`` | ``bfloat16``; None: as trained, fp32). The head's weights are fp32 whatever the policy's dtype
+        (``policy.draft.precision: bfloat16`` autocasts the forward only)."""
         weights = cast_state(self.trainer.export_weights(), dtype)
         return {"weights": weights, "draft_version": self.trainer.draft_version, "policy_version": self.policy_version}
 

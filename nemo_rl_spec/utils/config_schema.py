@@ -390,6 +390,11 @@ class DraftConfig(_Strict):
         "every step and refit it with the policy",
     )
     loss_weight: float = Field(default=1.0, ge=0.0)
+    precision: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="dtype of the online draft's forward (bfloat16: torch.autocast; the weights, gradients and AdamW "
+        "state stay float32, the soft targets and the loss are float32)",
+    )
     ttt_steps: Optional[PositiveInt] = Field(
         default=None, description="training-time-test unroll length; None: speculative_config.num_speculative_tokens"
     )

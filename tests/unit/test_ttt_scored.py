@@ -187,3 +187,35 @@ class _Captured:
 
     def aux_hidden(self) -> torch.Tensor:
         return self._aux
+
+
+def test_bf16_autocast_step_keeps_fp32_state_and_tracks_the_fp32_step():
+    """``policy.draft.precision: bfloat16``: the trainer's loss is the scored loss under ``torch.autocast`` (recomputed
+    here), it differs from the fp32 loss (autocast ran) by bf16 rounding only, the gradients point the same way, and
+    the weights, gradients and AdamW state stay fp32."""
+    aux, ids, logits = make_batch(3)
+    targets = scored_soft_targets(logits, MASK, T, None)
+    runs = {}
+    for precision in ("float32", "bfloat16"):
+        head = make_head(None)
+        draft = OnlineDraft(head, DraftConfig(online=True, precision=precision), ttt_steps=K, temperature=T)
+        assert draft.trainer.autocast_dtype == (torch.bfloat16 if precision == "bfloat16" else None)
+        draft.begin(head.embed_tokens.weight.detach().clone(), MASK)
+        draft.accumulate(_Captured(aux), ids, MASK, logits)
+        grads = torch.cat([p.grad.flatten() for p in draft.trainer.params])
+        runs[precision] = (draft.finish(), grads, draft.trainer)
+    fp32, bf16 = runs["float32"][0]["draft_loss"], runs["bfloat16"][0]["draft_loss"]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        by_hand, _ = scored_ttt_loss(make_head(None), aux, ids, MASK, K, targets)
+    assert bf16 == pytest.approx(float(by_hand), rel=1e-6)
+    assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=1e-2)
+    g32, g16 = runs["float32"][1], runs["bfloat16"][1]
+    assert float(torch.nn.functional.cosine_similarity(g32, g16, dim=0)) > 0.999
+    trainer = runs["bfloat16"][2]
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in trainer.params)
+    assert all(t.dtype == torch.float32 for s in trainer.optimizer.state.values() for t in s.values() if t.dim())
+
+
+def test_draft_precision_key_names_itself_when_invalid():
+    with pytest.raises(ValueError, match="precision"):
+        DraftConfig(online=True, precision="float16")
