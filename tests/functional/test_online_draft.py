@@ -27,12 +27,17 @@ from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 torch.set_num_threads(1)
 
 
-def _policy_cfg(draft: bool, micro=2, lr=1e-2) -> dict:
+def _policy_cfg(draft: bool, micro=2, lr=1e-2, draft_precision="float32") -> dict:
     cfg = fm.base_recipe_section("policy")
     cfg.update(train_micro_batch_size=micro, logprob_batch_size=4)
     cfg["megatron_cfg"]["optimizer"].update(lr=lr)
     if draft:
-        cfg["draft"] = {"enabled": True, "online": True, "optimizer": {"lr": 1e-2, "max_grad_norm": 1.0}}
+        cfg["draft"] = {
+            "enabled": True,
+            "online": True,
+            "precision": draft_precision,
+            "optimizer": {"lr": 1e-2, "max_grad_norm": 1.0},
+        }
         cfg["generation"]["vllm_kwargs"] = {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 2}}
     return cfg
 
@@ -106,6 +111,21 @@ def test_draft_loss_equals_independent_ttt_loss(model_dir):
     expected, _ = head.ttt_loss(cap.aux_hidden(), data["input_ids"], mask, 2, torch.log_softmax(logits.float(), -1))
     m = worker.train(data)
     assert m["draft_loss"] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_bf16_draft_leaves_policy_gradients_bitwise_and_tracks_the_fp32_draft(model_dir):
+    """``policy.draft.precision: bfloat16`` on the real worker: the policy's gradients are bitwise those of the fp32
+    draft's worker (the autocast covers the draft's forward only), the draft loss differs from the fp32 draft's by bf16
+    rounding only, and the head's weights stay fp32."""
+    w32 = _worker(model_dir, draft=True)
+    w16 = _worker(model_dir, draft=True, draft_precision="bfloat16")
+    assert w16.draft.trainer.autocast_dtype == torch.bfloat16 and w32.draft.trainer.autocast_dtype is None
+    data = fm.on_policy(w32, _batch(seed=2))
+    m32, m16 = w32.train(data), w16.train(data)
+    g32, g16 = _grads(w32), _grads(w16)
+    assert all(torch.equal(g32[name], g16[name]) for name in g32) and len(g32) > 10
+    assert m16["draft_loss"] != m32["draft_loss"] and m16["draft_loss"] == pytest.approx(m32["draft_loss"], rel=1e-2)
+    assert all(p.dtype == torch.float32 for p in w16.draft.head.parameters())
 
 
 def test_draft_checkpoint_roundtrip_and_version_pairing(model_dir, tmp_path):
