@@ -41,11 +41,13 @@ from nemo_rl_spec.utils.config_schema import DraftConfig
 
 VARIANTS = ("before", "after", "bf16")
 LOOP_RUNS = {
-    "vocab1160": [("docs/spec_k0_loop/real_draft_5steps.json", "sync/speculative@ms13")],
-    "full": [(f"docs/spec_k0_loop/default_rep{i}.json", "sync/speculative@after") for i in (1, 2, 3)],
+    "vocab1160": [("docs/spec_k0_loop/real_draft_5steps.json", "sync/speculative@ms13", "after")],
+    "full": [(f"docs/spec_k0_loop/default_rep{i}.json", "sync/speculative@after", "before") for i in (1, 2, 3)],
 }
-"""In-loop runs (examples/bench_sync_vs_async.py, file and speculative mode) whose logged phases give the policy's
-training time for scale: the default recipe with its real 1,160-row draft (session 24) and the full-vocabulary head."""
+"""In-loop runs (examples/bench_sync_vs_async.py: file, speculative mode, and the variant of this benchmark whose path
+that run's draft trained with) whose logged phases give the policy's training time for scale: the default recipe with
+its real 1,160-row draft (session 24, fp32 scored-token path) and the full-vocabulary head (before the scored-token
+cut)."""
 
 
 @dataclass
@@ -173,7 +175,7 @@ def loop_policy_seconds(root: Path, head: str) -> dict[str, Any]:
     """From the in-loop runs of ``head``: the AR mode's training phase (the policy's own step) and the speculative
     mode's draft seconds, whole step and step / AR (means over the files found)."""
     rows = []
-    for name, mode in LOOP_RUNS.get(head, []):
+    for name, mode, _ in LOOP_RUNS.get(head, []):
         path = root / name
         if path.is_file():
             modes = json.loads(path.read_text())["modes"]
@@ -183,7 +185,8 @@ def loop_policy_seconds(root: Path, head: str) -> dict[str, Any]:
         return {}
     mean = [statistics.fmean(col) for col in zip(*rows, strict=True)]
     return {
-        "files": [name for name, _ in LOOP_RUNS.get(head, [])],
+        "files": [name for name, _, _ in LOOP_RUNS.get(head, [])],
+        "draft_variant": LOOP_RUNS[head][0][2],
         "ar_policy_training_s": mean[0],
         "spec_draft_train_s": mean[1],
         "spec_step_s": mean[2],
@@ -192,8 +195,15 @@ def loop_policy_seconds(root: Path, head: str) -> dict[str, Any]:
 
 
 def run(shapes: RecipeShapes, heads: dict[str, int | None], repeats: int, threads: int, root: Path) -> dict:
-    """Interleaved repeats (order alternating per repeat) after one warm-up step per (head, variant); the warm-up
-    step also checks that both variants give the same loss and gradient norm from identical heads."""
+    """Interleaved repeats (order alternating per repeat) after one warm-up step per (head, variant) of
+    :data:`VARIANTS`, every variant's head starting identical and stepping on the same batch.
+
+    Returns ``{"settings": ..., "heads": {head: summary}}``; a summary holds per-variant ``seconds`` (per repeat) and
+    ``median_s``, ``after_over_before`` and ``bf16_over_after`` (median ratios), the warm-up step's
+    ``first_step_draft_loss`` / ``first_step_grad_norm`` per variant (the fp32 variants equal, bf16 within its
+    rounding), ``loss_at_last_step`` (the loss logged by step ``repeats + 1``, after ``repeats`` updates), and with a
+    loop file (:data:`LOOP_RUNS`) ``projected_step_over_ar``: the loop's step with its draft seconds scaled from the
+    variant it ran to bf16."""
     torch.set_num_threads(threads)
     batch = recipe_batch(shapes)
     mbs = micro_batches(shapes, batch)
@@ -212,7 +222,7 @@ def run(shapes: RecipeShapes, heads: dict[str, int | None], repeats: int, thread
                 times[v].append(seconds)
                 last[v] = metrics["draft_loss"]
         summary = _head_summary(vocab, shapes, times, warm, loop_policy_seconds(root, head))
-        result["heads"][head] = {**summary, "loss_after_steps": {"steps": repeats + 1, **last}}
+        result["heads"][head] = {**summary, "loss_at_last_step": {"step": repeats + 1, **last}}
         print_row(head, result["heads"][head], flush=True)
     return result
 
@@ -231,8 +241,8 @@ def _head_summary(vocab, shapes, times, warm, loop) -> dict[str, Any]:
         "loop": loop,
     }
     if loop:
-        # the loop files were measured with the "after" path in fp32: project the bf16 step from them
-        saved = loop["spec_draft_train_s"] * (1.0 - summary["bf16_over_after"])
+        # the loop file's draft trained on the variant LOOP_RUNS names: scale its draft seconds from there to bf16
+        saved = loop["spec_draft_train_s"] * (1.0 - median["bf16"] / median[loop["draft_variant"]])
         summary["projected_step_over_ar"] = (loop["spec_step_s"] - saved) / loop["ar_step_s"]
         summary["loop_step_over_ar"] = loop["spec_step_s"] / loop["ar_step_s"]
     return summary
@@ -240,7 +250,7 @@ def _head_summary(vocab, shapes, times, warm, loop) -> dict[str, Any]:
 
 HEADER = (
     "| head | before s (per repeat) | after s (per repeat) | bf16 s (per repeat) | after / before | bf16 / after "
-    "| first-step loss after / bf16 | loss after all steps, after / bf16 "
+    "| first-step loss after / bf16 | loss at the last step, after / bf16 "
     "| policy training s (loop, AR) | loop step / AR | projected step / AR with bf16 |"
 )
 
@@ -249,7 +259,7 @@ def print_row(head: str, s: dict[str, Any], flush: bool = False) -> str:
     def reps(v: str) -> str:
         return f"{s['median_s'][v]:.3f} ({' / '.join(f'{x:.2f}' for x in s['seconds'][v])})"
 
-    loss, end = s["first_step_draft_loss"], s["loss_after_steps"]
+    loss, end = s["first_step_draft_loss"], s["loss_at_last_step"]
     loop = s["loop"]
     row = (
         f"| {head} ({s['draft_vocab_size']} rows) | {reps('before')} | {reps('after')} | {reps('bf16')} "

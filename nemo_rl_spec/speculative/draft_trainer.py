@@ -48,9 +48,12 @@ class DraftTrainer(DraftTrainerInterface):
         step_weights: per-step loss weights (default ``0.8^j``).
         loss_weight: multiplies the loss (``policy.draft.loss_weight``); reported loss is unweighted.
         micro_batch_size: rows per forward/backward (gradients accumulate; None: whole batch).
-        autocast_dtype: run the draft's forward under ``torch.autocast`` in this dtype (``torch.bfloat16``:
-            mixed precision, the weights, gradients and optimizer state stay fp32; None: plain fp32).
-            ``policy.draft.precision``.
+        autocast_dtype: None (plain fp32) or ``torch.bfloat16``: run the draft's forward under ``torch.autocast``
+            on the device of the hidden states passed to :meth:`accumulate` (mixed precision: the weights,
+            gradients and optimizer state stay fp32). ``policy.draft.precision``.
+
+    Raises:
+        ValueError: ``autocast_dtype`` is neither None nor ``torch.bfloat16``.
 
     Attributes:
         draft_version: number of optimizer steps taken (exported with the weights for versioned refits).
@@ -70,6 +73,8 @@ class DraftTrainer(DraftTrainerInterface):
         micro_batch_size: int | None = None,
         autocast_dtype: torch.dtype | None = None,
     ) -> None:
+        if autocast_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"autocast_dtype={autocast_dtype}: expected None or torch.bfloat16")
         self.head = head
         self.autocast_dtype = autocast_dtype
         self.params = [p for p in head.parameters() if p.requires_grad]

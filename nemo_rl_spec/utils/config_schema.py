@@ -393,7 +393,8 @@ class DraftConfig(_Strict):
     precision: Literal["float32", "bfloat16"] = Field(
         default="float32",
         description="dtype of the online draft's forward (bfloat16: torch.autocast; the weights, gradients and AdamW "
-        "state stay float32, the soft targets and the loss are float32)",
+        "state stay float32, the soft targets and the loss are float32). Applies with online: true only; ignored "
+        "for a frozen draft, like loss_weight, ttt_steps and optimizer",
     )
     ttt_steps: Optional[PositiveInt] = Field(
         default=None, description="training-time-test unroll length; None: speculative_config.num_speculative_tokens"

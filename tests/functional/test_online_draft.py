@@ -124,7 +124,7 @@ def test_bf16_draft_leaves_policy_gradients_bitwise_and_tracks_the_fp32_draft(mo
     m32, m16 = w32.train(data), w16.train(data)
     g32, g16 = _grads(w32), _grads(w16)
     assert all(torch.equal(g32[name], g16[name]) for name in g32) and len(g32) > 10
-    assert m16["draft_loss"] != m32["draft_loss"] and m16["draft_loss"] == pytest.approx(m32["draft_loss"], rel=1e-2)
+    assert m16["draft_loss"] != m32["draft_loss"] and m16["draft_loss"] == pytest.approx(m32["draft_loss"], rel=1e-3)
     assert all(p.dtype == torch.float32 for p in w16.draft.head.parameters())
 
 

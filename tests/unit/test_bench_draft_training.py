@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from nemo_rl_spec.bench.draft_training import RecipeShapes, loop_policy_seconds, micro_batches, recipe_batch, run
+from nemo_rl_spec.bench.draft_training import (
+    RecipeShapes,
+    _head_summary,
+    loop_policy_seconds,
+    micro_batches,
+    recipe_batch,
+    run,
+)
 
 TINY = RecipeShapes(
     vocab_size=96,
@@ -53,8 +60,8 @@ def test_run_gives_the_same_first_step_in_the_fp32_variants_and_a_close_one_in_b
         assert norm["after"] == pytest.approx(norm["before"], rel=1e-5)
         # bf16 autocast really ran (the loss differs) and stays within bf16's rounding of the fp32 loss
         assert loss["bf16"] != loss["after"] and loss["bf16"] == pytest.approx(loss["after"], rel=1e-3)
-        end = s["loss_after_steps"]
-        assert end["steps"] == 3 and end["bf16"] == pytest.approx(end["after"], rel=1e-3)
+        end = s["loss_at_last_step"]
+        assert end["step"] == 3 and end["bf16"] == pytest.approx(end["after"], rel=1e-3)
         assert s["loop"] == {}
     json.dumps(result)
 
@@ -75,3 +82,16 @@ def test_loop_policy_seconds_reads_the_logged_phases(tmp_path):
         20.0,
     )
     assert loop_policy_seconds(tmp_path, "full") == {}
+    assert got["draft_variant"] == "after"
+
+
+@pytest.mark.parametrize(("variant", "saved"), [("after", 2.0 * (1 - 1 / 2)), ("before", 2.0 * (1 - 1 / 4))])
+def test_projection_scales_the_loop_draft_seconds_from_the_variant_it_ran(variant, saved):
+    """Medians 4 / 2 / 1 s (before / after / bf16); the loop's draft took 2 s of a 24 s step (AR 20 s): bf16 saves
+    2 x (1 - bf16 / <variant the loop ran>) seconds of it, worked out by hand here."""
+    times = {"before": [4.0], "after": [2.0], "bf16": [1.0]}
+    warm = {v: (0.0, {"draft_loss": 1.0, "draft_grad_norm": 1.0}) for v in times}
+    loop = {"spec_draft_train_s": 2.0, "spec_step_s": 24.0, "ar_step_s": 20.0, "draft_variant": variant}
+    summary = _head_summary(24, TINY, times, warm, loop)
+    assert summary["bf16_over_after"] == 0.5 and summary["loop_step_over_ar"] == 1.2
+    assert summary["projected_step_over_ar"] == pytest.approx((24.0 - saved) / 20.0, rel=1e-12)

@@ -56,8 +56,8 @@ MTP block's AdamW at the same lr, saved and restored with checkpoints.
 Precision (``precision``; docs/precision.md): float32, or bfloat16 with Megatron's own mixed precision on CPU as on
 GPU (``Float16OptimizerWithFloat16Params`` / the distributed optimizer: bf16 parameters, fp32 ``main_grad`` in the DDP
 buffer, fp32 master weights and Adam state; log-probs, losses and the KL in fp32 from ``logits.float()``). The MTP
-block's AdamW keeps its own fp32 masters (:mod:`~.mixed_precision`); the online EAGLE-3 head trains in fp32 on
-activations cast up.
+block's AdamW keeps its own fp32 masters (:mod:`~.mixed_precision`); the online EAGLE-3 head keeps fp32 weights and
+AdamW state and trains on activations cast up, its forward in fp32 or under bf16 autocast (``policy.draft.precision``).
 """
 
 from __future__ import annotations
