@@ -9,7 +9,7 @@ training step"), at the default speculative recipe's shapes, interleaved, side b
   scored tokens only.
 - "bf16": "after" with ``policy.draft.precision: bfloat16`` (the draft's forward under ``torch.autocast``; fp32
   weights, gradients and AdamW state). Its first-step loss is printed next to the fp32 one, and every variant's head
-  takes the same steps on the same batch, so ``loss_after_steps`` compares where the fp32 and bf16 heads end.
+  takes the same steps on the same batch, so ``loss_at_last_step`` compares where the fp32 and bf16 heads end.
 
 Shapes (``RecipeShapes``): SmolLM2-135M (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocab 49,152, aux layers
 2 / 15 / 27), the recipe's batch (configs/grpo_math_smollm2_135m.yaml: 8 prompts x 4 rollouts = 32 rows, dynamic
