@@ -268,6 +268,14 @@ def syncs_draft(cfg: MasterConfig) -> bool:
     return (draft is not None and draft.online) or serves_policy_mtp(cfg)
 
 
+def draft_train_period(cfg: MasterConfig) -> int:
+    """Steps between the drafter's refits (``WeightRefitter.draft_train_period``): ``policy.draft.train_period`` for
+    an online EAGLE-3 draft; 1 otherwise (the policy's own MTP block trains with the policy every step; the schema
+    refuses an online draft beside it)."""
+    draft = enabled_draft(cfg)
+    return draft.train_period if draft is not None and draft.online else 1
+
+
 def check_mtp_drafter_model(cfg: MasterConfig, model_path: str) -> None:
     """With ``method: mtp``, the policy must be exportable as a MiMo checkpoint (Llama/Qwen trunk, head_dim ==
     hidden/heads). Raises ConfigError naming the keys otherwise (before any worker starts)."""
@@ -518,6 +526,7 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
         pad_token_id(tokenizer),
         engine_dtype=cfg.policy.engine_precision,
         sync_draft=syncs_draft(cfg),
+        draft_train_period=draft_train_period(cfg),
     )
     spec = None
     if cfg.policy.generation.speculative_config is not None:

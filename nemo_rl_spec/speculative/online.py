@@ -11,7 +11,8 @@ is connected to the policy's graph, so the policy's gradients are bitwise those 
 Config (``policy.draft``, :class:`~nemo_rl_spec.utils.config_schema.DraftConfig`): ``model_name`` (a head directory
 to start from, e.g. from ``examples/init_draft.py``; None: a fresh head whose ``lm_head`` is the policy's output
 layer), ``aux_layer_ids``, ``loss_weight``, ``precision`` (the draft forward's autocast dtype), ``ttt_steps``,
-``optimizer.{lr, weight_decay, max_grad_norm}``.
+``train_period`` (train every n-th policy step only: :func:`draft_trains_at`), ``optimizer.{lr, weight_decay,
+max_grad_norm}``.
 
 Data parallel: every policy worker trains the same head on its own row shard; the loss normaliser is the global
 count of scored tokens and the gradients are summed over the ranks before the step (``sync``, a
@@ -37,6 +38,20 @@ from nemo_rl_spec.utils.config_schema import DraftConfig
 from nemo_rl_spec.utils.dtypes import cast_state
 
 DRAFT_STATE_DIR = "draft"
+
+
+def draft_trains_at(step: int, train_period: int) -> bool:
+    """True when the online draft trains in the policy step ``step`` (0-based optimizer steps of the policy,
+    ``MegatronPolicyWorker.step`` before the step): every ``policy.draft.train_period``-th step, starting with the
+    first (``step % train_period == 0``). The policy worker skips the draft on the other steps, and the refit pushes
+    the draft only after a step that trained it, so both sides decide with this one rule.
+
+    Raises:
+        ValueError: ``train_period < 1`` or ``step < 0``.
+    """
+    if train_period < 1 or step < 0:
+        raise ValueError(f"policy.draft.train_period={train_period} (>= 1 expected) at step {step} (>= 0 expected)")
+    return step % train_period == 0
 
 
 def build_draft_head(

@@ -399,6 +399,13 @@ class DraftConfig(_Strict):
     ttt_steps: Optional[PositiveInt] = Field(
         default=None, description="training-time-test unroll length; None: speculative_config.num_speculative_tokens"
     )
+    train_period: PositiveInt = Field(
+        default=1,
+        description="train the online draft on the policy steps whose index is a multiple of train_period (1: every "
+        "step) and refit it into the engines only after those steps; in between the engines keep the last draft, "
+        "paired with an older policy version (speculation stays lossless: the target verifies every token). "
+        "Applies with online: true only, like precision",
+    )
     allow_stale_draft: bool = Field(
         default=False,
         description="let the generation worker take a draft trained "

@@ -90,7 +90,7 @@ from nemo_rl_spec.models.policy.parallel import (
     reduce_metrics,
 )
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, token_logprobs
-from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
+from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head, draft_trains_at
 from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
 from nemo_rl_spec.utils.precision import choose_precision
 
@@ -336,7 +336,8 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         micro-batch losses (over DP ranks too); loss metrics are combined by the loss contract (sum, ``*_max`` by
         max) over micro-batches and DP ranks, ``num_micro_batches`` is the total over DP ranks. Also returns
         ``grad_norm`` (before clipping), ``lr`` and ``update_successful``. With MTP, also the ``mtp/*`` metrics of
-        :meth:`.MTPCoTraining.step`; with an online draft the ``draft_*`` metrics. The same dict on every rank.
+        :meth:`.MTPCoTraining.step`; with an online draft the ``draft_*`` metrics in the steps it trains
+        (every ``policy.draft.train_period``-th). The same dict on every rank.
         """
         self.model.train()
         self.model.zero_grad_buffer()
@@ -344,21 +345,22 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         if self.mtp is not None:
             self.mtp.zero_grad()
         global_toks, global_seqs, global_mtp = self._global_counts(data)
-        if self.draft is not None:
-            self.draft.begin(self._full_embedding(), _draft_loss_mask(data))
+        draft = self._draft_this_step()
+        if draft is not None:
+            draft.begin(self._full_embedding(), _draft_loss_mask(data))
         losses, per_mb_metrics, mtp_stats = [], [], []
         for _, mb in self._micro_batches(data, "train"):
             if self.mtp_num_layers:
                 loss, metrics, stats = self.mtp.micro_batch(mb, global_toks, global_seqs, global_mtp)
                 mtp_stats.append(stats)
             else:
-                loss, metrics = self._rl_micro_batch(mb, global_toks, global_seqs)
+                loss, metrics = self._rl_micro_batch(mb, global_toks, global_seqs, draft)
             losses.append(float(loss.detach()))
             per_mb_metrics.append(metrics)
         finalize_model_grads([self.model])  # DP all-reduce (DDP), then TP sums of q/k-norm grads (per-head shards)
         update_ok, grad_norm, _ = self.optimizer.step()
         mtp_metrics = self.mtp.step(mtp_stats) if self.mtp_num_layers else {}
-        draft_metrics = self.draft.finish() if self.draft is not None else {}
+        draft_metrics = draft.finish() if draft is not None else {}
         lr = self._current_lr()  # the lr this step used
         self.advance_scheduler()
         self.step += 1
@@ -382,10 +384,18 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         if self.mtp is not None:
             self.mtp.set_lr(self._current_lr())
 
-    def _rl_micro_batch(self, mb: TrainDatumSpec, global_toks, global_seqs):
-        """Forward + backward of the RL loss on one micro-batch; with an online draft, the forward runs under the
-        draft's capture hooks and, after the policy's backward, the draft trains on the detached activations."""
-        capture = self.draft.capture(self.model) if self.draft is not None else contextlib.nullcontext()
+    def _draft_this_step(self) -> OnlineDraft | None:
+        """The online draft when it trains in this step (``policy.draft.train_period``: :func:`draft_trains_at`),
+        else None: no capture hooks, soft targets or draft step then, and no ``draft_*`` metrics."""
+        if self.draft is None or not draft_trains_at(self.step, self.cfg.draft.train_period):
+            return None
+        return self.draft
+
+    def _rl_micro_batch(self, mb: TrainDatumSpec, global_toks, global_seqs, draft: OnlineDraft | None = None):
+        """Forward + backward of the RL loss on one micro-batch; with ``draft`` (the online draft training in this
+        step), the forward runs under the draft's capture hooks and, after the policy's backward, the draft trains on
+        the detached activations."""
+        capture = draft.capture(self.model) if draft is not None else contextlib.nullcontext()
         with capture as cap:
             logits = mm.gpt_logits(self.model, mb["input_ids"])
         curr_logprobs = token_logprobs(
@@ -393,8 +403,8 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         )
         loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
         self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
-        if self.draft is not None:
-            self.draft.accumulate(cap, mb["input_ids"], _draft_loss_mask(mb), gather_vocab(logits, self.tp_group))
+        if draft is not None:
+            draft.accumulate(cap, mb["input_ids"], _draft_loss_mask(mb), gather_vocab(logits, self.tp_group))
         return loss, metrics
 
     @property
