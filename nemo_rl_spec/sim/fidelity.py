@@ -283,6 +283,7 @@ def scenario_from_recipe(scenario: ScenarioSpec, recipe: Mapping[str, Any]) -> S
             k=k,
             online_draft_training=online,
             ttt_steps=_get(recipe, "policy.draft.ttt_steps", None),
+            draft_train_period=_get(recipe, "policy.draft.train_period", 1),
         )
         if spec.get("acceptance_length") is not None:
             spec["acceptance_length"] = min(spec["acceptance_length"], k + 1.0)

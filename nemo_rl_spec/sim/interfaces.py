@@ -145,6 +145,12 @@ class SpeculativeSpec(BaseModel):
         description="training-time-test unroll of online draft training "
         "(draft forwards per trained token); None: k, as policy.draft.ttt_steps",
     )
+    draft_train_period: int = Field(
+        1,
+        ge=1,
+        description="online draft trained and refit every n-th step (policy.draft.train_period); the step's draft "
+        "training and draft refit are their per-step means, 1/n of a training step's",
+    )
 
     @model_validator(mode="after")
     def _one_acceptance(self) -> "SpeculativeSpec":

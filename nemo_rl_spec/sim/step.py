@@ -125,19 +125,24 @@ def train_side(res: Resolved, lengths: np.ndarray, devices: int, speculative: bo
 
 
 def online_draft_seconds(res: Resolved, devices: int, seqs: np.ndarray) -> float:
-    """Online draft training per step: :func:`draft_training_seconds` with the unroll ``ttt_steps`` (default k)."""
+    """Online draft training per step: :func:`draft_training_seconds` with the unroll ``ttt_steps`` (default k), over
+    ``draft_train_period`` (the mean over the steps when the draft trains on every n-th one)."""
     spec = res.scenario.speculative
-    return draft_training_seconds(res.draft, res.profile, devices, seqs, spec.ttt_steps or spec.k)
+    seconds = draft_training_seconds(res.draft, res.profile, devices, seqs, spec.ttt_steps or spec.k)
+    return seconds / spec.draft_train_period
 
 
 def speculative_overheads(res: Resolved, lengths: np.ndarray, devices: int) -> tuple[float, float]:
     """Extra (training, refit) seconds speculation adds to measured baseline phases: the draft's refit bytes and,
-    with online draft training, its fwd+bwd."""
+    with online draft training, its fwd+bwd; both per-step means over ``draft_train_period`` steps with online
+    training (the draft is refit only after the steps that trained it)."""
+    spec = res.scenario.speculative
     seqs = trained_seq_tokens(res, lengths)
-    extra_train = online_draft_seconds(res, devices, seqs) if res.scenario.speculative.online_draft_training else 0.0
+    extra_train = online_draft_seconds(res, devices, seqs) if spec.online_draft_training else 0.0
     eff, lay = res.profile.efficiency, res.scenario.layout
     extra_refit = refit_seconds(mm.total_params(res.draft), res.draft.bytes_per_param, res.profile, lay)
-    return extra_train, extra_refit - eff.refit_overhead_s
+    period = spec.draft_train_period if spec.online_draft_training else 1
+    return extra_train, (extra_refit - eff.refit_overhead_s) / period
 
 
 def scenario_lengths(res: Resolved, median_scale: float = 1.0) -> np.ndarray:

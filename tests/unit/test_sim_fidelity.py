@@ -221,11 +221,11 @@ def test_scenario_from_recipe(tmp_path):
                     "speculative_config": {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": 5}
                 },
             },
-            "draft": {"online": True, "ttt_steps": 2},
+            "draft": {"online": True, "ttt_steps": 2, "train_period": 3},
         },
     }
     out = scenario_from_recipe(scn, recipe)
-    assert out.speculative.ttt_steps == 2
+    assert out.speculative.ttt_steps == 2 and out.speculative.draft_train_period == 3
     assert (out.workload.num_prompts, out.workload.generations_per_prompt) == (8, 2)
     assert out.workload.response.max_tokens == 64 and out.workload.response.median_tokens == 64
     assert out.speculative.k == 5 and out.speculative.online_draft_training

@@ -62,6 +62,21 @@ def test_online_draft_training_scales_with_the_ttt_unroll():
     assert extra[None] == pytest.approx(3 * one, rel=1e-12) and extra[5] == pytest.approx(5 * one, rel=1e-12)
 
 
+def test_a_draft_trained_every_nth_step_costs_a_nth_of_its_training_and_refit():
+    base = load_scenario(CONFIG_DIR / "cpu_smollm2_default.yaml").model_dump()
+    lengths = np.array([100.0, 60.0, 160.0])
+    extra = {}
+    for online, period in ((True, 1), (True, 4), (False, 4)):
+        spec = {**base["speculative"], "k": 3, "online_draft_training": online, "draft_train_period": period}
+        extra[online, period] = speculative_overheads(
+            resolve(ScenarioSpec.model_validate({**base, "speculative": spec})), lengths, 1
+        )
+    (train1, refit1), (train4, refit4), (frozen_train, frozen_refit) = extra[True, 1], extra[True, 4], extra[False, 4]
+    assert train1 > 0 and refit1 > 0
+    assert train4 == pytest.approx(train1 / 4, rel=1e-12) and refit4 == pytest.approx(refit1 / 4, rel=1e-12)
+    assert frozen_train == 0.0 and frozen_refit > refit4  # the period applies to an online draft only
+
+
 def test_baseline_fit_and_sync_composition():
     scn = zero()
     r = simulate(scn)
