@@ -98,6 +98,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         help="steps of each --data-sizes head (default --steps; a multiple of --eval-every, so the "
         "full set's point is the main curve's at that step)",
     )
+    parser.add_argument(
+        "--precision",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the draft's forward while training, as policy.draft.precision (bfloat16: torch.autocast; "
+        "the weights and AdamW state stay float32; default float32, the shipped draft's)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="sampling / init seed (default: grpo.seed)")
     parser.add_argument(
         "--threads",
@@ -199,9 +206,11 @@ def _load(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     }
 
 
-def _make_trainer(args, policy, vocab, aux, seed):
+def _make_trainer(args, policy, vocab, aux, seed) -> DraftTrainer:
+    """A fresh head from the HF ``policy`` and its trainer (``--lr``, ``--ttt-steps``, ``--precision``)."""
     head = Eagle3DraftHead.from_target(policy, aux_layer_ids=aux, draft_vocab=vocab, seed=seed)
-    return DraftTrainer(head, lr=args.lr, ttt_steps=args.ttt_steps)
+    autocast = torch.bfloat16 if args.precision == "bfloat16" else None
+    return DraftTrainer(head, lr=args.lr, ttt_steps=args.ttt_steps, autocast_dtype=autocast)
 
 
 def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
@@ -309,6 +318,7 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
         "batch_size": args.batch_size,
         "lr": args.lr,
         "ttt_steps": args.ttt_steps,
+        "precision": args.precision,
         **vocab_info,
         "aux_layer_ids": list(trainer.head.cfg.aux_layer_ids),
         "response_tokens_mean": sum(resp_lens) / len(resp_lens),
