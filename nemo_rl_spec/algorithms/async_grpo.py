@@ -302,7 +302,7 @@ def async_train_step(
         "timing/train/exposed_generation": gate.generation_overlap(wait_start, wait_end),
     }
     if selection.groups:
-        metrics.update(train_on_selection(s, selection, timer))
+        metrics.update(train_on_selection(s, selection, timer, step))
     with gate.exclusive() as waited:
         metrics["timing/train/idle/refit_bubble"] = waited[0]
         metrics["timing/train/exposed_generation"] += waited[0]  # the trainer waited on a running generate call

@@ -29,7 +29,7 @@ def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> tuple[dict[str, float], 
         **s.spec_step_metrics(generate.stats.spec_counters),
     }
     if selection.groups:
-        metrics.update(train_on_selection(s, selection, timer))
+        metrics.update(train_on_selection(s, selection, timer, step))
     with timer.time("weight_sync"):
         metrics.update(s.refitter.refit(version=step + 1))
     if s.spec is not None:
@@ -37,8 +37,9 @@ def grpo_step(s: GRPOSetup, step: int, timer: Timer) -> tuple[dict[str, float], 
     return metrics, selection.exhausted
 
 
-def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float]:
-    """Advantages -> trainer log-probs (pi_old) -> one policy update, for the rollouts of ``selection``."""
+def train_on_selection(s: GRPOSetup, selection, timer: Timer, step: int) -> dict[str, float]:
+    """Advantages -> trainer log-probs (pi_old) -> one policy update, for the rollouts of ``selection`` in GRPO step
+    ``step`` (which decides whether the online draft trains too: :meth:`GRPOSetup.trains_draft`)."""
     cfg = s.cfg
     valid = selection_reward_valid(selection)  # False: a masked NaN/inf reward (grpo.non_finite_reward=mask)
     advantages = compute_grpo_advantages_by_group(
@@ -57,7 +58,7 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer) -> dict[str, float
                 data, cfg.policy.generation.temperature
             )
     with timer.time("policy_training"):
-        train_metrics = s.policy.train(data)
+        train_metrics = s.policy.train(data, train_draft=s.trains_draft(step))
     agreement = logprob_agreement_metrics(data["prev_logprobs"], data["generation_logprobs"], data["token_mask"])
     return {
         "train/mean_response_length": float(data["token_mask"].sum(1).mean()),

@@ -41,7 +41,7 @@ from nemo_rl_spec.models.policy.lm_policy import Policy, prefetch_worker_class
 from nemo_rl_spec.speculative.adaptive_k import engine_schedule, never_drafts
 from nemo_rl_spec.speculative.calibration import resolve_step_costs
 from nemo_rl_spec.speculative.metrics import SpecDecodeCounters, SpeculationMonitor
-from nemo_rl_spec.speculative.online import write_fresh_draft_head
+from nemo_rl_spec.speculative.online import draft_trains_at, write_fresh_draft_head
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import ConfigError, to_yaml
 from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
@@ -96,6 +96,12 @@ class GRPOSetup:
     def pad_token_id(self) -> int:
         """Padding id of training batches (the tokenizer's pad token, else EOS, as the generation worker uses)."""
         return pad_token_id(self.tokenizer)
+
+    def trains_draft(self, step: int) -> bool:
+        """Whether GRPO step ``step`` (0-based) also trains the online draft: every ``policy.draft.train_period``-th
+        step from the first (:func:`~nemo_rl_spec.speculative.online.draft_trains_at`); always with period 1 or
+        without an online draft (the flag is then ignored)."""
+        return draft_trains_at(step, draft_train_period(self.cfg))
 
     def prompt_ids(self, problems: list[dict]) -> list[list[int]]:
         """Chat-formatted token ids of ``problems``."""
@@ -269,8 +275,8 @@ def syncs_draft(cfg: MasterConfig) -> bool:
 
 
 def draft_train_period(cfg: MasterConfig) -> int:
-    """Steps between the drafter's refits (``WeightRefitter.draft_train_period``): ``policy.draft.train_period`` for
-    an online EAGLE-3 draft; 1 otherwise (the policy's own MTP block trains with the policy every step; the schema
+    """GRPO steps between the online draft's training steps (:meth:`GRPOSetup.trains_draft`):
+    ``policy.draft.train_period`` for an online EAGLE-3 draft; 1 otherwise (the policy's own MTP block trains with the policy every step; the schema
     refuses an online draft beside it)."""
     draft = enabled_draft(cfg)
     return draft.train_period if draft is not None and draft.online else 1
@@ -526,7 +532,6 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
         pad_token_id(tokenizer),
         engine_dtype=cfg.policy.engine_precision,
         sync_draft=syncs_draft(cfg),
-        draft_train_period=draft_train_period(cfg),
     )
     spec = None
     if cfg.policy.generation.speculative_config is not None:

@@ -16,7 +16,6 @@ import torch
 
 from nemo_rl_spec.algorithms.rollouts import masked_mean_abs_diff, response_mask
 from nemo_rl_spec.models.generation.vllm_generation import EngineVersionMismatchError
-from nemo_rl_spec.speculative.online import draft_trains_at
 
 __all__ = ["WeightRefitter", "RefitMismatchError", "EngineVersionMismatchError"]
 
@@ -35,9 +34,6 @@ class WeightRefitter:
         threshold: raise :class:`RefitMismatchError` above this mismatch (None: only log).
         pad_token_id: padding id of the probe batch.
         sync_draft: also refit the drafter (online EAGLE-3 head or MTP layers) right after the policy, as the same pair.
-        draft_train_period: with ``sync_draft``, push the drafter only at the first refit and after the policy steps
-            that trained it (``policy.draft.train_period``; :func:`~nemo_rl_spec.speculative.online.draft_trains_at`
-            of the step that produced the version); in between the engines keep the last draft pushed.
         engine_dtype: the engines' dtype (``float32`` | ``bfloat16``; ``policy.engine_precision``): the trainer casts
             the weights to it once before sending (bf16 engines get half the bytes).
     """
@@ -51,12 +47,13 @@ class WeightRefitter:
         pad_token_id: int,
         sync_draft: bool = False,
         engine_dtype: str = "float32",
-        draft_train_period: int = 1,
     ) -> None:
         self.policy, self.generation, self.threshold = policy, generation, threshold
         self.engine_dtype = engine_dtype
-        self.sync_draft, self.draft_train_period = sync_draft, draft_train_period
-        self.draft_policy_version: int | None = None  # the policy version of the last draft pushed
+        self.sync_draft = sync_draft
+        # the last draft pushed: its draft_version and the policy version it was paired with (None before a push)
+        self.draft_version: int | None = None
+        self.draft_policy_version: int | None = None
         self.probe_lengths = torch.tensor([len(q) for q in probe_sequences])
         self.probe_ids = torch.full((len(probe_sequences), int(self.probe_lengths.max())), pad_token_id)
         for b, seq in enumerate(probe_sequences):
@@ -64,12 +61,12 @@ class WeightRefitter:
 
     def refit(self, version: int) -> dict[str, float]:
         """Export the policy weights once (TP shards gathered into full HF tensors), load them into every engine as
-        ``version``, the drafter too with ``sync_draft`` (when :meth:`pushes_draft`), check every engine's versions,
+        ``version``, the drafter too with ``sync_draft`` when it changed (:meth:`pushes_draft`), check every engine's versions,
         run the probe.
 
         Returns metrics ``refit/logprob_mismatch`` (nats, worst engine), ``refit/weight_version``, with
-        ``sync_draft`` ``refit/draft_policy_lag`` (policy versions between the engines' draft and ``version``; 0 after
-        a draft push) and, when the draft was pushed, ``refit/draft_version``; with several engines
+        ``sync_draft`` ``refit/draft_policy_lag`` (policy versions since the engines' draft was pushed; 0 after a
+        push) and, when the draft was pushed, ``refit/draft_version``; with several engines
         ``refit/logprob_mismatch_engine_<e>``.
         Raises:
             EngineVersionMismatchError: an engine does not hold ``version`` afterwards (a skipped engine).
@@ -77,7 +74,7 @@ class WeightRefitter:
             DraftVersionMismatchError: the draft offered is not paired with ``version`` (from the generation worker).
         """
         self.generation.update_weights(self.policy.export_hf_weights(version, self.engine_dtype), version)
-        draft = self.refit_draft(version) if self.pushes_draft(version) else {}
+        draft = self.refit_draft(version) if self.pushes_draft() else {}
         self.check_versions(version)
         if self.sync_draft:
             draft["refit/draft_policy_lag"] = float(version - self.draft_policy_version)
@@ -94,22 +91,23 @@ class WeightRefitter:
             out.update({f"refit/logprob_mismatch_engine_{e}": m for e, m in enumerate(per_engine)})
         return out
 
-    def pushes_draft(self, version: int) -> bool:
-        """Whether the refit to ``version`` pushes the drafter: with ``sync_draft``, at the first refit (the engines
-        may hold the initial draft, or a resumed run's draft differs from it) and after every step that trained it
-        (the step ``version - 1``)."""
+    def pushes_draft(self) -> bool:
+        """Whether this refit pushes the drafter: with ``sync_draft``, at the first refit (the engines may hold the
+        initial draft, or a resumed run's draft differs from it) and whenever the trainer's drafter has trained since
+        the last push (its ``draft_version`` moved: a cheap call, no weights). A step that did not train it
+        (``policy.draft.train_period``, or a step with nothing to train on) leaves the engines' draft as it is."""
         if not self.sync_draft:
             return False
-        return self.draft_policy_version is None or (
-            version >= 1 and draft_trains_at(version - 1, self.draft_train_period)
-        )
+        return self.draft_version is None or self.policy.draft_version() != self.draft_version
 
     def refit_draft(self, version: int) -> dict[str, float]:
         """Push the policy workers' drafter, paired with policy ``version``, into every engine's drafter (after the
         policy refit to ``version``)."""
-        outs = self.generation.update_draft_weights(self.policy.export_draft_weights(self.engine_dtype))
+        export = self.policy.export_draft_weights(self.engine_dtype)
+        outs = self.generation.update_draft_weights(export)
+        self.draft_version = min(int(o["draft_version"]) for o in outs)
         self.draft_policy_version = int(version)
-        return {"refit/draft_version": float(min(int(o["draft_version"]) for o in outs))}
+        return {"refit/draft_version": float(self.draft_version)}
 
     def check_versions(self, version: int) -> None:
         """Every engine must hold policy ``version`` and, with draft sync, the draft pushed last (paired with

@@ -2,7 +2,8 @@
 
 ``python examples/loop_seeds_table.py --out summary.json seed3.json seed4.json ...``, each input a
 ``bench_sync_vs_async.py`` output of the same modes on one ``grpo.seed`` (its ``ratios_vs_autoregressive`` and
-``modes``). Per speculative mode and per seed:
+``modes``). Per synchronous speculative mode and per seed (async modes are left out: their exposed generation is
+only the part of generation on the trainer's critical path):
 
 - ``generation`` / ``step``: the mode's mean seconds over its passes over autoregressive's (the file's ``of_means``:
   exposed generation, whole step; means over steps 2..N);
@@ -40,7 +41,7 @@ def seed_ratios(result: dict) -> dict[str, dict[str, float]]:
     ar = modes[AR]
     out = {}
     for name, mode in modes.items():
-        if name == AR or "error" in mode:
+        if name == AR or not name.startswith("sync/") or "error" in mode:
             continue
         r = ratios[name]
         tokens = mode["tokens_per_s"] * mode["exposed_generation_s"]
@@ -56,8 +57,15 @@ def seed_ratios(result: dict) -> dict[str, dict[str, float]]:
 
 
 def summarize(paths: list[str]) -> dict:
-    """Per mode and field: ``{"per_seed": {path stem: value}, "mean", "interval90"}`` over the files that ran it."""
-    per_file = {Path(p).stem: seed_ratios(json.loads(Path(p).read_text())) for p in paths}
+    """Per mode and field: ``{"per_seed": {path stem: value}, "mean", "interval90"}`` over the files that ran it.
+
+    Raises:
+        ValueError: two inputs share a file stem (their seeds would merge into one entry).
+    """
+    stems = [Path(p).stem for p in paths]
+    if len(set(stems)) != len(stems):
+        raise ValueError(f"inputs {list(paths)}: file stems repeat ({stems}); give each seed's file its own name")
+    per_file = {stem: seed_ratios(json.loads(Path(p).read_text())) for stem, p in zip(stems, paths)}
     modes = sorted({m for r in per_file.values() for m in r})
     out = {}
     for mode in modes:

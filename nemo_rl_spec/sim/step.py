@@ -116,12 +116,21 @@ def train_side(res: Resolved, lengths: np.ndarray, devices: int, speculative: bo
     seqs = trained_seq_tokens(res, lengths)
     lp = logprob_seconds(res.model, res.profile, devices, seqs, res.scenario.workload.reference_logprobs)
     tr = training_seconds(res.model, res.profile, devices, seqs)
-    params = mm.total_params(res.model)
+    refit = refit_seconds(mm.total_params(res.model), res.model.bytes_per_param, res.profile, res.scenario.layout)
     if speculative:
-        params += mm.total_params(res.draft)
+        refit += draft_refit_seconds(res, res.model.bytes_per_param)
         if res.scenario.speculative.online_draft_training:
             tr += online_draft_seconds(res, devices, seqs)
-    return lp, tr, refit_seconds(params, res.model.bytes_per_param, res.profile, res.scenario.layout)
+    return lp, tr, refit
+
+
+def draft_refit_seconds(res: Resolved, bytes_per_param: float) -> float:
+    """The draft's share of a refit (its bytes, without the refit's fixed overhead) per step: over
+    ``draft_train_period`` with online training (the draft is refit only after the steps that trained it)."""
+    spec, lay = res.scenario.speculative, res.scenario.layout
+    seconds = refit_seconds(mm.total_params(res.draft), bytes_per_param, res.profile, lay)
+    seconds -= res.profile.efficiency.refit_overhead_s
+    return seconds / (spec.draft_train_period if spec.online_draft_training else 1)
 
 
 def online_draft_seconds(res: Resolved, devices: int, seqs: np.ndarray) -> float:
@@ -136,13 +145,9 @@ def speculative_overheads(res: Resolved, lengths: np.ndarray, devices: int) -> t
     """Extra (training, refit) seconds speculation adds to measured baseline phases: the draft's refit bytes and,
     with online draft training, its fwd+bwd; both per-step means over ``draft_train_period`` steps with online
     training (the draft is refit only after the steps that trained it)."""
-    spec = res.scenario.speculative
     seqs = trained_seq_tokens(res, lengths)
-    extra_train = online_draft_seconds(res, devices, seqs) if spec.online_draft_training else 0.0
-    eff, lay = res.profile.efficiency, res.scenario.layout
-    extra_refit = refit_seconds(mm.total_params(res.draft), res.draft.bytes_per_param, res.profile, lay)
-    period = spec.draft_train_period if spec.online_draft_training else 1
-    return extra_train, (extra_refit - eff.refit_overhead_s) / period
+    extra_train = online_draft_seconds(res, devices, seqs) if res.scenario.speculative.online_draft_training else 0.0
+    return extra_train, draft_refit_seconds(res, res.draft.bytes_per_param)
 
 
 def scenario_lengths(res: Resolved, median_scale: float = 1.0) -> np.ndarray:

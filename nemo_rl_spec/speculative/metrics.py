@@ -271,7 +271,7 @@ class LowAcceptanceAlarm:
         self.num_fired = 0
 
     def notify_refit(self) -> None:
-        """Call after every (policy + draft) refit."""
+        """Call after every refit (the policy's, with the draft's when it changed)."""
         self._pending_refit = True
 
     def check(self, metrics: dict[str, float], prefix: str = "vllm/") -> dict[str, float]:
@@ -314,5 +314,6 @@ class SpeculationMonitor:
         return {**metrics, **self.alarm.check(metrics)} if metrics else {}
 
     def notify_refit(self) -> None:
-        """Call after every (policy + draft) refit: the next step's acceptance is judged."""
+        """Call after every refit (the policy's, with the draft's when it changed): the next step's acceptance is
+        judged."""
         self.alarm.notify_refit()

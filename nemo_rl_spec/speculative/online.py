@@ -41,10 +41,10 @@ DRAFT_STATE_DIR = "draft"
 
 
 def draft_trains_at(step: int, train_period: int) -> bool:
-    """True when the online draft trains in the policy step ``step`` (0-based optimizer steps of the policy,
-    ``MegatronPolicyWorker.step`` before the step): every ``policy.draft.train_period``-th step, starting with the
-    first (``step % train_period == 0``). The policy worker skips the draft on the other steps, and the refit pushes
-    the draft only after a step that trained it, so both sides decide with this one rule.
+    """True when the online draft trains in GRPO step ``step`` (0-based, the driver's step, whatever number of
+    optimizer steps its mini-batches take): every ``policy.draft.train_period``-th step, starting with the first
+    (``step % train_period == 0``). The driver passes it to ``Policy.train(train_draft=)``; the refit pushes the draft
+    only when it changed (``WeightRefitter.pushes_draft``).
 
     Raises:
         ValueError: ``train_period < 1`` or ``step < 0``.

@@ -401,8 +401,8 @@ class DraftConfig(_Strict):
     )
     train_period: PositiveInt = Field(
         default=1,
-        description="train the online draft on the policy steps whose index is a multiple of train_period (1: every "
-        "step) and refit it into the engines only after those steps; in between the engines keep the last draft, "
+        description="train the online draft in the GRPO steps whose index is a multiple of train_period (1: every "
+        "step) and refit it into the engines only when it changed; in between the engines keep the last draft, "
         "paired with an older policy version (speculation stays lossless: the target verifies every token). "
         "Applies with online: true only, like precision",
     )

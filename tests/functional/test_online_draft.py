@@ -27,7 +27,7 @@ from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
 torch.set_num_threads(1)
 
 
-def _policy_cfg(draft: bool, micro=2, lr=1e-2, draft_precision="float32", train_period=1) -> dict:
+def _policy_cfg(draft: bool, micro=2, lr=1e-2, draft_precision="float32") -> dict:
     cfg = fm.base_recipe_section("policy")
     cfg.update(train_micro_batch_size=micro, logprob_batch_size=4)
     cfg["megatron_cfg"]["optimizer"].update(lr=lr)
@@ -36,7 +36,6 @@ def _policy_cfg(draft: bool, micro=2, lr=1e-2, draft_precision="float32", train_
             "enabled": True,
             "online": True,
             "precision": draft_precision,
-            "train_period": train_period,
             "optimizer": {"lr": 1e-2, "max_grad_norm": 1.0},
         }
         cfg["generation"]["vllm_kwargs"] = {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 2}}
@@ -129,30 +128,33 @@ def test_bf16_draft_leaves_policy_gradients_bitwise_and_tracks_the_fp32_draft(mo
     assert all(p.dtype == torch.float32 for p in w16.draft.head.parameters())
 
 
-def test_train_period_trains_the_draft_on_every_second_step_only(model_dir):
-    """``policy.draft.train_period: 2`` on the real worker, next to a worker training its draft every step on the same
-    batches: step 0 trains both drafts identically; step 1 leaves the period-2 draft untouched (no hooks, no draft
-    step, no ``draft_*`` metrics) while the other one moves; step 2 trains it again. The policy is bitwise the same in
+def test_train_draft_false_leaves_the_draft_untouched_and_the_policy_bitwise(model_dir):
+    """``train(data, train_draft=...)`` on the real worker (what the driver passes for ``policy.draft.train_period``),
+    next to a worker training its draft in every step on the same batches: step 0 trains both drafts identically;
+    step 1 with ``train_draft=False`` leaves that draft untouched (no hooks, no draft step, no ``draft_*`` metrics,
+    ``draft_version`` unchanged) while the other one moves; step 2 trains it again. The policy is bitwise the same in
     both workers throughout."""
-    every, second = _worker(model_dir, draft=True), _worker(model_dir, draft=True, train_period=2)
+    every, skipping = _worker(model_dir, draft=True), _worker(model_dir, draft=True)
     draft_keys = {"draft_loss", "draft_version", "draft_seconds"}
     for step in range(3):
         data = fm.on_policy(every, _batch(seed=step))
-        before = copy.deepcopy(second.draft.head.state_dict())
-        m_every, m_second = every.train(data), second.train(data)
-        g_every, g_second = _grads(every), _grads(second)
-        assert all(torch.equal(g_every[n], g_second[n]) for n in g_every) and m_every["loss"] == m_second["loss"]
-        after = second.draft.head.state_dict()
+        before = copy.deepcopy(skipping.draft.head.state_dict())
+        m_every, m_skip = every.train(data), skipping.train(data, train_draft=step != 1)
+        g_every, g_skip = _grads(every), _grads(skipping)
+        assert all(torch.equal(g_every[n], g_skip[n]) for n in g_every) and m_every["loss"] == m_skip["loss"]
+        after = skipping.draft.head.state_dict()
         if step == 1:
-            assert not draft_keys & set(m_second) and draft_keys <= set(m_every)
+            assert not draft_keys & set(m_skip) and draft_keys <= set(m_every)
             assert all(torch.equal(before[k], after[k]) for k in before)
+            assert skipping.draft_version() == 1 and every.draft_version() == 2
         else:
-            assert m_second["draft_version"] == step // 2 + 1 and m_second["draft_loss"] > 0
+            assert m_skip["draft_version"] == step // 2 + 1 and m_skip["draft_loss"] > 0
             assert not torch.equal(before["fc.weight"], after["fc.weight"])
         if step == 0:
-            assert m_second["draft_loss"] == m_every["draft_loss"]
+            assert m_skip["draft_loss"] == m_every["draft_loss"]
             assert all(torch.equal(after[k], every.draft.head.state_dict()[k]) for k in after)
-    assert m_every["draft_version"] == 3.0
+    assert m_every["draft_version"] == 3.0 and skipping.draft_version() == 2
+    assert skipping.export_draft_weights()["draft_version"] == skipping.draft_version()
     assert not torch.equal(after["fc.weight"], every.draft.head.state_dict()["fc.weight"])
 
 
@@ -175,3 +177,4 @@ def test_draft_checkpoint_roundtrip_and_version_pairing(model_dir, tmp_path):
 def test_export_draft_without_online_draft_raises(model_dir):
     with pytest.raises(RuntimeError, match="policy.draft.online"):
         _worker(model_dir, draft=False).export_draft_weights()
+    assert _worker(model_dir, draft=False).draft_version() is None

@@ -1,19 +1,22 @@
-"""``policy.draft.train_period`` (issue 35 item 1): the online draft trains on every n-th policy step only, and the
+"""``policy.draft.train_period`` (issue 35 item 1): the online draft trains on every n-th GRPO step only, and the
 refit pushes it only after those steps; in between the engines keep the last draft pushed, paired with the policy
 version it was pushed at.
 
-The refit side runs the real :class:`~nemo_rl_spec.algorithms.refit.WeightRefitter` against in-process stand-ins of
-the two Ray controllers whose engines hold the real :class:`~nemo_rl_spec.speculative.draft_refit.DraftVersionGuard`
-(the rule the vLLM worker applies to a draft refit); the worker side is tests/functional/test_online_draft.py."""
+The driver decides per GRPO step (``GRPOSetup.trains_draft``); the refit pushes the draft when its version moved. The
+refit side runs the real :class:`~nemo_rl_spec.algorithms.refit.WeightRefitter` against in-process stand-ins of the two
+Ray controllers whose engines hold the real :class:`~nemo_rl_spec.speculative.draft_refit.DraftVersionGuard` (the rule
+the vLLM worker applies to a draft refit), with one or several mini-batches (optimizer steps) per GRPO step and with a
+step that has nothing to train; the worker side is tests/functional/test_online_draft.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from nemo_rl_spec.algorithms.grpo_setup import draft_train_period
+from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup
 from nemo_rl_spec.algorithms.refit import EngineVersionMismatchError, WeightRefitter
 from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard
 from nemo_rl_spec.speculative.online import draft_trains_at
@@ -43,15 +46,18 @@ def test_draft_trains_at_refuses_bad_arguments(step, period):
 
 
 class _Policy:
-    """The policy controller's refit surface: a draft whose version counts the steps that trained it."""
+    """The policy controller's refit surface: a drafter whose version counts its optimizer steps (one per
+    mini-batch of a step that trains it, as the Megatron worker's ``DraftTrainer``)."""
 
-    def __init__(self, period: int) -> None:
-        self.period, self.step, self.draft_version, self.weight_version = period, 0, 0, 0
+    def __init__(self) -> None:
+        self.version, self.weight_version = 0, 0
         self.draft_exports: list[int] = []
 
-    def train(self) -> None:
-        self.draft_version += int(draft_trains_at(self.step, self.period))
-        self.step += 1
+    def train(self, train_draft: bool, minibatches: int = 1) -> None:
+        self.version += minibatches if train_draft else 0
+
+    def draft_version(self) -> int:
+        return self.version
 
     def export_hf_weights(self, version: int, dtype: str) -> dict:
         self.weight_version = version  # as the worker: the next draft export is paired with this version
@@ -59,7 +65,7 @@ class _Policy:
 
     def export_draft_weights(self, dtype: str) -> dict:
         self.draft_exports.append(self.weight_version)
-        return {"weights": {}, "draft_version": self.draft_version, "policy_version": self.weight_version}
+        return {"weights": {}, "draft_version": self.version, "policy_version": self.weight_version}
 
     def get_logprobs(self, data: dict, temperature: float) -> torch.Tensor:
         return torch.zeros(data["input_ids"].shape)
@@ -90,67 +96,80 @@ class _Generation:
         return [torch.zeros(ids.shape) for _ in self.guards]
 
 
-def _refitter(period: int, engines: int = 2) -> tuple[WeightRefitter, _Policy, _Generation]:
-    policy, generation = _Policy(period), _Generation(engines)
-    refitter = WeightRefitter(policy, generation, [[1, 2, 3]], None, 0, sync_draft=True, draft_train_period=period)
-    return refitter, policy, generation
+def _refitter(engines: int = 2) -> tuple[WeightRefitter, _Policy, _Generation]:
+    policy, generation = _Policy(), _Generation(engines)
+    return WeightRefitter(policy, generation, [[1, 2, 3]], None, 0, sync_draft=True), policy, generation
 
 
-def _run(refitter: WeightRefitter, policy: _Policy, steps: int) -> list[dict]:
-    """The sync loop's refits: the initial one at version 0, then one after each training step (version step + 1)."""
-    out = [refitter.refit(version=0)]
-    for step in range(steps):
-        policy.train()
+def _loop(refitter, policy, period: int, steps: int, minibatches: int = 1, skipped=(), start: int = 0) -> list[dict]:
+    """The sync driver's refits: one at ``start`` (a run's first), then after each GRPO step ``step`` (version
+    ``step + 1``), the draft trained in that step when ``draft_trains_at(step, period)`` (GRPOSetup.trains_draft);
+    a step in ``skipped`` has nothing to train on (the policy is not trained, the refit still runs)."""
+    out = [refitter.refit(version=start)]
+    for step in range(start, start + steps):
+        if step not in skipped:
+            policy.train(draft_trains_at(step, period), minibatches)
         out.append(refitter.refit(version=step + 1))
     return out
 
 
-def test_refit_pushes_the_draft_only_after_the_steps_that_trained_it():
-    refitter, policy, generation = _refitter(period=3)
-    metrics = _run(refitter, policy, steps=6)
-    # steps 0 and 3 train the draft: pushes at the initial refit and at versions 1 and 4
+@pytest.mark.parametrize("minibatches", [1, 4])
+def test_refit_pushes_the_draft_only_after_the_steps_that_trained_it(minibatches):
+    """Period 3: steps 0 and 3 train the draft, so it is pushed at the first refit and at versions 1 and 4, however
+    many optimizer steps (mini-batches) a GRPO step takes."""
+    refitter, policy, generation = _refitter()
+    metrics = _loop(refitter, policy, period=3, steps=6, minibatches=minibatches)
     assert policy.draft_exports == [0, 1, 4]
-    assert [m.get("refit/draft_version") for m in metrics] == [0.0, 1.0, None, None, 2.0, None, None]
+    pushed = [m.get("refit/draft_version") for m in metrics]
+    assert pushed == [0.0, minibatches, None, None, 2.0 * minibatches, None, None]
     assert [m["refit/draft_policy_lag"] for m in metrics] == [0.0, 0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
     for guard in generation.guards:  # every engine holds policy 6 and the draft pushed at version 4
-        assert guard.as_dict() == {"policy_version": 6, "draft_version": 2, "draft_policy_version": 4}
+        assert guard.as_dict() == {"policy_version": 6, "draft_version": 2 * minibatches, "draft_policy_version": 4}
 
 
 def test_period_one_pushes_the_draft_at_every_refit():
-    refitter, policy, _ = _refitter(period=1)
-    metrics = _run(refitter, policy, steps=4)
+    refitter, policy, _ = _refitter()
+    metrics = _loop(refitter, policy, period=1, steps=4)
     assert policy.draft_exports == [0, 1, 2, 3, 4]
     assert all(m["refit/draft_policy_lag"] == 0.0 for m in metrics)
 
 
+def test_a_step_with_nothing_to_train_leaves_the_draft_in_the_engines():
+    """Period 1 with step 1 skipped (e.g. Pilot-Commit kept no group): no push at version 2, then pushes resume."""
+    refitter, policy, _ = _refitter()
+    metrics = _loop(refitter, policy, period=1, steps=4, skipped={1})
+    assert policy.draft_exports == [0, 1, 3, 4]
+    assert [m["refit/draft_policy_lag"] for m in metrics] == [0.0, 0.0, 1.0, 0.0, 0.0]
+
+
 def test_a_resumed_run_pushes_its_draft_at_the_first_refit():
     """A run resumed at step 5 with period 3: the first refit pushes the restored draft although step 4 did not
-    train it, then the rule resumes (step 6 trains it: pushed at version 7)."""
-    refitter, policy, _ = _refitter(period=3)
-    policy.step = policy.draft_version = 5
-    refitter.refit(version=5)
-    for _ in range(2):
-        policy.train()
-        refitter.refit(version=policy.step)
+    train it; step 5 does not train it (no push at 6), step 6 does (pushed at 7)."""
+    refitter, policy, _ = _refitter()
+    policy.version = 2
+    _loop(refitter, policy, period=3, steps=2, start=5)
     assert policy.draft_exports == [5, 7]
 
 
 def test_an_engine_that_missed_the_policy_refit_is_named_between_draft_pushes():
-    refitter, policy, generation = _refitter(period=2)
-    _run(refitter, policy, steps=1)  # the draft was pushed at version 1
+    refitter, policy, generation = _refitter()
+    _loop(refitter, policy, period=2, steps=1)  # the draft was pushed at version 1
     generation.skip_policy_refit = {1}
-    policy.train()  # step 1 does not train the draft: the refit to version 2 checks the policy versions only
-    assert not refitter.pushes_draft(2)
+    policy.train(draft_trains_at(1, 2))  # step 1 does not train the draft: the refit checks the policy versions only
+    assert not refitter.pushes_draft()
     with pytest.raises(EngineVersionMismatchError, match="engine 1"):
         refitter.refit(version=2)
 
 
-def test_the_setup_passes_the_period_of_an_online_draft_only():
-    online = load_config(SPEC_RECIPE, ["policy.draft.train_period=4"])
-    assert online.policy.draft.online and draft_train_period(online) == 4
-    assert draft_train_period(load_config(SPEC_RECIPE, [])) == 1
-    frozen = load_config(SPEC_RECIPE, ["policy.draft.train_period=4", "policy.draft.online=false"])
-    assert draft_train_period(frozen) == 1  # ignored for a frozen draft, like precision
+def test_the_driver_trains_the_online_draft_on_every_nth_step():
+    def trains(*overrides: str) -> list[bool]:
+        setup = SimpleNamespace(cfg=load_config(SPEC_RECIPE, list(overrides)))
+        return [GRPOSetup.trains_draft(setup, step) for step in range(6)]
+
+    assert trains("policy.draft.train_period=4") == [True, False, False, False, True, False]
+    assert trains() == [True] * 6
+    # ignored for a frozen draft, like precision
+    assert trains("policy.draft.train_period=4", "policy.draft.online=false") == [True] * 6
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "1.5"])

@@ -21,6 +21,7 @@ def _output(ar_tps, ar_gen, ar_reward, spec_tps, spec_gen, spec_reward, gen_rati
                 "acceptance_length": 2.0,
             },
             "sync/speculative@broken": {"error": "engine did not start"},
+            "async1/speculative": {"tokens_per_s": 1.0, "exposed_generation_s": 0.1, "mean_reward": 0.0},
         },
         "ratios_vs_autoregressive": {
             "sync/speculative": {"generation": {"of_means": gen_ratio}, "step": {"of_means": step_ratio}}
@@ -35,7 +36,7 @@ def test_per_seed_ratios_and_the_interval_over_seeds(tmp_path):
     # seed 4: 100 x 8 = 800 tokens (AR); 150 x 4 = 600 tokens
     b.write_text(json.dumps(_output(100.0, 8.0, 0.50, 150.0, 4.0, 0.25, 0.5, 0.95)))
     summary = loop_seeds.summarize([str(a), str(b)])
-    assert set(summary["modes"]) == {"sync/speculative"}  # the failed mode is left out
+    assert set(summary["modes"]) == {"sync/speculative"}  # the failed mode and the async one are left out
     spec = summary["modes"]["sync/speculative"]
     assert spec["tokens_per_s"]["per_seed"] == {"seed3": 1.25, "seed4": 1.5}
     assert spec["tokens"]["per_seed"] == {"seed3": 1.125, "seed4": 0.75}
@@ -54,3 +55,13 @@ def test_one_seed_has_no_interval(tmp_path):
     out = tmp_path / "summary.json"
     assert loop_seeds.main(["--out", str(out), str(a)]) == 0
     assert json.loads(out.read_text())["modes"]["sync/speculative"]["step"]["interval90"] is None
+
+
+def test_inputs_with_the_same_stem_are_refused(tmp_path):
+    paths = []
+    for seed in (3, 4):
+        (tmp_path / f"seed{seed}").mkdir()
+        paths.append(tmp_path / f"seed{seed}" / "bench.json")
+        paths[-1].write_text(json.dumps(_output(200.0, 10.0, 0.25, 250.0, 9.0, 0.30, 0.9, 1.1)))
+    with pytest.raises(ValueError, match="stems repeat"):
+        loop_seeds.summarize([str(p) for p in paths])

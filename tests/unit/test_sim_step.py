@@ -10,7 +10,7 @@ from nemo_rl_spec.sim.interfaces import LayoutSpec, PilotCommitSpec, ScenarioSpe
 from nemo_rl_spec.sim.phases import logprob_seconds, refit_seconds, training_seconds
 from nemo_rl_spec.sim.presets import MODELS, resolve_profile
 from nemo_rl_spec.sim.simulate import async_step, simulate
-from nemo_rl_spec.sim.step import resolve, rollout_counts, scenario_lengths, speculative_overheads
+from nemo_rl_spec.sim.step import resolve, rollout_counts, scenario_lengths, speculative_overheads, train_side
 
 
 def zero() -> ScenarioSpec:
@@ -62,19 +62,22 @@ def test_online_draft_training_scales_with_the_ttt_unroll():
     assert extra[None] == pytest.approx(3 * one, rel=1e-12) and extra[5] == pytest.approx(5 * one, rel=1e-12)
 
 
-def test_a_draft_trained_every_nth_step_costs_a_nth_of_its_training_and_refit():
+def _cpu_spec(online: bool, period: int):
     base = load_scenario(CONFIG_DIR / "cpu_smollm2_default.yaml").model_dump()
+    spec = {**base["speculative"], "k": 3, "online_draft_training": online, "draft_train_period": period}
+    return resolve(ScenarioSpec.model_validate({**base, "speculative": spec}))
+
+
+def test_a_draft_trained_every_nth_step_costs_a_nth_of_its_training_and_refit():
+    """Both paths: the overheads added to measured phases and the predicted train side (its refit)."""
     lengths = np.array([100.0, 60.0, 160.0])
-    extra = {}
-    for online, period in ((True, 1), (True, 4), (False, 4)):
-        spec = {**base["speculative"], "k": 3, "online_draft_training": online, "draft_train_period": period}
-        extra[online, period] = speculative_overheads(
-            resolve(ScenarioSpec.model_validate({**base, "speculative": spec})), lengths, 1
-        )
-    (train1, refit1), (train4, refit4), (frozen_train, frozen_refit) = extra[True, 1], extra[True, 4], extra[False, 4]
+    (train1, refit1), (train4, refit4) = (speculative_overheads(_cpu_spec(True, p), lengths, 1) for p in (1, 4))
     assert train1 > 0 and refit1 > 0
     assert train4 == pytest.approx(train1 / 4, rel=1e-12) and refit4 == pytest.approx(refit1 / 4, rel=1e-12)
-    assert frozen_train == 0.0 and frozen_refit > refit4  # the period applies to an online draft only
+    assert speculative_overheads(_cpu_spec(False, 4), lengths, 1)[0] == 0.0  # the period is an online key
+    model_refit = train_side(_cpu_spec(True, 1), lengths, 1, False)[2]
+    draft1, draft4 = (train_side(_cpu_spec(True, p), lengths, 1, True)[2] - model_refit for p in (1, 4))
+    assert draft1 > 0 and draft4 == pytest.approx(draft1 / 4, rel=1e-9)
 
 
 def test_baseline_fit_and_sync_composition():

@@ -21,9 +21,10 @@ class PolicyInterface(ABC):
         """
 
     @abstractmethod
-    def train(self, data: TrainDatumSpec) -> dict[str, float]:
+    def train(self, data: TrainDatumSpec, train_draft: bool = True) -> dict[str, float]:
         """One optimizer step (over micro-batches) with the configured loss; returns metrics
-        (``loss``, ``grad_norm``, ``lr``, loss-specific keys)."""
+        (``loss``, ``grad_norm``, ``lr``, loss-specific keys). ``train_draft``: also train the online draft in this
+        step (False: the draft is left as it is; ``policy.draft.train_period``)."""
 
     @abstractmethod
     def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> dict[str, torch.Tensor]:
@@ -32,6 +33,11 @@ class PolicyInterface(ABC):
         is the weight version they will be loaded as (a drafter exported next is paired with it). In a worker group
         every rank calls it (a collective that gathers tensor-parallel slices) and only rank 0 returns the tensors;
         the others return an empty dict."""
+
+    @abstractmethod
+    def draft_version(self) -> int | None:
+        """The ``draft_version`` :meth:`export_draft_weights` would report now (optimizer steps the drafter has
+        taken); None without a drafter."""
 
     @abstractmethod
     def export_draft_weights(self, dtype: str | None = None) -> dict:
@@ -61,8 +67,12 @@ class PolicyController(Protocol):
     def get_reference_policy_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
         """The same under the frozen reference policy (KL penalty)."""
 
-    def train(self, data: TrainDatumSpec) -> dict[str, float]:
-        """One or more optimizer steps over ``data``; combined metrics."""
+    def train(self, data: TrainDatumSpec, train_draft: bool = True) -> dict[str, float]:
+        """One or more optimizer steps over ``data`` (the online draft too with ``train_draft``); combined
+        metrics."""
+
+    def draft_version(self) -> int | None:
+        """Rank 0's :meth:`PolicyInterface.draft_version`."""
 
     def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> Any:
         """HF-named weights as a ``RemoteValue``, recorded as ``version``."""

@@ -234,15 +234,22 @@ class Policy:
         outputs = self._sharded("get_reference_policy_logprobs", data, temperature)
         return gather_batch([outputs[r] for r in self._row_owners])
 
-    def train_steps(self, data: TrainDatumSpec) -> list[dict[str, float]]:
+    def train_steps(self, data: TrainDatumSpec, train_draft: bool = True) -> list[dict[str, float]]:
         """One optimizer step per mini-batch of ``policy.train_global_batch_size`` rows of ``data``
         (:func:`train_minibatches`), each sharded over DP; the metrics of every step (rank 0's; every rank returns
-        the same, see :meth:`MegatronPolicyWorker.train`)."""
-        return train_minibatches(lambda rows: self._sharded("train", rows)[0], data, self.train_global_batch_size)
+        the same, see :meth:`MegatronPolicyWorker.train`). ``train_draft``: the online draft trains in every one of
+        them, or in none."""
+        return train_minibatches(
+            lambda rows: self._sharded("train", rows, train_draft)[0], data, self.train_global_batch_size
+        )
 
-    def train(self, data: TrainDatumSpec) -> dict[str, float]:
+    def train(self, data: TrainDatumSpec, train_draft: bool = True) -> dict[str, float]:
         """:meth:`train_steps` with the steps' metrics combined (:func:`combine_minibatch_metrics`)."""
-        return combine_minibatch_metrics(self.train_steps(data))
+        return combine_minibatch_metrics(self.train_steps(data, train_draft))
+
+    def draft_version(self) -> int | None:
+        """Rank 0's drafter version (:meth:`MegatronPolicyWorker.draft_version`): a cheap call, no weights move."""
+        return self._all("draft_version")[0]
 
     def _rank_zero(self, method: str, *args) -> RemoteValue:
         """Run ``method`` on every rank (a collective), wait for all, return rank 0's result, left in the object

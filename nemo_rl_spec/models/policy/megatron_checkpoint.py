@@ -59,6 +59,13 @@ class WeightExportMixin:
         state = {k: v.to("cpu", torch.float32).clone() for k, v in mm.full_param_state(self.module).items()}
         return state if self._is_rank_zero else {}
 
+    def draft_version(self) -> int | None:
+        """The ``draft_version`` :meth:`export_draft_weights` would report now: the online head's optimizer steps,
+        the policy's for the MTP drafter (it trains with the policy), None without a drafter."""
+        if self.draft is not None:
+            return self.draft.trainer.draft_version
+        return self.step if self.serves_mtp_drafter else None
+
     def export_draft_weights(self, dtype: str | None = None) -> dict:
         """The drafter's weights for the generation worker: ``{"weights", "draft_version", "policy_version"}``
         (every rank calls it; ranks other than 0 return an empty dict).

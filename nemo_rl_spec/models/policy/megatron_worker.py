@@ -90,7 +90,7 @@ from nemo_rl_spec.models.policy.parallel import (
     reduce_metrics,
 )
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, token_logprobs
-from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head, draft_trains_at
+from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
 from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
 from nemo_rl_spec.utils.precision import choose_precision
 
@@ -327,7 +327,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         total = all_reduce_sum(torch.stack(local), self.dp_group).to(self.device)
         return total[0], total[1], list(total[2:])
 
-    def train(self, data: TrainDatumSpec) -> dict[str, float]:
+    def train(self, data: TrainDatumSpec, train_draft: bool = True) -> dict[str, float]:
         """One optimizer step over all rows of ``data`` (this rank's DP shard; micro-batches of
         ``train_micro_batch_size`` rows, or of ``policy.dynamic_batching.train_mb_tokens`` tokens, each rank binning
         its own shard); a collective over the whole worker group.
@@ -336,8 +336,9 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         micro-batch losses (over DP ranks too); loss metrics are combined by the loss contract (sum, ``*_max`` by
         max) over micro-batches and DP ranks, ``num_micro_batches`` is the total over DP ranks. Also returns
         ``grad_norm`` (before clipping), ``lr`` and ``update_successful``. With MTP, also the ``mtp/*`` metrics of
-        :meth:`.MTPCoTraining.step`; with an online draft the ``draft_*`` metrics in the steps it trains
-        (every ``policy.draft.train_period``-th). The same dict on every rank.
+        :meth:`.MTPCoTraining.step`; with an online draft and ``train_draft`` the ``draft_*`` metrics (False: the
+        draft is not touched: no capture hooks, soft targets or draft step; the driver passes it from
+        ``policy.draft.train_period``). The same dict on every rank (every rank gets the same ``train_draft``).
         """
         self.model.train()
         self.model.zero_grad_buffer()
@@ -345,7 +346,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         if self.mtp is not None:
             self.mtp.zero_grad()
         global_toks, global_seqs, global_mtp = self._global_counts(data)
-        draft = self._draft_this_step()
+        draft = self.draft if train_draft else None
         if draft is not None:
             draft.begin(self._full_embedding(), _draft_loss_mask(data))
         losses, per_mb_metrics, mtp_stats = [], [], []
@@ -383,13 +384,6 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         self.scheduler.step(increment=steps)
         if self.mtp is not None:
             self.mtp.set_lr(self._current_lr())
-
-    def _draft_this_step(self) -> OnlineDraft | None:
-        """The online draft when it trains in this step (``policy.draft.train_period``: :func:`draft_trains_at`),
-        else None: no capture hooks, soft targets or draft step then, and no ``draft_*`` metrics."""
-        if self.draft is None or not draft_trains_at(self.step, self.cfg.draft.train_period):
-            return None
-        return self.draft
 
     def _rl_micro_batch(self, mb: TrainDatumSpec, global_toks, global_seqs, draft: OnlineDraft | None = None):
         """Forward + backward of the RL loss on one micro-batch; with ``draft`` (the online draft training in this
