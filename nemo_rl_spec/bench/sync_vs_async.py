@@ -20,8 +20,10 @@ Definitions (seconds are wall clock, means over steps 2..N, the first step being
   it), async ``timing/train/exposed_generation`` (the part of the buffer wait during which vLLM was generating, plus
   the refit bubble: the refit waiting for the generate call in flight).
 - ``tokens_per_s``: response tokens sampled / seconds inside generate calls (generator throughput).
-- ``acceptance_length``: 1 + accepted / drafting rounds over the whole run, from vLLM's spec-decode counters
-  (autoregressive: 1.0 by definition).
+- ``acceptance_length``: 1 + accepted / drafting rounds of the training rollouts, from the per-step
+  ``vllm/spec_*`` counts the loop logs (:func:`rollout_acceptance`; autoregressive: 1.0 by definition);
+  ``acceptance_length_with_validation``: the same from the engines' counters over the whole run, the final greedy
+  validation included (what ``acceptance_length`` was before session 26).
 - ``final_reward`` / ``final_accuracy``: ``train/reward`` of the last step / greedy validation accuracy after the
   last step.
 - ``overlap_bound`` (async rows): the most async can gain by hiding generation behind training, sync step time /
@@ -171,6 +173,16 @@ def summarize(history: list[dict], is_async: bool) -> dict:
     }
 
 
+def rollout_acceptance(history: list[dict]) -> dict[str, float]:
+    """``acceptance_length`` (1 + accepted / drafts) and ``spec_num_drafts`` of the training rollouts: the per-step
+    ``vllm/spec_num_drafts`` / ``vllm/spec_num_accepted_tokens`` the loop logs, summed over every step. The
+    validation's generate calls (greedy, at the end of the run) are not in them; the engines' whole-run counters,
+    which are, give ``acceptance_length_with_validation``. NaN acceptance without drafts."""
+    drafts = sum(m.get("vllm/spec_num_drafts", 0.0) for m in history)
+    accepted = sum(m.get("vllm/spec_num_accepted_tokens", 0.0) for m in history)
+    return {"acceptance_length": 1.0 + accepted / drafts if drafts else float("nan"), "spec_num_drafts": drafts}
+
+
 def schedule(keys: list[str], repeats: int) -> list[tuple[int, str]]:
     """Run order of ``repeats`` passes over ``keys``: (repeat index, key), even passes forward, odd ones reversed
     (``["a", "b"]``, 2 -> ``[(0, "a"), (0, "b"), (1, "b"), (1, "a")]``).
@@ -250,8 +262,9 @@ def run_mode(config: str, overrides: list[str], is_async: bool, speculative: boo
         out.update(setup_s=setup_s, loop_wall_s=loop_s, loop_wall_per_step_s=loop_s / max(len(history), 1))
         if speculative:
             delta = s.generation.spec_counters() - before
-            out["acceptance_length"] = delta.acceptance_length
-            out["spec_num_drafts"] = delta.num_drafts
+            out.update(rollout_acceptance(history))
+            out["acceptance_length_with_validation"] = delta.acceptance_length
+            out["spec_num_drafts_with_validation"] = delta.num_drafts
         else:
             out["acceptance_length"] = 1.0
         return out

@@ -2,6 +2,7 @@
 columns, the interleaved run order and the mean over repeats."""
 
 import json
+import math
 
 import pytest
 
@@ -88,3 +89,14 @@ def test_repeats_below_one_is_refused_before_any_run():
     bench = bench_sync_vs_async
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", "x.json", "--repeats", "0"])
+
+
+def test_rollout_acceptance_sums_the_training_steps_counts_only():
+    """The per-step counts of a 5-step run of the default spec recipe (measured in session 26): 33 drafts, 34
+    accepted in the training rollouts -> 1 + 34 / 33; the final validation's drafts are not in the history."""
+    counts = [(0, 0), (0, 0), (4, 3), (29, 31), (0, 0)]
+    history = [{"vllm/spec_num_drafts": d, "vllm/spec_num_accepted_tokens": a} for d, a in counts]
+    history.append({"train/reward": 0.5})  # a step logged without speculative counts
+    out = bench_sync_vs_async.rollout_acceptance(history)
+    assert out == {"acceptance_length": pytest.approx(1 + 34 / 33, rel=1e-12), "spec_num_drafts": 33}
+    assert math.isnan(bench_sync_vs_async.rollout_acceptance([{"vllm/spec_num_drafts": 0.0}])["acceptance_length"])
