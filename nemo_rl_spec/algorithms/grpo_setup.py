@@ -276,8 +276,8 @@ def syncs_draft(cfg: MasterConfig) -> bool:
 
 def draft_train_period(cfg: MasterConfig) -> int:
     """GRPO steps between the online draft's training steps (:meth:`GRPOSetup.trains_draft`):
-    ``policy.draft.train_period`` for an online EAGLE-3 draft; 1 otherwise (the policy's own MTP block trains with the policy every step; the schema
-    refuses an online draft beside it)."""
+    ``policy.draft.train_period`` for an online EAGLE-3 draft; 1 otherwise (the policy's own MTP block trains with
+    the policy every step; the schema refuses an online draft beside it)."""
     draft = enabled_draft(cfg)
     return draft.train_period if draft is not None and draft.online else 1
 

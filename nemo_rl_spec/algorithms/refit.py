@@ -61,8 +61,8 @@ class WeightRefitter:
 
     def refit(self, version: int) -> dict[str, float]:
         """Export the policy weights once (TP shards gathered into full HF tensors), load them into every engine as
-        ``version``, the drafter too with ``sync_draft`` when it changed (:meth:`pushes_draft`), check every engine's versions,
-        run the probe.
+        ``version``, the drafter too with ``sync_draft`` when it changed (:meth:`pushes_draft`), check every engine's
+        versions, run the probe.
 
         Returns metrics ``refit/logprob_mismatch`` (nats, worst engine), ``refit/weight_version``, with
         ``sync_draft`` ``refit/draft_policy_lag`` (policy versions since the engines' draft was pushed; 0 after a
