@@ -11,7 +11,7 @@ is connected to the policy's graph, so the policy's gradients are bitwise those 
 Config (``policy.draft``, :class:`~nemo_rl_spec.utils.config_schema.DraftConfig`): ``model_name`` (a head directory
 to start from, e.g. from ``examples/init_draft.py``; None: a fresh head whose ``lm_head`` is the policy's output
 layer), ``aux_layer_ids``, ``loss_weight``, ``precision`` (the draft forward's autocast dtype), ``ttt_steps``,
-``train_period`` (train every n-th policy step only: :func:`draft_trains_at`), ``optimizer.{lr, weight_decay,
+``train_period`` (train in every n-th GRPO step only: :func:`draft_trains_at`), ``optimizer.{lr, weight_decay,
 max_grad_norm}``.
 
 Data parallel: every policy worker trains the same head on its own row shard; the loss normaliser is the global
