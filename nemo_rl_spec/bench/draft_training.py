@@ -2,8 +2,8 @@
 before and after its restriction to the scored tokens (issue 35 item 1; docs/speculative.md, "The online draft's
 training step"), at the default speculative recipe's shapes, interleaved, side by side in one run.
 
-- "before": the path as it was, kept here (:func:`reference_accumulate`): soft targets ``log_softmax(logits / T)``
-  in fp32 at every position [b, s, V], then ``Eagle3DraftHead.ttt_loss`` (output layer, log-softmax and loss at
+- "before": the path as it was, kept here (:func:`reference_accumulate`): soft targets ``log_softmax(logits)``
+  (temperature 1, as the online draft now trains; session 27) in fp32 at every position [b, s, V], then ``Eagle3DraftHead.ttt_loss`` (output layer, log-softmax and loss at
   every position of every TTT step).
 - "after": ``OnlineDraft.accumulate`` (nemo_rl_spec/speculative/ttt_scored.py): the same loss and gradients at the
   scored tokens only.
@@ -142,7 +142,7 @@ def reference_accumulate(draft: OnlineDraft, aux, input_ids, loss_mask, logits) 
     """The "before" of ``OnlineDraft.accumulate`` + ``DraftTrainer.accumulate``: soft targets at every position and
     the full-position ``ttt_loss``, with the same share weighting and metric sums."""
     t0 = time.perf_counter()
-    target = torch.log_softmax(logits.detach().float() / draft.temperature, dim=-1)
+    target = torch.log_softmax(logits.detach().float(), dim=-1)  # temperature 1, as OnlineDraft.accumulate
     trainer = draft.trainer
     valid = DraftTrainer.scored_tokens(loss_mask)
     if valid:

@@ -2,7 +2,10 @@
 
 During the policy's own training forward (one per micro-batch), forward hooks capture the aux layers' outputs
 (:func:`~nemo_rl_spec.speculative.capture.capture_hidden_states`, detached) and the policy's logits are detached
-into soft targets ``log_softmax(logits / T)``. After the policy's backward of that micro-batch, the draft head runs
+into soft targets ``log_softmax(logits)`` at temperature 1, whatever the rollout temperature T: vLLM draws the draft
+token from ``softmax(z / T)`` of the draft's logits z (and ``make draft`` trains on temperature-1 targets too), so a
+head whose z fits ``log p_1`` drafts from ``p_T``; a head fitted to ``log p_T`` would draft from a sharper
+``softmax(log p_T / T)``. After the policy's backward of that micro-batch, the draft head runs
 its own forward/backward on those tensors (:meth:`OnlineDraft.accumulate`); after the policy's optimizer step the
 draft takes its own optimizer step with its own clipping (:meth:`OnlineDraft.finish`). Nothing the draft computes
 is connected to the policy's graph, so the policy's gradients are bitwise those of a run without the draft
@@ -12,7 +15,8 @@ Config (``policy.draft``, :class:`~nemo_rl_spec.utils.config_schema.DraftConfig`
 to start from, e.g. from ``examples/init_draft.py``; None: a fresh head whose ``lm_head`` is the policy's output
 layer), ``aux_layer_ids``, ``loss_weight``, ``precision`` (the draft forward's autocast dtype), ``ttt_steps``,
 ``train_period`` (train in every n-th GRPO step only: :func:`draft_trains_at`), ``optimizer.{lr, weight_decay,
-max_grad_norm}``.
+max_grad_norm}``, ``estimate_acceptance`` (log the head's estimated acceptance on each step's rollouts before it
+trains on them, and that of the head the run started from, frozen: :class:`AcceptanceEstimate`).
 
 Data parallel: every policy worker trains the same head on its own row shard; the loss normaliser is the global
 count of scored tokens and the gradients are summed over the ranks before the step (``sync``, a
@@ -23,12 +27,14 @@ single-worker head. Tensor parallel: every TP rank trains an identical replica o
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from nemo_rl_spec.speculative.acceptance import DRAFT_SAMPLE_METHODS, expected_acceptance
 from nemo_rl_spec.speculative.capture import HiddenStateCapture, capture_hidden_states
 from nemo_rl_spec.speculative.draft_trainer import DataParallelSync, DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
@@ -117,6 +123,72 @@ def write_fresh_draft_head(draft_cfg: DraftConfig, model_path: str, out_dir: str
     return str(out_dir)
 
 
+class AcceptanceEstimate:
+    """Estimated acceptance of the online head, and of the head the run started from (frozen), on the rollouts each
+    step trains on: ``policy.draft.estimate_acceptance``. A paired, policy-side measure of what training the draft
+    buys, on thousands of chains a step, where the engines' counters see only the steps that drafted.
+
+    Per micro-batch, :func:`~nemo_rl_spec.speculative.acceptance.expected_acceptance` (a teacher-forced unroll of
+    ``num_steps`` draft steps; step acceptance ``sum_v min(p_T, q_T)`` for probabilistic drafting and ``p_T(argmax
+    q)`` for greedy, with ``q_T = softmax(z / T)`` as vLLM draws it; chain length ``1 + sum_i prod_{j<i} a_j``;
+    Leviathan et al. 2023) of
+
+    - the online head before this step's update: the step's rollouts are new to it, so a held-out estimate;
+    - ``reference``: a frozen copy of the head the trainer started from (``policy.draft.model_name`` or the fresh
+      head), sharing the online head's ``embed_tokens``, i.e. the policy's current embedding, as an engine's frozen
+      draft does (vLLM's EAGLE-3 drafter reads the target's embedding).
+
+    Chain-weighted over micro-batches and data-parallel ranks. Metrics (the driver adds ``train/``):
+    ``draft_est_acceptance_{greedy,probabilistic}``, ``draft_ref_est_acceptance_{greedy,probabilistic}``,
+    ``draft_est_chains`` (chains over all ranks), ``draft_est_seconds`` (this rank's time, apart from
+    ``draft_seconds``).
+
+    Args:
+        head: the online head at the start of training (copied).
+        temperature: the rollout temperature T (<= 0: greedy, step acceptance ``argmax q == argmax p``).
+        num_steps: draft steps per chain (``ttt_steps``).
+    """
+
+    def __init__(self, head: Eagle3DraftHead, temperature: float, num_steps: int) -> None:
+        shared = {id(head.embed_tokens): head.embed_tokens}
+        self.reference = copy.deepcopy(head, memo=shared).eval().requires_grad_(False)
+        self.temperature, self.num_steps = float(temperature), int(num_steps)
+        self._sums: dict[str, float] = {}
+        self._seconds = 0.0
+
+    @torch.no_grad()
+    def add(
+        self,
+        head: Eagle3DraftHead,
+        aux_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> None:
+        """Add one micro-batch. Shape: aux_hidden [b, s, n_aux * H], input_ids [b, s], loss_mask [b, s] (response
+        tokens), logits [b, s, V] (the policy's, full vocabulary)."""
+        t0 = time.perf_counter()
+        lp = torch.log_softmax(logits.detach().float() / (self.temperature if self.temperature > 0 else 1.0), -1)
+        if head.cfg.draft_vocab_size != head.cfg.vocab_size:
+            lp = lp.index_select(-1, head.draft_ids)
+        for prefix, h in (("draft_est", head), ("draft_ref_est", self.reference)):
+            res = expected_acceptance(h, aux_hidden, input_ids, loss_mask, lp, self.temperature, self.num_steps)
+            for m in DRAFT_SAMPLE_METHODS:
+                key = f"{prefix}_acceptance_{m}"
+                self._sums[key] = self._sums.get(key, 0.0) + res.get(f"{m}/acceptance_length", 0.0) * res["chains"]
+        self._sums["draft_est_chains"] = self._sums.get("draft_est_chains", 0.0) + res["chains"]
+        self._seconds += time.perf_counter() - t0
+
+    def metrics(self, sync: DataParallelSync | None = None) -> dict[str, float]:
+        """The step's chain-weighted means (summed over ranks with ``sync``); starts the next step."""
+        sums = sync.sum_metrics(self._sums) if sync is not None else dict(self._sums)
+        chains = sums.pop("draft_est_chains", 0.0)
+        out = {k: v / chains for k, v in sums.items()} if chains else {}
+        out.update(draft_est_chains=chains, draft_est_seconds=self._seconds)
+        self._sums, self._seconds = {}, 0.0
+        return out
+
+
 class OnlineDraft:
     """An EAGLE-3 head and its :class:`DraftTrainer`, fed by the policy worker's training forward.
 
@@ -124,7 +196,8 @@ class OnlineDraft:
         head: the draft head.
         draft_cfg: the ``policy.draft`` section.
         ttt_steps: unrolled draft steps of the training-time-test loss.
-        temperature: the policy's sampling temperature; soft targets are ``log_softmax(logits / temperature)``.
+        temperature: the rollout temperature (for ``estimate``); the soft targets are ``log_softmax(logits)`` at
+            temperature 1 whatever it is (module docstring).
         sync: sums over data-parallel ranks (None: a single worker).
 
     Attributes:
@@ -149,7 +222,8 @@ class OnlineDraft:
             loss_weight=draft_cfg.loss_weight,
             autocast_dtype=torch.bfloat16 if draft_cfg.precision == "bfloat16" else None,
         )
-        self.temperature = float(temperature) if temperature > 0 else 1.0
+        self.temperature = float(temperature)
+        self.estimate = AcceptanceEstimate(head, temperature, ttt_steps) if draft_cfg.estimate_acceptance else None
         self.sync = sync
         self.policy_version = 0
         self._total = 1
@@ -179,16 +253,18 @@ class OnlineDraft:
         self, cap: HiddenStateCapture, input_ids: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor
     ) -> None:
         """Draft forward/backward on one captured micro-batch, at the scored (response) tokens only: the soft targets
-        ``log_softmax(logits / T)`` at those tokens in the draft vocabulary's columns
+        ``log_softmax(logits)`` (temperature 1) at those tokens in the draft vocabulary's columns
         (:func:`~nemo_rl_spec.speculative.ttt_scored.scored_soft_targets`) and the TTT loss there
         (:func:`~nemo_rl_spec.speculative.ttt_scored.scored_ttt_loss`; the same loss and gradients as at every position).
 
         Shape: input_ids [b, s], loss_mask [b, s], logits [b, s, V] (the policy's, detached here).
         """
+        if self.estimate is not None:
+            self.estimate.add(self.head, cap.aux_hidden(), input_ids, loss_mask, logits)
         t0 = time.perf_counter()
         cfg = self.head.cfg
         draft_ids = self.head.draft_ids if cfg.draft_vocab_size != cfg.vocab_size else None
-        target = scored_soft_targets(logits, loss_mask, self.temperature, draft_ids)
+        target = scored_soft_targets(logits, loss_mask, 1.0, draft_ids)
         self.trainer.accumulate(cap.aux_hidden(), input_ids, loss_mask, target, self._total)
         self._seconds += time.perf_counter() - t0
 
@@ -196,10 +272,12 @@ class OnlineDraft:
         """Draft optimizer step; metrics without the ``train/`` prefix (``draft_loss``, ``draft_grad_norm``,
         ``draft_acc_step{j}``, ``draft_version``, ...), which the driver logs as ``train/draft_*``.
         ``draft_seconds``: this rank's wall time of the draft's own work in the step (embedding copy, the draft
-        forward/backward of every micro-batch, its optimizer step), next to the policy's training time."""
+        forward/backward of every micro-batch, its optimizer step), next to the policy's training time. With
+        ``policy.draft.estimate_acceptance`` also :class:`AcceptanceEstimate`'s metrics (not in ``draft_seconds``)."""
         t0 = time.perf_counter()
         metrics = {k.removeprefix("train/"): v for k, v in self.trainer.apply(self.sync).items()}
-        return {**metrics, "draft_seconds": self._seconds + time.perf_counter() - t0}
+        metrics["draft_seconds"] = self._seconds + time.perf_counter() - t0
+        return {**metrics, **(self.estimate.metrics(self.sync) if self.estimate is not None else {})}
 
     def export(self, dtype: str | None = None) -> dict[str, Any]:
         """``{"weights": checkpoint-named tensors, "draft_version": int, "policy_version": int}`` for

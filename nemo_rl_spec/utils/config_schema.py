@@ -406,6 +406,14 @@ class DraftConfig(_Strict):
         "paired with an older policy version (speculation stays lossless: the target verifies every token). "
         "Applies with online: true only, like precision",
     )
+    estimate_acceptance: bool = Field(
+        default=False,
+        description="log the online head's estimated acceptance length (greedy and probabilistic drafting, k = "
+        "ttt_steps, the rollout temperature) on each training step's rollouts before it trains on them, and that of "
+        "the head it started from, kept frozen, on the same rollouts (train/draft_est_acceptance_*, "
+        "train/draft_ref_est_acceptance_*): what the online training buys, paired. Costs two no-grad draft unrolls "
+        "per micro-batch (train/draft_est_seconds). Applies with online: true, in the steps the draft trains",
+    )
     allow_stale_draft: bool = Field(
         default=False,
         description="let the generation worker take a draft trained "

@@ -66,10 +66,11 @@ def make_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     )
 
 
-def reference_loss(head, aux, ids, mask, logits, weights, soft=True):
-    """The pre-restriction formula, at every position: soft targets log_softmax(logits / T) [B, S, V], the draft's
-    logits at every chain of every step, each term weighted by the mask, mean per step, weighted mean of steps."""
-    target = torch.log_softmax(logits.float() / T, dim=-1).index_select(-1, head.draft_ids)
+def reference_loss(head, aux, ids, mask, logits, weights, soft=True, temperature=T):
+    """The pre-restriction formula, at every position: soft targets log_softmax(logits / temperature) [B, S, V], the
+    draft's logits at every chain of every step, each term weighted by the mask, mean per step, weighted mean of
+    steps."""
+    target = torch.log_softmax(logits.float() / temperature, dim=-1).index_select(-1, head.draft_ids)
     per_step, metrics = [], {}
     for j, step_logits in enumerate(head.unroll(aux, ids, K)):
         shift = 2 + j
@@ -157,7 +158,9 @@ def test_chain_window_covers_exactly_the_chains_that_score():
 
 def test_online_draft_step_equals_the_full_position_formula():
     """OnlineDraft.begin / accumulate (two micro-batches) / gradients, against the reference weighted by each
-    micro-batch's share of the scored tokens, as the trainer did before."""
+    micro-batch's share of the scored tokens, as the trainer did before. The soft targets are at temperature 1 though
+    the rollouts' temperature is T = 0.7: vLLM draws draft tokens from softmax(z / T) of the draft's logits z, so z
+    must fit log p_1 (online.py's module docstring)."""
     head = make_head(24)
     ref_head = make_head(24)
     aux, ids, logits = make_batch(2)
@@ -169,7 +172,7 @@ def test_online_draft_step_equals_the_full_position_formula():
     total = DraftTrainer.scored_tokens(MASK)
     weights = [0.8**j for j in range(K)]
     ref = sum(
-        reference_loss(ref_head, aux[sl], ids[sl], MASK[sl], logits[sl], weights)[0]
+        reference_loss(ref_head, aux[sl], ids[sl], MASK[sl], logits[sl], weights, temperature=1.0)[0]
         * (DraftTrainer.scored_tokens(MASK[sl]) / total)
         for sl in parts
     )
@@ -194,7 +197,7 @@ def test_bf16_autocast_step_keeps_fp32_state_and_tracks_the_fp32_step():
     here), it differs from the fp32 loss (autocast ran) by bf16 rounding only, the gradients point the same way, the
     weights and AdamW moments stay fp32, and a dtype other than bf16 is refused."""
     aux, ids, logits = make_batch(3)
-    targets = scored_soft_targets(logits, MASK, T, None)
+    targets = scored_soft_targets(logits, MASK, 1.0, None)  # the online draft's soft targets are at temperature 1
     runs = {}
     for precision in ("float32", "bfloat16"):
         head = make_head(None)

@@ -1,0 +1,78 @@
+"""``policy.draft.estimate_acceptance`` (nemo_rl_spec/speculative/online.py, AcceptanceEstimate): the online head's
+estimated acceptance before each update and the frozen starting head's, on the step's rollouts, against
+``expected_acceptance`` of the whole batch computed here (itself checked against an independent loop in
+tests/unit/test_draft_acceptance.py), on tiny random heads."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nemo_rl_spec.speculative.acceptance import expected_acceptance
+from nemo_rl_spec.speculative.online import OnlineDraft
+from nemo_rl_spec.utils.config_schema import DraftConfig
+from tests.unit.test_ttt_scored import MASK, K, T, V, make_batch, make_head
+
+METHODS = ("greedy", "probabilistic")
+
+
+class _Captured:
+    def __init__(self, aux: torch.Tensor) -> None:
+        self._aux = aux
+
+    def aux_hidden(self) -> torch.Tensor:
+        return self._aux
+
+
+def whole_batch(head, aux, ids, logits) -> dict[str, float]:
+    """expected_acceptance over the whole batch at T, the policy's log-probs restricted to the draft vocabulary."""
+    lp = torch.log_softmax(logits / T, -1).index_select(-1, head.draft_ids)
+    return expected_acceptance(head, aux, ids, MASK, lp, T, K)
+
+
+def train_step(draft: OnlineDraft, embedding: torch.Tensor, batch) -> dict[str, float]:
+    """One online step over two micro-batches (rows 0-1 and 2-4)."""
+    aux, ids, logits = batch
+    draft.begin(embedding, MASK)
+    for sl in (slice(0, 2), slice(2, 5)):
+        draft.accumulate(_Captured(aux[sl]), ids[sl], MASK[sl], logits[sl])
+    return draft.finish()
+
+
+def test_estimates_are_the_chain_weighted_whole_batch_values_before_the_update_and_of_the_frozen_start():
+    head = make_head(24)
+    start = copy.deepcopy(head)
+    draft = OnlineDraft(
+        head, DraftConfig(online=True, estimate_acceptance=True, optimizer={"lr": 0.05}), ttt_steps=K, temperature=T
+    )
+    emb = head.embed_tokens.weight.detach().clone()
+    batches = [make_batch(10), make_batch(11)]
+    for step, batch in enumerate(batches):
+        before = copy.deepcopy(draft.head)
+        metrics = train_step(draft, emb, batch)
+        mine, ref = whole_batch(before, *batch), whole_batch(start, *batch)
+        assert metrics["draft_est_chains"] == mine["chains"] == int(MASK[:, 2:].sum())
+        for m in METHODS:
+            assert metrics[f"draft_est_acceptance_{m}"] == pytest.approx(mine[f"{m}/acceptance_length"], rel=1e-5)
+            assert metrics[f"draft_ref_est_acceptance_{m}"] == pytest.approx(ref[f"{m}/acceptance_length"], rel=1e-5)
+            if step == 0:  # nothing trained yet: the same head
+                assert metrics[f"draft_est_acceptance_{m}"] == pytest.approx(metrics[f"draft_ref_est_acceptance_{m}"])
+        assert metrics["draft_est_seconds"] > 0
+    # after one update (lr 0.05) the online head's estimate has moved away from the frozen start's
+    assert abs(metrics["draft_est_acceptance_probabilistic"] - metrics["draft_ref_est_acceptance_probabilistic"]) > 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(draft.estimate.reference.parameters(), start.parameters()))
+
+
+def test_reference_reads_the_policys_current_embedding_and_the_key_defaults_off():
+    head = make_head(None)
+    draft = OnlineDraft(head, DraftConfig(online=True, estimate_acceptance=True), ttt_steps=K, temperature=T)
+    new_emb = torch.randn(V, head.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    draft.begin(new_emb, MASK)
+    assert torch.equal(draft.estimate.reference.embed_tokens.weight, new_emb)
+    assert not any(p.requires_grad for p in draft.estimate.reference.parameters())
+    plain = OnlineDraft(make_head(None), DraftConfig(online=True), ttt_steps=K, temperature=T)
+    assert plain.estimate is None
+    metrics = train_step(plain, new_emb, make_batch(1))
+    assert not any(k.startswith(("draft_est", "draft_ref_est")) for k in metrics)
