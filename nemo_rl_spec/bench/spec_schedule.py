@@ -208,6 +208,37 @@ def pooled_k0(sweep: dict, name: str) -> dict[str, Any] | None:
     }
 
 
+def amdahl_bound(
+    ar_seconds: list[float], drafting_shares: list[float], acceptance_lengths: list[float | None]
+) -> float:
+    """Upper bound of a rollout phase's speedup over AR when only the drafting batches can gain (Amdahl's law per
+    group): ``sum_g a_g / sum_g a_g * ((1 - f_g) + f_g / L_g)``.
+
+    It assumes the best case for speculation: steps at k = 0 cost what AR steps cost, and a drafting step costs no
+    more than an AR step at the same running batch (drafting and verification free) while it emits ``L_g`` tokens per
+    request, so AR's time at drafting batches shrinks by ``L_g`` at most. A measured phase above the bound means the
+    engines' rows were not the same lengths (compare ``matched_phase_speedup``).
+
+    Args:
+        ar_seconds: [G] AR seconds of each group's rollout (``a_g``).
+        drafting_shares: [G] share of that time at running batches where the schedule drafts (``f_g``, in [0, 1]).
+        acceptance_lengths: [G] the speculative engine's measured tokens per verification step in that group
+            (``L_g`` >= 1; None: the group never drafted, ``L_g`` = 1).
+
+    Raises:
+        ValueError: lists of different lengths, empty, a share outside [0, 1] or an acceptance length below 1.
+    """
+    if not ar_seconds or not len(ar_seconds) == len(drafting_shares) == len(acceptance_lengths):
+        raise ValueError("amdahl_bound: ar_seconds, drafting_shares and acceptance_lengths need one entry per group")
+    bounded = 0.0
+    for a, f, acc in zip(ar_seconds, drafting_shares, acceptance_lengths):
+        length = 1.0 if acc is None or math.isnan(acc) else float(acc)
+        if not 0.0 <= f <= 1.0 or length < 1.0:
+            raise ValueError(f"amdahl_bound: share {f} (expected [0, 1]) or acceptance length {acc} (expected >= 1)")
+        bounded += a * ((1.0 - f) + f / length)
+    return sum(ar_seconds) / bounded
+
+
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     """Per compared engine: rollout-phase ratios (per group, and total AR seconds / total seconds), the sweep's
     minimum and its pooled k = 0 ratio (:func:`pooled_k0`); and the share of the AR rollouts' engine-step time at
@@ -215,7 +246,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``{"ar_seconds": [per group], "ar_share_at_drafting_batches": [per group], NAME: {"rollout_phase_speedup",
-        "rollout_speedups", "seconds", "acceptance_length" (per group), "sweep_min_speedup", "sweep_min_batch",
+        "rollout_speedups", "seconds", "acceptance_length" (per group), "amdahl_bound" (:func:`amdahl_bound`: the
+        most the phase could gain at these shares and acceptance lengths), "sweep_min_speedup", "sweep_min_batch",
         "sweep_k0_pooled"; with ``--matched-lengths`` also "matched_phase_speedup", "matched_speedups" (AR held to
         NAME's row lengths over NAME's seconds)}, "ar_held_over_natural" (with ``--matched-lengths``)}``.
     """
@@ -231,12 +263,14 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     }
     for name in spec_names(res):
         sp_s = [r[name]["seconds"] for r in rolls]
+        accs = [r[name]["acceptance_length"] for r in rolls]
         worst = min(sweep, key=lambda b: sweep[b][name]["speedup"]) if sweep else None
         out[name] = {
             "rollout_phase_speedup": sum(ar_s) / sum(sp_s),
             "rollout_speedups": [x / y for x, y in zip(ar_s, sp_s)],
             "seconds": sp_s,
-            "acceptance_length": [r[name]["acceptance_length"] for r in rolls],
+            "acceptance_length": accs,
+            "amdahl_bound": amdahl_bound(ar_s, out["ar_share_at_drafting_batches"], accs) if rolls else None,
             "sweep_min_speedup": sweep[worst][name]["speedup"] if worst is not None else None,
             "sweep_min_batch": worst,
             "sweep_k0_pooled": pooled_k0(sweep, name) if sweep else None,
@@ -273,6 +307,10 @@ def format_tables(res: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     for n in names:
         lines.append(f"rollout phase, {n}: {s[n]['rollout_phase_speedup']:.3f}x (total AR seconds / total seconds)")
+        if s[n].get("amdahl_bound") is not None:
+            lines.append(
+                f"bound, {n}: {s[n]['amdahl_bound']:.3f}x if drafting and verification were free (amdahl_bound)"
+            )
         if "matched_phase_speedup" in s[n]:
             per = " ".join(f"{x:.3f}" for x in s[n]["matched_speedups"])
             lines.append(f"rollout phase, AR held to {n}'s row lengths: {s[n]['matched_phase_speedup']:.3f}x ({per})")

@@ -2,7 +2,9 @@
 
 import math
 
-from nemo_rl_spec.bench.spec_schedule import _order, format_tables, summarize
+import pytest
+
+from nemo_rl_spec.bench.spec_schedule import _order, amdahl_bound, format_tables, summarize
 
 
 def _roll(ar_s, spec_s, var_s, by_batch):
@@ -42,6 +44,19 @@ def test_summary_hand_worked():
     assert s["variant"]["sweep_min_speedup"] == 1.01 and s["variant"]["sweep_min_batch"] == 8
 
 
+def test_amdahl_bound_hand_worked():
+    # group 0: 10 s, 40% at drafting batches, L = 2 -> 10 * (0.6 + 0.2) = 8 s; group 1 never drafts: 12 s
+    assert math.isclose(summarize(_result())["spec"]["amdahl_bound"], 22.0 / 20.0, rel_tol=1e-12)
+    assert math.isclose(summarize(_result())["variant"]["amdahl_bound"], 22.0 / (10 * (0.6 + 0.4 / 1.5) + 12))
+    # free speculation everywhere with L = 3 gives 3x; a group that never drafted (None / NaN) counts at 1
+    assert math.isclose(amdahl_bound([5.0, 5.0], [1.0, 1.0], [3.0, 3.0]), 3.0)
+    assert math.isclose(amdahl_bound([4.0, 4.0], [1.0, 0.5], [None, float("nan")]), 1.0)
+    with pytest.raises(ValueError, match="one entry per group"):
+        amdahl_bound([1.0], [0.5, 0.5], [2.0])
+    with pytest.raises(ValueError, match="acceptance length 0.5"):
+        amdahl_bound([1.0], [0.5], [0.5])
+
+
 def test_order_rotates_and_tables_render():
     assert [_order(["ar", "spec", "v"], i) for i in range(4)] == [
         ["ar", "spec", "v"],
@@ -53,6 +68,7 @@ def test_order_rotates_and_tables_render():
     res["summary"] = summarize(res)
     text = format_tables(res)
     assert "rollout phase, spec: 1.222x" in text and "sweep minimum, spec: 0.970x at b = 8" in text
+    assert "bound, spec: 1.100x if drafting and verification were free" in text
     assert "rollout phase, variant: 0.978x" in text
 
 

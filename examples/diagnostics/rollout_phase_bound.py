@@ -1,0 +1,64 @@
+"""The most a long-tail rollout phase could gain, next to what it gained, from saved ``bench_spec_schedule.py`` JSON.
+
+``python examples/diagnostics/rollout_phase_bound.py docs/spec_longtail/*seed12*.json [--out JSON]``
+
+Re-summarises each file (:func:`nemo_rl_spec.bench.spec_schedule.summarize`) and prints, per speculative engine: the
+share of AR's rollout time at drafting batches, the time-weighted acceptance length, the measured rollout phase (and
+with AR held to the engine's lengths where the file has it) and
+:func:`~nemo_rl_spec.bench.spec_schedule.amdahl_bound`, the phase's speedup if drafting and verification cost
+nothing. Reads files only; CPU results stay CPU results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from nemo_rl_spec.bench.spec_schedule import spec_names, summarize
+
+
+def rows(path: str) -> list[dict]:
+    """One row per speculative engine of the file at ``path``."""
+    res = json.loads(Path(path).read_text())
+    s = summarize(res)
+    ar, share = s["ar_seconds"], s["ar_share_at_drafting_batches"]
+    drafting = sum(a * f for a, f in zip(ar, share))
+    out = []
+    for name in spec_names(res):
+        e = s[name]
+        accs = [1.0 if x is None else x for x in e["acceptance_length"]]
+        out.append(
+            {
+                "file": path,
+                "engine": name,
+                "share_at_drafting_batches": drafting / sum(ar),
+                "acceptance_length": sum(a * f * x for a, f, x in zip(ar, share, accs)) / max(drafting, 1e-12),
+                "rollout_phase_speedup": e["rollout_phase_speedup"],
+                "matched_phase_speedup": e.get("matched_phase_speedup"),
+                "amdahl_bound": e["amdahl_bound"],
+            }
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+", help="bench_spec_schedule.py output JSON files")
+    p.add_argument("--out", help="also write the rows here")
+    args = p.parse_args()
+    table = [r for f in args.files for r in rows(f)]
+    print("| file | engine | AR time at drafting batches | acceptance length | phase | phase, AR held | bound |")
+    print("|---|---|---|---|---|---|---|")
+    for r in table:
+        held = "-" if r["matched_phase_speedup"] is None else f"{r['matched_phase_speedup']:.3f}"
+        print(
+            f"| {Path(r['file']).name} | {r['engine']} | {r['share_at_drafting_batches']:.0%} | "
+            f"{r['acceptance_length']:.2f} | {r['rollout_phase_speedup']:.3f} | {held} | {r['amdahl_bound']:.3f} |"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
