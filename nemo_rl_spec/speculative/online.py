@@ -38,7 +38,7 @@ from nemo_rl_spec.speculative.acceptance import DRAFT_SAMPLE_METHODS, expected_a
 from nemo_rl_spec.speculative.capture import HiddenStateCapture, capture_hidden_states
 from nemo_rl_spec.speculative.draft_trainer import DataParallelSync, DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
-from nemo_rl_spec.speculative.ttt_scored import scored_soft_targets
+from nemo_rl_spec.speculative.ttt_scored import scored_index, scored_soft_targets
 from nemo_rl_spec.utils.checkpoint import read_safetensors
 from nemo_rl_spec.utils.config_schema import DraftConfig
 from nemo_rl_spec.utils.dtypes import cast_state
@@ -168,9 +168,13 @@ class AcceptanceEstimate:
         """Add one micro-batch. Shape: aux_hidden [b, s, n_aux * H], input_ids [b, s], loss_mask [b, s] (response
         tokens), logits [b, s, V] (the policy's, full vocabulary)."""
         t0 = time.perf_counter()
-        lp = torch.log_softmax(logits.detach().float() / (self.temperature if self.temperature > 0 else 1.0), -1)
-        if head.cfg.draft_vocab_size != head.cfg.vocab_size:
-            lp = lp.index_select(-1, head.draft_ids)
+        # the policy's log p_T, in the draft vocabulary, only where a chain step reads it: the position before each
+        # scored token (expected_acceptance masks every other position)
+        rows, cols = scored_index(loss_mask)
+        draft_ids = head.draft_ids if head.cfg.draft_vocab_size != head.cfg.vocab_size else None
+        temperature = self.temperature if self.temperature > 0 else 1.0
+        lp = logits.new_zeros((*input_ids.shape, head.cfg.draft_vocab_size), dtype=torch.float32)
+        lp[rows, cols - 1] = scored_soft_targets(logits, loss_mask, temperature, draft_ids)
         for prefix, h in (("draft_est", head), ("draft_ref_est", self.reference)):
             res = expected_acceptance(h, aux_hidden, input_ids, loss_mask, lp, self.temperature, self.num_steps)
             for m in DRAFT_SAMPLE_METHODS:
