@@ -10,16 +10,17 @@ temperature T) and measures the estimated acceptance length of probabilistic dra
 
 Variants (each from the same head and rows; one change from ``online``):
 
-- ``online``: the online trainer's settings: soft targets ``log_softmax(policy_logits / T)``, a fresh AdamW at
-  ``policy.draft.optimizer.lr`` (``--lr``);
-- ``t1_targets``: soft targets at temperature 1 (``log_softmax(policy_logits)``, what ``make draft`` trained on);
+- ``online``: the online trainer's settings until session 27: soft targets ``log_softmax(policy_logits / T)``, a
+  fresh AdamW at ``policy.draft.optimizer.lr`` (``--lr``);
+- ``t1_targets``: soft targets at temperature 1 (``log_softmax(policy_logits)``, what ``make draft`` trained on and,
+  since session 27, the online trainer too);
 - ``carried_adam``: ``make draft``'s AdamW state (``DIR/draft_trainer.pt``) carried over, lr set to ``--lr``;
 - ``lr_div10``: ``--lr`` / 10;
 - ``frozen``: no training (the row every step is compared with);
 - ``sharpened``: no training, the head's logits divided by T (``lm_head`` scaled by 1 / T): where the ``online``
   targets lead, since a head that fits ``log p_T = log p_1 / T + c`` has logits about ``z / T``.
 
-Prints a table (estimated acceptance length after each step, mean over seeds) and writes JSON with every point.
+The heads train in fp32 (the recipe's online draft autocasts its forward to bf16). Prints a table (estimated acceptance length after each step, mean over seeds) and writes JSON with every point.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def load(args):
         [samples.prompt_lengths[i] for i in keep],
     )
     train_rows, eval_rows = list(range(len(train_rows))), list(range(len(train_rows), len(keep)))
-    cache = build_policy_cache(policy, head, samples.sequences, 16, True, summary["temperature"])
+    temperature = summary["temperature"] if summary["temperature"] > 0 else 1.0  # as make draft does
+    cache = build_policy_cache(policy, head, samples.sequences, 16, True, temperature)
     return summary, samples, head, cache, train_rows, eval_rows
 
 

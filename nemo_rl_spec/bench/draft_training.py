@@ -2,8 +2,9 @@
 before and after its restriction to the scored tokens (issue 35 item 1; docs/speculative.md, "The online draft's
 training step"), at the default speculative recipe's shapes, interleaved, side by side in one run.
 
-- "before": the path as it was, kept here (:func:`reference_accumulate`): soft targets ``log_softmax(logits)``
-  (temperature 1, as the online draft now trains; session 27) in fp32 at every position [b, s, V], then ``Eagle3DraftHead.ttt_loss`` (output layer, log-softmax and loss at
+- "before": the full-position path the scored-token cut replaced, kept here (:func:`reference_accumulate`): soft
+  targets ``log_softmax(logits)`` (temperature 1 since session 27, as the online draft trains) in fp32 at every
+  position [b, s, V], then ``Eagle3DraftHead.ttt_loss`` (output layer, log-softmax and loss at
   every position of every TTT step).
 - "after": ``OnlineDraft.accumulate`` (nemo_rl_spec/speculative/ttt_scored.py): the same loss and gradients at the
   scored tokens only.

@@ -1,7 +1,7 @@
 """The EAGLE-3 training-time-test loss computed only where it scores (the online draft's training step).
 
 :meth:`~nemo_rl_spec.speculative.eagle3.Eagle3DraftHead.ttt_loss` runs the output layer at every position of every
-draft step and reads soft targets ``log_softmax(policy_logits / T)`` [B, S, V] at every position, though a term
+draft step and reads soft targets ``log_softmax(policy_logits)`` [B, S, V] at every position, though a term
 counts only where ``loss_mask`` is true (the response tokens: in the default recipe about 30 of ~80-130 positions
 per row). Here the same loss is computed on the scored tokens only:
 

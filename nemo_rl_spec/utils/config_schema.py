@@ -412,7 +412,8 @@ class DraftConfig(_Strict):
         "ttt_steps, the rollout temperature) on each training step's rollouts before it trains on them, and that of "
         "the head it started from, kept frozen, on the same rollouts (train/draft_est_acceptance_*, "
         "train/draft_ref_est_acceptance_*): what the online training buys, paired. Costs two no-grad draft unrolls "
-        "per micro-batch (train/draft_est_seconds). Applies with online: true, in the steps the draft trains",
+        "per micro-batch, about as much as the draft's own training step (train/draft_est_seconds; it counts in the "
+        "policy's training time: keep it off in timing runs). Applies with online: true, in the steps the draft trains",
     )
     allow_stale_draft: bool = Field(
         default=False,

@@ -76,3 +76,31 @@ def test_reference_reads_the_policys_current_embedding_and_the_key_defaults_off(
     assert plain.estimate is None
     metrics = train_step(plain, new_emb, make_batch(1))
     assert not any(k.startswith(("draft_est", "draft_ref_est")) for k in metrics)
+
+
+class _OtherRank:
+    """A data-parallel sync whose only other rank contributed ``sums``."""
+
+    def __init__(self, sums: dict[str, float]) -> None:
+        self.sums = sums
+
+    def sum_metrics(self, values: dict[str, float]) -> dict[str, float]:
+        return {k: v + self.sums.get(k, 0.0) for k, v in values.items()}
+
+
+def test_data_parallel_ranks_give_the_chain_weighted_whole_batch_value():
+    """Two ranks holding rows 0-1 and 2-4 agree with one worker holding all rows."""
+    aux, ids, logits = make_batch(7)
+    head = make_head(24)
+    ranks = []
+    for sl in (slice(0, 2), slice(2, 5)):
+        draft = OnlineDraft(head, DraftConfig(online=True, estimate_acceptance=True), ttt_steps=K, temperature=T)
+        draft.estimate.add(head, aux[sl], ids[sl], MASK[sl], logits[sl])
+        ranks.append(draft.estimate)
+    other = dict(ranks[1]._sums)
+    merged = ranks[0].metrics(_OtherRank(other))
+    whole = whole_batch(head, aux, ids, logits)
+    assert merged["draft_est_chains"] == whole["chains"]
+    for m in METHODS:
+        assert merged[f"draft_est_acceptance_{m}"] == pytest.approx(whole[f"{m}/acceptance_length"], rel=1e-5)
+    assert ranks[0].metrics()["draft_est_chains"] == 0  # the step's sums were cleared

@@ -100,18 +100,23 @@ def test_ar_control_is_compared_like_an_engine_and_renders_without_acceptance():
 
 def test_matched_length_phase_is_ar_held_to_each_engines_lengths_over_its_natural_seconds():
     res = _result()  # natural seconds: AR 10 / 12, spec 8 / 10, variant 10 / 12.5
-    for r, (own, at_spec, at_var) in zip(res["rollouts"], [(10.5, 9.0, 11.0), (12.0, 11.0, 10.0)]):
-        r["matched"] = {
-            "ar": {"seconds": own, "tokens": 100, "acceptance_length": None},
-            "spec": {"seconds": at_spec, "tokens": 90, "acceptance_length": None},
-            "variant": {"seconds": at_var, "tokens": 110, "acceptance_length": None},
-        }
+    # the held AR runs' time by running batch: half of group 0 at b = 2 (drafting), none of group 1
+    shares = [lambda sec: {32: sec / 2, 2: sec / 2}, lambda sec: {16: sec}]
+    for g, (own, at_spec, at_var) in enumerate([(10.5, 9.0, 11.0), (12.0, 11.0, 10.0)]):
+
+        def held(sec, tokens, g=g):
+            return {"seconds": sec, "tokens": tokens, "acceptance_length": None, "seconds_by_batch": shares[g](sec)}
+
+        res["rollouts"][g]["matched"] = {"ar": held(own, 100), "spec": held(at_spec, 90), "variant": held(at_var, 110)}
     res["summary"] = s = summarize(res)
     assert math.isclose(s["spec"]["matched_phase_speedup"], 20.0 / 18.0, rel_tol=1e-12)
     assert s["spec"]["matched_speedups"] == [9.0 / 8.0, 11.0 / 10.0]
     assert math.isclose(s["variant"]["matched_phase_speedup"], 21.0 / 22.5, rel_tol=1e-12)
     assert math.isclose(s["ar_held_over_natural"], 22.5 / 22.0, rel_tol=1e-12)
     assert s["spec"]["rollout_phase_speedup"] == 22.0 / 18.0  # the natural-length ratio is unchanged
+    # the bound from the held AR runs (spec L = 2, variant L = 1.5 in both groups): 9 * (0.5 + 0.5 / L) + 11 * 1 ...
+    assert math.isclose(s["spec"]["matched_amdahl_bound"], 20.0 / (9.0 * 0.75 + 11.0), rel_tol=1e-12)
+    assert math.isclose(s["variant"]["matched_amdahl_bound"], 21.0 / (11.0 * (0.5 + 0.5 / 1.5) + 10.0), rel_tol=1e-12)
     text = format_tables(res)
     assert "rollout phase, AR held to spec's row lengths: 1.111x (1.125 1.100)" in text
     assert "check: AR held to its own lengths / AR natural: 1.023" in text
