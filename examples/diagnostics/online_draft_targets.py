@@ -105,7 +105,7 @@ def run_variant(variant, head, cache, samples, train_rows, eval_rows, args, summ
         return curve * (args.steps + 1)
     for step in range(args.steps):
         rows = draft_init.batch_rows(train_rows, args.batch_size, seed, step)
-        aux, target, ids, mask = draft_init._padded_batch(cache, samples, rows)
+        aux, target, ids, mask = draft_init.padded_batch(cache, samples, rows)
         if variant != "t1_targets":
             target = cache.tempered_logprobs(rows)
         trainer.step(aux, ids, mask, target)

@@ -127,7 +127,7 @@ def measured_vocab(
     return vocab, {"draft_vocab_size": n, "coverage": covered, "distinct_response_tokens": int((counts > 0).sum())}
 
 
-def _padded_batch(cache: PolicyOutputCache, samples: Samples, rows: Sequence[int]):
+def padded_batch(cache: PolicyOutputCache, samples: Samples, rows: Sequence[int]):
     """(aux [B, S, n_aux * H], log-probs [B, S, Vd], input_ids [B, S], response mask [B, S]) of ``rows``."""
     aux, target = cache.batch(rows)
     ids, mask = pad_sequences([samples.sequences[r] for r in rows], [samples.prompt_lengths[r] for r in rows])
@@ -147,7 +147,7 @@ def evaluate(
     total = 0.0
     for lo in range(0, len(rows), batch_size):
         part = list(rows[lo : lo + batch_size])
-        aux, _, ids, mask = _padded_batch(cache, samples, part)
+        aux, _, ids, mask = padded_batch(cache, samples, part)
         res = expected_acceptance(head, aux, ids, mask, cache.tempered_logprobs(part), cache.temperature, num_steps)
         n = res.pop("chains")
         total += n
@@ -191,7 +191,7 @@ def train(
     bar = tqdm(total=steps, initial=state["step"], desc=desc, unit="step")
     while state["step"] < steps:
         rows = batch_rows(train_rows, batch_size, seed, state["step"])
-        aux, target, ids, mask = _padded_batch(cache, samples, rows)
+        aux, target, ids, mask = padded_batch(cache, samples, rows)
         metrics = trainer.step(aux, ids, mask, target)
         state["step"] += 1
         state["history"].append(metrics)
