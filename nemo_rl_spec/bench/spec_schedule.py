@@ -252,7 +252,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "rollout_speedups", "seconds", "acceptance_length" (per group), "amdahl_bound" (:func:`amdahl_bound`: the
         most the phase could gain at these shares and acceptance lengths), "sweep_min_speedup", "sweep_min_batch",
         "sweep_k0_pooled"; with ``--matched-lengths`` also "matched_phase_speedup", "matched_speedups" (AR held to
-        NAME's row lengths over NAME's seconds) and "matched_amdahl_bound" (the bound from that held AR run)}, "ar_held_over_natural" (with ``--matched-lengths``)}``.
+        NAME's row lengths over NAME's seconds) and "matched_amdahl_bound" (the bound from that held AR run)},
+        "ar_held_over_natural" (with ``--matched-lengths``)}``.
     """
     sched, rolls, sweep = res["schedule"], res["rollouts"], res["sweep"]
     ar_s = [r["ar"]["seconds"] for r in rolls]

@@ -126,7 +126,7 @@ def write_fresh_draft_head(draft_cfg: DraftConfig, model_path: str, out_dir: str
 class AcceptanceEstimate:
     """Estimated acceptance of the online head, and of the head the run started from (frozen), on the rollouts each
     step trains on: ``policy.draft.estimate_acceptance``. A paired, policy-side measure of what training the draft
-    buys, on thousands of chains a step, where the engines' counters see only the steps that drafted.
+    buys, on every chain of the step's rollouts (about 1,000 in the default recipe), where the engines' counters see only the steps that drafted.
 
     Per micro-batch, :func:`~nemo_rl_spec.speculative.acceptance.expected_acceptance` (a teacher-forced unroll of
     ``num_steps`` draft steps; step acceptance ``sum_v min(p_T, q_T)`` for probabilistic drafting and ``p_T(argmax
@@ -200,8 +200,8 @@ class OnlineDraft:
         head: the draft head.
         draft_cfg: the ``policy.draft`` section.
         ttt_steps: unrolled draft steps of the training-time-test loss.
-        temperature: the rollout temperature (for ``estimate``); the soft targets are ``log_softmax(logits)`` at
-            temperature 1 whatever it is (module docstring).
+        temperature: the rollout temperature, used only by ``estimate``; the soft targets are
+            ``log_softmax(logits)`` at temperature 1 whatever it is (module docstring).
         sync: sums over data-parallel ranks (None: a single worker).
 
     Attributes:
@@ -226,7 +226,6 @@ class OnlineDraft:
             loss_weight=draft_cfg.loss_weight,
             autocast_dtype=torch.bfloat16 if draft_cfg.precision == "bfloat16" else None,
         )
-        self.temperature = float(temperature)
         self.estimate = AcceptanceEstimate(head, temperature, ttt_steps) if draft_cfg.estimate_acceptance else None
         self.sync = sync
         self.policy_version = 0
