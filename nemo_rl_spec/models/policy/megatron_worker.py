@@ -89,6 +89,7 @@ from nemo_rl_spec.models.policy.parallel import (
     combine_metrics,
     reduce_metrics,
 )
+from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, token_logprobs
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
 from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
@@ -142,6 +143,9 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         self.cfg, self.loss_fn, self.model_path = cfg, loss_fn, model_path
         self.dtype = self._param_dtype(cfg.precision)
         self.train_temperature = float(cfg.generation.temperature)
+        # the engine's top-k / top-p: the policy's current and previous log-probs are taken under it (not the
+        # reference policy's, as in NeMo-RL); None when the engine samples from the full softmax
+        self.sampling_filter = SamplingFilter.from_generation(cfg.generation)
         self._seed_everything(seed)
         self.spec = mm.model_spec_from_hf_config(mm.load_hf_config(model_path))
         _check_supported_layout(mcfg)
@@ -179,6 +183,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
                 self.train_temperature,
                 self.tp_group,
                 self.dp_group,
+                self.sampling_filter,
             )
             if mtp_params
             else None
@@ -251,9 +256,9 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         return {**vars(self.layout), "distributed_optimizer": int(uses_distributed_optimizer(self.optimizer))}
 
     # ---- log-probs -------------------------------------------------------------------------------
-    def _forward_logprobs(self, mb: TrainDatumSpec, temperature: float) -> torch.Tensor:
+    def _forward_logprobs(self, mb: TrainDatumSpec, temperature: float, sampling_filter) -> torch.Tensor:
         logits = mm.gpt_logits(self.model, mb["input_ids"])
-        return token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group)
+        return token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group, sampling_filter)
 
     def micro_batch_plan(self, data: TrainDatumSpec, phase: str) -> list[MicroBatch]:
         """The micro-batches of ``phase`` ("train" or "logprob") for this rank's ``data``: fixed row chunks of
@@ -280,12 +285,17 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         ``policy.dynamic_batching.logprob_mb_tokens``; rows come back in their order). Under DP, ``data`` is this
         rank's shard; TP peers compute the same rows together.
 
+        The log-probs are under the engine's top-k / top-p filter (:attr:`sampling_filter`) when it samples with one.
+
         Shape: input_ids [B, S] -> [B, S] float32 (0 at position 0 and on padding).
         """
+        return self._logprobs(data, temperature, self.sampling_filter)
+
+    def _logprobs(self, data: TrainDatumSpec, temperature: float, sampling_filter) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
         for rows, mb in self._micro_batches(data, "logprob"):
-            lp = self._forward_logprobs(mb, temperature)
+            lp = self._forward_logprobs(mb, temperature, sampling_filter)
             out[rows, : lp.shape[1]] = lp.cpu()
         return out
 
@@ -315,7 +325,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
                 "init_reference_model=True when loss_fn.reference_policy_kl_penalty > 0)"
             )
         with self._reference_weights():
-            return self.get_logprobs(data, temperature)
+            return self._logprobs(data, temperature, None)  # unfiltered, as NeMo-RL's reference
 
     # ---- training --------------------------------------------------------------------------------
     def _global_counts(self, data: TrainDatumSpec) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -393,7 +403,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         with capture as cap:
             logits = mm.gpt_logits(self.model, mb["input_ids"])
         curr_logprobs = token_logprobs(
-            logits, mb["input_ids"], mb["input_lengths"], self.train_temperature, self.tp_group
+            logits, mb["input_ids"], mb["input_lengths"], self.train_temperature, self.tp_group, self.sampling_filter
         )
         loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
         self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16

@@ -25,6 +25,7 @@ from nemo_rl_spec.models.policy import mtp_loss as ml
 from nemo_rl_spec.models.policy.mixed_precision import MasterWeightAdamW
 from nemo_rl_spec.models.policy.occ import MTPCoefficient, logprob_delta_lambda, occ_lambda, occ_proxies
 from nemo_rl_spec.models.policy.parallel import all_reduce_grads, all_reduce_sum, clip_grads_
+from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
 from nemo_rl_spec.models.policy.vocab_parallel import token_logprobs
 from nemo_rl_spec.utils.config_schema import MegatronConfig
 
@@ -43,6 +44,8 @@ class MTPCoTraining:
         scale_loss: the trunk optimizer's ``scale_loss`` (x1 in fp32 / bf16, the loss scale in fp16).
         temperature: the sampling temperature the logits are divided by (``policy.generation.temperature``).
         tp_group, dp_group: the tensor- and data-parallel process groups.
+        sampling_filter: the engine's top-k / top-p filter the main head's log-probs are taken under (None: off);
+            the MTP heads' log-probs stay full-softmax.
     """
 
     def __init__(
@@ -56,7 +59,9 @@ class MTPCoTraining:
         temperature: float,
         tp_group,
         dp_group,
+        sampling_filter: SamplingFilter | None = None,
     ):
+        self.sampling_filter = sampling_filter
         for p in params:
             p.requires_grad_(True)
         opt = mcfg.optimizer
@@ -116,7 +121,7 @@ class MTPCoTraining:
             return emb_pairs[-1][1]
 
         main_logits = mm.output_logits(mod, h)
-        curr = token_logprobs(main_logits, ids, mb["input_lengths"], temp, self.tp_group)
+        curr = token_logprobs(main_logits, ids, mb["input_lengths"], temp, self.tp_group, self.sampling_filter)
         rl_loss, metrics = self.loss_fn(curr, mb, global_toks, global_seqs)
         mtp_loss, stats = self._losses(mb, trunk, h_copy, w_copy, embed_copy, main_logits, global_seqs, global_mtp)
         head_lams = self._logprob_delta_lambdas(curr, mb, stats["heads"])

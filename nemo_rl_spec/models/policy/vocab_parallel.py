@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
+
 
 def _is_sharded(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
@@ -54,17 +56,31 @@ class _VocabParallelLogprob(torch.autograd.Function):
         return grad * grad_out.unsqueeze(-1), None, None
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, group=None) -> torch.Tensor:
+def target_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    group=None,
+    sampling_filter: SamplingFilter | None = None,
+) -> torch.Tensor:
     """``log_softmax(logits / temperature)[targets]`` over the full vocabulary, differentiable w.r.t. ``logits``.
+
+    With ``sampling_filter`` the softmax runs over the entries the engine's sampler keeps (the others are ``-inf``;
+    :mod:`~.sampling_filter`), so the log-prob is the engine's ``processed_logprobs`` one. The target itself is
+    always kept: a sampled token the trainer's filter would drop (a rounding tie at the top-p boundary between the
+    engine's and the trainer's logits) gets a finite log-prob instead of ``-inf``.
 
     Args:
         logits: this rank's vocabulary shard (the whole vocabulary when ``group`` is None / of size 1).
         targets: global vocabulary ids.
         group: the tensor-parallel group the vocabulary is split over, or None.
+        sampling_filter: the engine's top-k / top-p filter, or None (full softmax).
 
     Shape: logits [..., V/T], targets [...] int64 -> [...] float32.
     """
     scaled = logits.float() / temperature
+    if sampling_filter is not None and sampling_filter.active:
+        scaled = _filtered(scaled, targets, sampling_filter, group)
     if not _is_sharded(group):
         return torch.log_softmax(scaled, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     flat = _VocabParallelLogprob.apply(scaled.reshape(-1, scaled.shape[-1]), targets.reshape(-1), group)
@@ -99,19 +115,37 @@ def gather_vocab(logits: torch.Tensor, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _filtered(scaled: torch.Tensor, targets: torch.Tensor, sampling_filter: SamplingFilter, group) -> torch.Tensor:
+    """``scaled`` (this rank's shard) with the entries ``sampling_filter`` drops set to ``-inf``; the mask is taken on
+    the gathered full vocabulary, then sliced back to the shard. Shape: [..., V/T] -> [..., V/T]."""
+    keep = sampling_filter.keep_mask(gather_vocab(scaled.detach(), group))
+    keep.scatter_(-1, targets.unsqueeze(-1), True)
+    if _is_sharded(group):
+        local = scaled.shape[-1]
+        start = dist.get_rank(group) * local
+        keep = keep[..., start : start + local]
+    return scaled.masked_fill(~keep, -float("inf"))
+
+
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, input_lengths: torch.Tensor, temperature: float = 1.0, tp_group=None
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    temperature: float = 1.0,
+    tp_group=None,
+    sampling_filter: SamplingFilter | None = None,
 ) -> torch.Tensor:
     """Log-prob of each token given its prefix, aligned with ``input_ids``.
 
     ``out[b, s] = log_softmax(logits[b, s-1] / temperature)[input_ids[b, s]]`` for 1 <= s < input_lengths[b],
     0 at s = 0 and on padding. (``log_softmax`` then gather, the very ops of the usual reference; the
     cheaper ``gather - logsumexp`` differs from it by ~2e-5 at SmolLM2's logit scale.) With ``tp_group`` the
-    logits are this rank's vocabulary shard and the softmax runs over all shards (:func:`target_logprobs`).
+    logits are this rank's vocabulary shard and the softmax runs over all shards (:func:`target_logprobs`). With
+    ``sampling_filter`` the softmax is over the entries the engine's top-k / top-p sampler keeps.
 
     Shape: logits [B, S, V] (or [B, S, V/T]), input_ids [B, S], input_lengths [B] -> [B, S] float32.
     """
-    next_token = target_logprobs(logits[:, :-1], input_ids[:, 1:], temperature, tp_group)
+    next_token = target_logprobs(logits[:, :-1], input_ids[:, 1:], temperature, tp_group, sampling_filter)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     valid = positions[1:].unsqueeze(0) < input_lengths.unsqueeze(1)
     return torch.nn.functional.pad(torch.where(valid, next_token, 0.0), (1, 0))
