@@ -132,7 +132,7 @@ class WeightRefitter:
         per engine, both at temperature 1 (the probe checks weights; sampling plays no part, so it also holds under
         speculation)."""
         data = {"input_ids": self.probe_ids, "input_lengths": self.probe_lengths}
-        trainer_lp = self.policy.get_logprobs(data, 1.0).float()
+        trainer_lp = self.policy.get_logprobs(data, 1.0, filtered=False).float()  # the engine scores raw logits
         mask = response_mask(torch.ones_like(self.probe_lengths), self.probe_lengths, self.probe_ids.shape[1])
         return [
             masked_mean_abs_diff(lp.float(), trainer_lp, mask)

@@ -67,7 +67,7 @@ class _Policy:
         self.draft_exports.append(self.weight_version)
         return {"weights": {}, "draft_version": self.version, "policy_version": self.weight_version}
 
-    def get_logprobs(self, data: dict, temperature: float) -> torch.Tensor:
+    def get_logprobs(self, data: dict, temperature: float, filtered: bool = True) -> torch.Tensor:
         return torch.zeros(data["input_ids"].shape)
 
 

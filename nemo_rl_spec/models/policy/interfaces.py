@@ -14,8 +14,10 @@ class PolicyInterface(ABC):
     """A trainable policy: log-probs, a training step, HF-named weight export, checkpoints."""
 
     @abstractmethod
-    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
-        """Per-token log-probs of ``data['input_ids']`` with logits divided by ``temperature``.
+    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0, filtered: bool = True) -> torch.Tensor:
+        """Per-token log-probs of ``data['input_ids']`` with logits divided by ``temperature``; with ``filtered``,
+        under the generation engine's top-k / top-p filter when it samples with one (``policy.generation.top_k`` /
+        ``top_p``: the distribution the engine's log-probs are of), else over the full softmax.
 
         Shape: [B, S] -> [B, S] float32, aligned with input_ids (position 0 and padding are 0).
         """
@@ -61,7 +63,7 @@ class PolicyController(Protocol):
     (:class:`~nemo_rl_spec.models.policy.lm_policy.Policy`, over its Megatron worker group). Every method returns a
     value; weights come back as a ``RemoteValue`` (``.get()`` fetches them), never as a Ray handle."""
 
-    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
+    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0, filtered: bool = True) -> torch.Tensor:
         """[B, S] -> [B, S] float32 token log-probs (see :meth:`PolicyInterface.get_logprobs`)."""
 
     def get_reference_policy_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:

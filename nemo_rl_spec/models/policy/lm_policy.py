@@ -219,11 +219,12 @@ class Policy:
     def _all(self, method: str, *args, **kwargs) -> list:
         return self.group.get(self.group.run_all_workers_single_data(method, *args, **kwargs))
 
-    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
-        """Per-token log-probs of ``data["input_ids"]`` (logits / ``temperature``), computed DP-sharded.
+    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0, filtered: bool = True) -> torch.Tensor:
+        """Per-token log-probs of ``data["input_ids"]`` (logits / ``temperature``; ``filtered``: under the engine's
+        top-k / top-p, :meth:`PolicyInterface.get_logprobs`), computed DP-sharded.
 
         Shape: input_ids [B, S] -> [B, S] float32 (0 at position 0 and on padding)."""
-        outputs = self._sharded("get_logprobs", data, temperature)
+        outputs = self._sharded("get_logprobs", data, temperature, filtered)
         return gather_batch([outputs[r] for r in self._row_owners])
 
     def get_reference_policy_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:

@@ -280,16 +280,17 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
             yield plan_mb.rows, {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
     @torch.no_grad()
-    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0) -> torch.Tensor:
+    def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0, filtered: bool = True) -> torch.Tensor:
         """See :meth:`PolicyInterface.get_logprobs`; batched by ``policy.logprob_batch_size`` (or by
         ``policy.dynamic_batching.logprob_mb_tokens``; rows come back in their order). Under DP, ``data`` is this
         rank's shard; TP peers compute the same rows together.
 
-        The log-probs are under the engine's top-k / top-p filter (:attr:`sampling_filter`) when it samples with one.
+        With ``filtered`` the log-probs are under the engine's top-k / top-p filter (:attr:`sampling_filter`) when it
+        samples with one.
 
         Shape: input_ids [B, S] -> [B, S] float32 (0 at position 0 and on padding).
         """
-        return self._logprobs(data, temperature, self.sampling_filter)
+        return self._logprobs(data, temperature, self.sampling_filter if filtered else None)
 
     def _logprobs(self, data: TrainDatumSpec, temperature: float, sampling_filter) -> torch.Tensor:
         self.model.eval()
