@@ -25,7 +25,8 @@ Written JSON::
      "variants": {"<name>": {"dynamic_batching" (the section used, null: padded), "logprob_s", "train_s", "train_tokens", "logprob_tokens" (padded tokens computed),
                              "train_micro_batches", "logprob_micro_batches", "loss", "grad_norm",
                              "logprob_max_abs_diff" (vs padded, valid tokens)}},
-     "ratios": {"<name>": {"logprob": padded / variant seconds, "train": ..., "both": ...}}}
+     "ratios": {"<name>": {"logprob": padded / variant seconds, "train": ..., "both": ...}},
+     "machine": {...} (nemo_rl_spec.utils.machine.machine_info)}
 
 Also prints a table. On 2 shared CPU cores run it alone (``../shared/tools/heavy``).
 """
@@ -210,13 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args, extra = parser.parse_known_args(argv)
     from nemo_rl_spec.utils.config import load_config
+    from nemo_rl_spec.utils.machine import write_bench_json
 
     cfg = load_config(args.config, extra)
     result = {"config": args.config, "overrides": extra, **run(cfg, args.rounds, args.repeats, args.seed, args.budgets)}
     print_table(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_bench_json(out, result)
     print(json.dumps({"out": str(out), "ratios": result["ratios"]}))
     return 0
 

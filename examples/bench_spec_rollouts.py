@@ -55,6 +55,7 @@ from nemo_rl_spec.bench.engine_steps import (  # noqa: F401  (re-exported: the e
     run_requests,
     time_rollout,
 )
+from nemo_rl_spec.utils.machine import write_bench_json
 
 DEFAULT_RECIPE = "configs/grpo_math_smollm2_135m.yaml"
 
@@ -595,10 +596,11 @@ def format_spec_table(res: dict[str, Any]) -> str:
 
 
 def write_result(res: dict[str, Any], out: str, table: str) -> int:
-    """Write ``res`` as JSON to ``out`` (parents created), print ``table`` and the path; returns exit code 0."""
+    """Write ``res`` as JSON to ``out`` (parents created; with ``"machine"``,
+    :func:`~nemo_rl_spec.utils.machine.write_bench_json`), print ``table`` and the path; returns exit code 0."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1, default=float) + "\n")
+    write_bench_json(path, res, default=float)
     print(table)
     print(f"wrote {path} ({res['bench_seconds']:.0f} s)")
     return 0

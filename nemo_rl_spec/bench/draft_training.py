@@ -39,6 +39,7 @@ from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
 from nemo_rl_spec.speculative.online import OnlineDraft
 from nemo_rl_spec.utils.config_schema import DraftConfig
+from nemo_rl_spec.utils.machine import write_bench_json
 
 VARIANTS = ("before", "after", "bf16")
 LOOP_RUNS = {
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER, flush=True)
     result = run(RecipeShapes(), {h: heads[h] for h in args.heads}, args.repeats, args.threads, Path("."))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_bench_json(args.out, result, indent=2)
     print(f"wrote {args.out}")
     return 0
 

@@ -32,6 +32,7 @@ from nemo_rl_spec.utils.bench_runs import (
     run_grpo_subprocess,
 )
 from nemo_rl_spec.utils.config import load_config
+from nemo_rl_spec.utils.machine import write_bench_json
 
 ACC, REWARD, TMPE = "validation/accuracy", "train/reward", "train/token_mult_prob_error"
 
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
         }
         if baseline is not None:
             result["comparison"] = compare(result, baseline)
-        out.write_text(json.dumps(result, indent=1))
+        write_bench_json(out, result)
     plot(per_seed, out.with_suffix(".png"))
     print(table(result))
     print(json.dumps({"json": str(out), "plot": str(out.with_suffix(".png"))}))

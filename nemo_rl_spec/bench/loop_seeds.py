@@ -16,7 +16,8 @@ only the part of generation on the trainer's critical path):
 Over the seeds: the mean and a percentile-bootstrap 90% interval of each
 (:func:`~nemo_rl_spec.utils.bench_runs.mean_and_interval`; with 3-5 seeds it is narrow-biased, so the per-seed
 values are printed beside it). Writes ``--out`` JSON ``{"modes": {mode: {field: {"per_seed": {file: value},
-"mean", "interval90"}}}, "sources": [...]}`` and prints a Markdown table.
+"mean", "interval90"}}}, "sources": [...], "machine"}`` (the inputs' machine:
+:func:`~nemo_rl_spec.utils.machine.sources_machine`) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 from pathlib import Path
 
 from nemo_rl_spec.utils.bench_runs import mean_and_interval
+from nemo_rl_spec.utils.machine import sources_machine, write_bench_json
 
 AR = "sync/autoregressive"
 FIELDS = ("generation", "step", "tokens_per_s", "tokens", "acceptance_length", "mean_reward_minus_ar")
@@ -57,7 +59,8 @@ def seed_ratios(result: dict) -> dict[str, dict[str, float]]:
 
 
 def summarize(paths: list[str]) -> dict:
-    """Per mode and field: ``{"per_seed": {path stem: value}, "mean", "interval90"}`` over the files that ran it.
+    """Per mode and field: ``{"per_seed": {path stem: value}, "mean", "interval90"}`` over the files that ran it,
+    under ``modes``; the input paths under ``sources``; the machine they ran on under ``machine``.
 
     Raises:
         ValueError: two inputs share a file stem (their seeds would merge into one entry).
@@ -65,7 +68,8 @@ def summarize(paths: list[str]) -> dict:
     stems = [Path(p).stem for p in paths]
     if len(set(stems)) != len(stems):
         raise ValueError(f"inputs {list(paths)}: file stems repeat ({stems}); give each seed's file its own name")
-    per_file = {stem: seed_ratios(json.loads(Path(p).read_text())) for stem, p in zip(stems, paths)}
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    per_file = {stem: seed_ratios(doc) for stem, doc in zip(stems, docs)}
     modes = sorted({m for r in per_file.values() for m in r})
     out = {}
     for mode in modes:
@@ -73,7 +77,7 @@ def summarize(paths: list[str]) -> dict:
         for field in FIELDS:
             per_seed = {stem: r[mode][field] for stem, r in per_file.items() if mode in r}
             out[mode][field] = {"per_seed": per_seed, **mean_and_interval(list(per_seed.values()))}
-    return {"modes": out, "sources": list(paths)}
+    return {"modes": out, "sources": list(paths), "machine": sources_machine(docs)}
 
 
 def table(summary: dict) -> str:
@@ -98,6 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     summary = summarize(args.inputs)
-    Path(args.out).write_text(json.dumps(summary, indent=2))
+    write_bench_json(args.out, summary, machine=summary["machine"], indent=2)
     print(table(summary))
     return 0

@@ -24,7 +24,9 @@ Writes ``--out``: ``{"config", "runs": {"<mode>": {"<seed>": {"step", "train_mtp
 train/mtp/acceptance), "k<k>": {"acceptance_length", "acceptance_rate", "rate_pos", "drafts", "accepted",
 "generate_s", "tokens", "accuracy" (of the answers, math environment: a sanity check against the run's own
 validation)}, "k1_greedy": {...}}}}, "per_mode": {"<mode>": {"k<k>": {"per_seed", "mean",
-"interval90"}}}}`` (bootstrap 90% intervals over seeds, :func:`~nemo_rl_spec.utils.bench_runs.mean_and_interval`).
+"interval90"}}}, "machine"}`` (bootstrap 90% intervals over seeds,
+:func:`~nemo_rl_spec.utils.bench_runs.mean_and_interval`; ``machine``: :func:`~nemo_rl_spec.utils.machine.machine_info`
+of the machine that wrote the file).
 Resumable: the JSON is rewritten after every run, and ``--reuse`` keeps the runs already in it.
 """
 
@@ -46,6 +48,7 @@ from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 from nemo_rl_spec.testing.checks import make_llm, run_isolated, shutdown
 from nemo_rl_spec.utils.bench_runs import mean_and_interval, read_metrics
 from nemo_rl_spec.utils.config import load_config
+from nemo_rl_spec.utils.machine import write_bench_json
 
 CKPT_FILE = "megatron_policy_tp0.pt"
 
@@ -231,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             result["runs"].setdefault(mode, {})[str(seed)] = rec
             result["per_mode"] = summarise(result["runs"], keys)
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1))
+            write_bench_json(out, result)
     result["per_mode"] = summarise(result["runs"], keys)
-    out.write_text(json.dumps(result, indent=1))
+    write_bench_json(out, result)
     for mode, st in result["per_mode"].items():
         print(mode, {k: (v["mean"], v["interval90"]) for k, v in st.items()}, flush=True)
     return 0

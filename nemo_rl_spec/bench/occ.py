@@ -35,7 +35,8 @@ the exit code is 1. Written JSON::
      "failed_runs": ["<mode> seed <seed>", ...],
      "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...},
      "proxy_validation": {"pearson_c", "pearson_v2", "pearson_lambda", "pearson_lambda_hidden_grad", "spearman_*",
-                          "sign_agreement_c", "sign_agreement_lambda_vs_c" ((lambda > 0) == (c > 0)), "n"}}
+                          "sign_agreement_c", "sign_agreement_lambda_vs_c" ((lambda > 0) == (c > 0)), "n"},
+     "machine": {...} (:func:`~nemo_rl_spec.utils.machine.machine_info`: CPU model and ISA flags, torch, GPU)}
 
 Also prints a table and writes ``<out>.png`` (per-step curves per mode, mean over seeds). On 2 shared CPU cores the
 step times carry the noise of whatever else runs; compare the training-phase times, which the MTP mode changes.
@@ -56,6 +57,7 @@ from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
 from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.utils.bench_runs import mean_and_interval, read_metrics, result_paths, run_grpo_subprocess
 from nemo_rl_spec.utils.config import load_config
+from nemo_rl_spec.utils.machine import write_bench_json
 
 SERIES = {
     "reward": "train/reward",
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         result["proxy_validation_random_batches"] = proxy_validation(result["proxy_steps"])
         print("proxy validation (random batches):", json.dumps(result["proxy_validation_random_batches"]), flush=True)
     if args.steps == 0:
-        out.write_text(json.dumps(result, indent=1))
+        write_bench_json(out, result)
         return 0
     failed = []
     for mode in args.modes:
@@ -346,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             result["runs"].setdefault(mode, {})[str(seed)] = r = summarise(records)
             result["per_mode"] = {m: mode_stats(by) for m, by in result["runs"].items()}
-            out.write_text(json.dumps(result, indent=1))  # after every run: an interrupted benchmark keeps them
+            write_bench_json(out, result)  # after every run: an interrupted benchmark keeps them
             print(
                 f"{mode:7s} seed {seed}: acc {r['final_accuracy']:.3f}  mtp_acc {r['mtp_acceptance']:.3f}  "
                 f"step {r['step_time_s']:.2f}s  train {r['train_time_s']:.2f}s",
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'-' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'}"
         )
     result["failed_runs"] = failed
-    out.write_text(json.dumps(result, indent=1))
+    write_bench_json(out, result)
     if runs:
         plot(result, out.with_suffix(".png"))
     print(

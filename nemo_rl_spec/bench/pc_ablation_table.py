@@ -72,8 +72,10 @@ def run_row(run: dict) -> dict:
 
 
 def summarize_file(path: Path) -> dict[str, dict]:
-    """``{label: {"file", "method", "overrides", "seeds": {seed: row}, "mean": {field: mean_and_interval}}}`` for each
-    method in the bench JSON at ``path``; the label is the file stem (``<stem>/<method>`` when it holds several)."""
+    """``{label: {"file", "method", "overrides", "machine", "seeds": {seed: row}, "mean": {field: mean_and_interval}}}``
+    for each method in the bench JSON at ``path``; the label is the file stem (``<stem>/<method>`` when it holds
+    several). ``machine`` is the file's (None in files written before benchmarks recorded one): the summary is a map
+    of labels, so the machine of each row sits in the row, next to its ``file``."""
     data = json.loads(path.read_text())
     out = {}
     methods = data["runs"]
@@ -85,6 +87,7 @@ def summarize_file(path: Path) -> dict[str, dict]:
             "file": str(path),
             "method": method,
             "overrides": data.get("meta", {}).get("overrides", []),
+            "machine": data.get("machine"),
             "seeds": rows,
             "mean": mean,
         }
@@ -224,7 +227,8 @@ def main(argv=None) -> int:
             for method, by_seed in runs.items():
                 ratios[f.stem if len(runs) == 1 else f"{f.stem}/{method}"] = reference_ratios(ref, by_seed)
         print(f"\nreference: {args.reference}\n" + reference_markdown(ratios))
-        summary = {"ablations": summary, "reference": {"file": str(args.reference), "gain_targets": ratios}}
+        reference = {"file": str(args.reference), "machine": ref.get("machine"), "gain_targets": ratios}
+        summary = {"ablations": summary, "reference": reference}
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
     if args.plot:

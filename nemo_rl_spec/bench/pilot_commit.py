@@ -41,6 +41,7 @@ from nemo_rl_spec.utils.bench_runs import (
     run_grpo_subprocess,
 )
 from nemo_rl_spec.utils.config import load_config
+from nemo_rl_spec.utils.machine import write_bench_json
 
 METHODS = {
     "uniform": [],
@@ -352,7 +353,7 @@ def main(argv=None) -> int:
                 **summarize(runs, args.target, len(val)),
                 "meta": {**meta, "total_wall_s": round(time.time() - t0)},
             }
-            out.write_text(json.dumps(result, indent=1))
+            write_bench_json(out, result)
     plot(result, out.with_suffix(".png"))
     print(table(result))
     print(json.dumps({"json": str(out), "plot": str(out.with_suffix(".png")), "total_wall_s": round(time.time() - t0)}))

@@ -27,9 +27,9 @@ token, 1.0 is perfect) and ``refit/logprob_mismatch`` (the refit probe, nats), m
 included: they measure numerics, not time). Runs that failed (return code not 0) are kept in the JSON and left out of
 the means.
 
-Writes ``--out`` (JSON: every run's per-step values, the summary, the machine, the command, the recipe with the
-overrides and each precision's resolved config), ``<out stem>.png`` (bars per phase, fp32 beside bf16, whiskers at
-the repeats' min / max) and prints the table.
+Writes ``--out`` (JSON: every run's per-step values, the summary, the command, the recipe with the overrides and each
+precision's resolved config under ``meta``, the machine under ``machine``: :func:`machine_info`), ``<out stem>.png``
+(bars per phase, fp32 beside bf16, whiskers at the repeats' min / max) and prints the table.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from pathlib import Path
 
 from nemo_rl_spec.utils.bench_runs import ROOT, finish_plot, read_metrics, run_grpo_subprocess
 from nemo_rl_spec.utils.config import load_config
+from nemo_rl_spec.utils.machine import machine_info as this_machine
+from nemo_rl_spec.utils.machine import write_bench_json
 from nemo_rl_spec.utils.precision import NATIVE_BF16_FLAGS, cpuinfo_value, read_cpuinfo
 
 #: (short name, metrics.jsonl key) of the step phases, in the order of the table.
@@ -192,10 +194,10 @@ def parse_cpuinfo(text: str) -> dict:
 
 
 def machine_info() -> dict:
-    """This machine: :func:`parse_cpuinfo` of ``/proc/cpuinfo``, ``nproc`` (CPUs this process may use), the load
-    average now."""
-    info = parse_cpuinfo(read_cpuinfo() or "")
-    return {**info, "nproc": len(os.sched_getaffinity(0)), "loadavg": list(os.getloadavg())}
+    """This machine: :func:`nemo_rl_spec.utils.machine.machine_info` (CPU model and ISA flags, ``nproc``, the load
+    average now, torch's CPU capability, ...) and the bf16 fields of :func:`parse_cpuinfo` (``bf16_flags``,
+    ``native_bf16``, ``logical_cpus_listed``)."""
+    return {**parse_cpuinfo(read_cpuinfo() or ""), **this_machine()}
 
 
 def _fmt(v, spec=".2f") -> str:
@@ -324,17 +326,16 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
         "warmup_dropped": args.steps > 1,
         "order": schedule(args.precisions, args.repeats),
-        "machine": machine_info(),
         "resolved": configs,
     }
     t0, runs = time.time(), []
     for repeat, precision in meta["order"]:
         runs.append(one_run(args, extra, engine_key, repeat, precision, work))
         summary = summarize(runs, args.precisions)
-        out.write_text(
-            json.dumps(
-                {"summary": summary, "runs": runs, "meta": {**meta, "total_wall_s": round(time.time() - t0)}}, indent=1
-            )
+        write_bench_json(
+            out,
+            {"summary": summary, "runs": runs, "meta": {**meta, "total_wall_s": round(time.time() - t0)}},
+            machine=machine_info(),
         )
     plot(summary, args.precisions, out.with_suffix(".png"))
     print(table(summary, args.precisions, args.steps > 1))

@@ -44,6 +44,7 @@ from nemo_rl_spec.speculative import calibration as cal
 from nemo_rl_spec.speculative.adaptive_k import derive_schedule
 from nemo_rl_spec.testing import checks
 from nemo_rl_spec.utils.config import ConfigError, load_config
+from nemo_rl_spec.utils.machine import machine_info
 
 DEFAULT_RECIPE = "configs/grpo_math_smollm2_135m_spec.yaml"
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         seconds=res["seconds"],
         step_s_runs={n: {b: [r["step"] for r in rs] for b, rs in by_b.items()} for n, by_b in res["runs"].items()},
+        machine=machine_info(),
     )
     table = Path(args.table) if args.table else cal.SHIPPED_TABLE_DIR if args.shipped else cal.user_table_dir()
     path = cal.write_entry(table, key, step_costs, meta)

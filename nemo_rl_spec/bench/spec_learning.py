@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from nemo_rl_spec.utils.bench_runs import bootstrap_interval, mean_and_interval, read_metrics, run_grpo_subprocess
+from nemo_rl_spec.utils.machine import write_bench_json
 
 REWARD, ACC, ACCEPT = "train/reward", "validation/accuracy", "vllm/spec_acceptance_length"
 STEP_TIME, GEN_TIME = "timing/train/total_step_time", "timing/train/generation"
@@ -393,7 +394,7 @@ def main(argv=None) -> int:
                 "runs": runs,
                 **analyse(runs),
             }
-            out.write_text(json.dumps(result, indent=1))
+            write_bench_json(out, result)
     plot(runs, result, out.with_suffix(".png"))
     print(table(result))
     print(json.dumps({"json": str(out), "plot": str(out.with_suffix(".png")), "failed": result["meta"]["failed"]}))

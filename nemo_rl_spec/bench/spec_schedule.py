@@ -38,7 +38,6 @@ CPU numbers from this machine; nothing here is a GPU result (``meta.device``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -57,6 +56,7 @@ from nemo_rl_spec.speculative.adaptive_k import k_for_batch_size
 from nemo_rl_spec.testing import checks
 from nemo_rl_spec.utils.bench_runs import bootstrap_interval
 from nemo_rl_spec.utils.config import ConfigError, load_config
+from nemo_rl_spec.utils.machine import write_bench_json
 
 DEFAULT_RECIPE = "configs/grpo_math_smollm2_135m_longtail_spec.yaml"
 DEFAULT_BATCHES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1, default=float) + "\n")
+    write_bench_json(out, res, default=float)
     print(format_tables(res))
     print(f"wrote {out} ({res['seconds']:.0f} s)")
     return 0

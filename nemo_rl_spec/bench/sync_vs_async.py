@@ -9,7 +9,7 @@ pass in reverse order (A B, B A, A B, ...: :func:`schedule`), so slow drift of t
 that ran first; a mode's numbers are then means over its repeats, each repeat kept under ``repeats``. Writes:
 
 - ``--out`` JSON: ``{"modes": {name: {step_time_s, exposed_generation_s, tokens_per_s, acceptance_length,
-  final_reward, ...}}, "settings": {...}}``;
+  final_reward, ...}}, "settings": {...}, "machine": {...}}`` (:func:`~nemo_rl_spec.utils.machine.machine_info`);
 - a Markdown table next to it (``.md``) and printed; a plot of the step-time split (``.png``).
 
 Definitions (seconds are wall clock, means over steps 2..N, the first step being pipeline fill and warm-up):
@@ -51,6 +51,7 @@ from pathlib import Path
 from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.testing.lossless import build_truncated_draft
 from nemo_rl_spec.utils.config import check_runtime_support, load_config
+from nemo_rl_spec.utils.machine import sources_machine, write_bench_json
 
 MODES = [("sync", 0), ("async_age1", 1), ("async_age2", 2)]
 
@@ -429,14 +430,17 @@ def ratio_table(ratios: dict[str, dict]) -> str:
 
 def merge(paths: list[str], out: Path) -> str:
     """Combine the ``modes`` of several outputs (later files win) into ``out``, keeping each file's settings under
-    ``settings.sources``; returns the table."""
-    results, sources = {}, []
+    ``settings.sources`` and their machine as ``machine`` (:func:`~nemo_rl_spec.utils.machine.sources_machine`);
+    returns the table."""
+    results, sources, docs = {}, [], []
     for path in paths:
-        doc = json.loads(Path(path).read_text())
+        docs.append(doc := json.loads(Path(path).read_text()))
         results.update(doc["modes"])
         sources.append({"file": str(path), "modes": sorted(doc["modes"]), "settings": doc.get("settings")})
     add_speedups(results)
-    out.write_text(json.dumps({"modes": results, "settings": {"sources": sources}}, indent=2, default=str))
+    write_bench_json(
+        out, {"modes": results, "settings": {"sources": sources}}, machine=sources_machine(docs), indent=2, default=str
+    )
     return write_reports(out, results)
 
 
@@ -507,7 +511,7 @@ def main(argv=None) -> int:
         runs[key].append(run_with_attempts(args, key, spec, spec_error, workdir / f"repeat{repeat}"))
         results[key] = combine_repeats(runs[key]) if args.repeats > 1 else runs[key][-1]
         print(json.dumps({key: runs[key][-1]}, default=str), flush=True)
-        out.write_text(json.dumps({"modes": results}, indent=2, default=str))
+        write_bench_json(out, {"modes": results}, indent=2, default=str)
     add_speedups(results)
     ratios = ratios_vs_autoregressive(runs)
     settings = {
@@ -521,8 +525,8 @@ def main(argv=None) -> int:
         "speculative_config": spec,
         "note": "means over steps 2..N; see examples/bench_sync_vs_async.py",
     }
-    out.write_text(
-        json.dumps({"modes": results, "ratios_vs_autoregressive": ratios, "settings": settings}, indent=2, default=str)
+    write_bench_json(
+        out, {"modes": results, "ratios_vs_autoregressive": ratios, "settings": settings}, indent=2, default=str
     )
     print(write_reports(out, results))
     if ratios:

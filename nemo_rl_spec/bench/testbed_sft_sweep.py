@@ -9,7 +9,8 @@ both SFT stages from 1) samples answers to ``--problems`` held-out chain sums (r
 recipe's validation seed) with HF ``generate``: one greedy and ``--n`` at T = 1. Scored with the math environment's
 ``score_response``. Per evaluation it prints and appends one JSON line: accuracy, the share of direct answers
 (responses that start with ``\\boxed``), accuracy of chains and of direct answers, share of prompts neither always
-nor never solved at T = 1. ``--save DIR`` writes the final model as the build does (``testbed.save_testbed``: an
+nor never solved at T = 1, and (in the file only) the machine (:func:`~nemo_rl_spec.utils.machine.machine_info`).
+``--save DIR`` writes the final model as the build does (``testbed.save_testbed``: an
 HF checkpoint and ``sft.json``).
 """
 
@@ -27,6 +28,7 @@ from nemo_rl_spec.data.prompts import format_prompt
 from nemo_rl_spec.environments.math_env import score_response
 from nemo_rl_spec.models import testbed as tb
 from nemo_rl_spec.models.testbed import TESTBED
+from nemo_rl_spec.utils.machine import with_machine
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{label}_{key}"] = round(value, 4)
         print(json.dumps(row), flush=True)
         with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(with_machine(row)) + "\n")
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     model, tokenizer, losses = tb.train_testbed(recipe, progress=False, on_step=on_step)
