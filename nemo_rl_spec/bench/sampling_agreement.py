@@ -98,15 +98,15 @@ def summarize(records: list[dict]) -> dict:
 
 
 def table(rows: dict[str, dict]) -> str:
-    head = f"{'option':<28} {'mult_prob_err':>14} {'|dlogp| bound':>14} {'max |ratio-1|':>14}  goal <{GOAL_NATS:g}"
+    head = f"{'option':<32} {'mult_prob_err':>14} {'|dlogp| bound':>14} {'max |ratio-1|':>14}  goal <{GOAL_NATS:g}"
     lines = [head, "-" * len(head)]
     for name, row in rows.items():
         s = row.get("summary") or {}
         if not s:
-            lines.append(f"{name:<28} failed (returncode {row['run']['returncode']})")
+            lines.append(f"{name:<32} failed (returncode {row['run']['returncode']})")
             continue
         lines.append(
-            f"{name:<28} {s['token_mult_prob_error']:>14.7f} {s['mean_abs_logp_bound']:>14.2e} "
+            f"{name:<32} {s['token_mult_prob_error']:>14.7f} {s['mean_abs_logp_bound']:>14.2e} "
             f"{s['importance_ratio_max_abs_dev']:>14.2e}  {'yes' if s['meets_goal'] else 'NO'}"
         )
     return "\n".join(lines)
