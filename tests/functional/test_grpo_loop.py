@@ -20,6 +20,8 @@ from loop_training_checks import TRAINS, assert_trained, policy_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
+# the training run's sampling: temperature, top-p and top-k together (each drops probability mass on tiny-qwen3)
+SAMPLING = ("policy.generation.temperature=0.6", "policy.generation.top_p=0.9", "policy.generation.top_k=40")
 
 
 def run_grpo_proc(tmp: Path, *overrides: str, merged: bool = False) -> tuple[list[dict], subprocess.CompletedProcess]:
@@ -90,13 +92,14 @@ def assert_quiet_console(proc: subprocess.CompletedProcess, steps: int, log_dir:
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    """One 3-step training run at temperature 0.6 (checkpoint every step, progress bar on): its directory, metrics
-    records and finished process."""
+    """One 3-step training run at temperature 0.6 with top-p and top-k sampling (checkpoint every step, progress bar
+    on): its directory, metrics records and finished process. The filters make the engine's log-probs those of the
+    renormalised kept set: the importance-ratio check below fails unless the trainer applies the same filter."""
     tmp = tmp_path_factory.mktemp("grpo_loop_full")
     records, proc = run_grpo_proc(
         tmp,
         "grpo.max_num_steps=3",
-        "policy.generation.temperature=0.6",
+        *SAMPLING,
         "logger.progress_bar=true",
         *TRAINS,
         merged=True,
@@ -143,7 +146,7 @@ def test_resume_reproduces_uninterrupted_run(trained_run, tmp_path):
     shutil.copytree(full_dir / "ckpt" / "step_2", tmp_path / "ckpt" / "step_2")
     (tmp_path / "logs").mkdir()
     shutil.copy(full_dir / "logs" / "metrics.jsonl", tmp_path / "logs" / "metrics.jsonl")
-    resumed = run_grpo(tmp_path, "grpo.max_num_steps=3", "policy.generation.temperature=0.6", *TRAINS)
+    resumed = run_grpo(tmp_path, "grpo.max_num_steps=3", *SAMPLING, *TRAINS)
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert resumed[:3] == full[:3]  # the records before the checkpoint are kept as they were
     expected, got = _comparable(full[-1]), _comparable(resumed[-1])
