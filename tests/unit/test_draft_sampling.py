@@ -81,6 +81,28 @@ def test_greedy_rows_and_all_greedy_batches():
     assert torch.allclose(probs[1], torch.softmax(logits[1], -1))  # the random row divided by its temperature 1
 
 
+def test_a_seeded_row_draws_from_its_own_generator():
+    """Row 0 has a generator: its draft is the inverse CDF of that generator's first float64, whatever the global
+    RNG did before; row 1 has none and follows the global RNG (a seeded row's draw leaves it untouched)."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    probs = torch.softmax(logits / 0.7, -1)
+    u0 = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(11))[0]
+    expected0 = int(torch.searchsorted(probs[0].double().cumsum(-1), u0 * probs[0].double().sum(), right=True))
+    rows0, rows1 = set(), set()
+    for global_seed in range(12):
+        torch.manual_seed(global_seed)
+        meta = SimpleNamespace(**vars(_meta(torch.full((2,), 0.7))), generators={0: torch.Generator().manual_seed(11)})
+        ids, _ = ds.compute_probs_and_sample_inverse_cdf(logits.clone(), meta)
+        torch.manual_seed(global_seed)
+        u1 = torch.rand(2, dtype=torch.float64)[1]  # the global draw row 1 gets
+        rows0.add(int(ids[0]))
+        assert int(ids[1]) == int(
+            torch.searchsorted(probs[1].double().cumsum(-1), u1 * probs[1].double().sum(), right=True)
+        )
+        rows1.add(int(ids[1]))
+    assert rows0 == {expected0} and len(rows1) > 1
+
+
 def test_install_and_use_vllm_draft_sampler_toggle():
     proposer = pytest.importorskip("vllm.v1.spec_decode.llm_base_proposer")
     assert ds.install_inverse_cdf_draft_sampler()

@@ -62,8 +62,15 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = 
 
 def compute_probs_and_sample_inverse_cdf(logits: torch.Tensor, sampling_metadata, use_fp64_gumbel: bool = False):
     """vLLM's ``compute_probs_and_sample_next_token`` (same arguments and results) with the draft token drawn by
-    :func:`inverse_cdf_sample` instead of the exponential race. ``logits`` [batch, vocab] are divided in place by
-    each row's temperature (greedy rows: by 1), as vLLM does.
+    inverse CDF (:func:`inverse_cdf_sample`'s rule) instead of the exponential race. ``logits`` [batch, vocab] are
+    divided in place by each row's temperature (greedy rows: by 1), as vLLM does.
+
+    A seeded request (``sampling_metadata.generators``: batch index -> ``torch.Generator``) draws its draft token's
+    uniform from its own generator, one float64 per drafting step; other rows use the global RNG. vLLM's own
+    sampler draws every row's noise from the global RNG ("TODO: Consider seeds" in ``llm_base_proposer``), so a
+    seeded request's accept / reject test ``u < p(d) / q(d)`` depended on whatever else had run in the process
+    (tests/functional/test_seeded_speculation.py). Each draft is a sample of q either way. Assumes one logits row
+    per request (EAGLE / EAGLE-3 / MTP / draft model: one token per drafting pass).
 
     Returns:
         ``(next_token_ids [batch] int64, probs [batch, vocab] float32)``; all-greedy batches: ``(argmax, logits)``
@@ -82,7 +89,11 @@ def compute_probs_and_sample_inverse_cdf(logits: torch.Tensor, sampling_metadata
         temperature = torch.where(is_greedy, 1.0, temperature)
     logits.div_(temperature.view(-1, 1))
     probs = logits.softmax(dim=-1, dtype=torch.float32)
-    next_token_ids = inverse_cdf_sample(probs)
+    u = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)
+    for i, generator in (getattr(sampling_metadata, "generators", None) or {}).items():
+        if i < probs.shape[0] and (is_greedy is None or not bool(is_greedy[i])):
+            u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generator)[0]
+    next_token_ids = _draw(probs.cumsum(dim=-1, dtype=torch.float64), u)
     if is_greedy is not None:
         next_token_ids = torch.where(is_greedy, probs.argmax(dim=-1), next_token_ids)
     return next_token_ids, probs
