@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 RECIPE ?= configs/grpo_math_smollm2_135m.yaml
 
-.PHONY: install slurm run draft testbed test test-slow test-unit test-functional test-slurm test-times lint
+.PHONY: install slurm run draft testbed test test-numerics test-slow test-unit test-functional test-slurm test-times lint
 # EXTRAS: optional extras of pyproject.toml to add (make install EXTRAS=wandb,mlflow: the W&B / MLflow clients for
 # logger.wandb_enabled / logger.mlflow_enabled); the test targets install both (their tests use them), `make run` none.
 EXTRAS ?=
@@ -27,7 +27,8 @@ testbed: install
 
 # Tests (docs/testing.md). Tiers: unit (tests/unit), functional (tests/functional), slurm (test_slurm.py's jobs on
 # the local Slurm that `make slurm` starts), slow (explicit marker, not in CI). `make test` is the CI test phase:
-# every tier but slow, the unit tier first, stopping at the first failure; it leaves the JUnit XML and per-phase
+# every tier but slow: first the numerics-marked unit tests under restricted kernel paths (test-numerics), then the
+# unit tier, stopping at the first failure; it leaves the JUnit XML and per-phase
 # durations in $(TEST_RESULTS) for `make test-times` (docs/test_times.md) and .ci/run's summary.
 TEST_RESULTS ?= results/test
 # extra pytest arguments for the test targets, e.g. make test PYTEST_ARGS="-k grpo_loop"
@@ -36,10 +37,15 @@ PYTEST_ARGS ?=
 pytest_recorded = mkdir -p $(1) && rm -f $(1)/junit.xml $(1)/phases.json && \
   TEST_PHASES_JSON=$(1)/phases.json $(PY) -m pytest --junitxml=$(1)/junit.xml
 
-test test-unit test-functional test-slurm test-slow: EXTRAS = $(TEST_EXTRAS)
+test test-numerics test-unit test-functional test-slurm test-slow: EXTRAS = $(TEST_EXTRAS)
 
 test: install
+	bash scripts/test_numerics_isa.sh $(TEST_RESULTS)
 	$(call pytest_recorded,$(TEST_RESULTS)) tests/unit tests/functional -x -q -m "not slow" $(PYTEST_ARGS)
+
+# the numerics-sensitive unit tests under restricted kernel paths (docs/testing.md "Numerical tolerances")
+test-numerics: install
+	bash scripts/test_numerics_isa.sh $(TEST_RESULTS) $(PYTEST_ARGS)
 
 # ruff (lint and format check) and the import-layer contract (pyproject.toml; docs/architecture.md). The unit tier
 # runs them too (tests/unit/test_lint.py, tests/unit/test_import_layers.py), so `make test` fails on a lint error,

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from nemo_rl_spec.models.hf_assets import build_tiny_random, copy_tokenizer_files
+from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
 
 SERVING_PROMPT = " ".join(["serving"] * 48)
 # a lossless check asserts at least this acceptance length before it asserts equality: with nothing accepted every
@@ -389,8 +390,6 @@ def filtered_log_probs(
     candidates can satisfy when they hold >= top_p + 1e-6; other rows fall back to ``SamplingFilter.keep_mask``.
     Equal to it up to float32 rounding of the cumulative sum at the cut (``tests/unit/test_lossless_positions_stats``).
     """
-    from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
-
     scaled = logits.float() / temperature
     filt = SamplingFilter(top_k=top_k, top_p=top_p)
     if not filt.active:

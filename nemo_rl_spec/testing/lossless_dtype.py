@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from nemo_rl_spec.models.generation.vllm_patches import unpatched_expand_kernel
+from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 from nemo_rl_spec.testing import checks
 from nemo_rl_spec.testing.batch_numerics import divergence, hold_to_baseline
 from nemo_rl_spec.testing.lossless import (
@@ -251,9 +253,6 @@ def positions_scenario(
     requests``. Returns {phase: {"samples" [N, m] int64, "logprobs" [N, m] (the sampled tokens' processed
     log-probs), "counters", "generate_s"}}."""
     from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
-
-    from nemo_rl_spec.models.generation.vllm_patches import unpatched_expand_kernel
-    from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 
     controls = {
         None: contextlib.nullcontext,

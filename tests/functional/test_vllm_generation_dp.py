@@ -250,6 +250,26 @@ def test_eagle3_two_engines_greedy_equals_plain_greedy(spec_engines, one_engine,
     print(f"\neagle3 (trained head) on 2 engines: {c.num_drafts} drafts, acceptance length {c.acceptance_length:.3f}")
 
 
+def test_eagle3_sampled_rows_are_the_same_alone_on_one_engine_and_in_a_batch_on_two(spec_engines, prompts):
+    """Speculative sampling at T = 0.7 with per-row seeds: prompt 0's rows come out the same when the whole batch is
+    sharded over both engines (prompt 0 sharing engine 0's batch) and when prompt 0 runs alone (engine 1 idle).
+    The running batch size differs, k is fixed (K): per-request RNG must not depend on the rest of the batch."""
+    data = {"prompt_token_ids": prompts}
+    full = spec_engines.generate(data, N, SEED, temperature=0.7, max_new_tokens=24)
+    alone = spec_engines.generate({"prompt_token_ids": prompts[:1]}, N, SEED, temperature=0.7, max_new_tokens=24)
+    # the head is trained on greedy continuations: at T = 0.7 few drafts pass (measured 5 of 340), but the accept
+    # and reject paths both run, which is what the seeds must survive
+    assert 0 < full["spec_counters"].num_accepted_tokens < full["spec_counters"].num_draft_tokens
+    lengths = alone["unpadded_sequence_lengths"]
+    assert torch.equal(full["unpadded_sequence_lengths"][:N], lengths)
+    for r in range(N):  # the full batch is padded to its longest row: compare each row's own tokens
+        assert torch.equal(full["output_ids"][r, : lengths[r]], alone["output_ids"][r, : lengths[r]]), r
+        lp_diff = (full["generation_logprobs"][r, : lengths[r]] - alone["generation_logprobs"][r, : lengths[r]]).abs()
+        assert float(lp_diff.max()) <= TOL, r
+    other = spec_engines.generate({"prompt_token_ids": prompts[:1]}, N, SEED + 1, temperature=0.7, max_new_tokens=24)
+    assert not torch.equal(other["output_ids"], alone["output_ids"])  # random, seeded per row: not vacuous
+
+
 def test_draft_refit_on_every_engine_and_a_skipped_one(spec_engines, eagle3_head, hf_model, prompts):
     from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead
 

@@ -7,6 +7,8 @@ import torch
 
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn, LossFunction, aggregate_microbatch_metrics
 
+pytestmark = pytest.mark.numerics  # docs/testing.md, "Numerical tolerances"
+
 BASE_CFG = dict(
     ratio_clip_min=0.2,
     ratio_clip_max=0.28,
@@ -20,6 +22,25 @@ BASE_CFG = dict(
 
 def _cfg(**kw):
     return {**BASE_CFG, **kw}
+
+
+EPS32 = torch.finfo(torch.float32).eps
+LN2 = math.log(2)
+
+
+def hand_tol(abs_sum: float, n_terms: int, per_term: int = 3) -> float:
+    """Bound on |fp32 loss - hand value| (docs/testing.md, "Numerical tolerances"): n_terms terms, each within
+    ``per_term`` roundings (the fp32 input curr = prev + log r, the exp, the fp32 clip constant; k3 adds its two
+    subtractions), the sum n_terms - 1 more and the normaliser 1, each at most eps times ``abs_sum``, the sum of the
+    terms' absolute values (and of their parts) over the normaliser. The terms have both signs, so a relative
+    tolerance on the (partly cancelling) result would not do."""
+    return (n_terms - 1 + per_term + 1) * EPS32 * abs_sum
+
+
+CLIP_ABS = 1.28 + 0.5 + 1.1 + 1.6 + 3.0  # sum of |term| of _clip_batch (docstring)
+# The gradients have no sum over tokens: each element is -A r w / N (or the k3 one) within <= 5 roundings of itself,
+# <= 5 eps |g| = 3.6e-7 for |g| <= 0.6 (k3: 4e-8 for |g| <= 0.067): hence atol 1e-6 (k3: 1e-7). Counts (clamped
+# fractions) and maxima are exact up to the one rounding of the division.
 
 
 def _clip_batch():
@@ -48,12 +69,12 @@ def test_token_level_clipping_both_sides_loss_grad_metrics():
     curr, data = _clip_batch()
     loss, metrics = ClippedPGLossFn(_cfg())(curr, data, torch.tensor(5.0), torch.tensor(2.0))
     # (-1.28 - 0.5 - 1.1 + 1.6 + 3.0) / 5
-    assert float(loss) == pytest.approx(1.72 / 5, abs=1e-6)
+    assert float(loss) == pytest.approx(1.72 / 5, abs=hand_tol(CLIP_ABS / 5, 5))
     loss.backward()
     # d/dcurr = -A * ratio / 5 where the unclipped term is active, 0 where the clipped one is (and off-mask)
     expected_grad = torch.tensor([[0.0, 0.0, -0.5 / 5, -1.1 / 5], [0.0, 0.0, 0.0, 2 * 1.5 / 5]])
     torch.testing.assert_close(curr.grad, expected_grad, rtol=0, atol=1e-6)
-    assert metrics["probs_ratio"] == pytest.approx((1.5 + 0.5 + 1.1 + 0.5 + 1.5) / 5, abs=1e-6)
+    assert metrics["probs_ratio"] == pytest.approx((1.5 + 0.5 + 1.1 + 0.5 + 1.5) / 5, abs=hand_tol(5.1 / 5, 5))
     assert metrics["probs_ratio_clamped"] == pytest.approx(4 / 5, abs=1e-7)
     assert metrics["num_valid_tokens"] == 5.0 and metrics["num_valid_seqs"] == 2.0
     assert metrics["kl_penalty"] == 0.0
@@ -65,7 +86,7 @@ def test_sequence_level_normalisation():
     curr, data = _clip_batch()
     loss, _ = ClippedPGLossFn(_cfg(token_level_loss=False))(curr, data, torch.tensor(5.0), torch.tensor(2.0))
     # row means: (-1.28 - 0.5 - 1.1) / 3 = -0.96, (1.6 + 3.0) / 2 = 2.3; (-0.96 + 2.3) / 2 seqs
-    assert float(loss) == pytest.approx(0.67, abs=1e-6)
+    assert float(loss) == pytest.approx(0.67, abs=hand_tol((2.88 / 3 + 4.6 / 2) / 2, 5))
     loss.backward()
     expected_grad = torch.tensor([[0.0, 0.0, -0.5 / 3 / 2, -1.1 / 3 / 2], [0.0, 0.0, 0.0, 3.0 / 2 / 2]])
     torch.testing.assert_close(curr.grad, expected_grad, rtol=0, atol=1e-6)
@@ -75,10 +96,10 @@ def test_sample_mask_drops_a_sequence():
     curr, data = _clip_batch()
     data["sample_mask"] = torch.tensor([1.0, 0.0])
     loss, metrics = ClippedPGLossFn(_cfg())(curr, data, torch.tensor(3.0), torch.tensor(1.0))
-    assert float(loss) == pytest.approx(-2.88 / 3, abs=1e-6)
+    assert float(loss) == pytest.approx(-2.88 / 3, abs=hand_tol(2.88 / 3, 3))
     assert metrics["num_valid_tokens"] == 3.0
     loss_seq, _ = ClippedPGLossFn(_cfg(token_level_loss=False))(curr, data, torch.tensor(3.0), torch.tensor(1.0))
-    assert float(loss_seq) == pytest.approx(-0.96, abs=1e-6)
+    assert float(loss_seq) == pytest.approx(-0.96, abs=hand_tol(2.88 / 3, 3))
 
 
 def test_k3_kl_penalty_value_and_gradient():
@@ -95,8 +116,9 @@ def test_k3_kl_penalty_value_and_gradient():
     loss, metrics = ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.1))(
         curr, data, torch.tensor(3.0), torch.tensor(1.0)
     )
-    assert float(loss) == pytest.approx(0.1 * 0.5 / 3, abs=1e-7)
-    assert metrics["kl_penalty"] == pytest.approx(0.1 * 0.5 / 3, abs=1e-7)
+    kl_abs = 0.1 * ((2 + LN2 + 1) + (0.5 + LN2 + 1)) / 3  # beta (e^d + |d| + 1) over the 3 tokens
+    assert float(loss) == pytest.approx(0.1 * 0.5 / 3, abs=hand_tol(kl_abs, 3, per_term=5))
+    assert metrics["kl_penalty"] == pytest.approx(0.1 * 0.5 / 3, abs=hand_tol(kl_abs, 3, per_term=5))
     loss.backward()
     # d/dcurr beta * (e^(ref-curr) - (ref-curr) - 1) = beta * (1 - e^(ref-curr)) / 3
     expected_grad = torch.tensor([[0.0, 0.1 * (1 - 2) / 3, 0.1 * (1 - 0.5) / 3, 0.0]])
@@ -111,8 +133,9 @@ def test_kl_adds_to_policy_gradient_term():
         curr, data, torch.tensor(5.0), torch.tensor(2.0)
     )
     k3 = 1 - math.log(2)
-    assert float(loss) == pytest.approx(1.72 / 5 + 0.5 * k3, abs=1e-6)
-    assert metrics["kl_penalty"] == pytest.approx(0.5 * k3, abs=1e-6)
+    kl_abs = 0.5 * (2 + LN2 + 1)  # per token: beta (e^d + |d| + 1), d = ln 2
+    assert float(loss) == pytest.approx(1.72 / 5 + 0.5 * k3, abs=hand_tol(CLIP_ABS / 5 + kl_abs, 5, per_term=5))
+    assert metrics["kl_penalty"] == pytest.approx(0.5 * k3, abs=hand_tol(kl_abs, 5, per_term=5))
 
 
 @pytest.mark.parametrize("trunc,w0,expected_loss", [(2.0, 2.0, -3.5 / 3), (None, 3.0, -4.5 / 3)])
@@ -131,8 +154,8 @@ def test_importance_sampling_weight_truncation(trunc, w0, expected_loss):
     )
     fn = ClippedPGLossFn(_cfg(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=trunc))
     loss, metrics = fn(curr, data, torch.tensor(3.0), torch.tensor(1.0))
-    assert float(loss) == pytest.approx(expected_loss, abs=1e-6)
-    assert metrics["is_weight"] == pytest.approx((w0 + 0.5 + 1.0) / 3, abs=1e-6)
+    assert float(loss) == pytest.approx(expected_loss, abs=hand_tol((w0 + 0.5 + 1.0) / 3, 3))
+    assert metrics["is_weight"] == pytest.approx((w0 + 0.5 + 1.0) / 3, abs=hand_tol((w0 + 0.5 + 1.0) / 3, 3))
     assert metrics["is_weight_max"] == pytest.approx(w0, abs=1e-6)
     loss.backward()
     torch.testing.assert_close(curr.grad, torch.tensor([[0.0, -w0 / 3, -0.5 / 3, -1 / 3]]), rtol=0, atol=1e-6)
@@ -143,7 +166,7 @@ def test_importance_sampling_off_ignores_generation_logprobs():
     curr, data = _clip_batch()
     data["generation_logprobs"] = torch.full_like(data["prev_logprobs"], -50.0)
     loss, metrics = ClippedPGLossFn(_cfg())(curr, data, torch.tensor(5.0), torch.tensor(2.0))
-    assert float(loss) == pytest.approx(1.72 / 5, abs=1e-6)
+    assert float(loss) == pytest.approx(1.72 / 5, abs=hand_tol(CLIP_ABS / 5, 5))
     assert metrics["is_weight_max"] == 1.0
 
 
@@ -154,7 +177,7 @@ def test_padding_garbage_cannot_produce_nan():
     data["reference_policy_logprobs"] = curr.detach().clone()
     data["reference_policy_logprobs"][0, 0] = 1e4
     loss, _ = ClippedPGLossFn(_cfg(reference_policy_kl_penalty=0.1))(curr, data, torch.tensor(5.0), torch.tensor(2.0))
-    assert float(loss) == pytest.approx(1.72 / 5, abs=1e-6)
+    assert float(loss) == pytest.approx(1.72 / 5, abs=hand_tol(CLIP_ABS / 5, 5))
 
 
 @pytest.mark.parametrize("token_level", [True, False])
@@ -193,11 +216,37 @@ def test_microbatches_with_global_normalisers_sum_to_full_batch(token_level):
         loss.backward()
         parts.append(loss.detach())
         metrics.append(m)
-    torch.testing.assert_close(parts[0] + parts[1], full_loss.detach(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(curr_mb.grad, curr_full.grad, rtol=1e-6, atol=1e-8)
+    # Bound (docs/testing.md, "Numerical tolerances"; eps = float32 eps). The loss is one sum of the n valid
+    # per-token terms (w * pg + kl, over the normaliser) on the whole batch and two partial sums added on the
+    # micro-batches: two summation orders differ by <= 2 n eps sum |terms| (each is within gamma_{n-1} of the exact
+    # sum). |term| <= w |A| max(r, clip(r)) + kl (kl >= 0), over the same normaliser. The gradient has no sum over
+    # tokens: each element is the same chain of <= 8 elementwise roundings on both sides (sub, exp, products with A
+    # and w, the normaliser, the k3 terms), so |d grad| <= 8 eps (|d pg/d curr| + |d kl/d curr|), with
+    # |d pg/d curr| <= w |A| r and |d kl/d curr| <= beta (1 + e^(ref - curr)) over the normaliser. The metrics are
+    # sums of n terms >= 0 (ratios, weights, k3, counts), or maxima: rel 2 n eps. The control below: a micro-batch
+    # divided by its own token or sequence count instead of the global one is caught (~1e-1 here, vs ~1e-5).
+    eps = torch.finfo(torch.float32).eps
+    with torch.no_grad():
+        ratio = (curr_full - prev).exp()
+        weight = (prev - data["generation_logprobs"]).exp().clamp(max=1.5)
+        ref_minus_curr = data["reference_policy_logprobs"] - curr_full
+        k3 = ref_minus_curr.exp() - ref_minus_curr - 1
+        adv = data["advantages"].abs()[:, None]
+        term = weight * adv * torch.maximum(ratio, ratio.clamp(0.8, 1.28)) + 0.05 * k3
+        grad_mag = weight * adv * ratio + 0.05 * (1 + ref_minus_curr.exp())
+        mask = token_mask * data["sample_mask"][:, None]
+        if token_level:
+            per_token_norm = mask / toks
+        else:
+            per_token_norm = mask / token_mask.sum(-1, keepdim=True).clamp(min=1) / seqs
+        n = int(mask.sum())
+        loss_tol = 2 * n * eps * float((term * per_token_norm).sum())
+        grad_tol = 8 * eps * grad_mag * per_token_norm
+    torch.testing.assert_close(parts[0] + parts[1], full_loss.detach(), rtol=0, atol=loss_tol)
+    assert ((curr_mb.grad - curr_full.grad).abs() <= grad_tol).all()
     agg = aggregate_microbatch_metrics(metrics)
     for key, value in full_metrics.items():
-        assert agg[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        assert agg[key] == pytest.approx(value, rel=2 * n * eps, abs=loss_tol if key == "loss" else 0.0), key
 
 
 def test_config_errors():

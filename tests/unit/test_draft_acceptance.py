@@ -16,6 +16,7 @@ from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
 from nemo_rl_spec.speculative.offline import PolicyOutputCache
 
 
+@pytest.mark.numerics
 def test_chain_acceptance_length_hand_worked():
     # 1 + a0 + a0 a1 + a0 a1 a2
     assert float(chain_acceptance_length(torch.tensor([0.5, 0.5, 0.5]))) == pytest.approx(1.875)
@@ -23,6 +24,7 @@ def test_chain_acceptance_length_hand_worked():
     assert chain_acceptance_length(torch.zeros(4, 3)).tolist() == [1.0] * 4
 
 
+@pytest.mark.numerics
 def test_step_acceptance_greedy_and_probabilistic_hand_worked():
     p = torch.tensor([0.6, 0.3, 0.1])
     z = torch.log(torch.tensor([0.2, 0.7, 0.1]))  # draft logits at temperature 1
@@ -60,6 +62,7 @@ def _tiny_head(vocab: int = 11, seed: int = 0) -> Eagle3DraftHead:
     return head
 
 
+@pytest.mark.numerics
 def test_expected_acceptance_matches_an_independent_loop():
     torch.manual_seed(0)
     head = _tiny_head()

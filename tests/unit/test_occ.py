@@ -99,6 +99,7 @@ def test_toy_lambda_tracks_closed_form_optimum_and_vanishes_when_orthogonal_or_o
     assert torch.all(opposed == 0.0)
 
 
+@pytest.mark.numerics
 def test_mtp_token_logprobs_and_acceptance_hand_example():
     # vocab 3, one row of 5 tokens; MTP head 0 at position p predicts token p + 2
     ids = torch.tensor([[0, 1, 2, 1, 0]])

@@ -13,7 +13,9 @@ import torch
 from nemo_rl_spec.speculative.acceptance import expected_acceptance
 from nemo_rl_spec.speculative.online import OnlineDraft
 from nemo_rl_spec.utils.config_schema import DraftConfig
-from tests.unit.test_ttt_scored import MASK, K, T, V, make_batch, make_head
+from tests.unit.test_ttt_scored import MASK, K, T, V, make_batch, make_head, reorder_tol
+
+pytestmark = pytest.mark.numerics  # docs/testing.md, "Numerical tolerances"
 
 METHODS = ("greedy", "probabilistic")
 
@@ -41,6 +43,14 @@ def train_step(draft: OnlineDraft, embedding: torch.Tensor, batch) -> dict[str, 
     return draft.finish()
 
 
+# The estimates are means over the chains of per-chain acceptance lengths (> 0), summed per micro-batch or per rank and
+# merged, against one whole-batch sum: two summation orders of the chains' terms, each computed by the same per-row
+# ops (a GEMM over fewer rows may block differently): relative bound reorder_tol(chains) = 2 (chains + 64) eps
+# (tests/unit/test_ttt_scored.py; docs/testing.md, "Numerical tolerances"). One chain more or less moves the mean
+# by ~1 / chains (1/37), far above it.
+REL = reorder_tol(int(MASK[:, 2:].sum()))
+
+
 def test_estimates_are_the_chain_weighted_whole_batch_values_before_the_update_and_of_the_frozen_start():
     head = make_head(24)
     start = copy.deepcopy(head)
@@ -55,8 +65,8 @@ def test_estimates_are_the_chain_weighted_whole_batch_values_before_the_update_a
         mine, ref = whole_batch(before, *batch), whole_batch(start, *batch)
         assert metrics["draft_est_chains"] == mine["chains"] == int(MASK[:, 2:].sum())
         for m in METHODS:
-            assert metrics[f"draft_est_acceptance_{m}"] == pytest.approx(mine[f"{m}/acceptance_length"], rel=1e-5)
-            assert metrics[f"draft_ref_est_acceptance_{m}"] == pytest.approx(ref[f"{m}/acceptance_length"], rel=1e-5)
+            assert metrics[f"draft_est_acceptance_{m}"] == pytest.approx(mine[f"{m}/acceptance_length"], rel=REL)
+            assert metrics[f"draft_ref_est_acceptance_{m}"] == pytest.approx(ref[f"{m}/acceptance_length"], rel=REL)
             if step == 0:  # nothing trained yet: the same head
                 assert metrics[f"draft_est_acceptance_{m}"] == pytest.approx(metrics[f"draft_ref_est_acceptance_{m}"])
         assert metrics["draft_est_seconds"] > 0
@@ -102,5 +112,5 @@ def test_data_parallel_ranks_give_the_chain_weighted_whole_batch_value():
     whole = whole_batch(head, aux, ids, logits)
     assert merged["draft_est_chains"] == whole["chains"]
     for m in METHODS:
-        assert merged[f"draft_est_acceptance_{m}"] == pytest.approx(whole[f"{m}/acceptance_length"], rel=1e-5)
+        assert merged[f"draft_est_acceptance_{m}"] == pytest.approx(whole[f"{m}/acceptance_length"], rel=REL)
     assert ranks[0].metrics()["draft_est_chains"] == 0  # the step's sums were cleared

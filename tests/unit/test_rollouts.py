@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from nemo_rl_spec.algorithms.rollouts import logprob_agreement_metrics, masked_mean_abs_diff, response_mask
@@ -13,6 +14,7 @@ def test_response_mask_matches_worked_example():
     assert mask.tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 1, 1, 1, 0]]
 
 
+@pytest.mark.numerics
 def test_masked_mean_abs_diff():
     a = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 9.0]])
     b = torch.tensor([[0.0, -1.5, -1.0], [0.0, -0.25, 0.0]])
@@ -21,6 +23,7 @@ def test_masked_mean_abs_diff():
     assert masked_mean_abs_diff(a, b, torch.zeros_like(mask)) == 0.0
 
 
+@pytest.mark.numerics
 def test_logprob_agreement_metrics():
     prev = torch.tensor([[0.0, -1.0, -2.0]])
     gen = torch.tensor([[5.0, -1.1, -1.8]])  # position 0 is masked out
