@@ -12,9 +12,10 @@
   resolves, and a failure there would be reported, not hidden.
 - :func:`positions_study`: the distribution test at the speculative recipes' settings (T 0.7, probabilistic
   drafting, top-p 1 and 0.9) at every draft position, against teacher-forced exact conditionals, with both
-  negative controls (``tests/functional/test_lossless_positions.py``).
+  negative controls (``tests/functional/test_lossless_positions.py``), and on a second engine with the recipe's
+  batch-size-aware k and drafter catch-up (:func:`batch_aware_scenario`).
 
-Every engine runs in its own spawned process (``checks.run_isolated``).
+Every engine runs in a spawned process (``checks.run_isolated``; the positions study's two engines share one).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from nemo_rl_spec.models.generation.vllm_patches import unpatched_expand_kernel
+from nemo_rl_spec.speculative.adaptive_k import install_k0_paths, k_for_batch_size
 from nemo_rl_spec.speculative.metrics import read_spec_decode_counters
 from nemo_rl_spec.testing import checks
 from nemo_rl_spec.testing.batch_numerics import divergence, hold_to_baseline
@@ -42,6 +44,7 @@ from nemo_rl_spec.testing.lossless import (
     filtered_log_probs,
     pit_and_rank,
     position_tests,
+    record_scheduled_steps,
     total_variation,
 )
 
@@ -290,6 +293,209 @@ def positions_scenario(
     return out
 
 
+# Batch-size-aware k and drafter catch-up (the speculative recipe's ``dynamic_speculation``: k per running batch size,
+# ``drafter_pass_at_k0: false``, ``drafter_catch_up: true``, vLLM's plain sampler on steps without drafts) on a second
+# engine capped at POS_BATCH_MAX_NUM_SEQS running requests: POS_BATCH_SAMPLES single-sample requests of the same
+# prompt arrive in bursts (POS_BATCH_BURST requests every POS_BATCH_GAP engine steps, fixed seed) with max_tokens
+# in POS_BATCH_MAX_TOKENS (ignore_eos), so the running batch moves up and down through the schedule's ranges while
+# requests generate their scored first POS_TOKENS tokens: k = 0 at >= 6 running (the drafter's pass skipped on pure
+# decode steps and replayed when the request drafts again), 1 at 5, 3 at 3-4, POS_K at 1-2.
+POS_BATCH_SCHEDULE = [[1, 2, POS_K], [3, 4, 3], [5, 5, 1], [6, 256, 0]]
+POS_BATCH_MAX_NUM_SEQS, POS_BATCH_SAMPLES = 8, 300
+POS_BATCH_MAX_TOKENS, POS_BATCH_BURST, POS_BATCH_GAP = (POS_TOKENS, 16), (1, 8), (2, 24)
+POS_BATCH_DYNAMIC = {
+    "num_speculative_tokens_per_batch_size": POS_BATCH_SCHEDULE,
+    "drafter_pass_at_k0": False,
+    "drafter_catch_up": True,
+}
+# phase -> (temperature, top_p, control, samples), as POS_PHASES; run on the batch-size-aware engine
+POS_BATCH_PHASES: dict[str, tuple[float, float, str | None, int]] = {
+    "batch_aware_k": (POS_TEMPERATURE, POS_TOP_P, None, POS_BATCH_SAMPLES),
+}
+
+
+def _record_request_steps(scheduler) -> dict[str, list[tuple[int, int]]]:
+    """Wrap the in-process engine's ``scheduler.update_from_output``: the returned dict gains, per (engine) request
+    id, one (draft tokens verified, tokens emitted) pair per engine step that emitted tokens for it."""
+    trace: dict[str, list[tuple[int, int]]] = {}
+    update = scheduler.update_from_output
+
+    def recording_update(scheduler_output, model_runner_output):
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        sampled = model_runner_output.sampled_token_ids
+        for rid, i in model_runner_output.req_id_to_index.items():
+            n = len(sampled[i]) if i < len(sampled) else 0
+            if n:
+                trace.setdefault(rid, []).append((len(drafts.get(rid, ())), n))
+        return update(scheduler_output, model_runner_output)
+
+    scheduler.update_from_output = recording_update
+    return trace
+
+
+def _count_catch_up(worker) -> None:
+    """Count the drafter catch-up store's recorded (skipped) decode steps and its replays (in-process engine)."""
+    store = worker.model_runner.drafter._nemo_rl_spec_catch_up
+    store.nrs_counts = {"recorded_steps": 0, "recorded_rows": 0, "replay_passes": 0, "replayed_runs": 0}
+    record, replay = store.record, store.replay
+
+    def counting_record(req_ids, propose_kwargs):
+        store.nrs_counts["recorded_steps"] += 1
+        store.nrs_counts["recorded_rows"] += propose_kwargs["common_attn_metadata"].batch_size()
+        return record(req_ids, propose_kwargs)
+
+    def counting_replay(runs, propose, propose_kwargs):
+        store.nrs_counts["replay_passes"] += 1
+        store.nrs_counts["replayed_runs"] += len(runs)
+        return replay(runs, propose, propose_kwargs)
+
+    store.record, store.replay = counting_record, counting_replay
+
+
+def _catch_up_counts(worker) -> dict[str, int]:
+    store = worker.model_runner.drafter._nemo_rl_spec_catch_up
+    return {**store.nrs_counts, "replayed_tokens": store.replayed_tokens}
+
+
+def _token_origins(trace: list[tuple[int, int]], num_tokens: int) -> list[int]:
+    """Draft tokens verified by the engine step that emitted each of a request's first ``num_tokens`` tokens."""
+    out: list[int] = []
+    for drafts, n in trace:
+        out += [drafts] * n
+    return out[:num_tokens]
+
+
+def batch_aware_scenario(
+    model: str,
+    prompt: Sequence[int],
+    speculative_config: dict,
+    phases: dict[str, tuple[float, float, str | None, int]],
+    num_tokens: int = POS_TOKENS,
+    seed: int = 0,
+    schedule: Sequence[Sequence[int]] = POS_BATCH_SCHEDULE,
+    max_num_seqs: int = POS_BATCH_MAX_NUM_SEQS,
+    **engine_kwargs,
+) -> dict[str, Any]:
+    """One speculative engine (:func:`checks.make_llm`, ``processed_logprobs``, ``max_num_seqs``) with ``schedule``
+    as vLLM's ``num_speculative_tokens_per_batch_size`` and the recipe's k = 0 paths (``POS_BATCH_DYNAMIC``:
+    :func:`~nemo_rl_spec.speculative.adaptive_k.install_k0_paths`, drafter catch-up), one phase per ``phases``
+    entry (temperature, top_p, control, samples): ``samples`` requests (n = 1) of ``prompt`` added in bursts
+    between engine steps, max_tokens drawn from ``POS_BATCH_MAX_TOKENS`` (all fixed by ``seed``).
+
+    Returns {phase: {"samples" [N, m], "logprobs" [N, m] (the first ``num_tokens`` of each request, in arrival
+    order), "counters", "generate_s", "steps" [(running batch size, k scheduled)] (every engine step),
+    "origins" [N, m] (draft tokens verified by the step that emitted each token; -1 unknown), "max_tokens" [N],
+    "catch_up" (the store's recorded steps / rows, replay passes / runs, replayed tokens)}}."""
+    from vllm import SamplingParams, TokensPrompt  # lazy: vllm is slow to import
+
+    controls = {
+        None: contextlib.nullcontext,
+        "negative_control": checks.negative_control_recovered,
+        "unpatched": unpatched_expand_kernel,
+    }
+    cfg = dict(speculative_config, num_speculative_tokens_per_batch_size=[list(r) for r in schedule])
+    llm = checks.make_llm(
+        model, cfg, seed=seed, logprobs_mode="processed_logprobs", max_num_seqs=max_num_seqs, **engine_kwargs
+    )
+    install_k0_paths(
+        llm,
+        cfg,
+        dict(POS_BATCH_DYNAMIC, num_speculative_tokens_per_batch_size=cfg["num_speculative_tokens_per_batch_size"]),
+        max_running=max_num_seqs,
+    )
+    llm.collective_rpc(_count_catch_up)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    steps = record_scheduled_steps(llm)
+    trace = _record_request_steps(scheduler)
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(lo_hi: tuple[int, int]) -> int:
+        return int(torch.randint(lo_hi[0], lo_hi[1] + 1, (1,), generator=gen))
+
+    out = {}
+    for phase_index, (name, (temperature, top_p, control, num_samples)) in enumerate(phases.items()):
+        lengths = [draw(POS_BATCH_MAX_TOKENS) for _ in range(num_samples)]
+        del steps[:]
+        trace.clear()
+        counts_before = llm.collective_rpc(_catch_up_counts)[0]
+        ids: dict[str, int] = {}  # engine request id -> arrival index
+        index_of: dict[str, int] = {}  # engine and external request ids -> arrival index
+        done: dict[int, Any] = {}
+        with controls[control]():
+            before = read_spec_decode_counters(llm)
+            t0 = time.perf_counter()
+            added, next_burst = 0, 0
+            while added < num_samples or engine.has_unfinished_requests():
+                if added < num_samples and (next_burst <= 0 or not engine.has_unfinished_requests()):
+                    for _ in range(min(draw(POS_BATCH_BURST), num_samples - added)):
+                        params = SamplingParams(
+                            temperature=temperature,
+                            top_p=top_p,
+                            max_tokens=lengths[added],
+                            ignore_eos=True,
+                            logprobs=0,
+                        )
+                        ext = f"{name}-{phase_index}-{added}"
+                        rid = engine.add_request(ext, TokensPrompt(prompt_token_ids=list(prompt)), params)
+                        ids[rid] = index_of[rid] = index_of[ext] = added
+                        added += 1
+                    next_burst = draw(POS_BATCH_GAP)
+                for o in engine.step():
+                    if o.finished:
+                        done[index_of[o.request_id]] = o.outputs[0]
+                next_burst -= 1
+            gen_s = time.perf_counter() - t0
+            counters = read_spec_decode_counters(llm) - before
+        comps = [done[i] for i in range(num_samples)]
+        origins = [[-1] * num_tokens for _ in range(num_samples)]
+        for rid, i in ids.items():
+            got = _token_origins(trace.get(rid, []), num_tokens)
+            origins[i][: len(got)] = got
+        counts = llm.collective_rpc(_catch_up_counts)[0]
+        out[name] = {
+            "samples": torch.tensor([list(c.token_ids)[:num_tokens] for c in comps], dtype=torch.long),
+            "logprobs": torch.tensor(
+                [[step[t].logprob for step, t in zip(c.logprobs, c.token_ids)][:num_tokens] for c in comps],
+                dtype=torch.float64,
+            ),
+            "counters": counters,
+            "generate_s": gen_s,
+            "steps": list(steps),
+            "origins": torch.tensor(origins, dtype=torch.long),
+            "max_tokens": lengths,
+            "catch_up": {key: counts[key] - counts_before[key] for key in counts},
+        }
+    checks.shutdown(llm)
+    return out
+
+
+def positions_and_batch_aware_scenario(
+    model: str,
+    prompt: Sequence[int],
+    speculative_config: dict,
+    phases: dict[str, tuple[float, float, str | None, int]],
+    batch_phases: dict[str, tuple[float, float, str | None, int]],
+    num_tokens: int = POS_TOKENS,
+    seed: int = 0,
+    **engine_kwargs,
+) -> dict[str, Any]:
+    """:func:`positions_scenario` (``phases``, when any), then :func:`batch_aware_scenario` (``batch_phases``, when
+    any) on its own engine, in this process (one vLLM import for both); ``engine_kwargs`` go to both engines."""
+    out = {}
+    if phases:
+        out.update(
+            positions_scenario(model, prompt, speculative_config, phases, num_tokens, seed=seed, **engine_kwargs)
+        )
+    if batch_phases:
+        out.update(
+            batch_aware_scenario(
+                model, prompt, speculative_config, batch_phases, num_tokens, seed=seed, **engine_kwargs
+            )
+        )
+    return out
+
+
 def exact_position_stats(
     model_dir: str,
     prompt: Sequence[int],
@@ -326,6 +532,29 @@ def exact_position_stats(
     return {key: torch.cat(vals) for key, vals in fields.items()}
 
 
+def _batch_aware_fields(r: dict[str, Any], k_for_batch_size: Callable[..., int]) -> dict[str, Any]:
+    """A batch-size-aware phase's schedule, token-origin and catch-up summary (see :func:`positions_study`)."""
+    steps = r["steps"]
+    origins = r["origins"][:, 1:]  # position 0 comes from the prefill
+    known = origins >= 0
+    crossing = resumed = 0
+    for row in origins.tolist():
+        row = [d for d in row if d >= 0]
+        crossing += len(set(row)) > 1
+        resumed += any(d == 0 and any(x > 0 for x in row[a + 1 :]) for a, d in enumerate(row))
+    return {
+        "steps": len(steps),
+        "k_steps": {k: sum(1 for _, x in steps if x == k) for k in sorted({x for _, x in steps})},
+        "batch_sizes": sorted({b for b, _ in steps}),
+        "schedule_followed": bool(steps) and all(k == k_for_batch_size(POS_BATCH_SCHEDULE, b, POS_K) for b, k in steps),
+        "scored_by_drafts": {int(d): int((origins == d).sum()) for d in origins[known].unique().tolist()},
+        "crossing_requests": crossing,
+        "resumed_requests": resumed,
+        "unknown_origins": int((~known).sum()),
+        "catch_up": dict(r["catch_up"]),
+    }
+
+
 def positions_study(
     target: str,
     prompt: Sequence[int],
@@ -333,6 +562,7 @@ def positions_study(
     dtype: str = "float32",
     seed: int = 2,
     phases: dict[str, tuple[float, float, str | None, int]] | None = None,
+    batch_phases: dict[str, tuple[float, float, str | None, int]] | None = None,
 ) -> dict[str, Any]:
     """Losslessness at every draft position at the recipes' settings (see ``POS_PHASES``), with probabilistic
     drafting (``spec_config`` gets ``draft_sample_method: probabilistic`` and k = ``POS_K``), against the exact
@@ -346,18 +576,39 @@ def positions_study(
     "accepted_per_pos": accepted drafts per draft position 1..k), "generate_s".
     "passed": every shipped-sampler phase has acceptance length > ``MIN_ACCEPTANCE_LENGTH``, every draft position
     accepted at least once, p >= ``POS_ALPHA``, no token out of support and log-probs within ``POS_LOGPROB_ATOL``;
-    every control phase p < ``POS_ALPHA``."""
+    every control phase p < ``POS_ALPHA``.
+
+    ``batch_phases`` (None: ``POS_BATCH_PHASES``; {} for none) run on a second engine with batch-size-aware k and
+    drafter catch-up (:func:`batch_aware_scenario`) and report the same fields plus "steps" (engine steps),
+    "k_steps" ({k: engine steps}), "batch_sizes" (running batch sizes seen), "schedule_followed" (every step's k is
+    ``POS_BATCH_SCHEDULE``'s for its running batch, :func:`~nemo_rl_spec.speculative.adaptive_k.k_for_batch_size`),
+    "scored_by_drafts" ({draft tokens verified by the emitting step: scored tokens at positions 1..k}),
+    "crossing_requests" (requests whose positions 1..k came from steps with different draft counts),
+    "resumed_requests" (a position emitted by a step without drafts, a later one by a step with drafts),
+    "unknown_origins" and "catch_up" (skipped decode steps recorded, replay passes / runs, replayed tokens). A
+    shipped-sampler batch phase also needs k = 0, k = ``POS_K`` and an intermediate k among its steps, the schedule
+    followed, crossing requests and replayed tokens."""
     from transformers import AutoModelForCausalLM  # lazy: transformers is slow to import
 
     phases = dict(POS_PHASES if phases is None else phases)
+    batch_phases = dict(POS_BATCH_PHASES if batch_phases is None else batch_phases)
     cfg = dict(spec_config, num_speculative_tokens=POS_K, draft_sample_method="probabilistic")
     res = checks.run_isolated(
-        positions_scenario, target, prompt, cfg, phases, POS_TOKENS, seed=seed, threads=2, dtype=dtype
+        positions_and_batch_aware_scenario,
+        target,
+        prompt,
+        cfg,
+        phases,
+        batch_phases,
+        POS_TOKENS,
+        seed=seed,
+        threads=2,
+        dtype=dtype,
     )
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     report: dict[str, Any] = {}
     passed = True
-    for i, (name, (temperature, top_p, control, _)) in enumerate(phases.items()):
+    for i, (name, (temperature, top_p, control, _)) in enumerate({**phases, **batch_phases}.items()):
         r = res[name]
         ex = exact_position_stats(target, prompt, r["samples"], temperature, top_p, seed=seed + 100 * i, model=model)
         tests = position_tests(ex["u"], ex["rank"], ex["bin_probs"])
@@ -376,6 +627,8 @@ def positions_study(
             "generate_s": r["generate_s"],
             "sample_shape": list(r["samples"].shape),
         }
+        if name in batch_phases:
+            ph.update(_batch_aware_fields(r, k_for_batch_size))
         if control is None:
             ok = (
                 (ph["acceptance_length"] or 0.0) > MIN_ACCEPTANCE_LENGTH
@@ -385,6 +638,16 @@ def positions_study(
                 and ph["out_of_support"] == 0
                 and ph["max_logprob_diff"] < POS_LOGPROB_ATOL
             )
+            if name in batch_phases:
+                ks = set(ph["k_steps"])
+                ok = (
+                    ok
+                    and {0, POS_K} <= ks
+                    and any(0 < k < POS_K for k in ks)
+                    and ph["schedule_followed"]
+                    and ph["crossing_requests"] > 0
+                    and ph["catch_up"]["replayed_tokens"] > 0
+                )
         else:
             ok = ph["p"] < POS_ALPHA
         ph["ok"] = ok
