@@ -240,6 +240,20 @@ POS_PHASES: dict[str, tuple[float, float, str | None, int]] = {
 }
 
 
+def _phase_record(comps: Sequence[Any], num_tokens: int, counters, gen_s: float) -> dict[str, Any]:
+    """One phase's result from its vLLM completions: the first ``num_tokens`` sampled tokens ("samples" [N, m]
+    int64), their processed log-probs ("logprobs" [N, m] float64), the spec-decode ``counters`` and ``gen_s``."""
+    return {
+        "samples": torch.tensor([list(c.token_ids)[:num_tokens] for c in comps], dtype=torch.long),
+        "logprobs": torch.tensor(
+            [[step[t].logprob for step, t in zip(c.logprobs, c.token_ids)][:num_tokens] for c in comps],
+            dtype=torch.float64,
+        ),
+        "counters": counters,
+        "generate_s": gen_s,
+    }
+
+
 def positions_scenario(
     model: str,
     prompt: Sequence[int],
@@ -279,16 +293,7 @@ def positions_scenario(
             outs = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))] * requests, params, use_tqdm=False)
             gen_s = time.perf_counter() - t0
             counters = read_spec_decode_counters(llm) - before
-        comps = [c for o in outs for c in o.outputs]
-        out[name] = {
-            "samples": torch.tensor([list(c.token_ids)[:num_tokens] for c in comps], dtype=torch.long),
-            "logprobs": torch.tensor(
-                [[step[t].logprob for step, t in zip(c.logprobs, c.token_ids)][:num_tokens] for c in comps],
-                dtype=torch.float64,
-            ),
-            "counters": counters,
-            "generate_s": gen_s,
-        }
+        out[name] = _phase_record([c for o in outs for c in o.outputs], num_tokens, counters, gen_s)
     checks.shutdown(llm)
     return out
 
@@ -454,13 +459,7 @@ def batch_aware_scenario(
             origins[i][: len(got)] = got
         counts = llm.collective_rpc(_catch_up_counts)[0]
         out[name] = {
-            "samples": torch.tensor([list(c.token_ids)[:num_tokens] for c in comps], dtype=torch.long),
-            "logprobs": torch.tensor(
-                [[step[t].logprob for step, t in zip(c.logprobs, c.token_ids)][:num_tokens] for c in comps],
-                dtype=torch.float64,
-            ),
-            "counters": counters,
-            "generate_s": gen_s,
+            **_phase_record(comps, num_tokens, counters, gen_s),
             "steps": list(steps),
             "origins": torch.tensor(origins, dtype=torch.long),
             "max_tokens": lengths,
