@@ -1,25 +1,9 @@
-"""OCC, the per-step coefficient of the MTP gradient (docs/methods.md section 3, docs/occ.md).
+"""OCC, the per-step coefficient of the MTP heads' policy loss (docs/methods.md section 3, docs/occ.md).
 
-The math lives in :mod:`nemo_rl_spec.models.policy.occ` (the Megatron worker applies it inside its backward, and
-models must not import algorithms); this module re-exports it under its algorithmic name.
+The math lives in :mod:`nemo_rl_spec.models.policy.occ` (the Megatron worker applies it in its loss, and models must
+not import algorithms); this module re-exports it under its algorithmic name.
 """
 
-from nemo_rl_spec.models.policy.occ import (
-    MODES,
-    PROXIES,
-    MTPCoefficient,
-    closed_form_lambda,
-    logprob_delta_lambda,
-    occ_lambda,
-    occ_proxies,
-)
+from nemo_rl_spec.models.policy.occ import MODES, PROXIES, MTPCoefficient, logprob_delta_lambda, occ_lambda
 
-__all__ = [
-    "MODES",
-    "PROXIES",
-    "MTPCoefficient",
-    "closed_form_lambda",
-    "logprob_delta_lambda",
-    "occ_lambda",
-    "occ_proxies",
-]
+__all__ = ["MODES", "PROXIES", "MTPCoefficient", "logprob_delta_lambda", "occ_lambda"]

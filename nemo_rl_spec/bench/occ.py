@@ -7,12 +7,12 @@
 ``--steps 0 --overhead-repeats N`` only times ``train()`` per mode in one process (the overhead check);
 ``--proxy-steps N`` runs N occ+ref steps of one worker on random batches with random advantages and writes
 ``proxy_validation_random_batches`` (in a recipe whose model never earns reward every advantage, c and v2 are 0).
-Mode flags: ``+lpd`` selects the paper's proxy (``policy.megatron_cfg.mtp_occ_proxy=logprob_delta``, docs/occ.md
-section 3a; give ``policy.train_global_batch_size`` below the step's rows, or its lambda is 0), e.g. ``occ+lpd`` or
-``occ+lpd+ref`` (its proxy validation is written as ``proxy_validation_occ+lpd+ref``). Mode ``occ+ref`` is occ with
-``mtp_occ_reference`` on: every step also reports c and v2 from full parameter
-gradients, and the JSON gets ``proxy_validation`` (correlation of the proxies with them over steps and seeds) and,
-with ``--overhead-repeats``, the reference's cost as ``occ+ref`` vs ``occ`` train() time.
+Mode syntax ``<loss mode>[@<coefficient>][+ref]``: ``policy@1`` sets ``mtp_loss_scaling_factor=1`` (the fixed
+coefficient; lambda_plus for occ), ``+ref`` turns on ``mtp_occ_reference`` (every optimizer step also reports c and
+v2 from full parameter gradients, and the JSON gets ``proxy_validation_<mode>``: OCC's lambda against the rule on
+them, per optimizer step after a step's first; with ``--overhead-repeats``, the reference's cost as ``occ+ref`` vs
+``occ`` train() time). OCC's lambda is 0 on a step's first optimizer mini-batch: give
+``policy.train_global_batch_size`` below the step's rows.
 
 Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh process: Ray + vLLM + Megatron), with
 ``policy.megatron_cfg.mtp_loss_mode=<mode>`` and ``grpo.seed=<seed>``, its logs in ``<work-dir>/<mode>_seed<seed>/``
@@ -26,16 +26,18 @@ the exit code is 1. Written JSON::
         "mtp_acceptance": train/mtp/acceptance at the last step (top-1 agreement with the main head, fraction),
         "step_time_s": mean timing/train/total_step_time over steps after the first (seconds),
         "train_time_s": mean timing/train/policy_training over steps after the first (seconds),
-        "series": {metric: [per step]} for reward, lambda, c_hat, v2_hat, MTP CE, acceptance (+ c_ref, v2_ref,
-                   lambda_ref, c_ref_decoder, v2_ref_decoder for occ+ref)}}},
+        "series": {metric: [per step]} for reward, lambda, MTP CE, acceptance, the clip fraction (+ c_ref, v2_ref,
+                   lambda_ref, c_ref_decoder, v2_ref_decoder for +ref),
+        "minibatch_series": {metric: [[per optimizer step of a GRPO step] per GRPO step]} for lambda, c_ref, v2_ref,
+                   lambda_ref (with several optimizer steps a GRPO step)}}},
      "per_mode": {"<mode>": {"final_accuracy" | "peak_accuracy" | "mtp_acceptance" | "step_time_s" | "train_time_s":
                   {"per_seed", "mean", "interval90": bootstrap 90% interval over seeds}}},
      "vs_detach": {"<mode>": {"final_accuracy" | "peak_accuracy": {"per_seed": mode - detach, "mean", "interval90",
                    "above", "below"}}} (paired by seed, :func:`paired_vs`),
      "failed_runs": ["<mode> seed <seed>", ...],
      "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...},
-     "proxy_validation": {"pearson_c", "pearson_v2", "pearson_lambda", "pearson_lambda_hidden_grad", "spearman_*",
-                          "sign_agreement_c", "sign_agreement_lambda_vs_c" ((lambda > 0) == (c > 0)), "n"},
+     "proxy_validation_<mode>": :func:`proxy_validation` (sign agreement, rank correlation and scale of lambda
+                          against lambda_plus * c / v2 per optimizer step),
      "machine": {...} (:func:`~nemo_rl_spec.utils.machine.machine_info`: CPU model and ISA flags, torch, GPU)}
 
 Also prints a table and writes ``<out>.png`` (per-step curves per mode, mean over seeds). On 2 shared CPU cores the
@@ -62,38 +64,52 @@ from nemo_rl_spec.utils.machine import write_bench_json
 SERIES = {
     "reward": "train/reward",
     "lambda": "train/mtp/lambda",
-    "c_hat": "train/mtp/c_hat",
-    "v2_hat": "train/mtp/v2_hat",
     "mtp_ce": "train/mtp/ce_0",
     "mtp_acceptance": "train/mtp/acceptance",
+    "clip_fraction": "train/probs_ratio_clamped",
     "c_ref": "train/mtp/c_ref",
     "v2_ref": "train/mtp/v2_ref",
     "lambda_ref": "train/mtp/lambda_ref",
     "c_ref_decoder": "train/mtp/c_ref_decoder",
     "v2_ref_decoder": "train/mtp/v2_ref_decoder",
-    "lambda_hidden_grad": "train/mtp/lambda_hidden_grad",
 }
-PROXY_SERIES = ("c_hat", "c_ref", "v2_hat", "v2_ref", "lambda", "lambda_ref", "c_ref_decoder", "v2_ref_decoder")
+MINIBATCH_SERIES = (
+    "lambda",
+    "c_ref",
+    "v2_ref",
+    "lambda_ref",
+)  # train/mtp/<name>/mb<i> (lm_policy.PER_MINIBATCH_METRICS)
+PROXY_SERIES = ("lambda", "c_ref", "v2_ref", "lambda_ref", "c_ref_decoder", "v2_ref_decoder")
 REFERENCE = "+ref"  # mode suffix: also compute the full-gradient reference (policy.megatron_cfg.mtp_occ_reference)
-FLAGS = {"ref": "mtp_occ_reference", "lpd": "mtp_occ_proxy"}  # mode flags -> policy.megatron_cfg keys
 
 
-def parse_mode(mode: str) -> tuple[str, bool, str]:
-    """``occ+lpd+ref`` -> (loss mode "occ", reference on, proxy "logprob_delta"); plain ``occ`` -> ("occ", False,
-    "hidden_grad"). Raises ValueError for an unknown flag."""
-    base, *flags = mode.split("+")
-    if set(flags) - set(FLAGS):
-        raise ValueError(f"mode {mode!r}: unknown flag(s) {sorted(set(flags) - set(FLAGS))}; known: {sorted(FLAGS)}")
-    return base, "ref" in flags, "logprob_delta" if "lpd" in flags else "hidden_grad"
+def parse_mode(mode: str) -> tuple[str, float | None, bool]:
+    """``occ@0.1+ref`` -> (loss mode "occ", coefficient 0.1, reference on); ``policy`` -> ("policy", None, False)
+    (None: the recipe's ``mtp_loss_scaling_factor``).
+
+    Raises:
+        ValueError: an unknown flag or a coefficient that is not a non-negative number.
+    """
+    head, *flags = mode.split("+")
+    if set(flags) - {"ref"}:
+        raise ValueError(f"mode {mode!r}: unknown flag(s) {sorted(set(flags) - {'ref'})}; known: ['ref']")
+    base, _, coef = head.partition("@")
+    try:
+        value = float(coef) if coef else None
+    except ValueError:
+        value = None
+    if coef and (value is None or value < 0):
+        raise ValueError(f"mode {mode!r}: the coefficient after '@' must be a number >= 0")
+    return base, value, "ref" in flags
 
 
 def mode_overrides(mode: str) -> list[str]:
-    """``occ`` -> the loss mode; ``+ref`` adds the full-gradient reference, ``+lpd`` the paper's proxy."""
-    base, reference, proxy = parse_mode(mode)
+    """The config overrides of a mode (:func:`parse_mode`)."""
+    base, coef, reference = parse_mode(mode)
     return (
         [f"policy.megatron_cfg.mtp_loss_mode={base}"]
+        + ([f"policy.megatron_cfg.mtp_loss_scaling_factor={coef}"] if coef is not None else [])
         + (["+policy.megatron_cfg.mtp_occ_reference=true"] if reference else [])
-        + ([f"+policy.megatron_cfg.mtp_occ_proxy={proxy}"] if proxy != "hidden_grad" else [])
     )
 
 
@@ -169,42 +185,59 @@ def summarise(records: list[dict]) -> dict:
         "step_time_s": mean("timing/train/total_step_time"),
         "train_time_s": mean("timing/train/policy_training"),
         "series": {name: [r.get(key, float("nan")) for r in steps] for name, key in SERIES.items()},
+        "minibatch_series": {
+            name: [
+                [r[k] for k in sorted((k for k in r if k.startswith(f"train/mtp/{name}/mb")), key=_mb_index)]
+                for r in steps
+            ]
+            for name in MINIBATCH_SERIES
+        },
     }
+
+
+def _mb_index(key: str) -> int:
+    return int(key.rsplit("/mb", 1)[1])
+
+
+def proxy_points(seeds: dict) -> list[tuple[float, float, float]]:
+    """``(lambda, lambda_ref, c_ref)`` of every optimizer step after a GRPO step's first (where the observed log-prob
+    change, so the proxy, is defined) of every seed, from ``minibatch_series``; with one optimizer step per GRPO step
+    (no ``minibatch_series``), every step's ``series`` values."""
+    points = []
+    for r in seeds.values():
+        mb = r.get("minibatch_series", {})
+        if mb and any(mb.get("lambda_ref", [])):
+            for lam, ref, c in zip(mb["lambda"], mb["lambda_ref"], mb["c_ref"]):
+                points.extend(zip(lam[1:], ref[1:], c[1:]))
+        else:
+            s = r["series"]
+            points.extend(zip(s["lambda"], s["lambda_ref"], s["c_ref"]))
+    return [p for p in points if all(v == v for v in p)]  # drop NaN (absent metric)
 
 
 def proxy_validation(seeds: dict) -> dict:
-    """Pearson and Spearman (rank) correlation of the proxies (c_hat, v2_hat, lambda) with the full-gradient reference (c, v2,
-    lambda_ref; and c, v2 over the decoder layers only, when the series have them) over every step of every seed,
-    and the fraction of steps where sign(c_hat) == sign(c) (``sign_agreement_c``, ``sign_agreement_c_decoder``)."""
-    names = {
-        "c": ("c_hat", "c_ref"),
-        "v2": ("v2_hat", "v2_ref"),
-        "lambda": ("lambda", "lambda_ref"),
-        "lambda_hidden_grad": ("lambda_hidden_grad", "lambda_ref"),
-        "lambda_vs_c": ("lambda", "c_ref"),
-        "c_decoder": ("c_hat", "c_ref_decoder"),
-        "v2_decoder": ("v2_hat", "v2_ref_decoder"),
-    }
-    pairs = {name: ([], []) for name in names}
-    for r in seeds.values():
-        s = r["series"]
-        for name, (hat, ref) in names.items():
-            if ref in s and hat in s:
-                kept = [(a, b) for a, b in zip(s[hat], s[ref]) if a == a and b == b]  # drop NaN (absent metric)
-                pairs[name][0].extend(a for a, _ in kept)
-                pairs[name][1].extend(b for _, b in kept)
+    """OCC's lambda against the rule on the full-gradient reference, ``lambda_ref = lambda_plus * c / (v2 + eps)``,
+    per optimizer step (:func:`proxy_points`): ``sign_agreement`` = fraction with sign(lambda) == sign(c);
+    ``sign_agreement_top_half_c`` the same over the steps whose |c| is in its upper half (the must-show: >= 0.8);
+    ``spearman_lambda`` rank correlation of lambda with lambda_ref; ``scale_ratio_median`` the median of
+    |lambda| / |lambda_ref| over the top-half steps (within 10x: between 0.1 and 10); ``n`` steps."""
+    pts = proxy_points(seeds)
+    if len(pts) < 3:
+        return {"n": len(pts)}
+    lam, ref, c = (np.array(x, dtype=float) for x in zip(*pts))
+    top = np.abs(c) >= np.median(np.abs(c))
     rank = lambda x: np.argsort(np.argsort(x))  # noqa: E731
-    out = {}
-    for name, (a, b) in pairs.items():
-        if len(a) > 2:  # magnitudes are heavy-tailed, so also the rank correlation
-            out[f"pearson_{name}"] = float(np.corrcoef(a, b)[0, 1])
-            out[f"spearman_{name}"] = float(np.corrcoef(rank(a), rank(b))[0, 1])
-    for name in ("c", "c_decoder", "lambda_vs_c"):  # lambda_vs_c: (lambda > 0) == (c > 0), for either proxy
-        hat, ref = pairs[name]
-        if hat:
-            out[f"sign_agreement_{name}"] = float(np.mean([(a > 0) == (b > 0) for a, b in zip(hat, ref)]))
-    out["n"] = len(pairs["c"][0])
-    return out
+    ratio = np.abs(lam[top]) / np.maximum(np.abs(ref[top]), 1e-30)
+    return {
+        "n": len(pts),
+        "n_top_half": int(top.sum()),
+        "sign_agreement": float(np.mean(np.sign(lam) == np.sign(c))),
+        "sign_agreement_top_half_c": float(np.mean(np.sign(lam[top]) == np.sign(c[top]))),
+        "spearman_lambda": float(np.corrcoef(rank(lam), rank(ref))[0, 1]),
+        "pearson_lambda": float(np.corrcoef(lam, ref)[0, 1]),
+        "scale_ratio_median": float(np.median(ratio)),
+        "scale_ratio_iqr": [float(np.quantile(ratio, 0.25)), float(np.quantile(ratio, 0.75))],
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -236,9 +269,10 @@ def _workers(config: str, modes: list[str], extra: list[str]) -> dict:
     workers = {}
     for mode in modes:
         pcfg = cfg.policy.model_copy(deep=True)
-        base, reference, proxy = parse_mode(mode)
+        base, coef, reference = parse_mode(mode)
         pcfg.megatron_cfg.mtp_loss_mode, pcfg.megatron_cfg.mtp_occ_reference = base, reference
-        pcfg.megatron_cfg.mtp_occ_proxy = proxy
+        if coef is not None:
+            pcfg.megatron_cfg.mtp_loss_scaling_factor = coef
         workers[mode] = MegatronPolicyWorker(pcfg, ClippedPGLossFn(cfg.loss_fn.model_dump()), path, seed=0)
     return workers
 
@@ -278,17 +312,20 @@ def train_overhead(config: str, modes: list[str], repeats: int, extra: list[str]
     return {m: statistics.median(t) for m, t in times.items()}
 
 
-def proxy_steps(config: str, steps: int, extra: list[str]) -> dict:
-    """``steps`` occ+ref optimizer steps of one worker on fresh random batches with random advantages (a GRPO
-    recipe whose model never earns reward has all-zero advantages, hence c = v2 = 0 everywhere); returns
-    ``{"<seed>": {"series": ...}}`` for :func:`proxy_validation`."""
+def proxy_steps(config: str, steps: int, extra: list[str], minibatches: int = 4) -> dict:
+    """``steps`` GRPO-like steps of one occ+ref worker on fresh random batches with random advantages, each split
+    into ``minibatches`` optimizer steps on the same ``prev_logprobs`` (so the proxy is defined after the first);
+    returns ``{"0": {"minibatch_series": ...}}`` for :func:`proxy_validation`."""
+    from nemo_rl_spec.models.policy.lm_policy import train_minibatches  # lazy: imports ray
+
     worker = _workers(config, ["occ" + REFERENCE], extra)["occ" + REFERENCE]
-    series = {name: [] for name in PROXY_SERIES}
+    series = {name: [] for name in MINIBATCH_SERIES}
     for step in range(steps):
-        m = worker.train(random_train_batch(worker, seed=1000 + step))
+        data = random_train_batch(worker, seed=1000 + step)
+        parts = train_minibatches(worker.train, data, data["input_ids"].shape[0] // minibatches)
         for name in series:
-            series[name].append(m[f"mtp/{name}"])
-    return {"0": {"series": series}}
+            series[name].append([m[f"mtp/{name}"] for m in parts])
+    return {"0": {"minibatch_series": series, "series": {}}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,10 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = result["runs"]
     if "detach" in runs:
         result["vs_detach"] = paired_vs(runs)
-    if "occ" + REFERENCE in runs:
-        result["proxy_validation"] = proxy_validation(runs["occ" + REFERENCE])
-        print("proxy validation:", json.dumps(result["proxy_validation"]), flush=True)
-    for mode in [m for m in runs if m != "occ" + REFERENCE and parse_mode(m)[1]]:
+    for mode in [m for m in runs if parse_mode(m)[2]]:
         result[f"proxy_validation_{mode}"] = proxy_validation(runs[mode])
         print(f"proxy validation {mode}:", json.dumps(result[f"proxy_validation_{mode}"]), flush=True)
     if "occ" in runs and "detach" in runs:

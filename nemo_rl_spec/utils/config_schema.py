@@ -217,23 +217,45 @@ def check_scheduler(sched: SchedulerConfig, opt: OptimizerConfig) -> None:
         )
 
 
+class MTPWarmStartConfig(_Strict):
+    """``policy.megatron_cfg.mtp_warm_start``: train the MTP layers alone (trunk frozen) with cross-entropy on the
+    policy's own samples before RL, so co-training starts from a head that predicts (as the paper's MiMo MTP
+    layer does). Samples: ``samples_per_prompt`` responses at the recipe's temperature to the first ``num_prompts``
+    training prompts of a seeded order; ``holdout_fraction`` of the prompts are held out for the reported CE and
+    acceptance. The trained MTP weights are cached under ``cache_dir`` by a hash of everything they depend on (model
+    files, MTP layers, seed, temperature, data and these keys) and reused by later runs."""
+
+    enabled: bool = True
+    num_prompts: PositiveInt = 64
+    samples_per_prompt: PositiveInt = 4
+    holdout_fraction: float = Field(default=0.125, ge=0.0, lt=1.0)
+    steps: PositiveInt = 200
+    batch_size: PositiveInt = 16  # sequences per optimizer step
+    lr: PositiveFloat = 1e-3
+    cache_dir: str = "results/mtp_warm_start"
+
+
 class MegatronConfig(_Strict):
     tensor_model_parallel_size: PositiveInt
     pipeline_model_parallel_size: PositiveInt
     activation_checkpointing: bool
     num_threads: PositiveInt
     optimizer: OptimizerConfig
-    # MTP co-training (OCC issue); feature keys, off by default
+    # MTP co-training (docs/occ.md); off by default
     mtp_num_layers: int = Field(default=0, ge=0)
     mtp_loss_mode: Literal["detach", "ce", "policy", "occ"] = "detach"
-    mtp_loss_scaling_factor: float = Field(default=0.1, ge=0.0)
+    # NeMo-RL's switch: True = detach (the MTP loss never reaches the trunk), False = ce; None: mtp_loss_mode decides
+    mtp_detach_heads: Optional[bool] = None
+    mtp_loss_scaling_factor: float = Field(default=0.1, ge=0.0)  # lambda_plus for occ; the fixed lambda for ce/policy
     mtp_occ_eps: PositiveFloat = 1e-8
-    mtp_occ_lambda_max: Optional[float] = Field(default=None, ge=0.0)  # optional clamp of the OCC lambda_t
-    # reference c, v2 from full parameter gradients (two extra trunk backwards per micro-batch; validation only)
+    mtp_occ_lambda_max: Optional[float] = Field(default=None, ge=0.0)  # optional clamp of |lambda_t|; None: none
+    # the full-gradient reference c, v2 per optimizer step (two extra trunk backwards per micro-batch; validation)
     mtp_occ_reference: bool = False
-    # occ's proxy for c / v2: hidden-state gradients (this project's) or the paper's observed log-prob changes
-    # (RL-MTP; 0 on a step's first optimizer mini-batch); docs/occ.md section 3a
-    mtp_occ_proxy: Literal["hidden_grad", "logprob_delta"] = "hidden_grad"
+    # occ's proxy for c / v2: the paper's observed log-prob changes (RL-MTP; 0 on a step's first optimizer
+    # mini-batch), docs/occ.md section 3
+    mtp_occ_proxy: Literal["logprob_delta"] = "logprob_delta"
+    # CE warm start of the MTP layers on the policy's own samples before RL (cached); None: the seeded random init
+    mtp_warm_start: Optional[MTPWarmStartConfig] = None
     scheduler: Optional[SchedulerConfig] = None  # NeMo-RL parity; None: constant lr
 
     @model_validator(mode="after")
@@ -242,13 +264,27 @@ class MegatronConfig(_Strict):
             check_scheduler(self.scheduler, self.optimizer)
         return self
 
-    @model_validator(mode="after")
-    def _occ_proxy_needs_occ(self) -> "MegatronConfig":
-        if self.mtp_occ_proxy != "hidden_grad" and (self.mtp_loss_mode != "occ" or self.mtp_num_layers < 1):
+    @model_validator(mode="before")
+    @classmethod
+    def _detach_heads(cls, data):
+        """NeMo-RL's ``mtp_detach_heads`` picks detach (True) or ce (False); a conflicting explicit
+        ``mtp_loss_mode`` is refused."""
+        if not isinstance(data, dict) or data.get("mtp_detach_heads") is None:
+            return data
+        implied = "detach" if data["mtp_detach_heads"] else "ce"
+        if data.get("mtp_loss_mode", implied) != implied:
             raise ValueError(
-                f"policy.megatron_cfg.mtp_occ_proxy={self.mtp_occ_proxy!r} is OCC's coefficient proxy; "
-                f"it needs mtp_loss_mode='occ' and mtp_num_layers >= 1 (got mtp_loss_mode="
-                f"{self.mtp_loss_mode!r}, mtp_num_layers={self.mtp_num_layers})"
+                f"policy.megatron_cfg.mtp_detach_heads={data['mtp_detach_heads']} means mtp_loss_mode={implied!r}, "
+                f"but mtp_loss_mode={data['mtp_loss_mode']!r} is set; drop one of the two keys"
+            )
+        return {**data, "mtp_loss_mode": implied}
+
+    @model_validator(mode="after")
+    def _warm_start_needs_mtp(self) -> "MegatronConfig":
+        if self.mtp_warm_start is not None and self.mtp_warm_start.enabled and self.mtp_num_layers < 1:
+            raise ValueError(
+                "policy.megatron_cfg.mtp_warm_start.enabled=true needs mtp_num_layers >= 1 "
+                f"(got {self.mtp_num_layers})"
             )
         return self
 
@@ -775,14 +811,15 @@ class MasterConfig(_Strict):
 
     @model_validator(mode="after")
     def _logprob_delta_minibatches(self) -> "MasterConfig":
-        """``mtp_occ_proxy: logprob_delta`` is 0 on a step's first optimizer mini-batch; warn when the usual step
+        """OCC's lambda is 0 on a step's first optimizer mini-batch; warn when the usual step
         (num_prompts_per_step x num_generations_per_prompt rows) fits in one. A warning, not a refusal: a step's
         rows are not fixed by these keys alone (pilot-commit budgets, dynamic sampling)."""
         rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         gbs = self.policy.train_global_batch_size
-        if self.policy.megatron_cfg.mtp_occ_proxy == "logprob_delta" and gbs >= rows:
+        mcfg = self.policy.megatron_cfg
+        if mcfg.mtp_num_layers and mcfg.mtp_loss_mode == "occ" and gbs >= rows:
             warnings.warn(
-                f"policy.megatron_cfg.mtp_occ_proxy='logprob_delta' with policy.train_global_batch_size="
+                f"policy.megatron_cfg.mtp_loss_mode='occ' with policy.train_global_batch_size="
                 f"{gbs} >= grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows}: one "
                 "optimizer step per GRPO step, on which the observed log-prob change and so OCC's lambda "
                 "are 0; set train_global_batch_size to a fraction of the rows",

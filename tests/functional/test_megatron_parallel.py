@@ -68,7 +68,9 @@ def _cfg(
     mcfg.update(tensor_model_parallel_size=tp, activation_checkpointing=activation_checkpointing, num_threads=1)
     mcfg["optimizer"].update(lr=1e-2, adam_eps=1e-3, use_distributed_optimizer=distributed_optimizer)
     if mtp:
-        mcfg.update(mtp_num_layers=1, mtp_loss_mode="occ", mtp_loss_scaling_factor=0.5)
+        # policy mode: a fixed lambda sends the MTP gradient into the trunk; the step-level reference c / v2 checks the
+        # DP and TP sums of full gradients
+        mcfg.update(mtp_num_layers=1, mtp_loss_mode="policy", mtp_loss_scaling_factor=0.5, mtp_occ_reference=True)
     if draft:
         cfg["draft"] = {"enabled": True, "online": True, "optimizer": {"lr": 1e-3, "max_grad_norm": 1.0}}
         cfg["generation"]["vllm_kwargs"] = {"speculative_config": {"method": "eagle3", "num_speculative_tokens": 2}}
@@ -203,7 +205,7 @@ def dp2_bf16_distopt(cluster, model_dir, tmp_path_factory):
 
 
 PG_KEYS = ("loss", "grad_norm", "probs_ratio", "num_valid_tokens", "num_valid_seqs", "is_weight")
-MTP_KEYS = ("mtp/lambda", "mtp/c_hat", "mtp/v2_hat", "mtp/loss_0", "mtp/ce_0", "mtp/acceptance", "mtp/grad_norm")
+MTP_KEYS = ("mtp/lambda", "mtp/c_ref", "mtp/v2_ref", "mtp/loss_0", "mtp/ce_0", "mtp/acceptance", "mtp/grad_norm")
 
 
 @pytest.mark.parametrize("scenario", ["dp2", "dp2_distopt_mtp"])
@@ -215,13 +217,13 @@ def test_dp2_layout_logprobs_and_steps_equal_dp1(scenario, request):
     assert got.shape == expected.shape == (7, 14) and (got - expected).abs().max().item() < 1e-6
     for step, (m_dp2, m_dp1, w_dp2, w_dp1) in enumerate(run["steps"]):
         _assert_metrics_close(m_dp2, m_dp1, PG_KEYS, rel=1e-6, where=f"step {step}")
-        if scenario == "dp2_distopt_mtp":  # c_hat: a sum of gradient products that cancels (1e-7 weights -> 1e-6)
+        if scenario == "dp2_distopt_mtp":  # c_ref: a sum of gradient products that cancels (1e-7 weights -> 1e-6)
             _assert_metrics_close(m_dp2, m_dp1, MTP_KEYS, rel=1e-5, where=f"step {step}")
         assert _max_diff(w_dp2, w_dp1) < 1e-6, step
         assert _max_diff(w_dp1, run["initial"]) > 1e-3  # the steps moved every compared tensor set
     if scenario == "dp2_distopt_mtp":
         assert any(k.startswith("mtp.") for k in run["initial"])
-        assert run["steps"][0][1]["mtp/lambda"] > 0  # occ took a non-zero share of the MTP gradient
+        assert run["steps"][0][1]["mtp/lambda"] == 0.5  # the trunk took a share of the MTP gradient
     assert run["steps"][1][0]["num_micro_batches"] == 1  # the 1-row step: DP rank 1 ran no micro-batch
 
 
@@ -279,7 +281,7 @@ def test_dp2_tp2_with_online_draft_equals_dp1(dp2_tp2_draft):
 
 @pytest.fixture(scope="module")
 def tp2_mtp(cluster, model_dir, tmp_path_factory):
-    """TP=2 with MTP (occ) vs TP=1: log-probs, export, one step; then a per-TP-rank checkpoint round trip."""
+    """TP=2 with MTP (policy mode, full-gradient reference) vs TP=1: log-probs, export, one step; then a per-TP-rank checkpoint round trip."""
     policy, reference = _policy(cluster, model_dir, 2, _cfg(tp=2, mtp=True)), _reference(model_dir, _cfg(mtp=True))
     try:
         out = {

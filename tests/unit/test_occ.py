@@ -1,29 +1,23 @@
-"""OCC coefficient: the rule, its clamps and zero cases, and a toy with known gradients in which the proxy
-lambda_t tracks the closed-form L-smooth optimum (docs/occ.md)."""
+"""OCC coefficient: the rule on exact c and v2 (signed, optional clamp), the per-mode head coefficients, the MTP
+log-probs / acceptance on a hand example, and the benchmark's proxy validation and summaries (docs/occ.md)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from nemo_rl_spec.algorithms.loss import mtp_loss as ml
-from nemo_rl_spec.algorithms.occ import (
-    MTPCoefficient,
-    closed_form_lambda,
-    occ_lambda,
-    occ_proxies,
-)
+from nemo_rl_spec.algorithms.occ import MTPCoefficient, occ_lambda
 from nemo_rl_spec.bench import occ as bench_occ
 
 
-def test_occ_lambda_hand_values_and_clamps():
+def test_occ_lambda_hand_values_sign_and_clamp():
     assert occ_lambda(2.0, 4.0, 1.0, 1e-8) == pytest.approx(0.5, rel=1e-7)
     assert occ_lambda(2.0, 4.0, 3.0, 1.0) == pytest.approx(1.2, rel=1e-12)  # 3 * 2 / 5
-    assert occ_lambda(-1.0, 4.0, 1.0, 1e-8) == 0.0  # opposed
+    assert occ_lambda(-1.0, 4.0, 1.0, 1e-8) == pytest.approx(-0.25, rel=1e-7)  # opposed: signed
     assert occ_lambda(0.0, 0.0, 1.0, 1e-8) == 0.0  # no signal (e.g. all advantages 0): 0 / eps
     assert occ_lambda(5.0, 1.0, 1.0, 1e-8, lambda_max=2.0) == 2.0
+    assert occ_lambda(-5.0, 1.0, 1.0, 1e-8, lambda_max=2.0) == -2.0  # the clamp bounds |lambda|
     with pytest.raises(ValueError):
         occ_lambda(1.0, -1.0, 1.0, 1e-8)
     with pytest.raises(ValueError):
@@ -31,72 +25,18 @@ def test_occ_lambda_hand_values_and_clamps():
 
 
 def test_coefficient_per_mode():
-    assert MTPCoefficient("detach", 0.3)(5.0, 1.0) == 0.0
-    assert MTPCoefficient("ce", 0.3)(-5.0, 1.0) == 0.3
-    assert MTPCoefficient("policy", 0.3)(5.0, 1.0) == 0.3
-    assert MTPCoefficient("occ", 0.3)(5.0, 1.0) == pytest.approx(1.5)
+    assert MTPCoefficient("detach", 0.3).fixed(2) == [0.5, 0.5]  # the heads' mean CE, head-only
+    assert MTPCoefficient("ce", 0.3).fixed(1) == [0.3]
+    assert MTPCoefficient("policy", 0.3).fixed(3) == pytest.approx([0.1, 0.1, 0.1])
+    # occ: per head from the log-prob changes; d = (0.5, 0, -0.5), d_mtp = (-2, 1, -1) -> mean 0.25 / 3, / K heads
+    prev = torch.tensor([[0.0, -1.0, -2.0, -1.0]])
+    curr = torch.tensor([[0.0, -0.5, -2.0, -1.5]])
+    mtp = torch.tensor([[0.0, -3.0, -1.0, -2.0]])
+    valid = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    lams = MTPCoefficient("occ", 0.3, eps=1e-12).occ([(mtp, valid), (mtp, valid)], curr, prev)
+    assert lams == pytest.approx([0.3 * 0.25 / 3 / 2] * 2, rel=1e-9)
     with pytest.raises(ValueError):
         MTPCoefficient("mse", 0.3)
-
-
-def test_proxies_hand_values_ignore_padding():
-    rl = torch.tensor([[1.0, 2.0], [3.0, -1.0], [100.0, 100.0]])
-    mtp = torch.tensor([[0.5, 1.0], [1.0, 1.0], [100.0, 100.0]])
-    c, v2 = occ_proxies(rl, mtp, torch.tensor([1.0, 1.0, 0.0]))
-    assert float(c) == 0.5 + 2.0 + 3.0 - 1.0
-    assert float(v2) == 0.25 + 1.0 + 1.0 + 1.0
-    with pytest.raises(ValueError):
-        occ_proxies(rl, mtp[:2], torch.ones(3))
-
-
-def _linear_trunk_toy(theta: float, seed: int = 0, n: int = 32, dim_in: int = 1024, hidden: int = 16):
-    """Linear trunk h_p = W x_p (x_p random unit vectors, nearly orthogonal), RL loss through a softmax head
-    with advantages, MTP loss linear in h with gradient field m_p = cos(theta) g_p + sin(theta) o_p, where g_p =
-    dL_RL/dh_p and o_p is a field of the same size orthogonal to g_p at every position.
-
-    Returns (true c, true v2 in parameter space, c_hat, v2_hat from hidden-state gradients)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, dim_in, generator=gen, dtype=torch.float64)
-    x = x / x.norm(dim=1, keepdim=True)
-    weight = torch.randn(hidden, dim_in, generator=gen, dtype=torch.float64).requires_grad_(True)
-    head = torch.randn(50, hidden, generator=gen, dtype=torch.float64)
-    targets = torch.randint(0, 50, (n,), generator=gen)
-    adv = torch.randn(n, generator=gen, dtype=torch.float64)
-    h = x @ weight.t()
-    logp = torch.log_softmax(h @ head.t(), -1).gather(1, targets[:, None]).squeeze(1)
-    rl_loss = -(adv * logp).sum() / n
-    g_h = torch.autograd.grad(rl_loss, h, retain_graph=True)[0]
-    rand = torch.randn(n, hidden, generator=gen, dtype=torch.float64)
-    orth = rand - (rand * g_h).sum(1, keepdim=True) / (g_h * g_h).sum(1, keepdim=True) * g_h
-    orth = orth / orth.norm(dim=1, keepdim=True) * g_h.norm(dim=1, keepdim=True)
-    field = math.cos(theta) * g_h + math.sin(theta) * orth
-    mtp_loss = (field.detach() * h).sum()
-    g_rl = torch.autograd.grad(rl_loss, weight, retain_graph=True)[0]
-    g_mtp_h, g_mtp = torch.autograd.grad(mtp_loss, [h, weight])
-    c_hat, v2_hat = occ_proxies(g_h, g_mtp_h, torch.ones(n))
-    return float((g_rl * g_mtp).sum()), float((g_mtp * g_mtp).sum()), float(c_hat), float(v2_hat)
-
-
-def test_toy_lambda_tracks_closed_form_optimum_and_vanishes_when_orthogonal_or_opposed():
-    smoothness, lr = 4.0, 0.05
-    lambda_plus = (1 - smoothness * lr) / (smoothness * lr)  # the constant of the optimum, docs/occ.md eq. (3)
-    thetas = torch.linspace(0.0, math.pi, 25).tolist()
-    optimum, proxy = [], []
-    for seed in range(3):
-        for theta in thetas:
-            c, v2, c_hat, v2_hat = _linear_trunk_toy(theta, seed)
-            optimum.append(closed_form_lambda(c, v2, smoothness, lr))
-            proxy.append(occ_lambda(c_hat, v2_hat, lambda_plus, 1e-12))
-    optimum, proxy = torch.tensor(optimum), torch.tensor(proxy)
-    corr = torch.corrcoef(torch.stack([optimum, proxy]))[0, 1]
-    assert corr > 0.9, float(corr)
-    assert (proxy - optimum).abs().max() < 0.25 * optimum.max()
-    aligned = proxy.view(3, -1)[:, 0]
-    assert aligned.min() > 3.0  # about lambda_plus = 4 when the MTP gradient equals the RL one
-    orthogonal = proxy.view(3, -1)[:, 12]  # theta = pi / 2
-    assert orthogonal.abs().max() < 0.05 * aligned.min()
-    opposed = proxy.view(3, -1)[:, 14:]  # theta > pi / 2 + 2 steps
-    assert torch.all(opposed == 0.0)
 
 
 @pytest.mark.numerics
@@ -126,53 +66,48 @@ def test_mtp_token_logprobs_and_acceptance_hand_example():
     assert ml.mtp_valid_mask(data, 0).tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
 
 
-def test_bench_occ_reference_mode_overrides_and_proxy_validation():
+def test_bench_occ_mode_syntax():
     bench = bench_occ
     assert bench.mode_overrides("occ") == ["policy.megatron_cfg.mtp_loss_mode=occ"]
-    assert bench.mode_overrides("occ+ref") == [
-        "policy.megatron_cfg.mtp_loss_mode=occ",
+    assert bench.mode_overrides("policy@1+ref") == [
+        "policy.megatron_cfg.mtp_loss_mode=policy",
+        "policy.megatron_cfg.mtp_loss_scaling_factor=1.0",
         "+policy.megatron_cfg.mtp_occ_reference=true",
     ]
-    # seed 0: c_hat = 2 c_ref + 1 (pearson 1); seed 1 continues the line; one step where the signs differ
+    assert bench.parse_mode("occ@0.1") == ("occ", 0.1, False)
+    for bad in ("occ+lpd", "policy@x", "policy@-1"):
+        with pytest.raises(ValueError):
+            bench.parse_mode(bad)
+
+
+def test_bench_occ_proxy_validation_per_optimizer_step():
+    """Points are the optimizer steps after each GRPO step's first; by hand: 4 points (lambda, lambda_ref, c) =
+    (1, 2, 4), (-1, 3, 3), (0.5, 0.5, -1), (2, 1, 0.5); |c| median 2 -> top half c = 4, 3: signs agree on 1 of 2;
+    ratios |lambda| / |lambda_ref| there 0.5, 1/3 -> median 5/12."""
     seeds = {
         "0": {
-            "series": {
-                "c_hat": [1.0, 3.0, 5.0],
-                "c_ref": [0.0, 1.0, 2.0],
-                "v2_hat": [1.0, 2.0, 3.0],
-                "v2_ref": [3.0, 2.0, 1.0],
-                "lambda": [0.0, 1.0, 2.0],
-                "lambda_ref": [0.0, 1.0, 2.0],
+            "minibatch_series": {
+                "lambda": [[0.0, 1.0, -1.0]],
+                "lambda_ref": [[9.0, 2.0, 3.0]],
+                "c_ref": [[9.0, 4.0, 3.0]],
             }
         },
         "1": {
-            "series": {
-                "c_hat": [7.0],
-                "c_ref": [3.0],
-                "v2_hat": [4.0],
-                "v2_ref": [0.0],
-                "lambda": [3.0],
-                "lambda_ref": [3.0],
+            "minibatch_series": {
+                "lambda": [[0.0, 0.5], [0.0, 2.0]],
+                "lambda_ref": [[7.0, 0.5], [7.0, 1.0]],
+                "c_ref": [[7.0, -1.0], [7.0, 0.5]],
             }
         },
     }
-    out = bench.proxy_validation(seeds)
-    assert out["pearson_c"] == pytest.approx(1.0, abs=1e-12)
-    assert out["pearson_v2"] == pytest.approx(-1.0, abs=1e-12) and out["spearman_v2"] == pytest.approx(-1.0)
-    assert out["spearman_c"] == pytest.approx(1.0)
-    assert out["pearson_lambda"] == pytest.approx(1.0, abs=1e-12)
-    assert out["sign_agreement_c"] == 0.75  # c_hat = 1 > 0 while c_ref = 0 at the first step
-    assert out["n"] == 4 and "pearson_c_decoder" not in out  # no decoder-only series given
-    seeds["0"]["series"]["c_ref_decoder"] = [-1.0, -3.0, -5.0]
-    seeds["1"]["series"]["c_ref_decoder"] = [-7.0]
-    out = bench.proxy_validation(seeds)
-    assert out["pearson_c_decoder"] == pytest.approx(-1.0, abs=1e-12) and out["sign_agreement_c_decoder"] == 0.0
-    # lambda > 0 vs c > 0 (either proxy's coefficient against the reference alignment); NaN steps are dropped
-    seeds["1"]["series"]["lambda"] = [float("nan")]
-    seeds["0"]["series"]["lambda"] = [0.5, 0.0, 2.0]
-    out = bench.proxy_validation(seeds)
-    assert out["sign_agreement_lambda_vs_c"] == pytest.approx(1 / 3)  # (0.5, 0) no, (0, 1) no, (2, 2) yes
-    assert out["n"] == 4  # c pairs keep every step
+    out = bench_occ.proxy_validation(seeds)
+    assert out["n"] == 4 and out["n_top_half"] == 2
+    assert out["sign_agreement"] == 0.5  # (1, c 4) and (2, c 0.5) agree; (-1, c 3) and (0.5, c -1) do not
+    assert out["sign_agreement_top_half_c"] == 0.5
+    assert out["scale_ratio_median"] == pytest.approx(5 / 12)
+    assert out["spearman_lambda"] == pytest.approx(
+        float(torch.corrcoef(torch.tensor([[2.0, 0.0, 1.0, 3.0], [2.0, 3.0, 0.0, 1.0]]))[0, 1])
+    )
 
 
 def test_bench_occ_summary_peak_accuracy_skips_step_zero():

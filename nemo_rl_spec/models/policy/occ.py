@@ -1,4 +1,4 @@
-"""OCC: the per-step coefficient of the MTP gradient that reaches the shared trunk (docs/methods.md section 3).
+"""OCC, the per-step coefficient of the MTP heads' policy loss (docs/methods.md section 3, docs/occ.md).
 
 Derivation (docs/occ.md). With the trunk updated by ``theta' = theta + eta * (g_RL + lambda * g_MTP)`` and the RL
 objective J L-smooth, the guaranteed improvement is
@@ -6,34 +6,14 @@ objective J L-smooth, the guaranteed improvement is
     J(theta') - J(theta) >= eta <g_RL, g> - (L eta^2 / 2) ||g||^2,        g = g_RL + lambda * g_MTP
 
 whose lambda-dependent part ``lambda * eta * (1 - L eta) * c - lambda^2 * (L eta^2 / 2) * v2`` (c = <g_RL, g_MTP>,
-v2 = ||g_MTP||^2) is maximised by
+v2 = ||g_MTP||^2) is maximised by ``lambda* = (1 - L eta) / (L eta) * c / v2``: OCC sets
+``lambda_t = lambda_plus * c / v2`` with ``lambda_plus`` (``mtp_loss_scaling_factor``) absorbing the unknown
+constant. :func:`occ_lambda` is that rule on exact c and v2 (the full-gradient reference of
+:class:`~nemo_rl_spec.models.policy.mtp_cotraining.OCCReference`).
 
-    lambda* = (1 - L eta) / (L eta) * c / v2          (0 when c <= 0: an opposed MTP gradient never helps).
-
-OCC sets ``lambda_t = lambda_plus * max(c_hat, 0) / (v2_hat + eps)``, optionally clamped to ``lambda_max``;
-``lambda_plus`` absorbs the unknown ``(1 - L eta) / (L eta)``.
-
-Proxies (this project's choice, docs/occ.md section 3). Parameter-space gradients of the two losses would need
-a second backward pass through the trunk. Both heads read the same trunk output h (decoder output after its
-final norm), so the worker takes the gradients of the two losses with respect to h at every valid
-(non-padding) position, which the one backward pass computes anyway:
-
-    c_hat  = sum_p <dL_RL/dh_p, dL_MTP/dh_p>         v2_hat = sum_p ||dL_MTP/dh_p||^2
-
-They equal c and v2 exactly when the trunk Jacobians of different positions are orthonormal
-(J_p^T J_q = delta_pq I), e.g. a linear trunk fed near-orthogonal inputs, and are first-order log-prob proxies
-in general: ``-<dL_RL/dh, Delta h>`` is the advantage-weighted change of the main head's log-probs (the first-order
-``delta = log pi_theta - log pi_old``, weighted as the PG loss weights it) that a hidden-state step Delta h
-causes, so c_hat is that change under the MTP step Delta h = -dL_MTP/dh and v2_hat the step's squared size.
-
-Zero delta. In the sync driver every ``train`` call is one optimizer step on freshly computed ``prev_logprobs``,
-so the observed ``delta = curr - prev`` is exactly 0 on every (first, on-policy) minibatch. The proxies never
-divide by delta: at delta = 0 the PG loss has ratio 1 and no clipping, dL_RL/dh is the on-policy gradient and
-lambda_t is finite; lambda_t = 0 exactly when c_hat <= 0 (e.g. all advantages 0, or v2_hat = 0 with c_hat = 0).
-
-The paper's own proxy, from observed log-prob changes (``policy.megatron_cfg.mtp_occ_proxy: logprob_delta``), is
-:func:`logprob_delta_lambda`; it is 0 on the first mini-batch of a step and needs several optimizer mini-batches
-per GRPO step (``policy.train_global_batch_size`` below the step's rows) to be anything else.
+The proxy OCC trains with (:func:`logprob_delta_lambda`) is the paper's reference implementation (RL-MTP): c and v2
+are estimated per token from observed log-prob changes, so no second backward pass is needed. Like the reference it
+is signed and unclamped by default: a negative lambda flips the sign of the MTP head's advantages.
 """
 
 from __future__ import annotations
@@ -43,45 +23,26 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("detach", "ce", "policy", "occ")
-PROXIES = ("hidden_grad", "logprob_delta")  # ``policy.megatron_cfg.mtp_occ_proxy`` (docs/occ.md section 3a)
+PROXIES = ("logprob_delta",)  # ``policy.megatron_cfg.mtp_occ_proxy`` (docs/occ.md section 3)
 
 
-def occ_proxies(
-    rl_hidden_grad: torch.Tensor, mtp_hidden_grad: torch.Tensor, valid: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Alignment and magnitude proxies from hidden-state gradients over valid positions.
+def _clamp(lam: float, lambda_max: float | None) -> float:
+    return lam if lambda_max is None else max(-lambda_max, min(lam, lambda_max))
 
-    ``c_hat = sum_{p valid} <rl_hidden_grad[p], mtp_hidden_grad[p]>``, ``v2_hat = sum_{p valid} ||mtp_hidden_grad[p]||^2``
-    (float64 accumulation).
 
-    Shape: rl_hidden_grad, mtp_hidden_grad [..., H] (the same leading shape, e.g. [S, B, H]); valid [...] (1 on
-    positions to count, 0 on padding) -> two scalars (float64), in units of loss^2 / hidden^2.
+def occ_lambda(c: float, v2: float, lambda_plus: float, eps: float, lambda_max: float | None = None) -> float:
+    """``lambda = lambda_plus * c / (v2 + eps)`` (signed), clamped to ``[-lambda_max, lambda_max]`` when given.
+
+    Units: c in loss^2 / param^2 summed over parameters, v2 likewise; lambda dimensionless.
 
     Raises:
-        ValueError: shapes disagree.
+        ValueError: lambda_plus < 0, eps <= 0, v2 < 0 or lambda_max < 0.
     """
-    if rl_hidden_grad.shape != mtp_hidden_grad.shape or rl_hidden_grad.shape[:-1] != valid.shape:
+    if lambda_plus < 0 or eps <= 0 or v2 < 0 or (lambda_max is not None and lambda_max < 0):
         raise ValueError(
-            f"shapes {tuple(rl_hidden_grad.shape)}, {tuple(mtp_hidden_grad.shape)}, valid {tuple(valid.shape)} disagree"
+            f"need lambda_plus >= 0, eps > 0, v2 >= 0, lambda_max >= 0; got {lambda_plus}, {eps}, {v2}, {lambda_max}"
         )
-    weight = valid.to(torch.float64).unsqueeze(-1)
-    rl, mtp = rl_hidden_grad.to(torch.float64) * weight, mtp_hidden_grad.to(torch.float64) * weight
-    return (rl * mtp).sum(), (mtp * mtp).sum()
-
-
-def occ_lambda(c_hat: float, v2_hat: float, lambda_plus: float, eps: float, lambda_max: float | None = None) -> float:
-    """``lambda_t = lambda_plus * max(c_hat, 0) / (v2_hat + eps)``, then ``min(., lambda_max)`` when given.
-
-    Raises:
-        ValueError: lambda_plus < 0, eps <= 0, v2_hat < 0 or lambda_max < 0.
-    """
-    if lambda_plus < 0 or eps <= 0 or v2_hat < 0 or (lambda_max is not None and lambda_max < 0):
-        raise ValueError(
-            f"need lambda_plus >= 0, eps > 0, v2_hat >= 0, lambda_max >= 0; got {lambda_plus}, {eps}, "
-            f"{v2_hat}, {lambda_max}"
-        )
-    lam = lambda_plus * max(float(c_hat), 0.0) / (float(v2_hat) + eps)
-    return lam if lambda_max is None else min(lam, lambda_max)
+    return _clamp(lambda_plus * float(c) / (float(v2) + eps), lambda_max)
 
 
 def logprob_delta_lambda(
@@ -94,20 +55,20 @@ def logprob_delta_lambda(
     eps: float,
     lambda_max: float | None = None,
 ) -> float:
-    """The paper's published OCC proxy for MTP head k (RL-MTP reference implementation; docs/occ.md section 3a).
+    """OCC's coefficient lambda_k for MTP head k from observed log-prob changes (the RL-MTP reference's proxy).
 
-    With ``d_mtp = mtp_logprobs - prev_logprobs`` and ``d = logprobs - prev_logprobs`` (all log-probs of the same
-    target token ``input_ids[b, s]``; ``prev_logprobs`` the main head's at the start of the GRPO step, as in the
-    reference, which subtracts the main head's old log-prob from both heads):
+    With ``d_mtp = mtp_logprobs - prev_logprobs`` and ``d = logprobs - prev_logprobs`` (log-probs of the same target
+    token ``input_ids[b, s]``; ``prev_logprobs`` the main head's at the start of the GRPO step, which the reference
+    subtracts from both heads):
 
-        m_k      = sum_{valid} d_mtp * d / (d_mtp^2 + eps) / sum(valid)        (0 without valid tokens)
-        lambda_k = min(lambda_plus * max(m_k, 0), lambda_max) / num_heads
+        m_k      = sum_{valid} d * d_mtp / (d_mtp^2 + eps) / sum(valid)        (0 without valid tokens)
+        lambda_k = clamp(lambda_plus * m_k / num_heads, -lambda_max, lambda_max)      (no clamp: lambda_max None)
 
-    ``lambda_k`` multiplies head k's (un-averaged) MTP loss gradient in the trunk update; the coefficient of the
-    head-averaged gradient is ``sum_k lambda_k``. The reference takes ``max(., 0)`` nowhere and clamps nowhere; here
-    lambda >= 0 as in OCC's rule (a negative coefficient trains the trunk against the MTP head) and ``lambda_max``
-    bounds ``num_heads * lambda_k``. On the first (on-policy) mini-batch of a step ``d = 0`` and lambda_k = 0 (up
-    to the ~1e-7 recomputation noise of ``logprobs``).
+    Per token, ``d * d_mtp`` estimates c (the main head moved toward what the MTP head predicts) and ``d_mtp^2`` v2.
+    The reference averages over every slot of its [B, R] response block, padding included (whose terms are 0);
+    here the mean is over the head's valid targets, which removes a dilution by the micro-batch's padding.
+    ``lambda_k`` multiplies head k's advantages in its clipped PG loss. On the first (on-policy) optimizer
+    mini-batch of a step ``d = 0`` and lambda_k = 0 (up to the ~1e-7 recomputation noise of ``logprobs``).
 
     Shape: mtp_logprobs, logprobs, prev_logprobs, valid [B, S] (valid 1 on the head's MTP targets, else 0) ->
     float (float64 accumulation), dimensionless.
@@ -132,24 +93,19 @@ def logprob_delta_lambda(
     old = prev_logprobs.to(torch.float64)
     d_mtp, d = mtp_logprobs.to(torch.float64) - old, logprobs.to(torch.float64) - old
     mean = float((weight * d_mtp * d / (d_mtp * d_mtp + eps)).sum()) / count
-    lam = lambda_plus * max(mean, 0.0)
-    return (lam if lambda_max is None else min(lam, lambda_max)) / num_heads
-
-
-def closed_form_lambda(c: float, v2: float, smoothness: float, lr: float) -> float:
-    """The L-smooth optimum ``(1 - L eta) / (L eta) * max(c, 0) / v2`` (0 when v2 == 0); module docstring."""
-    if v2 <= 0:
-        return 0.0
-    return (1.0 - smoothness * lr) / (smoothness * lr) * max(c, 0.0) / v2
+    return _clamp(lambda_plus * mean / num_heads, lambda_max)
 
 
 @dataclass
 class MTPCoefficient:
-    """The coefficient of the MTP gradient reaching shared (trunk) parameters, per ``mtp_loss_mode``.
+    """The coefficients lambda_k of the MTP heads' losses, per ``mtp_loss_mode`` (K heads):
 
-    detach -> 0 (the MTP branch reads detached trunk tensors, nothing is added); ce / policy -> the fixed
-    ``scaling_factor``; occ -> :func:`occ_lambda` with ``lambda_plus = scaling_factor``.
-    MTP-only parameters always receive the unscaled MTP-loss gradient.
+    detach -> 1/K each (the heads' mean CE; the trunk never sees it); ce / policy -> ``scaling_factor / K``;
+    occ -> :func:`logprob_delta_lambda` per head (``lambda_plus = scaling_factor``). The coefficient scales the
+    whole head loss, so the MTP head and the trunk see the same lambda (as in the reference).
+
+    Raises:
+        ValueError: an unknown mode.
     """
 
     mode: str
@@ -161,9 +117,16 @@ class MTPCoefficient:
         if self.mode not in MODES:
             raise ValueError(f"mtp_loss_mode={self.mode!r}; expected one of {MODES}")
 
-    def __call__(self, c_hat: float, v2_hat: float) -> float:
-        if self.mode == "detach":
-            return 0.0
-        if self.mode == "occ":
-            return occ_lambda(c_hat, v2_hat, self.scaling_factor, self.eps, self.lambda_max)
-        return self.scaling_factor
+    def fixed(self, num_heads: int) -> list[float]:
+        """Per-head coefficients of the modes with a fixed coefficient (occ: see :meth:`occ`)."""
+        base = 1.0 if self.mode == "detach" else self.scaling_factor
+        return [base / num_heads] * num_heads
+
+    def occ(self, head_logprobs: list[tuple[torch.Tensor, torch.Tensor]], logprobs, prev_logprobs) -> list[float]:
+        """OCC's lambda_k of every head from ``(mtp_logprobs, valid)`` pairs [B, S] and the main head's ``logprobs``
+        / ``prev_logprobs`` [B, S] (:func:`logprob_delta_lambda`)."""
+        k = len(head_logprobs)
+        return [
+            logprob_delta_lambda(lp, logprobs, prev_logprobs, valid, self.scaling_factor, k, self.eps, self.lambda_max)
+            for lp, valid in head_logprobs
+        ]
