@@ -20,6 +20,7 @@ import torch
 from nemo_rl_spec.algorithms.allocators import build_rollout_allocator
 from nemo_rl_spec.algorithms.interfaces import RolloutAllocator
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
+from nemo_rl_spec.algorithms.mtp_warm_start import warm_start_config, warm_start_mtp
 from nemo_rl_spec.algorithms.refit import WeightRefitter
 from nemo_rl_spec.algorithms.rollout_allocation import difficulty_bucket
 from nemo_rl_spec.algorithms.rollouts import RolloutGenerator
@@ -506,7 +507,9 @@ def preflight(cfg: MasterConfig) -> tuple[str, Any, list[dict], list[dict], Plac
 
 
 def setup(cfg: MasterConfig) -> GRPOSetup:
-    """Resolve the model, load data, start Ray and the workers, and resume from the latest checkpoint if any."""
+    """Resolve the model, load data, start Ray and the workers, and resume from the latest checkpoint if any; a run
+    that starts at step 0 then warm-starts the MTP layers when ``policy.megatron_cfg.mtp_warm_start`` is enabled
+    (:func:`~nemo_rl_spec.algorithms.mtp_warm_start.warm_start_mtp`)."""
     model_path, tokenizer, train, val, plan = preflight(cfg)
     print(precision_line(cfg.policy), flush=True)
     print(starting_line(plan), flush=True)
@@ -567,6 +570,8 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
     )
     if cfg.checkpointing.enabled and cfg.checkpointing.resume:
         resume(s)
+    if s.state.start_step == 0 and warm_start_config(cfg) is not None:
+        warm_start_mtp(s)  # CE warm start of the MTP layers before RL (cached; a resumed run keeps its own)
     return s
 
 

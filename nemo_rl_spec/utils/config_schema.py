@@ -283,8 +283,7 @@ class MegatronConfig(_Strict):
     def _warm_start_needs_mtp(self) -> "MegatronConfig":
         if self.mtp_warm_start is not None and self.mtp_warm_start.enabled and self.mtp_num_layers < 1:
             raise ValueError(
-                "policy.megatron_cfg.mtp_warm_start.enabled=true needs mtp_num_layers >= 1 "
-                f"(got {self.mtp_num_layers})"
+                f"policy.megatron_cfg.mtp_warm_start.enabled=true needs mtp_num_layers >= 1 (got {self.mtp_num_layers})"
             )
         return self
 

@@ -159,11 +159,13 @@ def step_line(metrics: Mapping[str, float], step: int) -> str:
     """The console line of one logged step, e.g. ``step 2: reward 0.375 | val accuracy 0.500 | 14.2 s``.
 
     Fields (each only when present and finite): ``train/reward``, ``validation/accuracy``,
+    ``mtp_warm_start/ce_after`` (the held-out MTP CE after the warm start, logged at step 0),
     ``timing/train/total_step_time`` (seconds).
     """
     fields = [
         ("reward ", _fmt(metrics, "train/reward", ".3f")),
         ("val accuracy ", _fmt(metrics, "validation/accuracy", ".3f")),
+        ("MTP warm-start CE ", _fmt(metrics, "mtp_warm_start/ce_after", ".3f")),
         ("", _fmt(metrics, "timing/train/total_step_time", ".1f", " s")),
     ]
     return f"step {step}: " + " | ".join(label + value for label, value in fields if value is not None)

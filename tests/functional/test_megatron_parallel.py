@@ -37,6 +37,7 @@ import fixtures_models as fm  # noqa: E402
 ray = pytest.importorskip("ray")
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn  # noqa: E402
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster  # noqa: E402
+from nemo_rl_spec.models.policy import megatron_model as mm  # noqa: E402
 from nemo_rl_spec.models.policy.lm_policy import Policy  # noqa: E402
 from nemo_rl_spec.models.policy.megatron_worker import MegatronPolicyWorker  # noqa: E402
 from nemo_rl_spec.utils.config_schema import PolicyConfig  # noqa: E402
@@ -300,6 +301,15 @@ def tp2_mtp(cluster, model_dir, tmp_path_factory):
         policy.load_checkpoint(str(ckpt))
         out["restored"] = policy.export_megatron_weights()
         out["replayed"] = (first, (policy.train(step2), policy.export_megatron_weights()))
+        # MTP warm start at TP=2 (vocab-parallel CE / argmax, TP-aware clipping) vs TP=1 from the same weights
+        mm.load_megatron_state(reference.module, policy.export_megatron_weights())
+        warm = (_batch(7, 3), _batch(3, 4), 4, 4, 3e-3, 5)
+        out["warm"] = (policy.mtp_warm_start(*warm), reference.mtp_warm_start(*warm))
+        out["warm_weights"] = (policy.export_megatron_weights(), reference.export_megatron_weights())
+        states = policy.mtp_states()
+        policy.load_mtp_states([{k: torch.zeros_like(v) for k, v in st.items()} for st in states])
+        policy.load_mtp_states(states)
+        out["warm_states"] = (states, policy.mtp_states())
     finally:
         policy.shutdown()
     return out
@@ -327,6 +337,22 @@ def test_tp2_checkpoint_round_trip_replays_the_step(tp2_mtp, model_dir):
     assert _max_diff(w_first, w_again) == 0.0
     with pytest.raises(ValueError, match="has TP=2; resume with policy.megatron_cfg.tensor_model_parallel_size=2"):
         _reference(model_dir, _cfg(mtp=True)).load_checkpoint(run["ckpt_dir"])  # per-TP-rank files: same TP only
+
+
+def test_tp2_mtp_warm_start_equals_tp1_and_states_round_trip(tp2_mtp):
+    got, expected = tp2_mtp["warm"]
+    assert got.keys() == expected.keys()
+    ce_keys = [k for k in got if "/ce" in k or "/train_ce" in k]
+    _assert_metrics_close(got, expected, ce_keys, rel=1e-5)
+    for key in (k for k in got if "/acceptance" in k):  # argmax over vocabulary shards: a near tie may flip one of
+        assert got[key] == pytest.approx(expected[key], abs=1.01 / 17), key  # the 17 held-out targets
+    tp2_weights, tp1_weights = tp2_mtp["warm_weights"]
+    assert _max_diff(tp2_weights, tp1_weights) < 1e-5
+    states, reloaded = tp2_mtp["warm_states"]  # per TP rank: its slices, loaded back bitwise
+    assert len(states) == 2 and all(set(st) == set(again) for st, again in zip(states, reloaded))
+    assert all(torch.equal(st[k], again[k]) for st, again in zip(states, reloaded) for k in st)
+    fc2 = "mtp.layers.0.mtp_model_layer.mlp.linear_fc2.weight"  # row-parallel: [H, F / 2] on each rank
+    assert torch.equal(torch.cat([states[0][fc2], states[1][fc2]], dim=1), tp2_weights[fc2])
 
 
 def test_activation_checkpointing_equals_no_checkpointing(model_dir):

@@ -15,6 +15,10 @@ nothing; issue 16, item 7):
 (b) the engine's acceptance length on that decode is >= 1.5 (``require_acceptance``), and its speculative greedy
     outputs equal plain greedy outputs of a separate vLLM engine (no speculation) loaded with the current policy's
     HF weights.
+
+The recipe's MTP warm start (``policy.megatron_cfg.mtp_warm_start``) runs in setup: trained (cache miss), logged at
+step 0, and the engines refit at version 0 with the warm drafter paired with it; a second warm start on the same
+setup hits the cache (same metrics, the cached weights loaded, versions unchanged).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 
 from nemo_rl_spec.algorithms.grpo_setup import setup, teardown
+from nemo_rl_spec.algorithms.mtp_warm_start import warm_start_mtp
 from nemo_rl_spec.speculative.draft_refit import DraftVersionMismatchError
 from nemo_rl_spec.testing import checks
 from nemo_rl_spec.testing.lossless import first_mismatch, lossless_prompts, require_acceptance
@@ -70,10 +75,36 @@ def _write_hf_dir(weights: dict[str, torch.Tensor], model_dir: str, out: Path) -
     return out
 
 
+def _check_warm_start(s, tmp_path: Path) -> None:
+    """The warm start setup ran: trained and cached (one entry), logged at step 0, drafter refit at version 0; a second
+    one hits the cache: the same metrics and the cached weights on every rank."""
+    records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in records if "mtp_warm_start/ce_after" in r)
+    assert first["step"] == 0 and first["mtp_warm_start/from_cache"] == 0.0
+    assert first["mtp_warm_start/steps"] == 10 and first["mtp_warm_start/train_sequences"] == 14  # 7 prompts x 2
+    assert first["mtp_warm_start/eval_sequences"] == 2  # round(0.125 x 8) = 1 prompt held out
+    assert first["mtp_warm_start/train_ce_last"] < first["mtp_warm_start/train_ce_first"]
+    assert first["refit/draft_version"] == 0 and first["refit/logprob_mismatch"] < 1e-4
+    (entry,) = (tmp_path / "warm_start").iterdir()
+    states = s.policy.mtp_states()
+    s.policy.load_mtp_states([{k: torch.zeros_like(v) for k, v in st.items()} for st in states])  # the hit must load
+    again = warm_start_mtp(s)
+    assert again["mtp_warm_start/from_cache"] == 1.0
+    assert {k: v for k, v in again.items() if k.startswith("mtp_warm_start/ce")} == {
+        k: v for k, v in first.items() if k.startswith("mtp_warm_start/ce")
+    }
+    for loaded, saved in zip(s.policy.mtp_states(), states):
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert [p.name for p in (tmp_path / "warm_start").iterdir()] == [entry.name]
+    assert s.generation.get_versions() == [{"policy_version": 0, "draft_version": 0, "draft_policy_version": 0}]
+
+
 # --------------------------------------------------------------------------------------- tests
 def test_mtp_drafter_needs_mtp_layers_and_a_mimo_compatible_model(tmp_path):
     with pytest.raises(ConfigError, match="policy.megatron_cfg.mtp_num_layers >= 1"):
-        load_config(RECIPE, ["policy.megatron_cfg.mtp_num_layers=0"])
+        load_config(
+            RECIPE, ["policy.megatron_cfg.mtp_num_layers=0", "policy.megatron_cfg.mtp_warm_start.enabled=false"]
+        )
     with pytest.raises(ConfigError, match="speculative_config.model must be unset with method=mtp"):
         load_config(RECIPE, ["+policy.generation.vllm_kwargs.speculative_config.model=/x"])
     from nemo_rl_spec.algorithms.grpo_setup import check_mtp_drafter_model
@@ -98,6 +129,7 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
             f"logger.log_dir={tmp_path / 'logs'}",
             "checkpointing.enabled=false",
             "policy.megatron_cfg.optimizer.lr=1.0e-2",
+            f"policy.megatron_cfg.mtp_warm_start.cache_dir={tmp_path / 'warm_start'}",
         ],
     )
     t0 = time.perf_counter()
@@ -107,20 +139,22 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
         assert json.loads((mimo / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
         assert (mimo / "tokenizer.json").is_file() and (mimo / "tokenizer_config.json").is_file()
         assert s.generation.get_versions() == [{"policy_version": 0, "draft_version": 0, "draft_policy_version": 0}]
+        _check_warm_start(s, tmp_path)
         prompts = lossless_prompts(AutoTokenizer.from_pretrained(str(mimo)), NUM_PROMPTS)
         initial_mtp = s.policy.run_function(mtp_params)[0]
-        mismatches, mtp_acc = [], []
+        mismatches, mtp_acc, opt_steps = [], [], 0  # draft_version = the MTP block's optimizer steps so far
         for step in range(CYCLES):
             gen = s.generation.generate({"prompt_token_ids": prompts}, n=2, seed=step, max_new_tokens=MAX_TOKENS)
             train = s.policy.train(fm.train_data_from_generation(s, gen, step))
             mtp_acc.append(train["mtp/acceptance"])
+            opt_steps += int(train["num_optimizer_steps"])  # policy.train_global_batch_size mini-batches
             if step == CYCLES - 1:  # the drafter the last refit pushes must accept, or (b) proves nothing
                 fit = s.policy.run_function(train_mtp_on_own_greedy, prompts, MAX_TOKENS)[0]
             refit = s.refitter.refit(version=step + 1)
             mismatches.append(refit["refit/logprob_mismatch"])
-            assert refit["refit/draft_version"] == step + 1
+            assert refit["refit/draft_version"] == opt_steps
         assert s.generation.get_versions() == [
-            {"policy_version": CYCLES, "draft_version": CYCLES, "draft_policy_version": CYCLES}
+            {"policy_version": CYCLES, "draft_version": opt_steps, "draft_policy_version": CYCLES}
         ]
         print(
             f"\nsetup+{CYCLES} cycles {time.perf_counter() - t0:.0f} s; refit mismatch {mismatches}; "
@@ -131,7 +165,7 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
 
         # (c) a draft paired with another policy version is refused, and nothing is loaded
         export = s.policy.export_draft_weights().get()
-        assert export["policy_version"] == CYCLES and export["draft_version"] == CYCLES
+        assert export["policy_version"] == CYCLES and export["draft_version"] == opt_steps
         assert all(k.startswith("model.mtp_layers.0.") for k in export["weights"])
         gen_rng = torch.Generator().manual_seed(7)
         bad = {
@@ -144,7 +178,7 @@ def test_mtp_drafter_follows_refits_lossless_and_versioned(tmp_path):
             match=f"policy version {CYCLES - 1} offered to an engine at policy version {CYCLES}",
         ):
             s.generation.update_draft_weights(bad)
-        assert s.generation.get_versions()[0]["draft_version"] == CYCLES
+        assert s.generation.get_versions()[0]["draft_version"] == opt_steps
 
         # (a) the engine's MTP proposals are the current policy's MTP argmax
         outputs, proposals, counters = s.generation.run_function(spec_greedy_with_proposals, prompts, MAX_TOKENS)[0]

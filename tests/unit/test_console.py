@@ -115,4 +115,7 @@ def test_step_line():
     m = {"train/reward": 0.375, "validation/accuracy": 0.5, "timing/train/total_step_time": 14.24, "train/loss": 1.0}
     assert step_line(m, 2) == "step 2: reward 0.375 | val accuracy 0.500 | 14.2 s"
     assert step_line({"validation/accuracy": 0.25}, 0) == "step 0: val accuracy 0.250"
+    assert step_line({"mtp_warm_start/ce_after": 2.5, "mtp_warm_start/ce_before": 7.0}, 0) == (
+        "step 0: MTP warm-start CE 2.500"
+    )
     assert step_line({"train/reward": float("nan"), "timing/train/total_step_time": 3.0}, 1) == "step 1: 3.0 s"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -75,6 +76,17 @@ class PolicyController(Protocol):
 
     def draft_version(self) -> int | None:
         """Rank 0's :meth:`PolicyInterface.draft_version`."""
+
+    def mtp_warm_start(
+        self, train_data: TrainDatumSpec, eval_data: TrainDatumSpec, steps: int, batch_size: int, lr: float, seed: int
+    ) -> dict[str, float]:
+        """CE warm start of the MTP layers (trunk frozen) on every rank; rank 0's ``mtp_warm_start/*`` metrics."""
+
+    def mtp_states(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's MTP parameters (CPU, its TP slices), rank order."""
+
+    def load_mtp_states(self, states: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Rank r loads ``states[r]`` (fresh MTP optimizer)."""
 
     def export_hf_weights(self, version: int | None = None, dtype: str | None = None) -> Any:
         """HF-named weights as a ``RemoteValue``, recorded as ``version``."""

@@ -50,11 +50,16 @@ def minibatch_bounds(rows: int, global_batch_size: int) -> list[tuple[int, int]]
     return [(start, min(start + global_batch_size, rows)) for start in range(0, rows, global_batch_size)]
 
 
+PER_MINIBATCH_METRICS = ("mtp/lambda", "mtp/c_ref", "mtp/v2_ref", "mtp/lambda_ref")
+"""Metrics also reported per optimizer step of a ``train`` call (OCC's lambda against its full-gradient reference)."""
+
+
 def combine_minibatch_metrics(parts: Sequence[dict[str, float]]) -> dict[str, float]:
     """One metric dict for the optimizer steps of a ``train`` call: counts (``num_valid_tokens``, ``num_valid_seqs``,
     ``num_micro_batches``) summed, ``*_max`` by max, ``lr`` the last step's, ``update_successful`` the min, every
     other key (loss, probs_ratio, grad_norm, ...: already normalised per mini-batch) the mean over mini-batches;
-    adds ``num_optimizer_steps``. One part comes back unchanged (plus that count).
+    adds ``num_optimizer_steps`` and, with several parts, ``<key>/mb<i>`` of step i for every key of
+    :data:`PER_MINIBATCH_METRICS`. One part comes back unchanged (plus that count).
 
     Raises:
         ValueError: no parts.
@@ -75,6 +80,9 @@ def combine_minibatch_metrics(parts: Sequence[dict[str, float]]) -> dict[str, fl
             out[key] = float(min(values))
         else:
             out[key] = float(sum(values) / len(values))
+    if len(parts) > 1:  # OCC's coefficient and its reference per optimizer step (lambda is 0 on the first)
+        for key in PER_MINIBATCH_METRICS:
+            out.update({f"{key}/mb{i}": float(p[key]) for i, p in enumerate(parts) if key in p})
     return {**out, "num_optimizer_steps": float(len(parts))}
 
 
@@ -247,6 +255,33 @@ class Policy:
     def train(self, data: TrainDatumSpec, train_draft: bool = True) -> dict[str, float]:
         """:meth:`train_steps` with the steps' metrics combined (:func:`combine_minibatch_metrics`)."""
         return combine_minibatch_metrics(self.train_steps(data, train_draft))
+
+    def mtp_warm_start(
+        self, train_data: TrainDatumSpec, eval_data: TrainDatumSpec, steps: int, batch_size: int, lr: float, seed: int
+    ) -> dict[str, float]:
+        """CE warm start of the MTP layers on every rank, each with the whole (replicated) batches
+        (:meth:`MegatronPolicyWorker.mtp_warm_start`); rank 0's ``mtp_warm_start/*`` metrics.
+
+        Shape: input_ids / token_mask [B, S], input_lengths / sample_mask [B] (each set).
+        Raises:
+            RuntimeError: the policy has no MTP layers (from the workers).
+        """
+        train_ref, eval_ref = ray.put(train_data), ray.put(eval_data)  # one copy in the object store for all ranks
+        return self._all("mtp_warm_start", train_ref, eval_ref, steps, batch_size, lr, seed)[0]
+
+    def mtp_states(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's MTP parameters (:meth:`MegatronPolicyWorker.mtp_state`: CPU, its TP slices), rank order."""
+        return self._all("mtp_state")
+
+    def load_mtp_states(self, states: Sequence[dict[str, torch.Tensor]]) -> None:
+        """Rank r loads ``states[r]`` (:meth:`MegatronPolicyWorker.load_mtp_state`; fresh MTP optimizer).
+
+        Raises:
+            ValueError: ``len(states)`` is not the number of ranks, or a state does not fit its rank (from the worker).
+        """
+        if len(states) != self.world_size:
+            raise ValueError(f"load_mtp_states: {len(states)} states for {self.world_size} policy ranks")
+        self.group.get(self.group.run_all_workers_multiple_data("load_mtp_state", [((st,), {}) for st in states]))
 
     def draft_version(self) -> int | None:
         """Rank 0's drafter version (:meth:`MegatronPolicyWorker.draft_version`): a cheap call, no weights move."""

@@ -39,7 +39,8 @@ sharded over DP, gradients reduce-scattered, parameters all-gathered), on CPU th
 
 MTP co-training (``megatron_cfg.mtp_num_layers`` > 0; docs/occ.md): :class:`~.mtp_cotraining.MTPCoTraining` runs the
 micro-batches' forward and backward with the MTP block and owns its AdamW; the trunk's step is unchanged by it in
-``detach`` mode (bitwise).
+``detach`` mode (bitwise). Before RL, ``mtp_warm_start`` trains the MTP block alone with CE (trunk frozen,
+:mod:`~.mtp_warm_start`); ``mtp_state`` / ``load_mtp_state`` carry its weights (the driver's cache).
 
 Online EAGLE-3 draft (``policy.draft.enabled`` and ``policy.draft.online``; docs/speculative.md): the training
 forward runs under the draft's capture hooks and the head trains on the detached activations after the policy's
@@ -81,6 +82,7 @@ from nemo_rl_spec.models.policy.megatron_checkpoint import CHECKPOINT_FILE, Weig
 from nemo_rl_spec.models.policy.megatron_optim import lr_scheduler, megatron_optimizer, wrap_ddp
 from nemo_rl_spec.models.policy.mixed_precision import MasterWeightAdamW
 from nemo_rl_spec.models.policy.mtp_cotraining import MTPCoTraining
+from nemo_rl_spec.models.policy.mtp_warm_start import ce_warm_start, reset_mtp_optimizer
 from nemo_rl_spec.models.policy.optimizer_state import uses_distributed_optimizer
 from nemo_rl_spec.models.policy.parallel import (
     GroupSync,
@@ -425,3 +427,51 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
     @mtp_occ_reference.setter
     def mtp_occ_reference(self, value: bool) -> None:
         self.mtp.occ_reference = bool(value)
+
+    # ---- MTP warm start (mtp_warm_start.py) ---------------------------------------------------------------
+    def _require_mtp(self, method: str) -> MTPCoTraining:
+        if self.mtp is None:
+            raise RuntimeError(f"{method}: the policy has no MTP layers (policy.megatron_cfg.mtp_num_layers=0)")
+        return self.mtp
+
+    def mtp_warm_start(
+        self, train_data: TrainDatumSpec, eval_data: TrainDatumSpec, steps: int, batch_size: int, lr: float, seed: int
+    ) -> dict[str, float]:
+        """CE warm start of the MTP layers, trunk frozen (:func:`~.mtp_warm_start.ce_warm_start`); every rank gets
+        the same whole batches (a collective over the worker group: TP peers compute together). Returns the
+        ``mtp_warm_start/*`` metrics (the same on every rank).
+
+        Shape: input_ids / token_mask [B, S], input_lengths / sample_mask [B] (each set).
+        Raises:
+            RuntimeError: no MTP layers. ValueError: ``train_data`` has no rows.
+        """
+        return ce_warm_start(self._require_mtp("mtp_warm_start"), train_data, eval_data, steps, batch_size, lr, seed)
+
+    def mtp_state(self) -> dict[str, torch.Tensor]:
+        """The MTP block's parameters by Megatron name (``mtp.layers.<k>.*``): CPU clones of this rank's TP slices.
+
+        Raises:
+            RuntimeError: no MTP layers.
+        """
+        self._require_mtp("mtp_state")
+        return {
+            n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters() if n.startswith(mm.MTP_PREFIX)
+        }
+
+    @torch.no_grad()
+    def load_mtp_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy :meth:`mtp_state` output (this rank's TP slices) into the MTP parameters, then give the MTP block a
+        fresh optimizer (zero moments, fp32 masters from the loaded weights; same hyper-parameters and lr).
+
+        Raises:
+            RuntimeError: no MTP layers. ValueError: names or shapes differ from this rank's MTP parameters (nothing
+            is loaded then).
+        """
+        mtp = self._require_mtp("load_mtp_state")
+        params = {n: p for n, p in self.module.named_parameters() if n.startswith(mm.MTP_PREFIX)}
+        bad = sorted(set(params) ^ set(state)) + [n for n in params if n in state and state[n].shape != params[n].shape]
+        if bad:
+            raise ValueError(f"load_mtp_state: names or shapes differ from this rank's MTP parameters: {bad[:8]}")
+        for name, param in params.items():
+            param.copy_(state[name])
+        reset_mtp_optimizer(mtp)

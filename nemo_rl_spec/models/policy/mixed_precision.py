@@ -37,6 +37,8 @@ class MasterWeightAdamW:
 
     Use: ``zero_grad()``; backward passes (half parameters accumulate into ``main_grad``, fp32 into ``.grad``);
     ``grads = master_params()`` then reduce / clip their ``.grad`` (:meth:`stage_grads` first); ``step()``.
+    A new optimizer may replace an old one over the same parameters (the MTP warm start's): the newest owns the
+    ``main_grad`` buffers, and the accumulation hook is registered once per parameter.
 
     Args:
         params: the parameters to train (modified in place by :meth:`step`).
@@ -51,7 +53,9 @@ class MasterWeightAdamW:
                 self.masters.append(p)
                 continue
             p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-            p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+            if not getattr(p, "_main_grad_hook", False):  # once per parameter: a later optimizer over it reuses it
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+                p._main_grad_hook = True
             self.masters.append(_master_of(p))
         self.optimizer = torch.optim.AdamW(self.masters, **adamw)
 
