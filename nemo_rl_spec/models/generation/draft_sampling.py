@@ -43,10 +43,13 @@ def _draw(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1).squeeze(1)
 
 
-def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def inverse_cdf_sample(
+    probs: torch.Tensor, generator: torch.Generator | None = None, u: torch.Tensor | None = None
+) -> torch.Tensor:
     """One index per row of ``probs`` [batch, vocab] (non-negative, any positive total) drawn with probability
-    ``probs[r, i] / probs[r].sum()``: ``min{i : C_i > u}``, ``C`` the row's float64 cumulative sum, ``u`` uniform
-    in [0, C_vocab). Returns [batch] int64. Zero-probability indices are never returned.
+    ``probs[r, i] / probs[r].sum()``: ``min{i : C_i > u_r C_vocab}``, ``C`` the row's float64 cumulative sum, ``u``
+    [batch] float64 uniforms in [0, 1) (given, or drawn from ``generator``). Returns [batch] int64. Zero-probability
+    indices are never returned.
 
     Raises:
         ValueError: ``probs`` is not 2-D, or a row has no positive mass.
@@ -57,7 +60,9 @@ def inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None = 
     total = cdf[:, -1:]
     if bool((total <= 0).any()):
         raise ValueError("probs: a row has no positive mass")
-    return _draw(cdf, torch.rand(total.shape[0], dtype=torch.float64, device=probs.device, generator=generator))
+    if u is None:
+        u = torch.rand(total.shape[0], dtype=torch.float64, device=probs.device, generator=generator)
+    return _draw(cdf, u)
 
 
 def compute_probs_and_sample_inverse_cdf(logits: torch.Tensor, sampling_metadata, use_fp64_gumbel: bool = False):
@@ -93,7 +98,7 @@ def compute_probs_and_sample_inverse_cdf(logits: torch.Tensor, sampling_metadata
     for i, generator in (getattr(sampling_metadata, "generators", None) or {}).items():
         if i < probs.shape[0] and (is_greedy is None or not bool(is_greedy[i])):
             u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generator)[0]
-    next_token_ids = _draw(probs.cumsum(dim=-1, dtype=torch.float64), u)
+    next_token_ids = inverse_cdf_sample(probs, u=u)
     if is_greedy is not None:
         next_token_ids = torch.where(is_greedy, probs.argmax(dim=-1), next_token_ids)
     return next_token_ids, probs
