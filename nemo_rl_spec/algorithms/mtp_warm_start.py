@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -92,7 +93,9 @@ def save_cache(path: str | Path, entry: dict[str, Any]) -> None:
     reader sees the old file or the whole new one; creates the directory."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # unique across hosts
+    os.close(fd)
+    tmp = Path(name)
     try:
         torch.save(entry, tmp)
         os.replace(tmp, path)
@@ -111,7 +114,10 @@ def load_cache(path: str | Path, key_fields: str) -> dict[str, Any] | None:
     except Exception as exc:  # noqa: BLE001 - a damaged cache entry must not stop the run
         warnings.warn(f"MTP warm-start cache {path} is unreadable ({exc}); recomputing it", stacklevel=2)
         return None
-    return entry if entry.get("key_fields") == key_fields else None
+    if not isinstance(entry, dict) or not {"states", "metrics", "key_fields"} <= entry.keys():
+        warnings.warn(f"MTP warm-start cache {path} lacks states / metrics / key_fields; recomputing it", stacklevel=2)
+        return None
+    return entry if entry["key_fields"] == key_fields else None
 
 
 def states_by_tp_rank(states: list[dict], layouts: list[dict]) -> list[dict]:

@@ -23,6 +23,7 @@ the exit code is 1. Written JSON::
     {"config": ..., "steps": N, "runs": {"<mode>": {"<seed>": {
         "final_accuracy": validation/accuracy at the last step (fraction),
         "peak_accuracy": the highest validation/accuracy after step 0, "validation": [(step, accuracy)],
+        "max_drawdown": the largest fall below the running peak over the last 10 validations (:func:`max_drawdown`),
         "mtp_acceptance": train/mtp/acceptance at the last step (top-1 agreement with the main head, fraction),
         "step_time_s": mean timing/train/total_step_time over steps after the first (seconds),
         "train_time_s": mean timing/train/policy_training over steps after the first (seconds),
@@ -144,7 +145,7 @@ def mode_stats(seeds: dict) -> dict:
     """Per mode, over its seeds: mean and bootstrap 90% interval (:func:`mean_and_interval`, None below 2 seeds) of
     the final accuracy, the MTP acceptance and the step time."""
     out = {}
-    for key in ("final_accuracy", "peak_accuracy", "mtp_acceptance", "step_time_s", "train_time_s"):
+    for key in ("final_accuracy", "peak_accuracy", "max_drawdown", "mtp_acceptance", "step_time_s", "train_time_s"):
         vals = [r[key] for r in seeds.values() if r.get(key) is not None and r[key] == r[key]]  # drop NaN
         out[key] = {"per_seed": {s: r.get(key) for s, r in seeds.items()}, **mean_and_interval(vals)}
     return out
@@ -180,6 +181,7 @@ def summarise(records: list[dict]) -> dict:
     return {
         "final_accuracy": last_val[-1] if last_val else float("nan"),
         "peak_accuracy": max(trained_val) if trained_val else float("nan"),
+        "max_drawdown": max_drawdown(trained_val[-10:]),
         "validation": [(r["step"], r["validation/accuracy"]) for r in records if "validation/accuracy" in r],
         "mtp_acceptance": steps[-1].get("train/mtp/acceptance", float("nan")),
         "step_time_s": mean("timing/train/total_step_time"),
@@ -195,23 +197,29 @@ def summarise(records: list[dict]) -> dict:
     }
 
 
+def max_drawdown(values: list[float]) -> float:
+    """Largest fall below the running peak over ``values`` in order: ``max_i (max_{j <= i} v_j - v_i)``; 0.0 for a
+    non-decreasing or empty list. Example: [0.5, 0.8, 0.7, 0.9, 0.85] -> 0.1."""
+    peak, worst = float("-inf"), 0.0
+    for v in values:
+        peak = max(peak, v)
+        worst = max(worst, peak - v)
+    return worst
+
+
 def _mb_index(key: str) -> int:
     return int(key.rsplit("/mb", 1)[1])
 
 
 def proxy_points(seeds: dict) -> list[tuple[float, float, float]]:
     """``(lambda, lambda_ref, c_ref)`` of every optimizer step after a GRPO step's first (where the observed log-prob
-    change, so the proxy, is defined) of every seed, from ``minibatch_series``; with one optimizer step per GRPO step
-    (no ``minibatch_series``), every step's ``series`` values."""
+    change, so the proxy, is defined) of every seed, from ``minibatch_series``. A run with one optimizer step per GRPO
+    step has none (its lambda is recomputation noise)."""
     points = []
     for r in seeds.values():
         mb = r.get("minibatch_series", {})
-        if mb and any(mb.get("lambda_ref", [])):
-            for lam, ref, c in zip(mb["lambda"], mb["lambda_ref"], mb["c_ref"]):
-                points.extend(zip(lam[1:], ref[1:], c[1:]))
-        else:
-            s = r["series"]
-            points.extend(zip(s["lambda"], s["lambda_ref"], s["c_ref"]))
+        for lam, ref, c in zip(mb.get("lambda", []), mb.get("lambda_ref", []), mb.get("c_ref", [])):
+            points.extend(zip(lam[1:], ref[1:], c[1:]))
     return [p for p in points if all(v == v for v in p)]  # drop NaN (absent metric)
 
 
@@ -322,7 +330,7 @@ def proxy_steps(config: str, steps: int, extra: list[str], minibatches: int = 4)
     series = {name: [] for name in MINIBATCH_SERIES}
     for step in range(steps):
         data = random_train_batch(worker, seed=1000 + step)
-        parts = train_minibatches(worker.train, data, data["input_ids"].shape[0] // minibatches)
+        parts = train_minibatches(worker.train, data, max(1, data["input_ids"].shape[0] // minibatches))
         for name in series:
             series[name].append([m[f"mtp/{name}"] for m in parts])
     return {"0": {"minibatch_series": series, "series": {}}}

@@ -280,6 +280,16 @@ class MegatronConfig(_Strict):
         return {**data, "mtp_loss_mode": implied}
 
     @model_validator(mode="after")
+    def _reference_without_checkpointing(self) -> "MegatronConfig":
+        """The full-gradient reference uses ``torch.autograd.grad``, which activation checkpointing refuses."""
+        if self.mtp_occ_reference and self.activation_checkpointing:
+            raise ValueError(
+                "policy.megatron_cfg.mtp_occ_reference=true needs activation_checkpointing=false (the reference takes "
+                "gradients with torch.autograd.grad, which Megatron's checkpointed layers do not support)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _warm_start_needs_mtp(self) -> "MegatronConfig":
         if self.mtp_warm_start is not None and self.mtp_warm_start.enabled and self.mtp_num_layers < 1:
             raise ValueError(
@@ -805,6 +815,19 @@ class MasterConfig(_Strict):
                 f"grpo.max_val_samples={g.max_val_samples} is not a multiple of grpo.val_batch_size="
                 f"{g.val_batch_size}: NeMo-RL validates whole batches only (max_val_samples // "
                 "val_batch_size of them); make it a multiple"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _mtp_policy_loss_without_kl(self) -> "MasterConfig":
+        """The MTP heads' policy loss scales the advantages by lambda_k; a KL term in it would not be scaled (and would
+        pull the heads toward the main head's reference log-probs), so policy / occ refuse a KL penalty."""
+        mcfg = self.policy.megatron_cfg
+        if mcfg.mtp_num_layers and mcfg.mtp_loss_mode in ("policy", "occ") and self.loss_fn.reference_policy_kl_penalty:
+            raise ValueError(
+                f"policy.megatron_cfg.mtp_loss_mode={mcfg.mtp_loss_mode!r} trains the MTP heads with the policy loss "
+                "scaled by lambda; it needs loss_fn.reference_policy_kl_penalty=0 (got "
+                f"{self.loss_fn.reference_policy_kl_penalty})"
             )
         return self
 

@@ -1,5 +1,5 @@
 """``nemo_rl_spec.bench.mtp_acceptance``: finding a bench run's final checkpoint and the per-mode summary (the vLLM
-measurement itself needs an engine and runs in the benchmark, docs/occ.md section 9)."""
+measurement itself needs an engine and runs in the benchmark, docs/results/occ.md)."""
 
 from __future__ import annotations
 

@@ -119,6 +119,9 @@ def test_bench_occ_summary_peak_accuracy_skips_step_zero():
     )
     s = bench.summarise(rows)
     assert s["peak_accuracy"] == 0.6 and s["final_accuracy"] == 0.5
+    assert s["max_drawdown"] == pytest.approx(0.1)  # 0.6 -> 0.5 (step 0 is not a trained validation)
+    assert bench.max_drawdown([0.5, 0.8, 0.7, 0.9, 0.85]) == pytest.approx(0.1)
+    assert bench.max_drawdown([0.1, 0.2]) == 0.0 and bench.max_drawdown([]) == 0.0
     assert s["validation"] == [(0, 0.9), (2, 0.6), (3, 0.5)]
 
 

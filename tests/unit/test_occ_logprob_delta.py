@@ -1,5 +1,5 @@
 """The paper's OCC proxy (``mtp_occ_proxy: logprob_delta``, RL-MTP): hand-worked values, clamps, zero cases, and
-the config rules that select it (docs/occ.md section 3a)."""
+the config rules around it (docs/occ.md section 3)."""
 
 from __future__ import annotations
 
@@ -84,3 +84,17 @@ def test_config_selects_and_refuses():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_config(RECIPE, ["policy.megatron_cfg.mtp_loss_mode=occ", "policy.train_global_batch_size=4"])
+
+
+def test_config_refuses_reference_with_checkpointing_and_policy_loss_with_kl():
+    with pytest.raises(ConfigError, match="mtp_occ_reference=true needs activation_checkpointing=false"):
+        load_config(
+            RECIPE,
+            ["+policy.megatron_cfg.mtp_occ_reference=true", "policy.megatron_cfg.activation_checkpointing=true"],
+        )
+    for mode in ("policy", "occ"):
+        with pytest.raises(ConfigError, match="reference_policy_kl_penalty=0"):
+            load_config(
+                RECIPE, [f"policy.megatron_cfg.mtp_loss_mode={mode}", "loss_fn.reference_policy_kl_penalty=0.1"]
+            )
+    load_config(RECIPE, ["policy.megatron_cfg.mtp_loss_mode=ce", "loss_fn.reference_policy_kl_penalty=0.1"])

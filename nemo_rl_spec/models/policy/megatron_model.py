@@ -360,6 +360,16 @@ def output_logits(model: GPTModel, hidden: torch.Tensor, weight: torch.Tensor | 
     return logits.transpose(0, 1).contiguous()
 
 
+def detached_embedding(model: GPTModel):
+    """The model's embedding as the callable :func:`mtp_hidden_states` takes, its output detached: an MTP block fed
+    through it sends no gradient into the embedding table. Shape: input_ids [B, S] -> [S, B, H]."""
+
+    def embed(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return model.embedding(input_ids=input_ids, position_ids=position_ids).detach()
+
+    return embed
+
+
 def mtp_hidden_states(
     model: GPTModel, input_ids: torch.Tensor, trunk: TrunkOutput, hidden: torch.Tensor, embedding
 ) -> list[torch.Tensor]:

@@ -107,8 +107,9 @@ class MTPCoTraining:
         where L_k is head k's CE times lambda_k (detach, ce) or head k's clipped PG loss (``loss_fn`` on the MTP
         log-probs vs ``prev_logprobs``, the head's MTP mask) with advantages A * lambda_k (policy, occ; the RL-MTP
         reference's form, equal to lambda_k * L_k(A) for lambda_k >= 0). One backward: the MTP layers, the trunk,
-        the embedding and the output weight all see the same lambda_k. detach: ``L_RL`` into every parameter and
-        ``sum_k L_k`` into the MTP parameters only (``inputs=``), so the trunk gets exactly the no-MTP gradient.
+        the embedding and the output weight all see the same lambda_k. detach: the MTP block reads detached trunk
+        output, embeddings and output weight, so ``sum_k L_k`` reaches the MTP parameters only and the trunk gets
+        exactly the no-MTP gradient.
         ``mtp/lambda`` reports ``sum_k lambda_k`` (0 for detach: the trunk's coefficient).
         """
         mod, ids, temp = self.module, mb["input_ids"], self.train_temperature
@@ -116,19 +117,17 @@ class MTPCoTraining:
         main_logits = mm.output_logits(mod, trunk.hidden)
         curr = token_logprobs(main_logits, ids, mb["input_lengths"], temp, self.tp_group, self.sampling_filter)
         rl_loss, metrics = self.loss_fn(curr, mb, global_toks, global_seqs)
-        heads = self._heads(mb, trunk, main_logits, global_mtp)
+        detach = self.coef.mode == "detach"
+        heads = self._heads(mb, trunk, main_logits, global_mtp, detached=detach)
         lams = self._coefficients(curr, mb, heads)
         losses = [
             self._head_loss(mb, head, lam, global_mtp[k], global_seqs) for k, (head, lam) in enumerate(zip(heads, lams))
         ]
         if self.reference is not None:
-            unit = [self._head_loss(mb, head, 1.0, global_mtp[k], global_seqs) for k, head in enumerate(heads)]
+            live = self._heads(mb, trunk, main_logits, global_mtp, detached=False) if detach else heads
+            unit = [self._head_loss(mb, head, 1.0, global_mtp[k], global_seqs) for k, head in enumerate(live)]
             self.reference.accumulate(rl_loss, sum(unit) / len(unit))
-        if self.coef.mode == "detach":
-            torch.autograd.backward(self.scale_loss(sum(losses)), inputs=self.params, retain_graph=True)
-            self.scale_loss(rl_loss).backward()
-        else:
-            self.scale_loss(rl_loss + sum(losses)).backward()
+        self.scale_loss(rl_loss + sum(losses)).backward()
         mask = mb["token_mask"].float() * mb["sample_mask"].float().unsqueeze(1)
         stats = {
             "lam": 0.0 if self.coef.mode == "detach" else float(sum(lams)),
@@ -141,24 +140,22 @@ class MTPCoTraining:
         }
         return rl_loss, metrics, stats
 
-    def _heads(self, mb, trunk, main_logits, global_mtp) -> list[dict]:
-        """Per head: MTP log-probs ``lp`` [B, S] of the targets, their mask ``valid``, the CE and acceptance counts."""
+    def _heads(self, mb, trunk, main_logits, global_mtp, detached: bool) -> list[dict]:
+        """Per head: MTP log-probs ``lp`` [B, S] of the targets, their mask ``valid``, the CE and acceptance counts.
+        ``detached``: the MTP block reads detached trunk output, embeddings and output weight (detach mode: its
+        loss reaches the MTP parameters only)."""
         mod, ids = self.module, mb["input_ids"]
+        hidden, embed, weight = trunk.hidden, mod.embedding, None
+        if detached:
+            hidden, embed, weight = hidden.detach(), mm.detached_embedding(mod), mm.output_weight(mod).detach()
         out = []
-        for k, hk in enumerate(mm.mtp_hidden_states(mod, ids, trunk, trunk.hidden, mod.embedding)):
-            logits = mm.output_logits(mod, hk)
+        for k, hk in enumerate(mm.mtp_hidden_states(mod, ids, trunk, hidden, embed)):
+            logits = mm.output_logits(mod, hk, weight=weight)
             lp = ml.mtp_token_logprobs(logits, ids, k, self.train_temperature, self.tp_group)
             valid = ml.mtp_valid_mask(mb, k)
             agree, count = ml.mtp_acceptance_counts(logits.detach(), main_logits.detach(), valid, k, self.tp_group)
-            out.append(
-                {
-                    "lp": lp,
-                    "valid": valid,
-                    "ce": ml.mtp_ce_loss(lp, valid, global_mtp[k]),
-                    "agree": agree,
-                    "count": count,
-                }
-            )
+            ce = ml.mtp_ce_loss(lp, valid, global_mtp[k])
+            out.append({"lp": lp, "valid": valid, "ce": ce, "agree": agree, "count": count})
         return out
 
     def _coefficients(self, curr: torch.Tensor, mb: TrainDatumSpec, heads: list[dict]) -> list[float]:

@@ -8,7 +8,8 @@ trains the MTP block alone on the policy's own samples, trunk frozen, with the h
 (head k at position p reads the trunk output at p and the embeddings of tokens p+1..p+k+1 and predicts token
 p+k+2: :mod:`~.mtp_loss`), with a temporary AdamW (the MTP optimizer's betas / eps / weight decay, the warm start's
 own lr, the MTP block's grad clipping). The trunk output is computed without a graph and the backward is restricted
-to the MTP parameters (``inputs=``), so no trunk parameter or gradient is touched. Afterwards the MTP optimizer is
+to the MTP parameters (the block reads detached trunk outputs, embeddings and output weight), so no trunk parameter
+or gradient is touched. Afterwards the MTP optimizer is
 replaced by a fresh one (its own hyper-parameters and lr), so RL starts from zero Adam moments and fp32 masters equal
 to the new weights.
 
@@ -23,6 +24,7 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.models.policy import megatron_model as mm
@@ -30,7 +32,7 @@ from nemo_rl_spec.models.policy import mtp_loss as ml
 from nemo_rl_spec.models.policy.dynamic_batching import MicroBatch, select_rows
 from nemo_rl_spec.models.policy.mixed_precision import MasterWeightAdamW
 from nemo_rl_spec.models.policy.mtp_cotraining import MTPCoTraining
-from nemo_rl_spec.models.policy.parallel import all_reduce_grads, clip_grads_
+from nemo_rl_spec.models.policy.parallel import all_reduce_grads, all_reduce_sum, clip_grads_
 from nemo_rl_spec.models.policy.vocab_parallel import target_logprobs, vocab_argmax
 
 PREFIX = "mtp_warm_start/"
@@ -62,7 +64,7 @@ def _forward(mtp: MTPCoTraining, ids: torch.Tensor):
     mod = mtp.module
     with torch.no_grad():
         trunk = mm.gpt_trunk_forward(mod, ids)
-    return trunk, mm.mtp_hidden_states(mod, ids, trunk, trunk.hidden.detach(), mod.embedding)
+    return trunk, mm.mtp_hidden_states(mod, ids, trunk, trunk.hidden.detach(), mm.detached_embedding(mod))
 
 
 def _head_targets(batch: dict[str, torch.Tensor], head: int):
@@ -75,7 +77,7 @@ def _logits_at(mod, hidden: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor)
     """The output layer at positions (``pos``, ``rows``) of ``hidden`` [S, B, H] only: [1, N, V(/T)]. Responses are a
     fraction of each sequence and the vocabulary projection is the cost, so only predicting positions are projected
     (per position the same values as :func:`~.megatron_model.output_logits` of the whole sequence)."""
-    return mm.output_logits(mod, hidden[pos, rows].unsqueeze(1))
+    return mm.output_logits(mod, hidden[pos, rows].unsqueeze(1), weight=mm.output_weight(mod).detach())
 
 
 def _head_logprobs(mtp: MTPCoTraining, batch, hidden: torch.Tensor, head: int):
@@ -98,6 +100,17 @@ def mtp_ce(mtp: MTPCoTraining, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return sum(losses) / len(losses)
 
 
+def average_over_dp(mtp: MTPCoTraining) -> None:
+    """Average the MTP parameters over the DP group. The replicas took the same steps on the same rows, so this is
+    exact where they agree and removes any drift a non-deterministic kernel (GPU attention backward) introduced."""
+    size = dist.get_world_size(mtp.dp_group)
+    if size == 1:
+        return
+    with torch.no_grad():
+        for p in mtp.params:
+            p.copy_(all_reduce_sum(p.detach(), mtp.dp_group).to(p.device) / size)
+
+
 def tp_partial_indices(mtp: MTPCoTraining) -> list[int]:
     """Positions in ``mtp.params`` of the replicated parameters whose gradient each TP rank holds in part (the MTP
     layers' q/k RMSNorm weights, :func:`~.megatron_model.tp_partial_grad`); the training step's
@@ -113,7 +126,7 @@ def train_step(mtp: MTPCoTraining, optimizer: MasterWeightAdamW, batch: dict[str
     Returns the loss before the step."""
     optimizer.zero_grad(set_to_none=True)
     loss = mtp_ce(mtp, batch)
-    torch.autograd.backward(loss, inputs=mtp.params)
+    loss.backward()  # the trunk output, the embeddings and the output weight are detached: MTP parameters only
     masters = optimizer.stage_grads()
     all_reduce_grads([masters[i] for i in tp_partial_indices(mtp)], mtp.tp_group)
     clip_grads_(masters, mtp.clip_grad, mtp.tp_group)
@@ -216,6 +229,7 @@ def ce_warm_start(
     mtp.module.train()
     optimizer = MasterWeightAdamW(mtp.params, **{**adamw_hyperparameters(mtp.optimizer), "lr": lr})
     losses = [train_step(mtp, optimizer, _rows(train_data, rows, device)) for rows in order.split(batch_size)]
+    average_over_dp(mtp)
     reset_mtp_optimizer(mtp)
     mtp.module.eval()
     after = evaluate_mtp(mtp, eval_data, batch_size)

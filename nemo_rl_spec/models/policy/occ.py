@@ -9,7 +9,7 @@ whose lambda-dependent part ``lambda * eta * (1 - L eta) * c - lambda^2 * (L eta
 v2 = ||g_MTP||^2) is maximised by ``lambda* = (1 - L eta) / (L eta) * c / v2``: OCC sets
 ``lambda_t = lambda_plus * c / v2`` with ``lambda_plus`` (``mtp_loss_scaling_factor``) absorbing the unknown
 constant. :func:`occ_lambda` is that rule on exact c and v2 (the full-gradient reference of
-:class:`~nemo_rl_spec.models.policy.mtp_cotraining.OCCReference`).
+:class:`~nemo_rl_spec.models.policy.occ_reference.OCCReference`).
 
 The proxy OCC trains with (:func:`logprob_delta_lambda`) is the paper's reference implementation (RL-MTP): c and v2
 are estimated per token from observed log-prob changes, so no second backward pass is needed. Like the reference it
@@ -124,7 +124,7 @@ class MTPCoefficient:
 
     def occ(self, head_logprobs: list[tuple[torch.Tensor, torch.Tensor]], logprobs, prev_logprobs) -> list[float]:
         """OCC's lambda_k of every head from ``(mtp_logprobs, valid)`` pairs [B, S] and the main head's ``logprobs``
-        / ``prev_logprobs`` [B, S] (:func:`logprob_delta_lambda`)."""
+        / ``prev_logprobs`` [B, S] (:func:`logprob_delta_lambda`; its ValueError for shapes that disagree)."""
         k = len(head_logprobs)
         return [
             logprob_delta_lambda(lp, logprobs, prev_logprobs, valid, self.scaling_factor, k, self.eps, self.lambda_max)

@@ -1,14 +1,16 @@
 """OCC's full-gradient reference at optimizer-step level (``policy.megatron_cfg.mtp_occ_reference``).
 
 For one optimizer step over micro-batches m, with G_RL = sum_m dL_RL,m/dtheta and G_MTP = sum_m dL_MTP,m/dtheta
-over the shared (non-MTP) parameters theta, the quantities OCC's rule is about (docs/occ.md section 2) are
+over the shared (non-MTP) parameters theta, the quantities OCC's rule is about (docs/occ.md section 3) are
 
     c = <G_RL, G_MTP>        v2 = ||G_MTP||^2        lambda_ref = lambda_plus * c / (v2 + eps)
 
 L_MTP is the heads' mean loss *unscaled* (lambda = 1), so lambda_ref is the coefficient the rule would put on it.
 The gradients come from ``torch.autograd.grad`` (no accumulation into ``.grad`` / ``main_grad``), so training is
-bitwise unchanged; the cost is two extra trunk backwards per micro-batch and two fp64 copies of the shared
-parameters. Only the shared parameters count: J does not depend on the MTP-only parameters, so their share of
+bitwise unchanged; the cost is two extra trunk backwards per micro-batch, two float64 accumulators the size of the
+shared parameters and one gradient set in the parameters' dtype at a time (a validation tool for small models: 16
+bytes per parameter). ``torch.autograd.grad`` cannot pass through activation checkpointing, so the config refuses
+``mtp_occ_reference`` with ``activation_checkpointing``. Only the shared parameters count: J does not depend on the MTP-only parameters, so their share of
 ||g_MTP||^2 does not enter the bound.
 """
 
@@ -39,38 +41,35 @@ class OCCReference:
         self._sums: list[list[torch.Tensor]] | None = None
 
     def accumulate(self, rl_loss: torch.Tensor, mtp_loss: torch.Tensor) -> None:
-        """Add one micro-batch's dL_RL/dtheta and dL_MTP/dtheta (graph retained for the training backward)."""
+        """Add one micro-batch's dL_RL/dtheta and dL_MTP/dtheta (scalar losses; the graph is retained for the
+        training backward). One loss's gradients at a time, added into two float64 accumulators."""
         params = [p for _, p in self.named]
-        grads = [
-            torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True) for loss in (rl_loss, mtp_loss)
-        ]
         if self._sums is None:
             self._sums = [[torch.zeros_like(p, dtype=torch.float64) for p in params] for _ in range(2)]
-        for acc, gs in zip(self._sums, grads):
-            for a, g in zip(acc, gs):
+        for acc, loss in zip(self._sums, (rl_loss, mtp_loss)):
+            for a, g in zip(acc, torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)):
                 if g is not None:
                     a += g.double()
 
     def finish(self) -> dict[str, float]:
-        """``c_ref``, ``v2_ref``, ``c_ref_decoder``, ``v2_ref_decoder``, ``lam_ref`` of the step; resets. A step
-        without micro-batches on this rank contributes zeros (the DP sum stays a collective on every rank)."""
+        """``c_ref``, ``v2_ref``, ``c_ref_decoder``, ``v2_ref_decoder``, ``lam_ref`` of the step (floats; units of
+        loss^2 per parameter^2 summed over parameters; lam_ref dimensionless); resets. A rank without micro-batches
+        contributes zeros (the DP sums stay collectives on every rank); each parameter's sums are all-reduced over
+        DP one at a time."""
         params = [p for _, p in self.named]
         sums = self._sums or [[torch.zeros_like(p, dtype=torch.float64) for p in params] for _ in range(2)]
         self._sums = None
-        flat = all_reduce_sum(torch.cat([g.reshape(-1) for acc in sums for g in acc]), self.dp_group)
-        sizes = [p.numel() for p in params] * 2
-        parts = list(torch.split(flat, sizes))
-        g_rl, g_mtp = parts[: len(params)], parts[len(params) :]
         rows = torch.zeros(2, 4, dtype=torch.float64)  # [replicated, tensor-parallel] x [c, v2, c_dec, v2_dec]
-        for (name, param), gr, gm in zip(self.named, g_rl, g_mtp):
+        for (name, param), gr, gm in zip(self.named, *sums):
+            gr, gm = all_reduce_sum(gr, self.dp_group), all_reduce_sum(gm, self.dp_group)
             if mm.tp_partial_grad(name, self.module.config):
                 gr, gm = all_reduce_sum(gr, self.tp_group), all_reduce_sum(gm, self.tp_group)
-            vals = torch.stack([(gr * gm).sum(), (gm * gm).sum()])
+            vals = torch.stack([(gr * gm).sum(), (gm * gm).sum()]).cpu()
             row = rows[int(bool(getattr(param, "tensor_model_parallel", False)))]
             row[:2] += vals
             if name.startswith(mm.DECODER_PREFIX):
                 row[2:] += vals
-        c, v2, c_dec, v2_dec = (rows[0] + all_reduce_sum(rows[1], self.tp_group)).tolist()
+        c, v2, c_dec, v2_dec = (rows[0] + all_reduce_sum(rows[1], self.tp_group).cpu()).tolist()
         coef = self.coef
         return {
             "c_ref": c,
