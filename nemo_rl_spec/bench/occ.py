@@ -68,6 +68,8 @@ SERIES = {
     "mtp_ce": "train/mtp/ce_0",
     "mtp_acceptance": "train/mtp/acceptance",
     "clip_fraction": "train/probs_ratio_clamped",
+    "delta_mean": "train/mtp/delta_mean_0",
+    "delta_mtp_mean": "train/mtp/delta_mtp_mean_0",
     "c_ref": "train/mtp/c_ref",
     "v2_ref": "train/mtp/v2_ref",
     "lambda_ref": "train/mtp/lambda_ref",

@@ -133,12 +133,24 @@ class MTPCoTraining:
             "lam": 0.0 if self.coef.mode == "detach" else float(sum(lams)),
             "delta_abs_sum": float(((curr.detach() - mb["prev_logprobs"]).abs() * mask).sum()),
             "num_valid_tokens": float(mask.sum()),
-            "heads": [
-                {"loss": float(loss.detach()), "ce": float(h["ce"].detach()), "agree": h["agree"], "count": h["count"]}
-                for loss, h in zip(losses, heads)
-            ],
+            "heads": [self._head_stats(loss, h, curr, mb["prev_logprobs"]) for loss, h in zip(losses, heads)],
         }
         return rl_loss, metrics, stats
+
+    @staticmethod
+    def _head_stats(loss: torch.Tensor, head: dict, curr: torch.Tensor, prev: torch.Tensor) -> dict[str, float]:
+        """Floats of one head for :meth:`step`: loss, CE, acceptance counts, and the signed sums over the head's
+        targets of OCC's two log-prob changes, d = curr - prev and d_mtp = lp - prev ([B, S] each)."""
+        valid = head["valid"]
+        return {
+            "loss": float(loss.detach()),
+            "ce": float(head["ce"].detach()),
+            "agree": head["agree"],
+            "count": head["count"],
+            "d_sum": float(((curr.detach() - prev) * valid).sum()),
+            "d_mtp_sum": float(((head["lp"].detach() - prev) * valid).sum()),
+            "valid": float(valid.sum()),
+        }
 
     def _heads(self, mb, trunk, main_logits, global_mtp, detached: bool) -> list[dict]:
         """Per head: MTP log-probs ``lp`` [B, S] of the targets, their mask ``valid``, the CE and acceptance counts.
@@ -184,7 +196,7 @@ class MTPCoTraining:
             "delta_abs_sum": sum(s["delta_abs_sum"] for s in mtp_stats),
         }
         for k in range(self.num_layers):
-            for field in ("loss", "ce", "agree", "count"):
+            for field in ("loss", "ce", "agree", "count", "d_sum", "d_mtp_sum", "valid"):
                 sums[f"{field}_{k}"] = sum(s["heads"][k][field] for s in mtp_stats)
         return sums
 
@@ -197,7 +209,8 @@ class MTPCoTraining:
         and ``mtp/lambda_ref`` of this optimizer step (:class:`~.occ_reference.OCCReference`);
         ``mtp/loss_<k>`` (the coefficient-scaled head loss) and ``mtp/ce_<k>`` are sums of globally normalised
         micro-batch values; ``mtp/acceptance_<k>`` = agreeing / valid targets, ``mtp/acceptance`` over all heads;
-        ``mtp/delta_abs_mean``; ``mtp/grad_norm``.
+        ``mtp/delta_abs_mean``; ``mtp/delta_mean_<k>`` and ``mtp/delta_mtp_mean_<k>`` (OCC's d = log pi_theta -
+        log pi_old and d_mtp = log q_k - log pi_old, signed means over head k's targets); ``mtp/grad_norm``.
         """
         local = self._sums(mtp_stats)
         total = dict(
@@ -224,6 +237,9 @@ class MTPCoTraining:
             agree, count = total[f"agree_{k}"], total[f"count_{k}"]
             out[f"mtp/loss_{k}"], out[f"mtp/ce_{k}"] = total[f"loss_{k}"], total[f"ce_{k}"]
             out[f"mtp/acceptance_{k}"] = agree / count if count else float("nan")
+            n = total[f"valid_{k}"]
+            out[f"mtp/delta_mean_{k}"] = total[f"d_sum_{k}"] / n if n else float("nan")
+            out[f"mtp/delta_mtp_mean_{k}"] = total[f"d_mtp_sum_{k}"] / n if n else float("nan")
             agree_all, count_all = agree_all + agree, count_all + count
         out["mtp/acceptance"] = agree_all / count_all if count_all else float("nan")
         return out
