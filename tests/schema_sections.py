@@ -171,6 +171,8 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
     "grpo.pilot_commit.rollout_budget_per_step": "rollout_budget_per_step=2 leaves no commit slot",
     "grpo.pilot_commit.bind_pilot_to_commit": "rollout_budget_per_step=8 leaves no commit slot",
     "grpo.pilot_commit.fill_commit_budget": "rollout_budget_per_step=8 leaves no commit slot",
+    "grpo.pilot_commit.fixed_train_batch": "fixed_train_batch=true with grpo.pilot_commit.bind_pilot_to_commit=true",
+    "grpo.batch_multiplier": "grpo.batch_multiplier=2.0 needs DAPO dynamic sampling",
     "grpo.async_grpo.enabled": "set loss_fn.use_importance_sampling_correction=true",
     "loss_fn.sequence_level_importance_ratios": "(GSPO) needs loss_fn.token_level_loss=false",
     "policy.megatron_cfg.scheduler.start_weight_decay": "start_weight_decay=2.0 / end_weight_decay=0.0 must satisfy",
@@ -227,17 +229,20 @@ def conflicts(a: Switch, b: Switch) -> bool:
 
 
 # Hand-written exclusions packing cannot see from the key paths: dynamic sampling on the random tiny model keeps no
-# group (all rewards 0), so its step trains on nothing and would hide every training-side switch packed with it.
+# group (all rewards 0), so its step trains on nothing and would hide every training-side switch packed with it
+# (grpo.use_dynamic_sampling is NeMo-RL's spelling of the same switch).
+_TRAINING_SIDE = (
+    "loss_fn.",
+    "policy.megatron_cfg.",
+    "policy.dynamic_batching",
+    "policy.sequence_packing",
+    "policy.draft",
+    "grpo.normalize_rewards",
+    "grpo.use_leave_one_out_baseline",
+)
 HIDES: dict[str, tuple[str, ...]] = {
-    "grpo.dynamic_sampling": (
-        "loss_fn.",
-        "policy.megatron_cfg.",
-        "policy.dynamic_batching",
-        "policy.sequence_packing",
-        "policy.draft",
-        "grpo.normalize_rewards",
-        "grpo.use_leave_one_out_baseline",
-    ),
+    "grpo.dynamic_sampling": _TRAINING_SIDE,
+    "grpo.use_dynamic_sampling": _TRAINING_SIDE,
 }
 
 

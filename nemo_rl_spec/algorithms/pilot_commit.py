@@ -7,14 +7,16 @@ budget only to prompts whose estimate lies between the thresholds.
 
 One step ``t`` (P = ``pilot_batch_size``, K = commit slots, see :class:`PilotCommitConfig`):
 
-1. Pilot: ``n_pilot`` rollouts for each of the next P prompts of the epoch; ``p_hat`` = mean pilot reward.
-2. Filter (the paper's asymmetric thresholds): ``p_hat < p_lower`` -> too hard: *deferred* (not committed this
-   epoch, stays in the pool, the next epoch pilots it again); ``p_hat > p_upper`` -> too easy: not committed;
-   otherwise *selected*. A prompt whose pilot is all-solved (every reward 1) for ``evict_after_consecutive_solved``
-   pilots in a row (across epochs) is *evicted* from the pool for good; eviction is checked first.
+1. Pilot: ``n_pilot`` rollouts for each of the next P prompts of the epoch; ``p_hat`` = mean pilot reward (float64).
+2. Filter (the paper's asymmetric thresholds, both edges inclusive): ``p_hat < p_lower`` -> too hard: *deferred*
+   (not committed this epoch, stays in the pool, the next epoch pilots it again); ``p_hat > p_upper`` -> too easy:
+   not committed; ``p_lower <= p_hat <= p_upper`` -> *selected*. A prompt whose pilot is all-solved (every reward 1)
+   for ``evict_after_consecutive_solved`` pilots in a row (across epochs) is *evicted* from the pool for good;
+   eviction is checked first.
 3. Commit: the first K selected prompts (pilot order) get ``n_commit`` more rollouts; selected prompts beyond K go
-   to the replay buffer; if fewer than K were selected the batch is filled from the buffer (oldest first, entries
-   older than ``max_off_steps`` steps are expired first). If still fewer than K and ``fill_commit_budget`` is on,
+   to the replay buffer; if fewer than K were selected the batch is filled from the buffer (``buffer_order``:
+   oldest first, or highest pilot std :func:`pilot_std` first; entries older than ``max_off_steps`` steps are
+   expired first). If still fewer than K and ``fill_commit_budget`` is on,
    the K * n_commit commit rollouts are spread over the committed prompts (:meth:`PilotCommitAllocator.commit_sizes`).
 4. Train batch: for each committed prompt, its pilot rollouts followed by its commit rollouts (group size
    ``n_pilot + n_commit``, or larger with ``fill_commit_budget``).
@@ -35,6 +37,10 @@ warning is logged and ``pilot_commit/fallback_used`` = 1. A step never takes mor
 Every prompt evicted: the epoch ends, the next batch is empty and the step returns ``exhausted=True`` with no
 groups.
 
+Fixed training batch (``fixed_train_batch``, :class:`FixedBatchPilotCommitAllocator`): instead of a rollout budget,
+every step trains exactly ``grpo.num_prompts_per_step`` groups, piloting fresh prompts again (up to
+``max_pilot_rounds`` rounds, ``pilot_oversampling`` x the groups still missing each) until enough pass; no binding.
+
 Metrics (``pilot_commit/``): pilot_rollouts, commit_rollouts (this step), cumulative_pilot_rollouts,
 cumulative_commit_rollouts; for the pilots observed in this step's generation: piloted, selected, deferred, too_easy,
 evicted; committed, from_buffer, fallback_used; totals evicted_total, deferred_total, fallback_total,
@@ -46,6 +52,7 @@ buffer_dropped (overflow of max_buffer_size). The ``rollout_alloc/*`` metrics ar
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -83,6 +90,12 @@ class PilotEntry:
     def from_state(cls, s: dict[str, Any]) -> "PilotEntry":
         """Inverse of :meth:`to_state`."""
         return cls(s["prompt_id"], s["target_step"], s["p_hat"], [RolloutResult.from_state(r) for r in s["results"]])
+
+
+def pilot_std(p_hat: float) -> float:
+    """Bernoulli standard deviation sqrt(p_hat (1 - p_hat)) of a pilot's estimated success rate, the replay
+    buffer's priority with ``buffer_order: pilot_std`` (0 for p_hat in {0, 1}, largest, 0.5, at p_hat = 0.5)."""
+    return math.sqrt(max(p_hat * (1.0 - p_hat), 0.0))
 
 
 _STEP_COUNTERS = (
@@ -129,12 +142,8 @@ class PilotCommitAllocator(AllocatorBase):
         default_rollout_budget: int | None = None,
     ) -> None:
         super().__init__(prompt_ids, seed, shuffle)
-        budget = config.rollout_budget_per_step or default_rollout_budget
-        if budget is None:
-            raise ValueError("Pilot-Commit needs grpo.pilot_commit.rollout_budget_per_step or a default budget")
         self.cfg = config
-        self.rollout_budget = budget
-        self.commit_slots = config.commit_slots(budget)
+        self.rollout_budget, self.commit_slots = self._budget(default_rollout_budget)
         self._consecutive_solved: dict[int, int] = {}
         self._deferred: set[int] = set()  # too hard in the current epoch
         self._deferred_epoch = self.stream.epoch
@@ -147,6 +156,13 @@ class PilotCommitAllocator(AllocatorBase):
         self._totals = {k: 0 for k in _TOTALS}
         self._counts = {k: 0 for k in _STEP_COUNTERS}
 
+    def _budget(self, default_rollout_budget: int | None) -> tuple[int | None, int]:
+        """(rollout budget per step, K commit slots) of this mode."""
+        budget = self.cfg.rollout_budget_per_step or default_rollout_budget
+        if budget is None:
+            raise ValueError("Pilot-Commit needs grpo.pilot_commit.rollout_budget_per_step or a default budget")
+        return budget, self.cfg.commit_slots(budget)
+
     # ------------------------------------------------------------------ protocol
     def plan(self) -> list[RolloutRequest]:
         """Pilot-only round if no pilot for this step was observed yet (cold start, or binding off); otherwise the
@@ -157,9 +173,7 @@ class PilotCommitAllocator(AllocatorBase):
             self._round_kind = "pilot"
             return self._issue(self._pilot_requests(t))
         self._round_kind = "commit"
-        self._commit_entries = self._choose_commits(t)
-        sizes = self.commit_sizes(len(self._commit_entries))
-        requests = [self._request(e.prompt_id, n, Stage.COMMIT, t) for e, n in zip(self._commit_entries, sizes)]
+        requests = self._commit_requests(t)
         if self.cfg.bind_pilot_to_commit:
             requests += self._pilot_requests(t + 1)
         return self._issue(requests)
@@ -167,23 +181,12 @@ class PilotCommitAllocator(AllocatorBase):
     def observe(self, results: list[RolloutResult]) -> TrainSelection | None:
         """Classify pilot results (select / defer / too easy / evict); after the commit round, return the step's
         selection (pilot + commit rollouts of each committed prompt)."""
-        ordered = self._take(results)
-        commits: dict[int, RolloutResult] = {}
-        for res in ordered:
-            n = res.rewards.numel()
-            if res.stage == Stage.PILOT:
-                self._counts["pilot_rollouts"] += n
-                self._classify(res)
-            else:
-                self._counts["commit_rollouts"] += n
-                commits[res.prompt_id] = res
+        commits = self._absorb(self._take(results))
         if self._round_kind == "pilot":
             if self.stream.pool_size == 0:
                 return self._finish_step([])
             return None
-        groups = [TrainGroup(e.prompt_id, e.results + [commits[e.prompt_id]]) for e in self._commit_entries]
-        self._commit_entries = []
-        return self._finish_step(groups)
+        return self._finish_step(self._commit_groups(commits))
 
     def commit_sizes(self, n_committed: int) -> list[int]:
         """Commit rollouts for each of ``n_committed`` prompts, in commit order.
@@ -200,6 +203,31 @@ class PilotCommitAllocator(AllocatorBase):
         return [base + (1 if i < extra else 0) for i in range(n_committed)]
 
     # ------------------------------------------------------------------ internals
+    def _absorb(self, ordered: list[RolloutResult]) -> dict[int, RolloutResult]:
+        """Count every result's rollouts and classify the pilots; returns the commit results by prompt id."""
+        commits: dict[int, RolloutResult] = {}
+        for res in ordered:
+            n = res.rewards.numel()
+            if res.stage == Stage.PILOT:
+                self._counts["pilot_rollouts"] += n
+                self._classify(res)
+            else:
+                self._counts["commit_rollouts"] += n
+                commits[res.prompt_id] = res
+        return commits
+
+    def _commit_requests(self, t: int) -> list[RolloutRequest]:
+        """Choose step ``t``'s commits (:meth:`_choose_commits`) and request their rollouts (:meth:`commit_sizes`)."""
+        self._commit_entries = self._choose_commits(t)
+        sizes = self.commit_sizes(len(self._commit_entries))
+        return [self._request(e.prompt_id, n, Stage.COMMIT, t) for e, n in zip(self._commit_entries, sizes)]
+
+    def _commit_groups(self, commits: dict[int, RolloutResult]) -> list[TrainGroup]:
+        """The train groups of this step's committed prompts: pilot results, then the commit result."""
+        groups = [TrainGroup(e.prompt_id, e.results + [commits[e.prompt_id]]) for e in self._commit_entries]
+        self._commit_entries = []
+        return groups
+
     def _validate(self, result: RolloutResult) -> None:
         if bool((result.rewards < 0).any() or (result.rewards > 1).any()):
             raise ValueError(
@@ -207,8 +235,9 @@ class PilotCommitAllocator(AllocatorBase):
                 f"({result.stage.value}) has {result.rewards.tolist()}"
             )
 
-    def _pilot_requests(self, target_step: int) -> list[RolloutRequest]:
-        batch = self.stream.next_batch(self.cfg.pilot_batch_size)
+    def _pilot_requests(self, target_step: int, size: int | None = None) -> list[RolloutRequest]:
+        """Pilot requests for the next ``size`` prompts of the epoch (default ``pilot_batch_size``)."""
+        batch = self.stream.next_batch(self.cfg.pilot_batch_size if size is None else size)
         if self.stream.epoch != self._deferred_epoch:  # deferred prompts are back in the new epoch
             self._deferred, self._deferred_epoch = set(), self.stream.epoch
         self._pilot_target = target_step
@@ -216,9 +245,9 @@ class PilotCommitAllocator(AllocatorBase):
 
     def _classify(self, res: RolloutResult) -> None:
         pid, rewards = res.prompt_id, res.rewards
-        p_hat = float(rewards.mean())
+        p_hat = float(rewards.double().mean())  # float64: k / n_pilot equals the threshold written as that fraction
         self._counts["piloted"] += 1
-        self._buffer = [e for e in self._buffer if e.prompt_id != pid]  # a fresh pilot supersedes a buffered one
+        self._drop_entries_of(pid)  # a fresh pilot supersedes a buffered one (or an earlier one of this step)
         if bool((rewards == 1.0).all()):
             self._consecutive_solved[pid] = self._consecutive_solved.get(pid, 0) + 1
         else:
@@ -241,6 +270,29 @@ class PilotCommitAllocator(AllocatorBase):
             self._pending.append(entry)
             self._counts["selected"] += 1
 
+    def _drop_entries_of(self, prompt_id: int) -> None:
+        """Remove ``prompt_id`` from the replay buffer and from this step's pending pilots."""
+        self._buffer = [e for e in self._buffer if e.prompt_id != prompt_id]
+        self._pending = [e for e in self._pending if e.prompt_id != prompt_id]
+        self._pending_hard = [e for e in self._pending_hard if e.prompt_id != prompt_id]
+
+    def _rank_buffer(self, entries: list[PilotEntry]) -> list[PilotEntry]:
+        """``entries`` in commit-priority order (``buffer_order``): ``oldest`` keeps insertion order (oldest pilot
+        first); ``pilot_std`` sorts by :func:`pilot_std` descending, ties: the more recent pilot (larger target_step)
+        first, then insertion order (the sort is stable)."""
+        if self.cfg.buffer_order == "oldest":
+            return list(entries)
+        return sorted(entries, key=lambda e: (-pilot_std(e.p_hat), -e.target_step))
+
+    def _drop_overflow(self) -> None:
+        """Keep at most ``max_buffer_size`` entries: ``oldest`` drops the oldest, ``pilot_std`` the lowest std."""
+        overflow = max(0, len(self._buffer) - self.cfg.max_buffer_size)
+        if self.cfg.buffer_order == "oldest":
+            self._buffer = self._buffer[overflow:]
+        else:
+            self._buffer = self._rank_buffer(self._buffer)[: len(self._buffer) - overflow]
+        self._counts["buffer_dropped"] += overflow
+
     def _choose_commits(self, t: int) -> list[PilotEntry]:
         k = self.commit_slots
         chosen, surplus = self._pending[:k], self._pending[k:]
@@ -248,16 +300,14 @@ class PilotCommitAllocator(AllocatorBase):
         self._counts["buffer_expired"] += len(self._buffer) - len(live)
         ids = {e.prompt_id for e in chosen}
         taken = []
-        for e in live:
+        for e in self._rank_buffer(live):
             if len(chosen) + len(taken) >= k:
                 break
             if e.prompt_id not in ids:
                 taken.append(e)
                 ids.add(e.prompt_id)
         self._buffer = [e for e in live if all(e is not x for x in taken)] + surplus
-        overflow = max(0, len(self._buffer) - self.cfg.max_buffer_size)
-        self._buffer = self._buffer[overflow:]
-        self._counts["buffer_dropped"] += overflow
+        self._drop_overflow()
         self._counts["from_buffer"] += len(taken)
         chosen = chosen + taken
         if not chosen and self._pending_hard:
@@ -307,10 +357,15 @@ class PilotCommitAllocator(AllocatorBase):
                 "pilot_commit/pool_size": float(self.stream.pool_size),
                 "pilot_commit/buffer_size": float(len(self._buffer)),
                 "pilot_commit/buffer_mean_age": sum(ages) / len(ages) if ages else 0.0,
+                **self._mode_metrics(groups),
             }
         )
         self._counts = {k: 0 for k in _STEP_COUNTERS}
         return self._finish(groups, extra, exhausted=self.stream.pool_size == 0)
+
+    def _mode_metrics(self, groups: list[TrainGroup]) -> dict[str, float]:
+        """Metrics only one mode reports (none in the budget mode)."""
+        return {}
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

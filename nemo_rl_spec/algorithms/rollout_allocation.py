@@ -36,6 +36,7 @@ pool is visible:
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -63,6 +64,15 @@ def mix_seed(*values: int) -> int:
         h = (h * 0x94D049BB133111EB) & _MASK64
         h ^= h >> 29
     return h & 0x7FFFFFFF
+
+
+def scaled_count(factor: float, count: int, *, round_up: bool) -> int:
+    """``factor * count`` as a whole number of prompts: ceil (``round_up``) or floor of the product, taken after
+    rounding the product to 9 decimals so that binary float error cannot move it across an integer
+    (1.1 x 10 = 11.000000000000002 -> 11 either way; 1.15 x 20 = 22.999999999999996 -> 23).
+    Used for DAPO's ``batch_multiplier`` (floor) and Pilot-Commit's ``pilot_oversampling`` (ceil)."""
+    product = round(factor * count, 9)
+    return math.ceil(product) if round_up else math.floor(product)
 
 
 def requests_by_n(requests: list[RolloutRequest]) -> dict[int, list[int]]:
@@ -407,16 +417,18 @@ class UniformAllocator(AllocatorBase):
 
 
 class DynamicSamplingAllocator(AllocatorBase):
-    """DAPO dynamic sampling: generate batches of ``num_prompts_per_step`` prompts x ``n`` rollouts, keep groups
-    whose rewards are not all equal (``max > min``), until ``num_prompts_per_step`` groups are kept or
-    ``max_gen_batches`` batches were generated. Kept groups beyond the batch are discarded (surplus); if the budget
-    of batches runs out first the step trains on the groups it kept (``dynamic_sampling/batch_incomplete`` = 1).
+    """DAPO dynamic sampling: generate batches of G = floor(``batch_multiplier`` x ``num_prompts_per_step``) prompts
+    (:func:`scaled_count`; NeMo-RL's ``grpo.batch_multiplier``, default 1: G = K) x ``n`` rollouts, keep groups
+    whose rewards are not all equal (``max > min``), until K = ``num_prompts_per_step`` groups are kept or
+    ``max_gen_batches`` batches were generated. Kept groups beyond the first K (in generation order) are discarded
+    (surplus, counted; their rollouts count in ``rollout_alloc/step_rollouts``); if the budget of batches runs out
+    first the step trains on the groups it kept (``dynamic_sampling/batch_incomplete`` = 1; NeMo-RL raises there).
 
     Extra metrics (``dynamic_sampling/``): gen_batches, kept_groups (before truncation), discarded_groups
     (zero spread), surplus_groups, batch_incomplete, generated_zero_adv_frac (over all generated groups).
 
     Raises:
-        ValueError: empty pool, non-positive sizes or ``max_gen_batches < 1``.
+        ValueError: empty pool, non-positive sizes, ``max_gen_batches < 1`` or ``batch_multiplier < 1``.
     """
 
     kind = "dynamic_sampling"
@@ -429,19 +441,25 @@ class DynamicSamplingAllocator(AllocatorBase):
         max_gen_batches: int,
         seed: int = 0,
         shuffle: bool = True,
+        batch_multiplier: float = 1.0,
     ) -> None:
         if num_prompts_per_step < 1 or num_generations_per_prompt < 1 or max_gen_batches < 1:
             raise ValueError("num_prompts_per_step, num_generations_per_prompt and max_gen_batches must be >= 1")
+        if batch_multiplier < 1.0:
+            raise ValueError(
+                f"batch_multiplier={batch_multiplier} must be >= 1 (a generation batch >= the train batch)"
+            )
         super().__init__(prompt_ids, seed, shuffle)
         self.num_prompts, self.n = num_prompts_per_step, num_generations_per_prompt
+        self.gen_batch_prompts = scaled_count(batch_multiplier, num_prompts_per_step, round_up=False)
         self.max_rounds_per_step = max_gen_batches
         self._kept: list[TrainGroup] = []
         self._discarded = 0
 
     def plan(self) -> list[RolloutRequest]:
-        """The next generation batch of the epoch (Stage.GROUP)."""
+        """The next generation batch of the epoch, ``gen_batch_prompts`` prompts (Stage.GROUP)."""
         self._check_idle()
-        batch = self.stream.next_batch(self.num_prompts)
+        batch = self.stream.next_batch(self.gen_batch_prompts)
         return self._issue([self._request(pid, self.n, Stage.GROUP, self._step) for pid in batch])
 
     def observe(self, results: list[RolloutResult]) -> TrainSelection | None:

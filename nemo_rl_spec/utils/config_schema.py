@@ -56,6 +56,54 @@ class AsyncGRPOConfig(_Strict):
     in_flight_weight_updates: bool = False
 
 
+_NEMO_RL_DS_KEYS = (
+    ("dynamic_sampling_max_gen_batches", "max_gen_batches"),
+    ("batch_multiplier", "batch_multiplier"),
+)
+
+
+def map_nemo_rl_dynamic_sampling(grpo: dict[str, Any]) -> dict[str, Any]:
+    """NeMo-RL's DAPO keys of a raw ``grpo`` mapping, moved onto its ``dynamic_sampling`` section (a copy).
+
+    Rules: ``use_dynamic_sampling: true`` turns the section on (creating it when absent); ``false`` leaves it as
+    it is. ``dynamic_sampling_max_gen_batches`` and ``batch_multiplier`` become the section's ``max_gen_batches``
+    and ``batch_multiplier`` when the section exists (else they have no effect, as in NeMo-RL with dynamic sampling
+    off). The NeMo-RL keys stay as given (the section is the one the allocator reads).
+
+    Raises:
+        ValueError: naming both keys, when a NeMo-RL key and the section say different things:
+            ``use_dynamic_sampling: true`` with ``dynamic_sampling.enabled: false``, ``use_dynamic_sampling: false``
+            with the section enabled, or a value that differs from the one the section sets.
+    """
+    use = grpo.get("use_dynamic_sampling")
+    given = {src: grpo[src] for src, _ in _NEMO_RL_DS_KEYS if grpo.get(src) is not None}
+    if use is None and not given:
+        return grpo
+    section = grpo.get("dynamic_sampling")
+    if isinstance(section, BaseModel):
+        section = section.model_dump(exclude_unset=True)
+    section = None if section is None else dict(section)
+    section_on = section is not None and section.get("enabled", True)
+    if use is not None and section is not None and bool(use) != bool(section_on):
+        raise ValueError(
+            f"grpo.use_dynamic_sampling={str(bool(use)).lower()} conflicts with grpo.dynamic_sampling.enabled="
+            f"{str(bool(section_on)).lower()} "
+            "(the section's presence turns it on unless enabled: false); set one of them"
+        )
+    if use and section is None:
+        section = {"enabled": True}
+    if section is not None:
+        for src, dst in _NEMO_RL_DS_KEYS:
+            if src not in given:
+                continue
+            if dst in section and section[dst] != given[src]:
+                raise ValueError(
+                    f"grpo.{src}={given[src]} conflicts with grpo.dynamic_sampling.{dst}={section[dst]}; set one"
+                )
+            section[dst] = given[src]
+    return {**grpo, "dynamic_sampling": section}
+
+
 class GRPOConfig(_Strict):
     num_prompts_per_step: PositiveInt
     num_generations_per_prompt: PositiveInt
@@ -79,14 +127,64 @@ class GRPOConfig(_Strict):
     pilot_commit: Optional[PilotCommitConfig] = None
     async_grpo: Optional[AsyncGRPOConfig] = None
     dynamic_sampling: Optional[DynamicSamplingConfig] = None
+    # NeMo-RL's spellings of DAPO dynamic sampling, read into grpo.dynamic_sampling (None: not given; see
+    # _nemo_rl_dynamic_sampling_keys); the section is what the allocator reads
+    use_dynamic_sampling: Optional[bool] = None
+    dynamic_sampling_max_gen_batches: Optional[PositiveInt] = None
+    batch_multiplier: Optional[float] = Field(default=None, ge=1.0)
     overlong_filtering: bool = False  # NeMo-RL parity: truncated responses out of the loss (algorithms/overlong.py)
     non_finite_reward: Literal["error", "mask"] = "error"  # NaN/inf reward: stop, or drop the row (reward_check.py)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nemo_rl_dynamic_sampling_keys(cls, data: Any) -> Any:
+        """Map NeMo-RL's ``grpo.use_dynamic_sampling`` / ``dynamic_sampling_max_gen_batches`` / ``batch_multiplier``
+        onto ``grpo.dynamic_sampling`` (``enabled`` / ``max_gen_batches`` / ``batch_multiplier``); see
+        :func:`map_nemo_rl_dynamic_sampling`."""
+        return map_nemo_rl_dynamic_sampling(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _one_allocator(self) -> "GRPOConfig":
+        pc, ds = self.pilot_commit, self.dynamic_sampling
+        if pc is not None and pc.enabled and ds is not None and ds.enabled:
+            raise ValueError(
+                "grpo.pilot_commit and grpo.dynamic_sampling (or grpo.use_dynamic_sampling) are both enabled; "
+                "choose one rollout allocator"
+            )
+        if self.batch_multiplier not in (None, 1.0) and (ds is None or not ds.enabled):
+            raise ValueError(
+                f"grpo.batch_multiplier={self.batch_multiplier} needs DAPO dynamic sampling "
+                "(grpo.use_dynamic_sampling=true or grpo.dynamic_sampling.enabled=true), as in NeMo-RL"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fixed_train_batch_groups(self) -> "GRPOConfig":
+        """``fixed_train_batch``: groups of ``num_generations_per_prompt`` = n_pilot + n_commit; an unset n_commit
+        becomes the difference, a set one must match."""
+        pc, n = self.pilot_commit, self.num_generations_per_prompt
+        if pc is None or not pc.enabled or not pc.fixed_train_batch:
+            return self
+        if n <= pc.n_pilot:
+            raise ValueError(
+                f"grpo.pilot_commit.fixed_train_batch=true: grpo.num_generations_per_prompt={n} must exceed "
+                f"grpo.pilot_commit.n_pilot={pc.n_pilot} (a group is the pilots plus at least one commit)"
+            )
+        if "n_commit" not in pc.model_fields_set:
+            pc.n_commit = n - pc.n_pilot
+        elif pc.n_pilot + pc.n_commit != n:
+            raise ValueError(
+                f"grpo.pilot_commit.fixed_train_batch=true: grpo.pilot_commit.n_pilot={pc.n_pilot} + "
+                f"grpo.pilot_commit.n_commit={pc.n_commit} must equal grpo.num_generations_per_prompt={n} "
+                f"(the pilots are reused in their group); set n_commit: {n - pc.n_pilot} or leave it out"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pilot_commit_budget(self) -> "GRPOConfig":
         pc = self.pilot_commit
         # the default budget must leave a commit slot (fail before start); a set budget is checked by the section
-        if pc is not None and pc.enabled and pc.rollout_budget_per_step is None:
+        if pc is not None and pc.enabled and not pc.fixed_train_batch and pc.rollout_budget_per_step is None:
             budget = self.num_prompts_per_step * self.num_generations_per_prompt
             try:
                 pc.commit_slots(budget)

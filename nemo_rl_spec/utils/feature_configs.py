@@ -38,8 +38,21 @@ class PilotCommitConfig(BaseModel):
     step, split as evenly as possible (the first ones get the remainder), so every step that commits anything spends
     its budget and trains on a larger batch (the paper's "the rest of the budget goes only to selected prompts").
 
-    Thresholds: p_hat is a multiple of 1/n_pilot; put p_lower/p_upper between grid points to avoid ties
-    (defaults 0.1/0.9 select every pilot that is neither all-wrong nor all-right).
+    Thresholds, both edges inclusive: a prompt is selected iff ``p_lower <= p_hat <= p_upper``; ``p_hat < p_lower``
+    is too hard (deferred), ``p_hat > p_upper`` too easy. ``p_hat`` (mean pilot reward, float64) is a multiple of
+    1/n_pilot for 0/1 rewards, so a threshold written as k/n_pilot (0.125 = 1/8) is on the grid and selects that
+    grid point. The defaults 0.1/0.9 select every pilot that is neither all-wrong nor all-right.
+
+    Fixed training batch (``fixed_train_batch``, the paper's reference recipe; docs/pilot_commit.md "Fixed training
+    batch"): every step trains exactly K = ``grpo.num_prompts_per_step`` groups of ``grpo.num_generations_per_prompt``
+    rollouts (n_pilot pilots reused + n_commit commits; n_commit defaults to their difference). Each pilot round
+    pilots ceil(``pilot_oversampling`` x groups still missing) fresh prompts; up to ``max_pilot_rounds`` rounds,
+    then the replay buffer fills what is missing. ``pilot_batch_size`` is not used in this mode; a
+    ``rollout_budget_per_step``, ``fill_commit_budget`` or ``bind_pilot_to_commit`` with it is refused.
+
+    ``buffer_order`` (both modes): the order in which the replay buffer fills commit slots, and which entries an
+    overflow drops. ``oldest``: oldest pilot first, overflow drops the oldest. ``pilot_std``: highest pilot std
+    sqrt(p_hat (1 - p_hat)) first (ties: the more recent pilot, then insertion order), overflow drops the lowest.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -60,6 +73,17 @@ class PilotCommitConfig(BaseModel):
         default=False,
         description="fewer than K prompts committed: spread the K*n_commit commit rollouts over them (larger groups)",
     )
+    fixed_train_batch: bool = Field(
+        default=False,
+        description="train exactly grpo.num_prompts_per_step groups a step, re-piloting until enough prompts pass",
+    )
+    pilot_oversampling: float = Field(
+        default=3.0, ge=1.0, description="fixed_train_batch: a pilot round pilots ceil(this x groups still missing)"
+    )
+    max_pilot_rounds: int = Field(default=10, ge=1, description="fixed_train_batch: pilot rounds per step, at most")
+    buffer_order: Literal["oldest", "pilot_std"] = Field(
+        default="oldest", description="replay-buffer commit order: oldest first, or highest pilot std first"
+    )
 
     @field_validator("n_pilot")
     @classmethod
@@ -79,9 +103,26 @@ class PilotCommitConfig(BaseModel):
     def _consistent(self) -> "PilotCommitConfig":
         if not self.p_lower < self.p_upper:
             raise ValueError(f"need 0 <= p_lower < p_upper <= 1, got p_lower={self.p_lower}, p_upper={self.p_upper}")
-        if self.rollout_budget_per_step is not None:
+        if self.fixed_train_batch:
+            self._check_fixed_train_batch()
+        elif self.rollout_budget_per_step is not None:
             self.commit_slots(self.rollout_budget_per_step)
         return self
+
+    def _check_fixed_train_batch(self) -> None:
+        """Keys of the budget mode that have no meaning with ``fixed_train_batch`` (ValueError naming both keys)."""
+        clashes = {
+            "bind_pilot_to_commit": "the pilots of a step are generated in that step, no pilot is bound to a commit",
+            "rollout_budget_per_step": "the batch is fixed, not the budget: re-pilot rounds spend what it takes",
+            "fill_commit_budget": "every group has grpo.num_generations_per_prompt rollouts",
+        }
+        for key, reason in clashes.items():
+            value = getattr(self, key)
+            if value not in (None, False):
+                raise ValueError(
+                    f"grpo.pilot_commit.fixed_train_batch=true with grpo.pilot_commit.{key}={str(value).lower()}: "
+                    f"{reason}; set {key}: {'null' if key == 'rollout_budget_per_step' else 'false'}"
+                )
 
     def commit_slots(self, budget: int) -> int:
         """K, prompts committed per step under ``budget`` rollouts.
@@ -106,12 +147,22 @@ class DynamicSamplingConfig(BaseModel):
     rollouts, keeps only groups whose rewards are not all equal, and generates another batch until the train
     batch is full or ``max_gen_batches`` batches were generated (then it trains on what it kept; possibly nothing).
     The section being present turns the feature on unless ``enabled: false``.
+
+    ``batch_multiplier`` (NeMo-RL's ``grpo.batch_multiplier``): each generation batch holds
+    floor(batch_multiplier x ``grpo.num_prompts_per_step``) prompts (the product rounded to 9 decimals first, so
+    1.15 x 20 = 23); kept groups beyond the train batch are discarded and counted (``dynamic_sampling/surplus_groups``,
+    their rollouts in ``rollout_alloc/step_rollouts``). NeMo-RL's spellings ``grpo.use_dynamic_sampling``,
+    ``grpo.dynamic_sampling_max_gen_batches`` and ``grpo.batch_multiplier`` are read into this section
+    (:class:`~nemo_rl_spec.utils.config_schema.GRPOConfig`).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     enabled: bool = True
     max_gen_batches: int = Field(default=10, ge=1, description="generation batches per step, at most")
+    batch_multiplier: float = Field(
+        default=1.0, ge=1.0, description="a generation batch is floor(this x grpo.num_prompts_per_step) prompts"
+    )
 
 
 class DynamicSpeculationConfig(BaseModel):
