@@ -1,7 +1,7 @@
 """Acceptance length of a trained megatron-core MTP layer served as vLLM's ``mtp`` drafter (issue 33, item 1).
 
-``python examples/bench_mtp_acceptance.py --runs-dir results/occ_modes_testbed_runs --modes detach ce policy occ+ref
---seeds 43 44 --ks 1 3 --out docs/occ_runs/occ_mtp_acceptance_testbed.json [--config configs/grpo_math_testbed_mtp.yaml]``
+``python examples/bench_mtp_acceptance.py --runs-dir results/occ_modes_testbed_runs --modes detach occ+ref
+--seeds 43 44 --ks 1 3 --out docs/results/occ_mtp_acceptance_testbed.json [--config configs/grpo_math_testbed_mtp.yaml]``
 
 For each finished OCC run ``<runs-dir>/<mode>_seed<seed>/`` that kept its final checkpoint (``examples/bench_occ.py``
 with ``checkpointing.enabled=true``; ``ckpt/step_<N>/policy/megatron_policy_tp0.pt``, the highest N):
