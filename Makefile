@@ -15,7 +15,8 @@ run: install
 
 # Offline EAGLE-3 draft for RECIPE (in-domain prompts, policy samples; resumable: rerun after an interruption):
 # make draft [RECIPE=...] [OUT=...] [ARGS=...]. DRAFT_ARGS: the setting measured for the default recipe
-# (docs/speculative.md: 1,152 samples, 400 steps, ~13 min on 2 cores in bf16, 27 min in fp32).
+# (docs/results/draft_init.md: 1,152 samples, 400 steps; 777 s, about 13 min, on 2 cores with the bf16 engine,
+# 1,636 s in fp32).
 OUT ?= results/drafts/$(basename $(notdir $(RECIPE)))
 DRAFT_ARGS ?= --num-prompts 320 --samples-per-prompt 4 --eval-prompts 32 --steps 400 --batch-size 16 --threads 2
 draft: install
@@ -25,11 +26,11 @@ draft: install
 testbed: install
 	$(PY) -c "from nemo_rl_spec.models.hf_assets import resolve_model; print(resolve_model('testbed-llama'))"
 
-# Tests (docs/testing.md). Tiers: unit (tests/unit), functional (tests/functional), slurm (test_slurm.py's jobs on
+# Tests (docs/guides/testing.md). Tiers: unit (tests/unit), functional (tests/functional), slurm (test_slurm.py's jobs on
 # the local Slurm that `make slurm` starts), slow (explicit marker, not in CI). `make test` is the CI test phase:
 # every tier but slow: first the numerics-marked unit tests under restricted kernel paths (test-numerics), then the
 # unit tier, stopping at the first failure; it leaves the JUnit XML and per-phase
-# durations in $(TEST_RESULTS) for `make test-times` (docs/test_times.md) and .ci/run's summary.
+# durations in $(TEST_RESULTS) for `make test-times` (docs/results/ci_test_times/test_times.md) and .ci/run's summary.
 TEST_RESULTS ?= results/test
 # extra pytest arguments for the test targets, e.g. make test PYTEST_ARGS="-k grpo_loop"
 PYTEST_ARGS ?=
@@ -43,11 +44,12 @@ test: install
 	bash scripts/test_numerics_isa.sh $(TEST_RESULTS)
 	$(call pytest_recorded,$(TEST_RESULTS)) tests/unit tests/functional -x -q -m "not slow" $(PYTEST_ARGS)
 
-# the numerics-sensitive unit tests under restricted kernel paths (docs/testing.md "Numerical tolerances")
+# the numerics-sensitive unit tests under restricted kernel paths (docs/guides/testing.md;
+# docs/design/numerical_tolerances.md)
 test-numerics: install
 	bash scripts/test_numerics_isa.sh $(TEST_RESULTS) $(PYTEST_ARGS)
 
-# ruff (lint and format check) and the import-layer contract (pyproject.toml; docs/architecture.md). The unit tier
+# ruff (lint and format check) and the import-layer contract (pyproject.toml; docs/design/architecture.md). The unit tier
 # runs them too (tests/unit/test_lint.py, tests/unit/test_import_layers.py), so `make test` fails on a lint error,
 # unformatted code or a wrong import.
 lint: install
@@ -67,10 +69,11 @@ test-slurm: install
 test-slow: install
 	$(call pytest_recorded,$(TEST_RESULTS)/slow) tests -q --durations=25 -m slow $(PYTEST_ARGS)
 
-# Refresh docs/test_times.md/.json from the last `make test` (run it first; the table is of the machine it ran on).
+# Refresh docs/results/ci_test_times/test_times.md/.json from the last `make test` (run it first; the table is of the
+# machine it ran on).
 test-times:
 	$(PY) scripts/test_times.py table --junit $(TEST_RESULTS)/junit.xml --phases $(TEST_RESULTS)/phases.json \
-	  --out docs/test_times --title "Per-test times of the CI test phase (make test)"
+	  --out docs/results/ci_test_times/test_times --title "Per-test times of the CI test phase (make test)"
 
 # Slurm for the slurm tier: apt-get install slurm-wlm + munge (first time, about 5 min) and start munged, slurmctld
 # and two slurmd on this host. Needs root (sudo make slurm); idempotent. .ci/run runs it before `make test`.

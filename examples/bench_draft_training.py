@@ -1,5 +1,5 @@
 """The online EAGLE-3 draft's training step before / after its restriction to the scored tokens, at the default
-speculative recipe's shapes (issue 35 item 1; docs/speculative.md, "The online draft's training step").
+speculative recipe's shapes (docs/results/draft_training_cost.md).
 
 The command line of :mod:`nemo_rl_spec.bench.draft_training` (``--help`` lists the options).
 """

@@ -1,4 +1,4 @@
-"""float32 against bfloat16 GRPO: seconds per step of each phase, measured on this machine's CPU (issue 31).
+"""float32 against bfloat16 GRPO: seconds per step of each phase, measured on this machine's CPU.
 
 The command line of :mod:`nemo_rl_spec.bench.precision` (the code lives in the package, where the tests reach
 it; ``--help`` lists the options).

@@ -1,4 +1,4 @@
-"""Is speculative GRPO indistinguishable from autoregressive GRPO on a policy that learns? (issue 33, items 3-4)
+"""Is speculative GRPO indistinguishable from autoregressive GRPO on a policy that learns?
 
 The command line of :mod:`nemo_rl_spec.bench.spec_learning` (the code lives in the package, where the tests reach
 it; ``--help`` lists the options).

@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument(
         "--k0-profile",
         action="store_true",
-        help="issue 35: per-component cost of k = 0 steps (AR vs speculative engines before / after the "
+        help="per-component cost of k = 0 steps (AR vs speculative engines before / after the "
         "plain k = 0 path) at --batches, and the rollout phase of those engines, interleaved; "
         "a fresh draft head when --draft has none",
     )
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument(
         "--spec-profile",
         action="store_true",
-        help="issue 35 item 2: per-component cost of steps that carry k > 0 drafts (--ks, default 1 3) at "
+        help="per-component cost of steps that carry k > 0 drafts (--ks, default 1 3) at "
         "--batches, beside the AR step; a never-matching fresh draft head when --draft is not given",
     )
     p.add_argument(
@@ -396,7 +396,7 @@ def format_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------------- issue 35: k = 0 profile
+# --------------------------------------------------------------------------------------------------- k = 0 profile
 K0_ENGINES = {  # name: (schedule or None for AR, dynamic_speculation extras)
     "ar": (None, {}),
     "k0_before": ([[1, 1024, 0]], {"plain_step_at_k0": False}),
@@ -422,7 +422,7 @@ def k0_step_engines(names: list[str], batches: list[int]) -> list[str]:
 
 
 def run_k0_profile(opts: dict[str, Any]) -> dict[str, Any]:
-    """Issue 35: what a speculative engine's k = 0 step costs, by component, next to an AR step, before and after
+    """What a speculative engine's k = 0 step costs, by component, next to an AR step, before and after
     the plain k = 0 path; and the rollout phase of each engine, interleaved (in a fresh process, see :func:`main`)."""
     from nemo_rl_spec.bench import step_profile as sp
 
@@ -511,9 +511,9 @@ def format_k0_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------- issue 35 item 2: steps that carry drafts
+# ------------------------------------------------------------------------------------ steps that carry drafts
 def run_spec_profile(opts: dict[str, Any]) -> dict[str, Any]:
-    """Issue 35 item 2: what an EAGLE-3 step with k > 0 drafts per request costs, by component, next to the AR
+    """What an EAGLE-3 step with k > 0 drafts per request costs, by component, next to the AR
     step, for each k in ``opts["ks"]`` and each b in ``opts["batches"]`` (in a fresh process, see :func:`main`).
 
     Engines (one process, every one a :class:`VllmGenerationWorker` in ``opts["precision"]``): ``ar`` and

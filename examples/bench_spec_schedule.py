@@ -1,5 +1,5 @@
-"""A recipe's own speculative engine against autoregressive decoding: rollout phase and running-batch sweep
-(issue 35 item 4). ``python examples/bench_spec_schedule.py --config RECIPE --out FILE.json [key=value ...]``;
+"""A recipe's own speculative engine against autoregressive decoding: rollout phase and running-batch sweep.
+``python examples/bench_spec_schedule.py --config RECIPE --out FILE.json [key=value ...]``;
 see :mod:`nemo_rl_spec.bench.spec_schedule`.
 """
 

@@ -2,8 +2,8 @@
 ``python examples/calibrate_spec_schedule.py --config configs/<recipe>.yaml [key=value ...]``.
 
 The command line of :mod:`nemo_rl_spec.bench.spec_calibration` (``--help`` lists the options); it writes the entry
-that ``policy.generation.dynamic_speculation.step_costs: auto`` finds (docs/speculative.md, "Calibrating the
-schedule per machine and dtype").
+that ``policy.generation.dynamic_speculation.step_costs: auto`` finds
+(docs/guides/speculation_schedule.md).
 """
 
 import sys

@@ -1,4 +1,4 @@
-"""GPU check of the Megatron policy worker (issue 13): one GPU, tiny model, fp32 and bf16.
+"""GPU check of the Megatron policy worker: one GPU, tiny model, fp32 and bf16.
 
 Two phases, driven by ``scripts/gpu_check.sh``:
 

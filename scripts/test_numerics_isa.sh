@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The numerics-sensitive unit tests (marker `numerics`, docs/testing.md "Numerical tolerances") again under the
+# The numerics-sensitive unit tests (marker `numerics`, docs/design/numerical_tolerances.md) again under the
 # restricted kernel paths this machine can emulate, so a tolerance that holds on one CPU family's kernels only fails
 # here first (CI runs on AMD EPYC with AVX512-BF16 and on Intel Xeon with AMX):
 #   avx2:            ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 (torch's vector

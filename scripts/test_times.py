@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Per-test time table of a pytest run, from its JUnit XML (and, when given, per-phase durations).
 
-  test_times.py table   --junit J.xml [--phases P.json | --durations-log run.log] --out docs/test_times [--title T]
+  test_times.py table   --junit J.xml [--phases P.json | --durations-log run.log]
+                        --out docs/results/ci_test_times/test_times [--title T]
       writes <out>.md (per-tier totals, then every test sorted by total time, setup/call/teardown) and <out>.json
   test_times.py summary --junit J.xml [--phases P.json | --durations-log run.log] [--top 25] [--wall SECONDS]
       prints the per-tier totals and the TOP slowest tests (what .ci/run shows at the end of the test phase)
@@ -143,7 +144,7 @@ def render_markdown(tests: list[TimedTest], title: str, source: str) -> str:
         f"# {title}",
         "",
         f"Source: {source}. Seconds; total = setup + call + teardown (JUnit). "
-        "Refresh: `make test-times` after `make test` (docs/testing.md).",
+        "Refresh: `make test-times` after `make test` (docs/guides/testing.md).",
         "",
         "| tier | tests | total | setup | call | teardown |",
         "|---|---:|---:|---:|---:|---:|",

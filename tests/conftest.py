@@ -73,7 +73,7 @@ def ray_session():
     Starts ``ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)`` unless Ray is already
     initialised (then the running one is used and left running); yields the ``ray`` module; shuts down at the end
     of the session only the Ray it started. Tests that call ``ray.shutdown()`` themselves must not take it.
-    Not yet taken by any test (modules adopt it one by one; see docs/testing.md).
+    Not yet taken by any test (modules adopt it one by one; see docs/guides/testing.md).
     """
     import ray
 

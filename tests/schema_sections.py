@@ -1,4 +1,4 @@
-"""The boolean and optional keys of the config schema, enumerated from the pydantic models (issue 14, item 4).
+"""The boolean and optional keys of the config schema, enumerated from the pydantic models.
 
 Every field of :class:`~nemo_rl_spec.utils.config_schema.MasterConfig` (recursively, through nested models and the
 models inside optional sections) whose annotation is ``bool`` or ``Optional[...]`` is a *switch*. For a recipe, each

@@ -19,7 +19,9 @@ the reader before the fix: the older engines' second runs read zero drafts there
 engine's ``PrometheusStatLogger`` unregisters every ``vllm:`` collector already registered
 (vllm/v1/metrics/loggers.py, ``PrometheusStatLogger.__init__`` -> ``unregister_vllm_metrics()``).
 
-Exit status 0 when every check passes, 1 otherwise.
+Exit status 0 when every check passes, 1 otherwise. The functional tier runs it
+(tests/functional/test_diagnostics_scripts.py); the logger's logic without engines is
+tests/unit/test_spec_counters_per_engine.py.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """Online draft against its frozen start over a run, from ``policy.draft.estimate_acceptance`` metrics.
 
-``python examples/diagnostics/draft_drift_table.py LOG_DIR/metrics.jsonl [...] [--window 10] [--out JSON]``
+``python examples/diagnostics/draft_drift_table.py LOG_DIR/metrics.jsonl [...] [--window 10] [--method greedy]
+[--out JSON]``
 
+Reads the metrics of runs made with the diagnostic-only key ``policy.draft.estimate_acceptance=true`` (files only).
 Per window of ``--window`` steps that trained the draft (with ``policy.draft.train_period`` n > 1 a window spans n
 times as many GRPO steps), and per run: the mean estimated acceptance length of the online head before each step's
 update (``train/draft_est_acceptance_{method}``) and of the head the run started from, frozen
 (``train/draft_ref_est_acceptance_{method}``), on the same rollouts; their paired difference with a bootstrap 90%
 interval over the window's steps (steps are treated as independent; consecutive steps are not, so the interval is
-optimistic: compare runs of several seeds); the engines' acceptance from the rollouts' own counts (accepted / drafts + 1, the
-steps that drafted); the mean reward. Reads files only.
+optimistic: compare runs of several seeds); the engines' acceptance from the rollouts' own counts (1 + accepted /
+drafts, over the steps that drafted); the mean reward. Prints one Markdown table per file; ``--out`` also writes the
+rows as JSON. Exits with a message when a file has no estimate rows.
 """
 
 from __future__ import annotations

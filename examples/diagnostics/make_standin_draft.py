@@ -1,4 +1,4 @@
-"""A fresh EAGLE-3 head of the default recipe's draft shape, for measuring costs without ``make draft`` (27 min).
+"""A fresh EAGLE-3 head of the default recipe's draft shape, for measuring costs without ``make draft`` (about 13 min).
 
 ``python examples/diagnostics/make_standin_draft.py OUT_DIR``
 
@@ -6,7 +6,7 @@ The head is fresh (lm_head = the target's output rows) with a reduced draft voca
 ``make draft`` measured for results/drafts/smollm2_135m_arith; its rows are the most frequent tokens of the first 320
 chat-formatted training prompts and their answers, then the lowest ids (only 44 distinct tokens occur there). The
 online draft's training cost depends on the vocabulary's size, not on which tokens it holds; its acceptance is low,
-so use it for cost, never for acceptance (issue 35, docs/speculative.md).
+so use it for cost, never for acceptance (docs/results/spec_loop_default.md).
 """
 
 import os

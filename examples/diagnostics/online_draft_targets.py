@@ -3,17 +3,17 @@
 ``python examples/diagnostics/online_draft_targets.py [--draft DIR] [--steps 12] [--seeds 0 1 2] [--out JSON]``
 
 Why: in the loop, the online draft (started from ``make draft``'s head) accepted less than the same head frozen in
-its first steps (docs/speculative.md, "Training the online draft every n-th step"). This replays those first steps
+its first steps (docs/results/online_draft_acceptance.md). This replays those first steps
 offline on ``make draft``'s own samples (``DIR/work/samples.jsonl``: rollouts of the initial policy at the recipe's
 temperature T) and measures the estimated acceptance length of probabilistic drafting at T on the held-out prompts
 (:func:`~nemo_rl_spec.algorithms.draft_init.evaluate`; vLLM samples the draft token from ``softmax(z / T)``).
 
 Variants (each from the same head and rows; one change from ``online``):
 
-- ``online``: the online trainer's settings until session 27: soft targets ``log_softmax(policy_logits / T)``, a
+- ``online``: the online trainer's earlier settings: soft targets ``log_softmax(policy_logits / T)``, a
   fresh AdamW at ``policy.draft.optimizer.lr`` (``--lr``);
 - ``t1_targets``: soft targets at temperature 1 (``log_softmax(policy_logits)``, what ``make draft`` trained on and,
-  since session 27, the online trainer too);
+  since this comparison, the online trainer too);
 - ``carried_adam``: ``make draft``'s AdamW state (``DIR/draft_trainer.pt``) carried over, lr set to ``--lr``;
 - ``lr_div10``: ``--lr`` / 10;
 - ``frozen``: no training (the row every step is compared with);

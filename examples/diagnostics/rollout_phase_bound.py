@@ -1,6 +1,6 @@
 """The most a long-tail rollout phase could gain, next to what it gained, from saved ``bench_spec_schedule.py`` JSON.
 
-``python examples/diagnostics/rollout_phase_bound.py docs/spec_longtail/*.json [--out JSON]``
+``python examples/diagnostics/rollout_phase_bound.py docs/results/longtail/*.json [--out JSON]``
 
 Re-summarises each file (:func:`nemo_rl_spec.bench.spec_schedule.summarize`; other JSON files, such as loop
 benchmarks, are skipped with a note) and prints, per speculative engine: the share of AR's rollout time at drafting

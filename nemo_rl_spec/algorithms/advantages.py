@@ -3,25 +3,16 @@
 GRPO (Shao et al. 2024, "DeepSeekMath", eq. 3 outcome supervision) scores every response against the other
 responses to the same prompt::
 
-    A_i = (r_i - b_i) / (std_g + eps)          if normalize_rewards
-    A_i =  r_i - b_i                           otherwise
-
+    A_i = (r_i - b_i) / (std_g + eps)  if normalize_rewards,  else  A_i = r_i - b_i
     b_i = mean_g(r)                                  group-mean baseline
     b_i = (sum_g(r) - r_i) / (n_g - 1)               leave-one-out baseline (RLOO, Ahmadian et al. 2024)
     std_g = sqrt( sum_g (r - mean_g(r))^2 / (n_g - 1) )   Bessel-corrected std of the whole group
 
-Zero-spread rule (the robust guard). A group whose rewards do not really differ carries no learning signal,
-and dividing float rounding noise by a tiny std would blow it up (seven rewards 0.35 and one 0.35 + 1 ulp give
-(r - mean) ~ 3e-8 and std ~ 1e-8). So a group is treated as having *zero spread* when::
-
-    n_g == 1   or   std_g <= zero_spread_atol + zero_spread_rtol * max_g |r|
-
-(defaults atol 1e-6, rtol 1e-5: about 80 float32 ulps at |r| = 1) and every advantage in such a group is
-exactly 0.0, with or without normalisation and for either baseline. Rewards are assumed to be O(1)
-(0/1 correctness rewards); spreads below the threshold are indistinguishable from rounding.
-
-Statistics are computed in float64 with a two-pass (mean, then centred squares) formula; the result has the
-dtype of ``rewards``.
+Zero-spread rule: a group with ``n_g == 1`` or ``std_g <= zero_spread_atol + zero_spread_rtol * max_g |r|``
+(defaults atol 1e-6, rtol 1e-5: about 80 float32 ulps at |r| = 1; rewards assumed O(1)) carries no learning
+signal, and dividing rounding noise by a tiny std would blow it up, so every advantage in it is exactly 0.0, with
+or without normalisation and for either baseline. Statistics are computed in float64 with a two-pass formula; the
+result has the dtype of ``rewards``.
 """
 
 from __future__ import annotations

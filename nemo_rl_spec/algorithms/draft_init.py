@@ -7,10 +7,8 @@ Three stages under ``<out>/work/``, each resumable after an interruption:
 2. **Policy outputs** (in memory, rebuilt on resume): aux hidden states and draft-vocabulary log-probs of every
    sequence (:func:`~nemo_rl_spec.speculative.offline.build_policy_cache`).
 3. **Training** (``train_state.pt``, written atomically every ``save_every`` steps): the full training-time-test
-   unroll (``ttt_steps``), with the estimated acceptance length on held-out prompts
-   (:func:`~nemo_rl_spec.speculative.acceptance.expected_acceptance`) every ``eval_every`` steps: the
-   acceptance-vs-steps curve. Optional extra heads trained on the first N training sequences give the
-   acceptance-vs-data curve.
+   unroll, with the estimated acceptance length on held-out prompts every ``eval_every`` steps (the
+   acceptance-vs-steps curve); optional extra heads on the first N sequences give the acceptance-vs-data curve.
 
 The draft vocabulary is sized by measurement: the smallest number of most-frequent response tokens covering
 ``vocab_coverage`` of the sampled response tokens (+ EOS), unless a size is given.

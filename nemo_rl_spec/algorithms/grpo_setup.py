@@ -170,7 +170,7 @@ def load_datasets(cfg: MasterConfig) -> tuple[list[dict], list[dict]]:
 
 
 def init_ray(cfg: MasterConfig) -> None:
-    """Start (or join, with ``cluster.ray_address``) Ray with fractional CPUs (docs/install.md: 1-CPU actors starve
+    """Start (or join, with ``cluster.ray_address``) Ray with fractional CPUs (docs/guides/install.md: 1-CPU actors starve
     a 2-core machine)."""
     if ray.is_initialized():
         return

@@ -6,28 +6,12 @@ the train batch. It never touches vLLM, Ray or tokens: the driver injects a ``ge
 *rounds* (Pilot-Commit cold start: pilot, then commit; DAPO: up to ``max_gen_batches``); every allocator bounds the
 number of rounds per step by :attr:`RolloutAllocator.max_rounds_per_step`, so a step always ends.
 
-Low-level protocol (one round)::
+Low-level protocol (one round; :meth:`RolloutAllocator.step` runs the loop, its class docstring shows the sync
+driver and a worked example)::
 
     requests = allocator.plan()            # list[RolloutRequest]; [] when nothing is left to generate
     results = generate_fn(requests)        # one RolloutResult per request, any order
     selection = allocator.observe(results) # TrainSelection when the step is complete, None -> another round
-
-:meth:`RolloutAllocator.step` runs that loop. Sync GRPO driver::
-
-    for step in range(start_step, max_num_steps):
-        sel = allocator.step(lambda reqs: rollout(reqs, policy_version=step))   # generate + score
-        if sel.exhausted:                                 # every prompt evicted: nothing left to learn
-            break
-        if sel.groups:                                    # empty when a fallback skipped the step
-            train(sel)                                    # advantages per sel.groups[i]; IS-correct stale rows
-        logger.log_metrics(sel.metrics, step=step + 1)
-        checkpoint(step + 1, allocator=allocator.state_dict())
-
-Worked example (Pilot-Commit, binding on, n_pilot=2, n_commit=4): the generation call of step 5 holds
-``RolloutRequest(prompt_id=7, n=4, stage=COMMIT, target_step=5, seed=...)`` (prompt 7 passed its pilot in step 4's
-call) and ``RolloutRequest(prompt_id=12, n=2, stage=PILOT, target_step=6, seed=...)``. The train group of
-prompt 7 is its 2 pilot rewards (policy_version 4) followed by its 4 commit rewards (policy_version 5):
-``TrainGroup(prompt_id=7).rewards = [1., 0., 1., 1., 0., 1.]``, ``.policy_versions = [4, 4, 5, 5, 5, 5]``.
 """
 
 from __future__ import annotations
@@ -239,6 +223,23 @@ class GenerateFn(Protocol):
 
 class RolloutAllocator(ABC):
     """Decides which prompts get how many rollouts and which rollouts form each train batch.
+
+    Sync GRPO driver::
+
+        for step in range(start_step, max_num_steps):
+            sel = allocator.step(lambda reqs: rollout(reqs, policy_version=step))   # generate + score
+            if sel.exhausted:                                 # every prompt evicted: nothing left to learn
+                break
+            if sel.groups:                                    # empty when a fallback skipped the step
+                train(sel)                                    # advantages per sel.groups[i]; IS-correct stale rows
+            logger.log_metrics(sel.metrics, step=step + 1)
+            checkpoint(step + 1, allocator=allocator.state_dict())
+
+    Worked example (Pilot-Commit, binding on, n_pilot=2, n_commit=4): the generation call of step 5 holds
+    ``RolloutRequest(prompt_id=7, n=4, stage=COMMIT, target_step=5, seed=...)`` (prompt 7 passed its pilot in step
+    4's call) and ``RolloutRequest(prompt_id=12, n=2, stage=PILOT, target_step=6, seed=...)``. The train group of
+    prompt 7 is its 2 pilot rewards (policy_version 4) followed by its 4 commit rewards (policy_version 5):
+    ``TrainGroup(prompt_id=7).rewards = [1., 0., 1., 1., 0., 1.]``, ``.policy_versions = [4, 4, 5, 5, 5, 5]``.
 
     Checkpoint contract: :meth:`state_dict` is only valid between steps (after :meth:`observe` returned a
     selection); restoring it into a fresh allocator built with the same arguments reproduces every later request,

@@ -1,20 +1,16 @@
-"""Driver of the MTP warm start (``policy.megatron_cfg.mtp_warm_start``; docs/occ.md): before GRPO step 0, sample
+"""Driver of the MTP warm start (``policy.megatron_cfg.mtp_warm_start``; docs/guides/occ.md): before GRPO step 0, sample
 the policy's own responses to a seeded subset of the training prompts, train the MTP layers on them with CE (trunk
 frozen, :mod:`nemo_rl_spec.models.policy.mtp_warm_start`) and cache the result.
 
-Samples: a permutation of the training pool seeded with ``grpo.seed``; its first ``num_prompts`` prompts, of which the
-last ``round(holdout_fraction * num_prompts)`` are held out for the reported CE / acceptance (at least one prompt is
+Samples: the first ``num_prompts`` prompts of a permutation of the training pool seeded with ``grpo.seed``, the last
+``round(holdout_fraction * num_prompts)`` of them held out for the reported CE / acceptance (at least one prompt is
 kept for training); ``samples_per_prompt`` responses each from the vLLM engines at the recipe's sampling settings.
-
 Cache: ``<cache_dir>/<key>.pt`` with ``{"states": [MTP state of TP rank t], "metrics", "key_fields"}``; ``key`` is
 the sha256 of the JSON of :func:`cache_key_fields` (model files, MTP layers, seed, sampling, data, TP size, precision,
-the MTP optimizer's AdamW / clipping settings and every warm-start key except ``cache_dir``). A hit loads the weights
-and reuses the cached metrics. Written atomically (a temporary file, then ``os.replace``). The states are kept per
-TP rank (every DP rank trains the same replicated batches, so a cache entry serves any DP size).
-
-When vLLM drafts with the policy's MTP block (``speculative_config.method: mtp``) the engines are refit at version 0
-afterwards, so the drafter starts from the warm weights (the engines hold version 0 already: the draft is pushed and
-paired with it, and step 0's refit to version 1 follows as usual).
+the MTP optimizer's settings and every warm-start key except ``cache_dir``). A hit loads the weights and reuses the
+cached metrics; entries are written atomically and kept per TP rank (a cache entry serves any DP size). When vLLM
+drafts with the policy's MTP block (``speculative_config.method: mtp``) the engines are refit at version 0
+afterwards, so the drafter starts from the warm weights.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pilot-Commit with a fixed training batch (``grpo.pilot_commit.fixed_train_batch``; docs/pilot_commit.md): every
+"""Pilot-Commit with a fixed training batch (``grpo.pilot_commit.fixed_train_batch``; docs/guides/pilot_commit.md): every
 step trains exactly ``grpo.num_prompts_per_step`` groups, re-piloting fresh prompts until they pass, as the
 paper's reference recipe runs it. The classification, buffer, eviction and deferral are
 :class:`~nemo_rl_spec.algorithms.pilot_commit.PilotCommitAllocator`'s.

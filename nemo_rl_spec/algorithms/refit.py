@@ -4,7 +4,7 @@ each engine for log-prob mismatch.
 After every refit, a fixed probe batch of token sequences is scored by every vLLM engine (prompt log-probs) and once by
 the trainer; ``refit/logprob_mismatch`` is the largest, over engines, of the mean |logp_vllm - logp_trainer| over all
 scored tokens (nats); with several engines ``refit/logprob_mismatch_engine_<e>`` gives each. A stale or wrongly mapped
-weight shows up here immediately (docs/install.md: an untied ``lm_head`` left vLLM stale with a 0.19 difference). Before the
+weight shows up here immediately (docs/guides/install.md: an untied ``lm_head`` left vLLM stale with a 0.19 difference). Before the
 probe, every engine must report the policy version just pushed (and, with draft sync, the draft pushed last: paired with
 it, or with an earlier version between the steps that train the draft): an engine that a refit skipped is named by
 :class:`EngineVersionMismatchError`.

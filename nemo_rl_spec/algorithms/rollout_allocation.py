@@ -7,31 +7,8 @@ The protocol the GRPO driver calls lives in :mod:`nemo_rl_spec.algorithms.interf
 Epochs. Every allocator walks its prompt pool epoch by epoch: epoch ``e`` visits every prompt still in the pool
 once, in ``torch.randperm`` order seeded by ``(seed, e)`` (or ascending id order with ``shuffle=False``). A batch
 never crosses an epoch boundary, so the last batch of an epoch may be smaller and a pool smaller than a batch gives
-one batch per epoch (no prompt twice in a batch).
-
-Metrics every allocator reports per step (``rollout_alloc/``):
-    step_rollouts, cumulative_rollouts: rollouts generated (all rounds, all stages).
-    gen_rounds: generation rounds this step.
-    train_groups, train_rollouts: size of the train batch.
-    mean_group_reward_var: mean over train groups of the population variance of the group's rewards
-        (for 0/1 rewards: p_hat * (1 - p_hat)), the GRPO signal the Pilot-Commit paper tracks; 0.0 if no group.
-    zero_adv_group_frac: fraction of train groups whose rewards are all equal (zero GRPO advantage, no gradient);
-        0.0 if no group. For uniform GRPO with success rate p and n rollouts its expectation is p^n + (1-p)^n.
-    cumulative_useful_rollouts, useful_rollout_frac: rollouts that ended in a train group with a reward spread,
-        and their share of all rollouts generated so far (1 - wasted share).
-    epoch, epochs_completed (epochs whose every prompt was handed out; ``grpo.max_num_epochs`` stops on it),
-    max_policy_lag (max over train rollouts of the newest version seen this step minus the rollout's).
-
-Which prompts were trained on (every allocator, ``rollout_alloc/``), so that over-focus on a narrow slice of the
-pool is visible:
-    trained_prompts: distinct prompts in this step's train batch.
-    trained_times_seen_mean, trained_times_seen_max: over this step's trained prompts, the number of steps (this one
-        included) on which the prompt was in a train batch so far.
-    trained_unique_frac: distinct prompts ever trained / train groups so far (1.0: no prompt trained twice).
-    trained_group_reward_mean: mean reward over the train batch's rollouts (0.0 if none).
-    trained_bucket/<b>: train groups of difficulty bucket ``b`` this step, for every bucket of the pool, when the
-        driver gave the allocator the pool's buckets (:meth:`AllocatorBase.set_prompt_buckets`, e.g.
-        :func:`difficulty_bucket` of each problem: ``terms_3`` for a 3-term chain sum).
+one batch per epoch (no prompt twice in a batch). The ``rollout_alloc/*`` metrics every allocator reports are
+listed in :class:`AllocatorBase`.
 """
 
 from __future__ import annotations
@@ -210,7 +187,32 @@ def group_reward_stats(groups: list[TrainGroup]) -> tuple[float, float, int]:
 class AllocatorBase(RolloutAllocator):
     """Shared bookkeeping: prompt stream, round/step counters, request seeds, result matching, common metrics and
     their checkpointing. Subclasses implement ``plan``/``observe`` with :meth:`_issue`, :meth:`_take` and
-    :meth:`_finish`."""
+    :meth:`_finish`.
+
+    Metrics every allocator reports per step (``rollout_alloc/``):
+        step_rollouts, cumulative_rollouts: rollouts generated (all rounds, all stages).
+        gen_rounds: generation rounds this step.
+        train_groups, train_rollouts: size of the train batch.
+        mean_group_reward_var: mean over train groups of the population variance of the group's rewards
+            (for 0/1 rewards: p_hat * (1 - p_hat)), the GRPO signal the Pilot-Commit paper tracks; 0.0 if no group.
+        zero_adv_group_frac: fraction of train groups whose rewards are all equal (zero GRPO advantage, no
+            gradient); 0.0 if no group. For uniform GRPO with success rate p and n rollouts its expectation is
+            p^n + (1-p)^n.
+        cumulative_useful_rollouts, useful_rollout_frac: rollouts that ended in a train group with a reward spread,
+            and their share of all rollouts generated so far (1 - wasted share).
+        epoch, epochs_completed (epochs whose every prompt was handed out; ``grpo.max_num_epochs`` stops on it),
+        max_policy_lag (max over train rollouts of the newest version seen this step minus the rollout's).
+
+    Which prompts were trained on, so that over-focus on a narrow slice of the pool is visible:
+        trained_prompts: distinct prompts in this step's train batch.
+        trained_times_seen_mean, trained_times_seen_max: over this step's trained prompts, the number of steps (this
+            one included) on which the prompt was in a train batch so far.
+        trained_unique_frac: distinct prompts ever trained / train groups so far (1.0: no prompt trained twice).
+        trained_group_reward_mean: mean reward over the train batch's rollouts (0.0 if none).
+        trained_bucket/<b>: train groups of difficulty bucket ``b`` this step, for every bucket of the pool, when
+            the driver gave the allocator the pool's buckets (:meth:`set_prompt_buckets`, e.g.
+            :func:`difficulty_bucket` of each problem: ``terms_3`` for a 3-term chain sum).
+    """
 
     kind = "base"
 

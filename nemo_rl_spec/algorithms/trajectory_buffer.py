@@ -10,12 +10,9 @@ Vocabulary (all versions are integers counted in optimizer steps, as in the sync
 - *bound* ``max_trajectory_age_steps`` = ``A``. **The bound is inclusive**: a group with age ``<= A`` is trained on,
   a group with age ``> A`` is evicted and counted. ``A = 0`` would be the sync loop (every group on-policy).
 
-Worked example (A = 1): groups generated at version 3 may train at steps 3 and 4; at step 5 (age 2) they are
-evicted: ``TrajectoryBuffer(1, capacity=2)``, ``put(batch of version 3)``, ``get(5)`` -> None (1 batch and its
-groups counted in ``evicted_batches`` / ``evicted_groups``), while ``get(4)`` would have returned it.
-
 Whole groups only: a batch holds whole prompt groups (each produced by one generation call, which the generation
-actor runs between refits), so a refit never splits a group; eviction drops whole groups.
+actor runs between refits), so a refit never splits a group; eviction drops whole groups. Worked example:
+:class:`TrajectoryBuffer`.
 """
 
 from __future__ import annotations
@@ -107,6 +104,10 @@ class BufferClosed(RuntimeError):
 
 class TrajectoryBuffer:
     """FIFO of :class:`TrajectoryBatch` es between one producer (generation) thread and one consumer (trainer).
+
+    Worked example (A = 1): groups generated at version 3 may train at steps 3 and 4; at step 5 (age 2) they are
+    evicted: ``TrajectoryBuffer(1, capacity=2)``, ``put(batch of version 3)``, ``get(5)`` -> None (1 batch and its
+    groups counted in ``evicted_batches`` / ``evicted_groups``), while ``get(4)`` would have returned it.
 
     Args:
         max_age: inclusive age bound ``A`` (steps, >= 0); groups older than ``A`` at :meth:`get` time are evicted.

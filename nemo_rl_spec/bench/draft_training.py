@@ -1,25 +1,18 @@
 """One online EAGLE-3 draft training step (``OnlineDraft.begin`` / ``accumulate`` per micro-batch / ``finish``),
-before and after its restriction to the scored tokens (issue 35 item 1; docs/speculative.md, "The online draft's
-training step"), at the default speculative recipe's shapes, interleaved, side by side in one run.
+before and after its restriction to the scored tokens, at the default speculative recipe's shapes, interleaved,
+side by side in one run (docs/results/draft_training_cost.md).
 
 - "before": the full-position path the scored-token cut replaced, kept here (:func:`reference_accumulate`): soft
-  targets ``log_softmax(logits)`` (temperature 1 since session 27, as the online draft trains) in fp32 at every
-  position [b, s, V], then ``Eagle3DraftHead.ttt_loss`` (output layer, log-softmax and loss at
-  every position of every TTT step).
+  targets ``log_softmax(logits)`` (temperature 1, as the online draft trains) in fp32 at every position [b, s, V],
+  then ``Eagle3DraftHead.ttt_loss`` (output layer, log-softmax and loss at every position of every TTT step).
 - "after": ``OnlineDraft.accumulate`` (nemo_rl_spec/speculative/ttt_scored.py): the same loss and gradients at the
   scored tokens only.
-- "bf16": "after" with ``policy.draft.precision: bfloat16`` (the draft's forward under ``torch.autocast``; fp32
-  weights, gradients and AdamW state). Its first-step loss is printed next to the fp32 one, and every variant's head
-  takes the same steps on the same batch, so ``loss_at_last_step`` compares where the fp32 and bf16 heads end.
+- "bf16": "after" with ``policy.draft.precision: bfloat16`` (fp32 weights, gradients and AdamW state); every
+  variant's head takes the same steps on the same batch, so ``loss_at_last_step`` compares where they end.
 
-Shapes (``RecipeShapes``): SmolLM2-135M (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocab 49,152, aux layers
-2 / 15 / 27), the recipe's batch (configs/grpo_math_smollm2_135m.yaml: 8 prompts x 4 rollouts = 32 rows, dynamic
-batching with ``train_mb_tokens`` 768, T = 0.7, bf16 policy logits and hidden states, 2 threads), prompts of 45-53
-tokens (the chat-formatted prompt is ~49, docs/simulator.md) and responses of 12-32 tokens with 5 rows at the
-80-token cap (~31 tokens a row on average: the rollout benchmark's 984 tokens for 32 rows). Heads: the recipe
-draft's 1,160-row vocabulary and the full 49,152 rows (a fresh head). Random weights and inputs: no step here
-depends on the values. The policy's own training step is not re-measured: the loop's logged ``training_s`` of the
-autoregressive mode (docs/spec_k0_loop/*.json) is printed next to it for scale.
+Shapes: :class:`RecipeShapes`, with the recipe draft's 1,160-row vocabulary and the full 49,152 rows. Random
+weights and inputs: no step here depends on the values. The policy's own training step is not re-measured: the
+loop's logged ``training_s`` (:data:`LOOP_RUNS`) is printed next to it for scale.
 """
 
 from __future__ import annotations
@@ -43,18 +36,27 @@ from nemo_rl_spec.utils.machine import write_bench_json
 
 VARIANTS = ("before", "after", "bf16")
 LOOP_RUNS = {
-    "vocab1160": [("docs/spec_k0_loop/real_draft_5steps.json", "sync/speculative@ms13", "after")],
-    "full": [(f"docs/spec_k0_loop/default_rep{i}.json", "sync/speculative@after", "before") for i in (1, 2, 3)],
+    "vocab1160": [("docs/results/spec_loop_default/real_draft_5steps.json", "sync/speculative@ms13", "after")],
+    "full": [
+        (f"docs/results/spec_loop_default/default_rep{i}.json", "sync/speculative@after", "before") for i in (1, 2, 3)
+    ],
 }
 """In-loop runs (examples/bench_sync_vs_async.py: file, speculative mode, and the variant of this benchmark whose path
 that run's draft trained with) whose logged phases give the policy's training time for scale: the default recipe with
-its real 1,160-row draft (session 24, fp32 scored-token path) and the full-vocabulary head (before the scored-token
+its real 1,160-row draft (fp32 scored-token path) and the full-vocabulary head (before the scored-token
 cut)."""
 
 
 @dataclass
 class RecipeShapes:
-    """Model and batch shapes of one draft training step (defaults: the default speculative recipe)."""
+    """Model and batch shapes of one draft training step (defaults: the default speculative recipe).
+
+    SmolLM2-135M (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, vocab 49,152, aux layers 2 / 15 / 27), the
+    recipe's batch (configs/grpo_math_smollm2_135m.yaml: 8 prompts x 4 rollouts = 32 rows, dynamic batching with
+    ``train_mb_tokens`` 768, T = 0.7, bf16 policy logits and hidden states, 2 threads), prompts of 45-53 tokens (the
+    chat-formatted prompt is ~49) and responses of 12-32 tokens with 5 rows at the 80-token cap (~31 tokens a row on
+    average: the rollout benchmark's 984 tokens for 32 rows).
+    """
 
     vocab_size: int = 49152
     hidden_size: int = 576
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch threads (the recipe's megatron_cfg.num_threads)")
     p.add_argument("--heads", nargs="+", default=["vocab1160", "full"], choices=["vocab1160", "full"])
-    p.add_argument("--out", default="docs/bench_draft_training.json")
+    p.add_argument("--out", default="docs/results/draft_training_cost/bench_draft_training.json")
     args = p.parse_args(argv)
     heads = {"vocab1160": 1160, "full": None}
     print(HEADER, flush=True)

@@ -1,19 +1,17 @@
 """Does a recipe learn? Held-out validation accuracy before and after GRPO, over seeds, with an interval.
 
-``python examples/bench_learning.py --out docs/training_curves.json [--config RECIPE] [--seeds 42 1 2]
+``python examples/bench_learning.py --out docs/results/grpo_learning/training_curves.json [--config RECIPE] [--seeds 42 1 2]
 [--work-dir DIR] [--reuse] [--baseline OTHER.json] [key=value ...]``
 
-Each seed is one subprocess of ``examples/run_grpo.py`` (the same command ``make run`` runs, plus
-``grpo.seed=S`` and its own run dir ``--work-dir/seed<S>/``, default ``<out stem>_runs/``); extra ``key=value``
-arguments go to every run. ``--reuse`` keeps seeds whose run finished (their ``run.json`` says return code 0), so an
-interrupted benchmark resumes. Per seed: validation accuracy at step 0 and at the last step, the gain, the mean ``train/reward`` of the
-first and last third of the steps, seconds per step, ``train/token_mult_prob_error`` per step and its mean (the
-trainer-vs-sampler probability error, 1.0 is perfect). Over seeds: mean gain and a percentile-bootstrap 90% interval
-(``nemo_rl_spec.utils.bench_runs.bootstrap_interval``). Writes ``--out`` (JSON), ``<out stem>.png`` (every seed's
-``train/reward`` and ``validation/accuracy`` against step, the README's ``training_curves.png``) and a table.
-``--baseline OTHER.json`` (an earlier result of this script, e.g. the same seeds in fp32) adds ``comparison``: per seed
-present in both, final accuracy and gain of this run minus the baseline's, and the mean final-accuracy difference with
-its bootstrap 90% interval (paired by seed).
+Each seed is one subprocess of ``examples/run_grpo.py`` (the same command ``make run`` runs, plus ``grpo.seed=S``
+and its own run dir ``--work-dir/seed<S>/``, default ``<out stem>_runs/``); extra ``key=value`` arguments go to every
+run, ``--reuse`` keeps seeds whose run finished. Per seed: validation accuracy at step 0 and at the last step, the
+gain, the mean ``train/reward`` of the first and last third of the steps, seconds per step and
+``train/token_mult_prob_error`` (1.0 is perfect). Over seeds: mean gain and a percentile-bootstrap 90% interval.
+Writes ``--out`` (JSON), ``<out stem>.png`` (every seed's ``train/reward`` and ``validation/accuracy`` against step)
+and a table. ``--baseline OTHER.json`` (an earlier result of this script, e.g. the same seeds in fp32) adds
+``comparison``: per seed present in both, final accuracy and gain minus the baseline's, and the mean final-accuracy
+difference with its bootstrap 90% interval (paired by seed).
 """
 
 from __future__ import annotations

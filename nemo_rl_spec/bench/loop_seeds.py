@@ -3,21 +3,11 @@
 ``python examples/loop_seeds_table.py --out summary.json seed3.json seed4.json ...``, each input a
 ``bench_sync_vs_async.py`` output of the same modes on one ``grpo.seed`` (its ``ratios_vs_autoregressive`` and
 ``modes``). Per synchronous speculative mode and per seed (async modes are left out: their exposed generation is
-only the part of generation on the trainer's critical path):
-
-- ``generation`` / ``step``: the mode's mean seconds over its passes over autoregressive's (the file's ``of_means``:
-  exposed generation, whole step; means over steps 2..N);
-- ``tokens_per_s``: the mode's generator throughput over autoregressive's (response tokens / seconds inside
-  generate, whole run): the engine's speed with the rollouts' lengths divided out, which the seconds ratios are
-  not (speculation changes the seeded rows' realisations, so the modes generate different token counts);
-- ``tokens``: the mode's response tokens per step over autoregressive's (``tokens_per_s x generation s``);
-- ``acceptance_length``, and ``mean_reward`` minus autoregressive's.
-
-Over the seeds: the mean and a percentile-bootstrap 90% interval of each
-(:func:`~nemo_rl_spec.utils.bench_runs.mean_and_interval`; with 3-5 seeds it is narrow-biased, so the per-seed
-values are printed beside it). Writes ``--out`` JSON ``{"modes": {mode: {field: {"per_seed": {file: value},
-"mean", "interval90"}}}, "sources": [...], "machine"}`` (the inputs' machine:
-:func:`~nemo_rl_spec.utils.machine.sources_machine`) and prints a Markdown table.
+only the part of generation on the trainer's critical path): generation and step seconds, generator throughput,
+response tokens and acceptance length, each over autoregressive's, and the mean reward minus autoregressive's
+(:func:`seed_ratios`). Over the seeds: the mean and a percentile-bootstrap 90% interval of each (with 3-5 seeds it
+is narrow-biased, so the per-seed values are printed beside it). Writes ``--out`` JSON ``{"modes": {mode: {field:
+{"per_seed": {file: value}, "mean", "interval90"}}}, "sources": [...], "machine"}`` and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -34,7 +24,15 @@ FIELDS = ("generation", "step", "tokens_per_s", "tokens", "acceptance_length", "
 
 
 def seed_ratios(result: dict) -> dict[str, dict[str, float]]:
-    """One benchmark output -> ``{speculative mode: {field: value}}`` (the fields of the module docstring).
+    """One benchmark output -> ``{speculative mode: {field: value}}``, the fields of :data:`FIELDS`:
+
+    - ``generation`` / ``step``: the mode's mean seconds over its passes over autoregressive's (the file's
+      ``of_means``: exposed generation, whole step; means over steps 2..N);
+    - ``tokens_per_s``: the mode's generator throughput over autoregressive's (response tokens / seconds inside
+      generate, whole run): the engine's speed with the rollouts' lengths divided out, which the seconds ratios are
+      not (speculation changes the seeded rows' realisations, so the modes generate different token counts);
+    - ``tokens``: the mode's response tokens per step over autoregressive's (``tokens_per_s x generation s``);
+    - ``acceptance_length``, and ``mean_reward`` minus autoregressive's.
 
     Raises:
         KeyError: the file has no ``sync/autoregressive`` mode or no ratios for a speculative mode it ran.

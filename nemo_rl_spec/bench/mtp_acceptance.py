@@ -1,33 +1,17 @@
-"""Acceptance length of a trained megatron-core MTP layer served as vLLM's ``mtp`` drafter (issue 33, item 1).
+"""Acceptance length of a trained megatron-core MTP layer served as vLLM's ``mtp`` drafter.
 
 ``python examples/bench_mtp_acceptance.py --runs-dir results/occ_modes_testbed_runs --modes detach occ+ref
---seeds 43 44 --ks 1 3 --out docs/results/occ_mtp_acceptance_testbed.json [--config configs/grpo_math_testbed_mtp.yaml]``
+--seeds 43 44 --ks 1 3 --out docs/results/occ/occ_mtp_acceptance_testbed.json [--config configs/grpo_math_testbed_mtp.yaml]``
 
 For each finished OCC run ``<runs-dir>/<mode>_seed<seed>/`` that kept its final checkpoint (``examples/bench_occ.py``
-with ``checkpointing.enabled=true``; ``ckpt/step_<N>/policy/megatron_policy_tp0.pt``, the highest N):
-
-1. the checkpoint's megatron weights (trunk + ``mtp.layers.0``) are written as a MiMo checkpoint
-   (:func:`~nemo_rl_spec.models.mtp_export.write_mimo_checkpoint`, the export the GRPO loop's ``method: mtp`` uses)
-   to ``<run>/mimo_step<N>/``; no megatron model is built (pure tensor renaming, TP = 1 checkpoints);
-2. in a fresh process per k (:func:`~nemo_rl_spec.testing.checks.run_isolated`), an fp32 vLLM engine serves it with
-   ``speculative_config={method: mtp, num_speculative_tokens: k}`` and the post-norm hidden-state hook the
-   generation worker installs (:func:`~nemo_rl_spec.models.mtp_export.install_post_norm_mtp_input`), and generates
-   the recipe's held-out validation prompts (``data.validation``: 128 problems, chat-formatted) with the recipe's
-   sampling: ``policy.generation.temperature`` (T = 1), ``max_new_tokens``, ``grpo.val_num_generations`` answers per
-   prompt, stopping at EOS. Acceptance length = 1 + accepted / drafting rounds from the engine's counters
-   (:class:`~nemo_rl_spec.speculative.metrics.SpecDecodeCounters`), plus the per-position acceptance rates.
-   With ``--greedy`` the k = 1 engine also decodes the same prompts at T = 0 (one answer each): the greedy
-   acceptance, the quantity closest to the training metric ``train/mtp/acceptance`` (top-1 agreement of the MTP
-   head with the main head on sampled, teacher-forced sequences).
-
-Writes ``--out``: ``{"config", "runs": {"<mode>": {"<seed>": {"step", "train_mtp_acceptance" (last step's
-train/mtp/acceptance), "k<k>": {"acceptance_length", "acceptance_rate", "rate_pos", "drafts", "accepted",
-"generate_s", "tokens", "accuracy" (of the answers, math environment: a sanity check against the run's own
-validation)}, "k1_greedy": {...}}}}, "per_mode": {"<mode>": {"k<k>": {"per_seed", "mean",
-"interval90"}}}, "machine"}`` (bootstrap 90% intervals over seeds,
-:func:`~nemo_rl_spec.utils.bench_runs.mean_and_interval`; ``machine``: :func:`~nemo_rl_spec.utils.machine.machine_info`
-of the machine that wrote the file).
-Resumable: the JSON is rewritten after every run, and ``--reuse`` keeps the runs already in it.
+with ``checkpointing.enabled=true``): the checkpoint's trunk and MTP layer are written as a MiMo checkpoint
+(:func:`~nemo_rl_spec.models.mtp_export.write_mimo_checkpoint`, pure tensor renaming, TP = 1), then, in a fresh
+process per k, an fp32 vLLM engine serves it with ``speculative_config={method: mtp, num_speculative_tokens: k}``
+and generates the recipe's held-out validation prompts with the recipe's sampling. Acceptance length = 1 + accepted
+/ drafting rounds from the engine's counters, plus per-position rates and the answers' accuracy (a sanity check);
+``--greedy`` adds a T = 0 pass at k = 1, the quantity closest to the training metric ``train/mtp/acceptance``.
+Writes ``--out`` (per run and k, per mode with bootstrap 90% intervals over seeds, the machine); the JSON is
+rewritten after every run and ``--reuse`` keeps the runs already in it.
 """
 
 from __future__ import annotations

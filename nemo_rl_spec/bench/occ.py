@@ -4,45 +4,14 @@
         [--modes detach ce policy occ] [--seeds 0 1] [--steps 4] [--overhead-repeats N] [--work-dir DIR] [--reuse]
         [key=value ...]
 
-``--steps 0 --overhead-repeats N`` only times ``train()`` per mode in one process (the overhead check);
-``--proxy-steps N`` runs N occ+ref steps of one worker on random batches with random advantages and writes
-``proxy_validation_random_batches`` (in a recipe whose model never earns reward every advantage, c and v2 are 0).
-Mode syntax ``<loss mode>[@<coefficient>][+ref]``: ``policy@1`` sets ``mtp_loss_scaling_factor=1`` (the fixed
-coefficient; lambda_plus for occ), ``+ref`` turns on ``mtp_occ_reference`` (every optimizer step also reports c and
-v2 from full parameter gradients, and the JSON gets ``proxy_validation_<mode>``: OCC's lambda against the rule on
-them, per optimizer step after a step's first; with ``--overhead-repeats``, the reference's cost as ``occ+ref`` vs
-``occ`` train() time). OCC's lambda is 0 on a step's first optimizer mini-batch: give
-``policy.train_global_batch_size`` below the step's rows.
-
-Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh process: Ray + vLLM + Megatron), with
-``policy.megatron_cfg.mtp_loss_mode=<mode>`` and ``grpo.seed=<seed>``, its logs in ``<work-dir>/<mode>_seed<seed>/``
-(default work dir: ``<out stem>_runs`` next to ``--out``). The JSON is rewritten after every run; ``--reuse`` reads
-finished runs back instead of rerunning them (resume, re-analysis). A failed run is listed in ``failed_runs`` and
-the exit code is 1. Written JSON::
-
-    {"config": ..., "steps": N, "runs": {"<mode>": {"<seed>": {
-        "final_accuracy": validation/accuracy at the last step (fraction),
-        "peak_accuracy": the highest validation/accuracy after step 0, "validation": [(step, accuracy)],
-        "max_drawdown": the largest fall below the running peak over the last 10 validations (:func:`max_drawdown`),
-        "mtp_acceptance": train/mtp/acceptance at the last step (top-1 agreement with the main head, fraction),
-        "step_time_s": mean timing/train/total_step_time over steps after the first (seconds),
-        "train_time_s": mean timing/train/policy_training over steps after the first (seconds),
-        "series": {metric: [per step]} for reward, lambda, MTP CE, acceptance, the clip fraction (+ c_ref, v2_ref,
-                   lambda_ref, c_ref_decoder, v2_ref_decoder for +ref),
-        "minibatch_series": {metric: [[per optimizer step of a GRPO step] per GRPO step]} for lambda, c_ref, v2_ref,
-                   lambda_ref (with several optimizer steps a GRPO step)}}},
-     "per_mode": {"<mode>": {"final_accuracy" | "peak_accuracy" | "mtp_acceptance" | "step_time_s" | "train_time_s":
-                  {"per_seed", "mean", "interval90": bootstrap 90% interval over seeds}}},
-     "vs_detach": {"<mode>": {"final_accuracy" | "peak_accuracy": {"per_seed": mode - detach, "mean", "interval90",
-                   "above", "below"}}} (paired by seed, :func:`paired_vs`),
-     "failed_runs": ["<mode> seed <seed>", ...],
-     "overhead": {"occ_vs_detach_step_time": ratio of mean step times, "occ_vs_detach_train_time": ...},
-     "proxy_validation_<mode>": :func:`proxy_validation` (sign agreement, rank correlation and scale of lambda
-                          against lambda_plus * c / v2 per optimizer step),
-     "machine": {...} (:func:`~nemo_rl_spec.utils.machine.machine_info`: CPU model and ISA flags, torch, GPU)}
-
-Also prints a table and writes ``<out>.png`` (per-step curves per mode, mean over seeds). On 2 shared CPU cores the
-step times carry the noise of whatever else runs; compare the training-phase times, which the MTP mode changes.
+Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh process) with
+``policy.megatron_cfg.mtp_loss_mode=<mode>`` and ``grpo.seed=<seed>``, logged in ``<work-dir>/<mode>_seed<seed>/``.
+Mode syntax ``<loss mode>[@<coefficient>][+ref]``: ``@c`` sets ``mtp_loss_scaling_factor``, ``+ref`` turns on
+``mtp_occ_reference`` (OCC's lambda checked against the full-gradient rule: ``proxy_validation_<mode>``).
+``--steps 0 --overhead-repeats N`` only times ``train()`` per mode; ``--proxy-steps N`` checks the proxy on random
+batches. The JSON (per run, per mode with bootstrap intervals, paired against ``detach``, the overhead, the machine)
+is rewritten after every run; ``--reuse`` reads finished runs back. Also prints a table and writes ``<out>.png``.
+A failed run is listed in ``failed_runs`` and the exit code is 1.
 """
 
 from __future__ import annotations

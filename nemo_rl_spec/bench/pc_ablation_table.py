@@ -1,20 +1,17 @@
-"""Issue 32 ablation table: one row per Pilot-Commit ablation (and uniform GRPO), from the benchmark JSONs that
-``examples/bench_pilot_commit.py`` wrote, one file per ablation (``docs/pc_ablations/<name>.json``).
+"""Pilot-Commit ablation table: one row per ablation (and uniform GRPO), from the benchmark JSONs that
+``examples/bench_pilot_commit.py`` wrote, one file per ablation (``docs/results/pilot_commit/ablations/<name>.json``).
 
-``python examples/pc_ablation_table.py docs/pc_ablations/{uniform,baseline,constant_norm}.json
-[--out docs/pc_ablations/summary.json] [--plot docs/pc_ablations/curves.png]``
+``python examples/pc_ablation_table.py docs/results/pilot_commit/ablations/{uniform,baseline,constant_norm}.json
+[--out docs/results/pilot_commit/ablations/summary.json] [--plot docs/results/pilot_commit/ablations/curves.png]``
 
-Per run (a method and seed of a file): final and peak validation accuracy, the peak-to-final drop (peak - final,
->= 0), the step of the peak, cumulative rollouts at the end, train rows per step, grad norm before clipping (mean and
-max over steps), the largest fall below the running peak over the last 10 steps (``dip_last10``, the
-issue's "falls by more than 0.05 from its peak over the last 10 steps") and over the whole run (``max_drawdown``),
-mean times seen of the trained prompts and the run's final distinct-prompt fraction. Per ablation:
-each of those per seed and their mean with a bootstrap 90% interval over seeds
-(:func:`nemo_rl_spec.utils.bench_runs.mean_and_interval`). Prints a markdown table; ``--out`` writes the numbers.
-
-``--reference FILE`` (a bench JSON with uniform GRPO runs): every row's rollouts to start + f x (reference's mean
-final - start), f = 0.5 / 0.75 / 0.9 / 1, paired by seed with the reference's, and the ratios reference / row
-(:func:`reference_ratios`), as a second table and under ``"reference"`` in ``--out``.
+Per run (a method and seed of a file): final and peak validation accuracy, the peak-to-final drop, the step of the
+peak, cumulative rollouts at the end, train rows per step, grad norm before clipping (mean and max), the largest
+fall below the running peak over the last 10 steps (``dip_last10``, for the stability criterion "no fall of more
+than 0.05 from the peak over the last 10 steps") and over the whole run (``max_drawdown``), mean times seen of the trained prompts and the
+final distinct-prompt fraction. Per ablation: each per seed and their mean with a bootstrap 90% interval over seeds.
+Prints a markdown table; ``--out`` writes the numbers. ``--reference FILE`` (a bench JSON with uniform GRPO runs):
+every row's rollouts to start + f x (reference's mean final - start), f = 0.5 / 0.75 / 0.9 / 1, paired by seed,
+and the ratios reference / row (:func:`reference_ratios`), as a second table and under ``"reference"``.
 """
 
 from __future__ import annotations

@@ -3,24 +3,15 @@
 ``python examples/bench_pilot_commit.py --out results/bench_pilot_commit.json [--seeds 0 1] [--steps 6]
 [--target auto|0.3] [key=value ...]``
 
-Every (method, seed) is one subprocess of ``examples/run_grpo.py`` on the bench recipe (default
-``configs/grpo_math_smollm2_135m_pilot_commit.yaml``: SmolLM2-135M-Instruct, a mixed-difficulty reasoning-gym
-pool, a held-out reasoning-gym validation set validated every ``grpo.val_period`` steps) with its own log dir;
-extra ``key=value`` arguments are passed to every run. Methods differ only in the allocator section they enable
-(``grpo.pilot_commit.enabled`` / ``grpo.dynamic_sampling.enabled``); the per-step rollout budget of uniform GRPO
-and Pilot-Commit is the same, DAPO spends up to ``max_gen_batches`` times it. Runs are ordered seed-major, so an
-interrupted benchmark still has every method for the first seeds, and the JSON is rewritten after every run.
-
-Measured per run (from its ``metrics.jsonl``): the validation accuracy after each validated step against
-``rollout_alloc/cumulative_rollouts`` (all rollouts generated so far: pilots, commits, discarded DAPO batches).
-``rollouts_to_target[method][seed]`` = cumulative rollouts at the first validation whose accuracy reaches the
-target (null if never). Target: ``--target`` as a number, or ``auto`` (default) = the paper's protocol, the
-final accuracy of uniform GRPO (mean over seeds), but at least one validation problem above the start accuracy
-(the start is the same for every run: same weights, and validation decodes greedily or samples with its own
-seed). Lower targets and paired ratios with intervals: :func:`gain_fraction_targets`, :func:`ratio_stats`.
-
-Output: ``--out`` JSON, a PNG next to it (same stem: accuracy vs cumulative rollouts, and the group reward variance
-per step), and a table on stdout.
+Every (method, seed) is one ``examples/run_grpo.py`` subprocess on the bench recipe (default
+``configs/grpo_math_smollm2_135m_pilot_commit.yaml``) with its own log dir; methods differ only in the allocator
+section they enable, and extra ``key=value`` arguments go to every run. Runs are ordered seed-major and the JSON is
+rewritten after every run. Measured per run: the validation accuracy against ``rollout_alloc/cumulative_rollouts``
+(every rollout generated: pilots, commits, discarded DAPO batches); ``rollouts_to_target[method][seed]`` = the
+cumulative rollouts at the first validation that reaches the target (null if never). ``--target auto`` (default)
+is the paper's protocol: uniform GRPO's mean final accuracy, at least one validation problem above the start.
+Lower targets and paired ratios with intervals: :func:`gain_fraction_targets`, :func:`ratio_stats`. Writes
+``--out`` (JSON), a PNG next to it and a table on stdout.
 """
 
 from __future__ import annotations
@@ -118,7 +109,7 @@ def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> di
 
 
 def training_diagnostics(steps: list[dict]) -> dict:
-    """What a run trained on and how hard it pushed (issue 32), from its step records (step >= 1):
+    """What a run trained on and how hard it pushed, from its step records (step >= 1):
     ``mean_train_rows`` / ``train_rows_curve`` (``rollout_alloc/train_rollouts``), ``mean_grad_norm`` /
     ``max_grad_norm`` (``train/grad_norm``, before clipping), ``mean_trained_times_seen``, ``final_trained_unique_frac``
     (distinct prompts / train groups over the run), ``trained_bucket_share`` (each difficulty bucket's share of the

@@ -1,35 +1,17 @@
-"""float32 against bfloat16 GRPO: seconds per step of each phase, measured on this machine's CPU (issue 31).
+"""float32 against bfloat16 GRPO: seconds per step of each phase, measured on this machine's CPU.
 
-``python examples/bench_precision.py [--out docs/bench_precision.json] [--config RECIPE] [--repeats 3] [--steps 3]
+``python examples/bench_precision.py [--out docs/results/precision/bench_precision.json] [--config RECIPE] [--repeats 3] [--steps 3]
 [--work-dir DIR] [--reuse] [key=value ...]``
 
-A CPU measurement: the numbers are this machine's (its CPU model, whether it has native bf16 units -- ``amx_bf16`` /
-``avx512_bf16`` in ``/proc/cpuinfo`` -- and its core count go into the JSON); they say nothing about a GPU. Run it
-alone on the machine (``../shared/tools/heavy``): a busy core slows whichever run shares it.
-
-Each run is one subprocess of ``examples/run_grpo.py`` (:func:`nemo_rl_spec.utils.bench_runs.run_grpo_subprocess`)
-on the recipe with ``policy.precision=<p>`` (bfloat16: Megatron mixed precision, bf16 parameters and fp32 master
-weights), ``policy.generation.vllm_cfg.precision=<p>`` where the schema has that key (the vLLM engine's dtype),
-``grpo.max_num_steps=--steps``, no validation at the start or in between (``grpo.val_at_start=false
-grpo.val_period=0``; the loop still validates after its last step, outside the step's timers) and no checkpoints
-(``checkpointing.enabled=false``), so the phases are the step's own. Runs are interleaved, fp32, bf16, fp32, bf16,
-... (``--repeats`` pairs, :func:`schedule`), each in ``--work-dir/<precision>_r<repeat>/`` (default
-``results/<out stem>_runs/``). Extra ``key=value`` arguments go to every run (after the benchmark's own, so they may
-change them, e.g. ``policy.generation.vllm_cfg.precision=float32`` for a bf16 trainer beside an fp32 engine; not
-``policy.precision``). ``--reuse`` keeps runs whose ``run.json`` records return code 0 (whatever they ran with), so an
-interrupted benchmark resumes.
-
-Per phase (:data:`PHASES`, the step's ``timing/train/*`` seconds): a run's value is its mean over its steps with the
-first step dropped as warm-up when it ran more than one (:func:`run_summary`); a precision's value is the mean over
-its repeats, printed with each repeat's value; the ratio is bf16 / fp32, printed beside issue 31's goals
-(:data:`GOALS`). Also per precision: ``train/token_mult_prob_error`` (NeMo-RL's exp|logp_trainer - logp_vllm| per
-token, 1.0 is perfect) and ``refit/logprob_mismatch`` (the refit probe, nats), means over every step (warm-up
-included: they measure numerics, not time). Runs that failed (return code not 0) are kept in the JSON and left out of
-the means.
-
-Writes ``--out`` (JSON: every run's per-step values, the summary, the command, the recipe with the overrides and each
-precision's resolved config under ``meta``, the machine under ``machine``: :func:`machine_info`), ``<out stem>.png``
-(bars per phase, fp32 beside bf16, whiskers at the repeats' min / max) and prints the table.
+A CPU measurement: the numbers are this machine's (its CPU model, native bf16 units -- ``amx_bf16`` /
+``avx512_bf16`` -- and core count go into the JSON); they say nothing about a GPU. Run it alone on the machine
+(``../shared/tools/heavy``). Each run is one ``examples/run_grpo.py`` subprocess with ``policy.precision=<p>`` (and
+the vLLM engine's dtype where the schema has that key), no validation before or between steps and no checkpoints,
+fp32 and bf16 runs interleaved (:func:`schedule`); extra ``key=value`` arguments go to every run, ``--reuse`` keeps
+finished runs. Per phase (:data:`PHASES`): a run's mean over its steps after the warm-up step (:func:`run_summary`),
+the mean over repeats and the bf16 / fp32 ratio beside :data:`GOALS`; also the numerics ``train/token_mult_prob_error``
+and ``refit/logprob_mismatch``. Writes ``--out`` (every run's per-step values, the summary, the resolved configs, the
+machine), ``<out stem>.png`` and prints the table.
 """
 
 from __future__ import annotations
@@ -59,7 +41,7 @@ PHASES = [
 STEP_KEY = "timing/train/total_step_time"
 #: numerics per step, averaged over every step of a run: (short name, metrics.jsonl key)
 NUMERICS = [("token_mult_prob_error", "train/token_mult_prob_error"), ("logprob_mismatch", "refit/logprob_mismatch")]
-#: issue 31's goals for the bf16 / fp32 ratio (at most), and the whole step's moonshot.
+#: the bf16 / fp32 ratios (at most) the bf16 path was built to reach, per phase, and the whole step's stretch goal.
 GOALS = {"generation": 0.55, "training": 0.6, "total_step": 0.6}
 MOONSHOT = {"total_step": 0.5}
 PRECISIONS = ("float32", "bfloat16")
@@ -69,7 +51,9 @@ BF16_FLAGS = NATIVE_BF16_FLAGS
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     """The benchmark's options and the extra ``key=value`` overrides (passed to every run)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="docs/bench_precision.json", help="result JSON (the plot goes to <stem>.png)")
+    p.add_argument(
+        "--out", default="docs/results/precision/bench_precision.json", help="result JSON (the plot goes to <stem>.png)"
+    )
     p.add_argument("--config", default="configs/grpo_math_smollm2_135m.yaml", help="recipe")
     p.add_argument("--repeats", type=int, default=3, help="runs per precision, interleaved fp32, bf16, fp32, ...")
     p.add_argument("--steps", type=int, default=3, help="grpo.max_num_steps of each run (the first is warm-up if > 1)")

@@ -1,19 +1,17 @@
 """Trainer against engine log-probs under each sampling option the schema accepts, measured on a recipe in fp32.
 
-``python examples/bench_sampling_agreement.py [--out docs/results/sampling_agreement.json] [--config RECIPE]
-[--steps 1] [--work-dir DIR] [--reuse] [key=value ...]``
+``python examples/bench_sampling_agreement.py [--out docs/results/sampling_agreement/sampling_agreement.json]
+[--config RECIPE] [--steps 1] [--work-dir DIR] [--reuse] [key=value ...]``
 
 The engine samples from ``softmax(filter(logits / T))`` and returns each sampled token's log-prob under it
 (``processed_logprobs``); the trainer's previous log-probs must be of that same distribution, or every importance
 ratio is biased. Per option (:data:`OPTIONS`: plain sampling, temperature, top-p, top-k, both, stop strings), one
-subprocess of ``examples/run_grpo.py`` on the recipe with ``policy.precision=float32`` (trainer and engine),
-``--steps`` steps, no validation before or between steps and no checkpoints. Per option the table gives, averaged
-over the steps: ``train/token_mult_prob_error`` (NeMo-RL's mean of exp|logp_trainer - logp_engine| over response
-tokens; 1.0 is perfect), ``mult_err - 1``, an upper bound on the mean |delta logp| in nats (exp|d| >= 1 + |d|),
-against the goal :data:`GOAL_NATS`, and ``train/importance_ratio_max_abs_dev`` (max |exp(d) - 1|).
-
-A CPU measurement (the machine goes into the JSON under ``machine``). Writes ``--out`` (every run's per-step values,
-the summary, the commands) and prints the table.
+``examples/run_grpo.py`` subprocess on the recipe with ``policy.precision=float32`` (trainer and engine), ``--steps``
+steps, no validation before or between steps and no checkpoints. Per option the table gives, averaged over the
+steps: ``train/token_mult_prob_error`` (NeMo-RL's mean of exp|logp_trainer - logp_engine| over response tokens; 1.0
+is perfect), ``mult_err - 1``, an upper bound on the mean |delta logp| in nats, against the goal :data:`GOAL_NATS`,
+and ``train/importance_ratio_max_abs_dev`` (max |exp(d) - 1|). A CPU measurement (the machine goes into the JSON
+under ``machine``). Writes ``--out`` (every run's per-step values, the summary, the commands) and prints the table.
 """
 
 from __future__ import annotations
@@ -61,7 +59,7 @@ METRICS = [
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="docs/results/sampling_agreement.json")
+    p.add_argument("--out", default="docs/results/sampling_agreement/sampling_agreement.json")
     p.add_argument("--config", default="configs/grpo_math_tiny.yaml")
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--work-dir", default="results/sampling_agreement_runs", help="run directories")

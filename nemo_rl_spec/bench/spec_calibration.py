@@ -1,23 +1,16 @@
-"""Calibrate the batch-size-aware speculation schedule for this machine, engine dtype and model (issue 35, item 3):
+"""Calibrate the batch-size-aware speculation schedule for this machine, engine dtype and model:
 ``python examples/calibrate_spec_schedule.py --config RECIPE [key=value ...]``.
 
 Measures, in one fresh process (the recipe's engine threads and dtype), the step costs
-:func:`~nemo_rl_spec.speculative.adaptive_k.derive_schedule` needs: one plain decode step (the autoregressive
-engine) and one speculative step at each candidate k (1..``num_speculative_tokens``; ``--ks``) at constant running
-batch sizes (``--batches``, default 1 2 4 8 16 32). The measurement is
-:func:`~nemo_rl_spec.bench.engine_steps.profile_components` (the rollout benchmark's): every engine a
-:class:`~nemo_rl_spec.models.generation.vllm_worker.VllmGenerationWorker`, b requests of ``--step-tokens`` tokens
-(``ignore_eos``, at most b running, per-request seeds, the recipe's temperature, the sampled token's log-prob as
-the rollout asks), engines interleaved over ``--repeats`` repeats, the median step of each run and the smallest
-over the repeats kept. The drafter is never accepted (its ``lm_head`` zeroed), so every step verifies k drafts per
-request: the cost of a step, whatever the draft's quality (its acceptance is ``dynamic_speculation.acceptance_rate``).
-The drafter has the recipe's draft shape: a zero-``lm_head`` copy of the recipe's draft directory, or, when that
-does not exist yet, a fresh head with ``--draft-vocab-size`` rows (default: the full vocabulary).
-
-The entry goes to the user cache (:func:`~nemo_rl_spec.speculative.calibration.user_table_dir`) or, with
-``--shipped``, to the repository's table ``configs/spec_step_costs/``, under the recipe's calibration key
-(:func:`~nemo_rl_spec.speculative.calibration.recipe_key`); ``step_costs: auto`` then finds it. ``--show-key``
-prints the key and where an entry exists, without measuring.
+:func:`~nemo_rl_spec.speculative.adaptive_k.derive_schedule` needs: one plain decode step and one speculative step
+at each candidate k (1..``num_speculative_tokens``; ``--ks``) at constant running batch sizes (``--batches``,
+default 1 2 4 8 16 32), with :func:`~nemo_rl_spec.bench.engine_steps.profile_components` (the rollout benchmark's
+measurement: engines interleaved over ``--repeats``, the median step of each run, the smallest over the repeats).
+The drafter has the recipe's draft shape and its ``lm_head`` zeroed, so it is never accepted and every step
+verifies k drafts per request: the cost of a step, whatever the draft's quality (its acceptance is
+``dynamic_speculation.acceptance_rate``). The entry goes to the user cache or, with ``--shipped``, to
+``configs/spec_step_costs/``, under the recipe's calibration key; ``step_costs: auto`` then finds it.
+``--show-key`` prints the key and where an entry exists, without measuring.
 """
 
 from __future__ import annotations

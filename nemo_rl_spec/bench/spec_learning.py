@@ -1,28 +1,18 @@
-"""Is speculative GRPO indistinguishable from autoregressive GRPO on a policy that learns? (issue 33, items 3-4)
+"""Is speculative GRPO indistinguishable from autoregressive GRPO on a policy that learns?
 
-``python examples/bench_spec_learning.py --out docs/spec_runs/spec_learning_testbed.json
+``python examples/bench_spec_learning.py --out docs/results/spec_learning_testbed/spec_learning_testbed.json
 [--methods ar eagle3 eagle3_lossy mtp] [--seeds 42 1 2 3 4] [--steps 30] [--work-dir DIR] [--reuse] [key=value ...]``
 
 Methods (:data:`METHODS`), each a recipe plus overrides: ``ar`` (configs/grpo_math_testbed.yaml), ``eagle3``
 (configs/grpo_math_testbed_spec.yaml: online EAGLE-3, k = 3, fresh head), ``eagle3_lossy`` (the same with the
 DEBUG-ONLY lossy sampler ``policy.generation.debug_lossy_sampler=resample_from_target``: the negative control) and
-``mtp`` (the testbed + one megatron-core MTP layer trained detached, as vLLM's ``mtp`` drafter, k = 1; detached so
-the trunk trains exactly as in ``ar``). Each (method, seed) is one ``examples/run_grpo.py`` subprocess in
-``<work-dir>/<method>_seed<seed>/`` (default work dir ``results/<out stem>_runs``), run seed by seed with the
-methods interleaved; the JSON is rewritten after every run and ``--reuse`` keeps finished runs (resume).
-
-Analysis (:func:`analyse`), every speculative method against ``ar`` over the seeds both finished:
-- per step: mean ``train/reward`` difference and its standard error sqrt(s_a^2/n_a + s_b^2/n_b) (seeds as
-  samples, Welch), and whether |difference| <= 2 SE (``steps_outside_2se``; with 30 steps and no true difference
-  about 1.4 steps are outside by chance); under ``paired`` the same paired by seed (a seed draws the same prompts at
-  each step in every method), with paired t and exact sign-flip tests;
-- final held-out accuracy: per seed, mean and bootstrap 90% interval per method, Welch two-sample t-test p and
-  an exact permutation-test p of the difference of means;
-- the curve-level test: the same two tests on each seed's mean reward over all steps;
-- acceptance (speculative methods): ``vllm/spec_acceptance_length`` per step per seed, its mean over the last 5
-  steps (goal >= 2.0 at k = 3), and per step the ratio to the step before (each step's rollouts follow a refit of
-  policy and draft: goal >= 0.8 after every refit).
-Writes ``--out`` (JSON), ``<out stem>.png`` (reward per step with +-2 SE bands; acceptance per step) and a table.
+``mtp`` (one megatron-core MTP layer trained detached, as vLLM's ``mtp`` drafter, k = 1). Each (method, seed) is
+one ``examples/run_grpo.py`` subprocess in ``<work-dir>/<method>_seed<seed>/``, methods interleaved seed by seed;
+the JSON is rewritten after every run and ``--reuse`` keeps finished runs. :func:`analyse` compares every
+speculative method with ``ar`` over the seeds both finished: per-step reward differences against 2 standard errors
+(Welch, and paired by seed), the final held-out accuracy and each seed's mean reward (Welch t and exact
+permutation tests), and the acceptance length per step and after every refit. Writes ``--out`` (JSON),
+``<out stem>.png`` and a table.
 """
 
 from __future__ import annotations

@@ -1,38 +1,18 @@
-"""A recipe's own speculative engine against autoregressive decoding (issue 35 item 4): the rollout phase and a
-running-batch sweep, ``python examples/bench_spec_schedule.py --config RECIPE --out FILE.json``.
+"""A recipe's own speculative engine against autoregressive decoding: the rollout phase and a running-batch sweep,
+``python examples/bench_spec_schedule.py --config RECIPE --out FILE.json``.
 
 Two engines in one fresh process, both :class:`~nemo_rl_spec.models.generation.vllm_worker.VllmGenerationWorker`
-(the rollout path) in the recipe's engine dtype and threads: the recipe's speculative engine exactly as the GRPO loop
-builds it (``speculative_config``, the draft in ``policy.draft.model_name``, ``dynamic_speculation`` with its
-``step_costs`` resolved as the loop resolves them, e.g. ``auto`` -> this machine's calibration entry), and the same
-engine without speculation: the *batch-aware autoregressive baseline* (vLLM's continuous batching at the same
-admission limit, so both run the same running batch at every step).
-
-Measured, every pair interleaved and its order alternated:
-
-- **Rollout phase**: the GRPO rollout call ``generate(P prompts, n=G)`` (the recipe's P x G rows, temperature and
-  ``max_new_tokens``, natural lengths) on ``--groups`` prompt groups from the end of the training set, the same
-  prompts and seed for both engines. ``speedup`` = AR seconds / speculative seconds, per group and over all groups
-  (total over total). Also: each engine's seconds by running batch size (where a rollout spends its time) and the
-  response lengths.
-- ``--variant KEY=VALUE ...``: a second speculative engine, the recipe's with these ``policy.generation.
-  dynamic_speculation`` keys changed (one change: an ablation measured in the same process, every trio interleaved).
-- ``--matched-lengths``: the AR engine runs each group again once per engine, every row held to the length that
-  engine sampled for it (``ignore_eos``; :func:`~nemo_rl_spec.bench.engine_steps.time_matched_rollout`): the
-  ratio AR-at-those-lengths / the engine's natural run compares the same running-batch profile. The natural-length
-  ratio also carries the difference between the sampled tails (speculative sampling draws other tokens than AR from
-  the same seed, and a rollout's time follows its longest row). AR is the one held: its step cost does not depend
-  on what it samples, while a speculative engine held past its own EOS would draft on text the draft never saw. The
-  AR engine at its own lengths checks the held path against the natural one.
-- ``--ar-control``: a second autoregressive engine, identical to the first, measured like a speculative one: its
-  ratios to AR are this machine's noise floor (what "never below 0.98x at any b" can resolve here).
-- **Running-batch sweep**: at each b in ``--batches`` (default 1-64), b requests of ``--sweep-tokens`` tokens with
-  ``ignore_eos`` and at most b running, so the running batch is b for the whole run; tokens/s of each engine,
-  ``--sweep-repeats`` interleaved pairs, speedup = the median over pairs of spec tokens/s / AR tokens/s, with the
-  k the schedule gives at b and the acceptance length. Over every k = 0 point and repeat, the geometric mean of the
-  ratios with a 90% bootstrap interval (``sweep_k0_pooled``): the engine's k = 0 cost, pooled.
-
-CPU numbers from this machine; nothing here is a GPU result (``meta.device``).
+in the recipe's engine dtype and threads: the recipe's speculative engine exactly as the GRPO loop builds it
+(``dynamic_speculation`` with its ``step_costs`` resolved as the loop resolves them), and the same engine without
+speculation: the *batch-aware autoregressive baseline* (the same admission limit, so both run the same running
+batch at every step). Every pair is interleaved, its order alternated. Measured: the GRPO rollout call on
+``--groups`` prompt groups from the end of the training set (``speedup`` = AR seconds / speculative seconds, per
+group and in total) and a sweep over running batch sizes ``--batches`` (tokens/s ratios, the k the schedule gives
+at each b, the acceptance length, and ``sweep_k0_pooled``: the engine's k = 0 cost over every k = 0 point).
+Options: ``--variant KEY=VALUE ...`` (a second speculative engine with changed ``dynamic_speculation`` keys),
+``--matched-lengths`` (AR re-run at each engine's sampled lengths, :func:`~nemo_rl_spec.bench.engine_steps.
+time_matched_rollout`), ``--ar-control`` (a second AR engine: this machine's noise floor). CPU numbers from this
+machine; nothing here is a GPU result (``meta.device``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,20 @@
 """Per-component cost of one vLLM engine step, from the timings ``examples/bench_spec_rollouts.py`` takes inside the
-engine (``--k0-profile``: k = 0 steps; ``--spec-profile``: steps that carry k > 0 drafts). Issue 35, items 1-2.
+engine (``--k0-profile``: k = 0 steps; ``--spec-profile``: steps that carry k > 0 drafts).
 
 The engine-side timer (``ComponentTimer`` in the example) adds up, per engine step, the seconds spent in a few of
-the model runner's calls (the *measured* keys below). This module turns those raw sums into components (the
-*derived* keys are residuals), reduces a run to its median step and a set of interleaved runs to their quietest
-value per component, and prints the tables. It imports neither vLLM nor torch, so the unit tests check it alone.
+the model runner's calls (the *measured* keys: :data:`MAIN`, :data:`SPEC_DETAIL`). This module turns those raw sums
+into components (the *derived* keys are residuals: :func:`step_parts`), reduces a run to its median step and a set
+of interleaved runs to their quietest value per component, and prints the tables. It imports neither vLLM nor
+torch, so the unit tests check it alone.
+"""
 
-Measured keys (seconds per engine step):
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+
+MAIN = ("target_forward", "target_logits", "sampling", "drafter")
+"""Measured on every engine: the keys the ``bookkeeping`` residual subtracts (seconds per engine step).
 
 - ``target_forward``: the target model's forward (``GPUModelRunner._model_forward``; on an EAGLE-3 engine this
   includes the aux hidden-state capture).
@@ -14,6 +22,20 @@ Measured keys (seconds per engine step):
 - ``sampling``: ``GPUModelRunner._sample`` (vLLM's ``Sampler``, or its ``RejectionSampler`` on a step with drafts).
 - ``drafter``: ``propose_draft_token_ids`` (drafter input preparation, the aux hidden-state concat, its passes and
   draft sampling).
+"""
+SPEC_DETAIL = (
+    "rs_forward",
+    "rs_bonus",
+    "rs_processors",
+    "rs_constraints",
+    "rs_accept",
+    "rs_logprobs",
+    "drafter_kv_pass",
+    "drafter_forward",
+    "drafter_sample",
+)
+"""Measured only with ``detail`` (the spec profile): parts of ``sampling`` and ``drafter``.
+
 - ``rs_forward``: ``RejectionSampler.forward`` as a whole.
 - ``rs_bonus``: the plain ``Sampler`` call inside it (the bonus token of every request).
 - ``rs_processors``: ``RejectionSampler.apply_logits_processors`` (penalties, bad words, min tokens).
@@ -26,40 +48,9 @@ Measured keys (seconds per engine step):
 - ``drafter_forward``: the drafter model's later forwards of the step (draft positions 2..k, one token each).
 - ``drafter_sample``: the drafter's ``_sample_draft_tokens`` (its ``compute_logits`` over its vocabulary, argmax
   or, drafting probabilistically, softmax and sampling).
-
-Derived keys (residuals, seconds per step):
-
-- ``bookkeeping`` = step - target_forward - target_logits - sampling - drafter (scheduler, input preparation,
-  output processing, spec-decode bookkeeping, stats).
-- ``logits_copies`` = rs_forward - rs_bonus - rs_processors - rs_constraints - rs_accept - rs_logprobs: what
-  ``RejectionSampler.forward`` does in its own body: indexing the logits into bonus and target rows (copies), the
-  target rows' conversion to float32 (a copy in bf16, a no-op in fp32) and their clone.
-- ``sampling_other`` = sampling - rs_forward (draft probabilities handed over, the seed patch's generator states).
-- ``drafter_other`` = drafter - drafter_kv_pass - drafter_forward - drafter_sample (input preparation, the aux
-  hidden-state concat, positions and slot mappings, drafter attention metadata).
 """
-
-from __future__ import annotations
-
-import statistics
-from collections.abc import Iterable, Mapping, Sequence
-
-MAIN = ("target_forward", "target_logits", "sampling", "drafter")
-"""Measured on every engine: the keys the ``bookkeeping`` residual subtracts."""
-SPEC_DETAIL = (
-    "rs_forward",
-    "rs_bonus",
-    "rs_processors",
-    "rs_constraints",
-    "rs_accept",
-    "rs_logprobs",
-    "drafter_kv_pass",
-    "drafter_forward",
-    "drafter_sample",
-)
-"""Measured only with ``detail`` (the spec profile): parts of ``sampling`` and ``drafter``."""
 COMPONENTS = (*MAIN, "bookkeeping")
-"""The k = 0 profile's columns (unchanged since issue 35 item 1)."""
+"""The k = 0 profile's columns."""
 SPEC_COMPONENTS = (
     "target_forward",
     "target_logits",
@@ -112,7 +103,17 @@ def step_parts(step_s: float, measured: Mapping[str, float]) -> dict[str, float]
 
     Returns:
         ``measured`` plus ``step`` and the derived residuals (``bookkeeping``; with any detail key also
-        ``logits_copies``, ``sampling_other``, ``drafter_other``), all seconds.
+        ``logits_copies``, ``sampling_other``, ``drafter_other``), all seconds:
+
+        - ``bookkeeping`` = step - target_forward - target_logits - sampling - drafter (scheduler, input
+          preparation, output processing, spec-decode bookkeeping, stats).
+        - ``logits_copies`` = rs_forward - rs_bonus - rs_processors - rs_constraints - rs_accept - rs_logprobs: what
+          ``RejectionSampler.forward`` does in its own body: indexing the logits into bonus and target rows
+          (copies), the target rows' conversion to float32 (a copy in bf16, a no-op in fp32) and their clone.
+        - ``sampling_other`` = sampling - rs_forward (draft probabilities handed over, the seed patch's generator
+          states).
+        - ``drafter_other`` = drafter - drafter_kv_pass - drafter_forward - drafter_sample (input preparation, the
+          aux hidden-state concat, positions and slot mappings, drafter attention metadata).
 
     Raises:
         KeyError: a :data:`MAIN` key is missing from ``measured``.

@@ -5,37 +5,12 @@
 
 Runs {sync, async age 1, async age 2} x {autoregressive, speculative} in this process (each mode gets fresh Ray
 actors from the same initial weights, seeds and prompt stream). ``--repeats R`` runs the list R times, every other
-pass in reverse order (A B, B A, A B, ...: :func:`schedule`), so slow drift of the machine does not favour the mode
-that ran first; a mode's numbers are then means over its repeats, each repeat kept under ``repeats``. Writes:
-
-- ``--out`` JSON: ``{"modes": {name: {step_time_s, exposed_generation_s, tokens_per_s, acceptance_length,
-  final_reward, ...}}, "settings": {...}, "machine": {...}}`` (:func:`~nemo_rl_spec.utils.machine.machine_info`);
-- a Markdown table next to it (``.md``) and printed; a plot of the step-time split (``.png``).
-
-Definitions (seconds are wall clock, means over steps 2..N, the first step being pipeline fill and warm-up):
-
-- ``step_time_s``: ``timing/train/total_step_time`` (sync: generate + train + refit; async: the trainer's wait for
-  a batch + train + refit).
-- ``exposed_generation_s``: generation on the trainer's critical path: sync ``timing/train/generation`` (all of
-  it), async ``timing/train/exposed_generation`` (the part of the buffer wait during which vLLM was generating, plus
-  the refit bubble: the refit waiting for the generate call in flight).
-- ``tokens_per_s``: response tokens sampled / seconds inside generate calls (generator throughput).
-- ``acceptance_length``: 1 + accepted / drafting rounds of the training rollouts, from the per-step
-  ``vllm/spec_*`` counts the loop logs (:func:`rollout_acceptance`; autoregressive: 1.0 by definition);
-  ``acceptance_length_with_validation``: the same from the engines' counters over the whole run, the final greedy
-  validation included (what ``acceptance_length`` was before session 26).
-- ``final_reward`` / ``final_accuracy``: ``train/reward`` of the last step / greedy validation accuracy after the
-  last step.
-- ``overlap_bound`` (async rows): the most async can gain by hiding generation behind training, sync step time /
-  (sync step time - sync exposed generation), from the same decoding's sync row; ``speedup_vs_sync`` is the gain
-  measured.
-
-Speculative mode uses vLLM ``speculative_config`` (``--spec-config`` JSON; default: ``draft_model`` with a
-1-layer truncation of the target, k = 3; the draft is not refit, so acceptance may fall as the policy moves --
-lossless either way); ``--spec-recipe`` runs the speculative modes on that recipe instead, with its own draft
-settings (e.g. ``configs/grpo_math_smollm2_135m_spec.yaml``: online EAGLE-3, refit with the policy every step). If
-the speculative engine cannot start, those modes are reported with their error and the
-autoregressive half still runs.
+pass in reverse order (:func:`schedule`), so slow drift of the machine does not favour the mode that ran first.
+Writes the ``--out`` JSON (per mode: :func:`summarize`; the settings; the machine), a Markdown table next to it
+(``.md``, also printed) and a plot of the step-time split (``.png``). Speculative mode uses vLLM
+``speculative_config`` (``--spec-config`` JSON; default: ``draft_model`` with a 1-layer truncation of the target,
+k = 3, not refit); ``--spec-recipe`` runs the speculative modes on that recipe's own draft settings instead. If the
+speculative engine cannot start, those modes are reported with their error and the autoregressive half still runs.
 """
 
 from __future__ import annotations
@@ -140,7 +115,22 @@ def speculative_config(args: argparse.Namespace, model_name: str, workdir: Path)
 
 
 def summarize(history: list[dict], is_async: bool) -> dict:
-    """Per-mode numbers from the step metrics (see the module docstring)."""
+    """Per-mode numbers from the step metrics (seconds are wall clock, means over steps 2..N, the first step being
+    pipeline fill and warm-up).
+
+    - ``step_time_s``: ``timing/train/total_step_time`` (sync: generate + train + refit; async: the trainer's wait
+      for a batch + train + refit).
+    - ``exposed_generation_s``: generation on the trainer's critical path: sync ``timing/train/generation`` (all of
+      it), async ``timing/train/exposed_generation`` (the part of the buffer wait during which vLLM was generating,
+      plus the refit bubble: the refit waiting for the generate call in flight).
+    - ``tokens_per_s``: response tokens sampled / seconds inside generate calls (generator throughput).
+    - ``acceptance_length``: 1 + accepted / drafting rounds of the training rollouts, from the per-step
+      ``vllm/spec_*`` counts the loop logs (:func:`rollout_acceptance`; autoregressive: 1.0 by definition);
+      ``acceptance_length_with_validation``: the same from the engines' counters over the whole run, the final
+      greedy validation included.
+    - ``final_reward`` / ``final_accuracy``: ``train/reward`` of the last step / greedy validation accuracy after the
+      last step.
+    """
     steady = history[1:] or history
     if is_async:
         exposed = [m.get("timing/train/exposed_generation", 0.0) for m in steady]

@@ -1,16 +1,12 @@
 """Offline EAGLE-3 draft initialisation: ``python examples/init_draft.py --config RECIPE.yaml --out DIR``.
 
 Samples ``--samples-per-prompt`` responses from the recipe's policy (vLLM, the recipe's temperature and
-max_new_tokens, natural lengths) to each of the first ``--num-prompts`` problems of the recipe's training set
-(chat-formatted as the GRPO loop formats them), trains an EAGLE-3 head on them with the full training-time-test
-unroll (transformers model of the policy, soft targets), and writes ``DIR`` with ``DraftTrainer.save_checkpoint``
-(``config.json`` + ``model.safetensors`` in vLLM's eagle3 format, plus ``draft_trainer.pt``) and ``init_draft.json``
-(arguments, the measured draft vocabulary, the held-out acceptance-vs-steps curve and, with ``--data-sizes``, the
-acceptance-vs-data curve). The last ``--eval-prompts`` prompts are held out for the curves.
-
-Progress bars for every stage; interrupted runs resume from ``DIR/work/`` (samples already written, the last
-training checkpoint): rerun the same command. Stages: :mod:`nemo_rl_spec.algorithms.draft_init`. Start GRPO from
-the result with::
+max_new_tokens) to each of the first ``--num-prompts`` problems of the recipe's training set (chat-formatted as the
+GRPO loop formats them), trains an EAGLE-3 head on them with the full training-time-test unroll, and writes ``DIR``
+(vLLM's eagle3 format plus ``draft_trainer.pt``) and ``init_draft.json`` (arguments, the draft vocabulary, the
+held-out acceptance-vs-steps curve and, with ``--data-sizes``, the acceptance-vs-data curve). Interrupted runs
+resume from ``DIR/work/``: rerun the same command (stages: :mod:`nemo_rl_spec.algorithms.draft_init`). Start GRPO
+from the result with::
 
     policy.draft.model_name: DIR
     policy.generation.vllm_kwargs.speculative_config: {method: eagle3, model: DIR, num_speculative_tokens: 3}

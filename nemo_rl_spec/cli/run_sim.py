@@ -1,39 +1,18 @@
 """Performance simulator of RL steps with speculative rollouts (nemo_rl_spec.sim).
 
-Sweep (every scenario in configs/sim, the paper comparison, k/acceptance/batch/hardware/scale sweeps, the 235B
-projection; a table on stdout, JSON at --out, PNG plots next to it):
-
-    python examples/run_sim.py --out results/sim/sim.json
-
-Calibrate the CPU profile from a measured run (writes a scenario YAML with fitted efficiencies and prints the
-per-phase errors; --spec-metrics adds the fidelity check: AR-fitted profile -> speculative run):
-
-    python examples/run_sim.py calibrate --metrics logs/<run>/metrics.jsonl [--spec-metrics logs/<spec>/metrics.jsonl]
+    python examples/run_sim.py --out results/sim/sim.json             # every scenario in configs/sim and the sweeps
+    python examples/run_sim.py calibrate --metrics logs/<run>/metrics.jsonl [--spec-metrics ...] \\
         [--scenario configs/sim/cpu_smollm2_default.yaml] --out results/sim/cpu_fitted.yaml
-
-Fidelity with held-out steps (fit the CPU profile on the first half of the AR run after warm-up, predict the
-other half from each step's own response length; --spec-metrics adds a speculative run, predicted from the same
-fit with its measured acceptance and the k of --spec-recipe):
-
-    python examples/run_sim.py fidelity --metrics logs/<run>/metrics.jsonl [--recipe configs/<recipe>.yaml]
-        [--spec-metrics logs/<spec>/metrics.jsonl --spec-recipe configs/<recipe>.yaml --spec-override k=v ...]
-        --out results/sim/fidelity.json
-
-Speculative micro-benchmark (vLLM on this CPU, a fixed batch with and without EAGLE-3; the AR time fits the
-decode profile, the speculative time is predicted from the measured acceptance):
-
+    python examples/run_sim.py fidelity --metrics logs/<run>/metrics.jsonl [--recipe configs/<recipe>.yaml] \\
+        [--spec-metrics ... --spec-recipe configs/<recipe>.yaml --spec-override k=v ...] --out results/sim/fidelity.json
     python examples/run_sim.py spec-bench --out results/sim/spec_bench.json
+    python examples/run_sim.py project-spec --bench BENCH.json [BENCH2.json ...] --out PROJECTION.json
 
-Projection of a measured rollout benchmark to GPUs (same acceptance, simulated costs; labelled a projection):
-
-    python examples/run_sim.py project-spec --bench docs/bench_spec_rollouts_default.json \
-        --out docs/sim_projection_spec_default.json
-
-The same for the long-tail recipe's benchmark (one or several bench_spec_schedule JSONs: the sweep rows and the
-rollout phase, rebuilt per prompt group from the measured response lengths and acceptance):
-
-    python examples/run_sim.py project-spec --bench docs/spec_longtail/bench_rep1.json \
-        docs/spec_longtail/bench_rep2.json docs/spec_longtail/bench_rep3.json --out docs/sim_projection_spec_longtail.json
+The default sweep prints a table and writes JSON and PNG plots. ``calibrate`` fits the CPU profile to a measured
+run (``--spec-metrics`` adds the AR-fit -> speculative-run check); ``fidelity`` fits on the first half of an AR run
+and predicts the held-out half; ``spec-bench`` times vLLM on this CPU with and without EAGLE-3; ``project-spec``
+projects a measured rollout benchmark (``bench_spec_rollouts`` or ``bench_spec_schedule`` JSONs) to GPUs: same
+acceptance, simulated costs, labelled a projection. ``--help`` of each subcommand lists its options.
 """
 
 from __future__ import annotations
@@ -119,11 +98,11 @@ def run_sweeps(scns: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-FIDELITY_DIR = REPO / "docs" / "sim_fidelity"
+FIDELITY_DIR = REPO / "docs" / "results" / "simulator" / "fidelity"
 
 
 def measured_fidelity() -> dict[str, Any]:
-    """Per-phase errors of the committed fidelity reports (docs/sim_fidelity/fidelity_*.json, written by
+    """Per-phase errors of the committed fidelity reports (docs/results/simulator/fidelity/fidelity_*.json, written by
     ``run_sim.py fidelity``), keyed by file stem; empty when there are none."""
     out: dict[str, Any] = {}
     for path in sorted(FIDELITY_DIR.glob("fidelity_*.json")):
@@ -286,7 +265,7 @@ def fidelity_main(argv: list[str]) -> int:
     )
     for key, title in (
         ("ar_holdout", "AR, held-out steps, fitted profile"),
-        ("ar_prior", "AR, same steps, a-priori profile (docs/install.md micro-benchmarks)"),
+        ("ar_prior", "AR, same steps, a-priori profile (docs/results/cpu_step_costs.md micro-benchmarks)"),
         ("spec", "speculative run, AR-fitted profile"),
         ("spec_prior", "speculative, a-priori"),
     ):

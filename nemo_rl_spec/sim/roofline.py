@@ -1,14 +1,11 @@
 """Roofline time of one forward pass of a generation engine: bytes moved, FLOPs, collectives, fixed overhead.
 
-Time of a forward over ``batch`` sequences with ``query`` new tokens each (1 for decode, k+1 for verification)
-on an engine of ``devices`` = tp * pp devices (weights and KV sharded evenly; TP/EP inside a stage, ``pipeline``
-= pp stages fed pp micro-batches of batch/pp, as vLLM's virtual engines do):
+A forward over ``batch`` sequences with ``query`` new tokens each (1 for decode, k+1 for verification) on an engine
+of ``devices`` = tp * pp devices (weights and KV sharded evenly; ``pipeline`` = pp stages fed pp micro-batches)::
 
-    T = batch * query                                            tokens in the forward
-    flops = 2 P T + 4 L H d (query * context)                    P = matmul params per token
-    bytes = pp W(T / pp) + kv_per_token (context + T) + 8 V T    W(T) = weights streamed (MoE: experts touched),
-                                                                 re-read for each micro-batch; 8 V T = fp32
-                                                                 logits written + read by the sampler
+    T = batch * query;  P = matmul params per token;  W(T) = weights streamed (MoE: experts touched)
+    flops = 2 P T + 4 L H d (query * context)
+    bytes = pp W(T / pp) + kv_per_token (context + T) + 8 V T    (weights re-read per micro-batch; fp32 logits)
     t = overhead + combine(flops / (d F e_f), bytes / (d B e_b)) + collectives
     combine = max (GPU: compute and memory overlap) or sum (CPU)
     collectives = 2 L (latency + 2 (T/pp) h b (tp-1)/tp / link)  two all-reduce/all-to-all per layer when tp > 1

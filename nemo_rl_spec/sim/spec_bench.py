@@ -10,7 +10,7 @@ Predicted: the simulator's generation phase for the same batch (B sequences, the
 responses ``max_tokens`` long), the draft an EAGLE-3 head of that vocabulary. Fit and evaluation are separate:
 the plain (AR) time at each batch fits one generation ratio r = measured / predicted (all decode efficiencies
 and overheads, :func:`fidelity.apply_ratios`); the speculative time at that batch is then predicted from the
-measured acceptance (per-position rates) and k, never fitted. The a-priori profile (docs/install.md only) is reported
+measured acceptance (per-position rates) and k, never fitted. The a-priori profile (docs/results/cpu_step_costs.md only) is reported
 too. Only this module imports vLLM (lazily, in the benchmark process).
 """
 

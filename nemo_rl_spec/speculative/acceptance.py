@@ -4,16 +4,15 @@ Speculative sampling (Leviathan et al. 2023, Chen et al. 2023) accepts draft tok
 probability ``min(1, p(x) / q(x))``, where ``p`` is the target's next-token distribution at the sampling
 temperature ``T``. The probability that draft step ``j`` is accepted, given the context, is then
 
-- greedy drafting (vLLM's ``draft_sample_method: greedy``, the default; ``q`` one-hot at the draft's argmax):
+- greedy drafting (``draft_sample_method: greedy``, vLLM's default; ``q`` one-hot at the draft's argmax):
   ``a_j = p_T(argmax q)``;
-- probabilistic drafting (``draft_sample_method: probabilistic``; the draft samples from ``q_T = softmax(z / T)``):
-  ``a_j = sum_v min(p_T(v), q_T(v)) = 1 - TV(p_T, q_T)``.
+- probabilistic drafting (the draft samples from ``q_T = softmax(z / T)``): ``a_j = sum_v min(p_T(v), q_T(v)) =
+  1 - TV(p_T, q_T)``.
 
 A chain of ``k`` draft steps starting at position ``t`` yields ``1 + sum_{i=1..k} prod_{j<i} a_j(t)`` tokens per
-verification step in expectation (the accepted prefix plus the token the verifier always emits). Here the ``a_j``
-come from a teacher-forced unroll (:meth:`Eagle3DraftHead.unroll`) on sequences the policy sampled, so step ``j``
-conditions on the sampled tokens rather than on its own accepted proposals: an estimate, which the rollout
-benchmark checks against vLLM's counters.
+verification step in expectation. Here the ``a_j`` come from a teacher-forced unroll (:meth:`Eagle3DraftHead.unroll`)
+on sequences the policy sampled, so step ``j`` conditions on the sampled tokens rather than on its own accepted
+proposals: an estimate, which the rollout benchmark checks against vLLM's counters.
 """
 
 from __future__ import annotations

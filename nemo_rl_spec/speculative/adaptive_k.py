@@ -1,23 +1,18 @@
 """Batch-size-aware speculation: the number of draft tokens k chosen per *running* batch size, k = 0 included.
 
 On a 2-core CPU one verification step of k + 1 tokens per request costs little more than a plain decode step at
-batch 1 but several times more at batch 32-64 (measured, SmolLM2-135M fp32: plain 50 / 59 / 128 / 230 ms at batch
-1 / 8 / 32 / 64, EAGLE-3 k = 3 with nothing accepted 67 / 131 / 359 / 715 ms), so speculation pays only while few
-sequences are still running: the long tail of a rollout.
-
-vLLM 0.32 already implements the switch ("dynamic speculative decoding"):
+batch 1 but several times more at batch 32-64, so speculation pays only while few sequences are still running: the
+long tail of a rollout. vLLM 0.32 already implements the switch ("dynamic speculative decoding"):
 ``speculative_config.num_speculative_tokens_per_batch_size = [(first, last, k), ...]`` (inclusive batch-size
-ranges, the first starting at 1; gaps and the tail carry the previous k; k is capped by
-``num_speculative_tokens``). Each engine step its scheduler looks up k for the number of requests it scheduled
-(``Scheduler.dynamic_sd_lookup[len(num_scheduled_tokens)]``) and the drafter proposes that many tokens for the
-next step; with k = 0 the EAGLE drafter still runs its first forward pass (to keep its KV cache in sync) but
-proposes nothing, and the next step is a plain decode step. Verification is unchanged, so outputs stay lossless
-(tests/functional/test_adaptive_k.py: identical greedy tokens with the switch on).
+ranges, the first starting at 1; gaps and the tail carry the previous k; k is capped by ``num_speculative_tokens``);
+each engine step its scheduler looks up k for the number of requests it scheduled, and with k = 0 the next step is
+a plain decode step. Verification is unchanged, so outputs stay lossless (tests/functional/test_adaptive_k_engine.py).
 
-This module only builds that schedule from config (``policy.generation.dynamic_speculation``, see
+This module builds that schedule from config (``policy.generation.dynamic_speculation``, see
 :class:`DynamicSpeculationConfig`): either given explicitly in vLLM's format, or derived from measured step costs
-(:func:`derive_schedule`, e.g. the ``step_costs`` block that ``examples/bench_spec_rollouts.py`` writes), and
-:func:`apply_batch_size_schedule` puts it into the engine's ``speculative_config`` before ``vllm.LLM`` is built.
+(:func:`derive_schedule`), and :func:`apply_batch_size_schedule` puts it into the engine's ``speculative_config``
+before ``vllm.LLM`` is built. Steps without drafts: :func:`install_plain_step_without_drafts`,
+:func:`install_drafter_skip_at_k0`.
 """
 
 from __future__ import annotations
@@ -412,7 +407,7 @@ def install_k0_paths(
     dynamic: DynamicSpeculationConfig | Mapping[str, Any] | None,
     max_running: int | None = None,
 ) -> None:
-    """Install what a speculative engine runs on steps without drafts (issue 35): vLLM's plain sampler on steps
+    """Install what a speculative engine runs on steps without drafts: vLLM's plain sampler on steps
     that carry no draft (:func:`install_plain_step_without_drafts`; unless ``dynamic_speculation.plain_step_at_k0``
     is false), and no drafter pass nor auxiliary hidden states on k = 0 steps (:func:`install_drafter_skip_at_k0`)
     when ``drafter_pass_at_k0`` is false or the engine's schedule gives k = 0 at every batch size it can reach (then

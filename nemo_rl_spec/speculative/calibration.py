@@ -1,28 +1,16 @@
-"""Step costs of the batch-size-aware schedule, measured per machine, engine dtype and model (issue 35, item 3).
+"""Step costs of the batch-size-aware schedule, measured per machine, engine dtype and model.
 
 :func:`~nemo_rl_spec.speculative.adaptive_k.derive_schedule` turns measured step costs (seconds of one plain decode
 step and of one speculative step at k, per running batch size) into vLLM's k-per-batch-size schedule. Those costs
-belong to the machine and the engine that measured them: on a 2-core CPU a bf16 step is ~0.7x an fp32 one and the
-ratio of a speculative to a plain step moves with the ISA (AVX512-BF16, AMX), the thread count, the target's shape
-and the drafter's vocabulary. So a step-cost table is stored under a **calibration key** (:func:`calibration_key`)
-naming all of that, and ``policy.generation.dynamic_speculation.step_costs: auto`` picks the entry whose key equals
-this run's (:func:`resolve_step_costs`, called before any worker starts).
-
-Tables (one JSON file per key, ``<digest>.json``, :func:`write_entry`), searched in this order:
-
-1. the user cache: ``$NEMO_RL_SPEC_STEP_COSTS_DIR``, else ``$XDG_CACHE_HOME/nemo_rl_spec/spec_step_costs``, else
-   ``~/.cache/nemo_rl_spec/spec_step_costs`` (:func:`user_table_dir`; a calibration on this machine writes here);
-2. the table shipped with the repository, ``configs/spec_step_costs/`` (machines measured by the project).
-
-An entry holds step costs only. The draft's acceptance (a property of draft and task, not of the machine) comes
-from ``dynamic_speculation.acceptance_rate``. ``examples/calibrate_spec_schedule.py --config RECIPE [key=value ...]``
-measures and writes an entry (:mod:`nemo_rl_spec.cli.calibrate_spec_schedule`).
-
-A file path in ``step_costs`` keeps working as before; when the file carries a ``key`` that differs from this
-run's, :func:`resolve_step_costs` logs a warning naming the differing fields (the path is the user's explicit
-choice, e.g. a table measured on a sibling node), and uses it.
-
-Nothing here imports vLLM or torch.
+belong to the machine and the engine that measured them (ISA, threads, dtype, the target's shape, the drafter's
+vocabulary), so a step-cost table is stored under a **calibration key** (:func:`calibration_key`) naming all of that,
+and ``policy.generation.dynamic_speculation.step_costs: auto`` picks the entry whose key equals this run's
+(:func:`resolve_step_costs`, called before any worker starts). Tables (one JSON file per key, :func:`write_entry`)
+are searched in the user cache first (:func:`user_table_dir`; a calibration on this machine writes there), then in
+the table shipped with the repository, ``configs/spec_step_costs/``. An entry holds step costs only; the draft's
+acceptance comes from ``dynamic_speculation.acceptance_rate``. ``examples/calibrate_spec_schedule.py --config
+RECIPE`` measures and writes an entry. A file path in ``step_costs`` keeps working; a ``key`` in it that differs
+from this run's is logged as a warning, and the file is used. Nothing here imports vLLM or torch.
 """
 
 from __future__ import annotations

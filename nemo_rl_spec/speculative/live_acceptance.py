@@ -1,19 +1,16 @@
-"""Live-acceptance speculation (issue 35): k chosen every engine step from the schedule's step costs and the
-draft's acceptance measured over the engine's last steps; k = 0 where drafting is predicted to cost more than it
-saves.
+"""Live-acceptance speculation: k chosen every engine step from the schedule's step costs and the draft's acceptance
+measured over the engine's last steps; k = 0 where drafting is predicted to cost more than it saves.
 
 The batch-size-aware schedule (:func:`~nemo_rl_spec.speculative.adaptive_k.derive_schedule`) picks k per running
 batch from measured step costs and one per-token acceptance rate a, fixed for the run (the draft's held-out
-estimate). On the long-tail recipe the rows that run longest, alone at running batch 1, accepted 1.20-1.97 tokens
-per k = 3 step where the schedule assumed 2.30, so drafting there lost time (0.88-0.93x of autoregressive at equal
-lengths; docs/speculative.md, "The rollout phase at equal lengths").
-
+estimate); where the rows that run longest accept less than that estimate, drafting there loses time.
 :class:`AcceptanceEstimate` measures a from the engine's own verification results, and :class:`LiveKLookup` puts
 it into vLLM's choice of k: it stands in for the scheduler's ``dynamic_sd_lookup`` (vLLM's dense running-batch ->
 k table, read once per scheduled step) and returns, at running batch b, the k in 0..schedule(b) that
 :func:`~nemo_rl_spec.speculative.adaptive_k.predicted_speedups` ranks first with the live estimate in place of the
-fixed a (derive_schedule's rule: draft only where that beats k = 0 by ``min_speedup``). Verification is untouched:
-every k gives the same tokens (lossless; tests/functional/test_live_acceptance_engine.py).
+fixed a (draft only where that beats k = 0 by ``min_speedup``). Verification is untouched: every k gives the same
+tokens (lossless; tests/functional/test_adaptive_k_engine.py). Measured negative: on the long-tail recipe (CPU)
+its rollout phase trailed the fixed schedule's, so it stays off by default (docs/guides/speculation_schedule.md).
 """
 
 from __future__ import annotations

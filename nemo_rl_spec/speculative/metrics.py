@@ -1,23 +1,11 @@
 """Speculative-decoding acceptance metrics read from vLLM, and the low-acceptance alarm.
 
 Each engine's counts are its own: :func:`read_spec_decode_counters` reads a :class:`SpecDecodeStatLogger` that
-:func:`attach_spec_decode_counter` adds to that engine's stat-logger manager (``llm.llm_engine.logger_manager``;
-the engine needs ``disable_log_stats=False``). Every engine step vLLM hands its loggers the step's
-``SchedulerStats.spec_decoding_stats`` (the numbers its Prometheus counters add up):
-
-- drafts          drafting rounds (one per running request per engine step)
-- draft tokens    proposed tokens (= drafts * k)
-- accepted        accepted proposals
-- accepted per position  accepted proposals at draft position 0..k-1
-
-Why not ``LLM.get_metrics()``: it reads prometheus_client's process-global registry, and every new engine's
-``PrometheusStatLogger`` unregisters all ``vllm:`` collectors already there (vllm/v1/metrics/loggers.py,
-``PrometheusStatLogger.__init__`` calls ``unregister_vllm_metrics()``, vllm/v1/metrics/prometheus.py). With
-several engines in one process, ``get_metrics()`` on any but the newest engine reads the newest engine's
-counters: the older engine's deltas count nothing (0 / 0 = NaN acceptance).
-:meth:`SpecDecodeCounters.from_vllm_metrics` still parses that output (summed over engines / labels).
-
-Metrics of one generation call come from the difference of two snapshots (:class:`SpecDecodeCounters`):
+:func:`attach_spec_decode_counter` adds to that engine's stat-logger manager (the engine needs
+``disable_log_stats=False``; why not ``LLM.get_metrics()``: :class:`SpecDecodeStatLogger`). Every engine step vLLM
+hands its loggers the step's drafts (one per running request), draft tokens (drafts * k), accepted proposals and
+accepted proposals per draft position. Metrics of one generation call come from the difference of two snapshots
+(:class:`SpecDecodeCounters`):
 
 - ``vllm/spec_acceptance_length`` = 1 + accepted / drafts: tokens emitted per target forward (the bonus /
   correction token plus accepted proposals); 1.0 means nothing is ever accepted.
@@ -120,6 +108,12 @@ class SpecDecodeStatLogger:
     virtual subclass on :func:`attach_spec_decode_counter`): vLLM calls :meth:`record` once per engine step with
     that step's ``SchedulerStats``, whose ``spec_decoding_stats`` (None on steps without drafts) it adds up.
     Built by :func:`attach_spec_decode_counter`, not by vLLM (``vllm.LLM`` does not forward ``stat_loggers=``).
+
+    Why not ``LLM.get_metrics()``: it reads prometheus_client's process-global registry, and every new engine's
+    ``PrometheusStatLogger`` unregisters all ``vllm:`` collectors already there (vllm/v1/metrics/loggers.py,
+    ``PrometheusStatLogger.__init__`` calls ``unregister_vllm_metrics()``, vllm/v1/metrics/prometheus.py). With
+    several engines in one process, ``get_metrics()`` on any but the newest engine reads the newest engine's
+    counters: the older engine's deltas count nothing (0 / 0 = NaN acceptance).
     """
 
     def __init__(self, vllm_config=None, engine_indexes: list[int] | None = None) -> None:

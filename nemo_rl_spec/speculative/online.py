@@ -5,23 +5,14 @@ During the policy's own training forward (one per micro-batch), forward hooks ca
 into soft targets ``log_softmax(logits)`` at temperature 1, whatever the rollout temperature T: vLLM draws the draft
 token from ``softmax(z / T)`` of the draft's logits z (and ``make draft`` trains on temperature-1 targets too), so a
 head whose z fits ``log p_1`` drafts from ``p_T``; a head fitted to ``log p_T`` would draft from a sharper
-``softmax(log p_T / T)``. After the policy's backward of that micro-batch, the draft head runs
-its own forward/backward on those tensors (:meth:`OnlineDraft.accumulate`); after the policy's optimizer step the
-draft takes its own optimizer step with its own clipping (:meth:`OnlineDraft.finish`). Nothing the draft computes
-is connected to the policy's graph, so the policy's gradients are bitwise those of a run without the draft
-(tests/functional/test_online_draft.py).
-
-Config (``policy.draft``, :class:`~nemo_rl_spec.utils.config_schema.DraftConfig`): ``model_name`` (a head directory
-to start from, e.g. from ``examples/init_draft.py``; None: a fresh head whose ``lm_head`` is the policy's output
-layer), ``aux_layer_ids``, ``loss_weight``, ``precision`` (the draft forward's autocast dtype), ``ttt_steps``,
-``train_period`` (train in every n-th GRPO step only: :func:`draft_trains_at`), ``optimizer.{lr, weight_decay,
-max_grad_norm}``, ``estimate_acceptance`` (log the head's estimated acceptance on each step's rollouts before it
-trains on them, and that of the head the run started from, frozen: :class:`AcceptanceEstimate`).
-
-Data parallel: every policy worker trains the same head on its own row shard; the loss normaliser is the global
-count of scored tokens and the gradients are summed over the ranks before the step (``sync``, a
-:class:`~nemo_rl_spec.speculative.draft_trainer.DataParallelSync`), so all replicas stay identical and equal the
-single-worker head. Tensor parallel: every TP rank trains an identical replica on identical (full) inputs.
+``softmax(log p_T / T)``. After the policy's backward of that micro-batch, the draft head runs its own
+forward/backward on those tensors (:meth:`OnlineDraft.accumulate`); after the policy's optimizer step the draft
+takes its own optimizer step (:meth:`OnlineDraft.finish`). Nothing the draft computes is connected to the policy's
+graph, so the policy's gradients are bitwise those of a run without the draft (tests/functional/test_online_draft.py).
+Config: ``policy.draft`` (:class:`~nemo_rl_spec.utils.config_schema.DraftConfig`). Data parallel: every rank trains
+the same head on its own row shard, the loss normalised by the global count of scored tokens and the gradients
+summed over the ranks (:class:`~nemo_rl_spec.speculative.draft_trainer.DataParallelSync`), so all replicas stay
+identical; every TP rank trains an identical replica on identical inputs.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """The EAGLE-3 training-time-test loss computed only where it scores (the online draft's training step).
 
 :meth:`~nemo_rl_spec.speculative.eagle3.Eagle3DraftHead.ttt_loss` runs the output layer at every position of every
-draft step and reads soft targets ``log_softmax(policy_logits)`` [B, S, V] at every position, though a term
-counts only where ``loss_mask`` is true (the response tokens: in the default recipe about 30 of ~80-130 positions
-per row). Here the same loss is computed on the scored tokens only:
-
-- the soft targets: the policy's log-softmax (over the full vocabulary, its normaliser) at the N scored tokens,
-  restricted to the draft vocabulary's columns (:func:`scored_soft_targets`, [N, draft_vocab] instead of [B, S, V]);
-- the draft layer: step 0's keys/values at every index up to the last scored chain, everything else only on the
-  window of chain starts that reach a scored token (:func:`chain_window`,
-  :meth:`~nemo_rl_spec.speculative.eagle3.Eagle3DraftHead.unroll_hidden`);
-- the output layer, the draft's log-softmax and the cross-entropy: only at the (chain, step) pairs that score.
+draft step and reads soft targets ``log_softmax(policy_logits)`` [B, S, V] at every position, though a term counts
+only where ``loss_mask`` is true (the response tokens). Here the same loss is computed on the scored tokens only:
+the soft targets at the N scored tokens, restricted to the draft vocabulary's columns (:func:`scored_soft_targets`,
+[N, draft_vocab]); the draft layer beyond step 0 only on the window of chain starts that reach a scored token
+(:func:`chain_window`, :meth:`~nemo_rl_spec.speculative.eagle3.Eagle3DraftHead.unroll_hidden`); the output layer,
+the draft's log-softmax and the cross-entropy only at the (chain, step) pairs that score.
 
 Same loss, same gradients and same metrics as ``ttt_loss`` (tests/unit/test_ttt_scored.py compares the two on
-random heads, reduced and full vocabulary, with holes in the mask); a pure cost cut (docs/speculative.md, "The
-online draft's training step").
+random heads, reduced and full vocabulary, with holes in the mask); a pure cost cut
+(docs/results/draft_training_cost.md).
 """
 
 from __future__ import annotations

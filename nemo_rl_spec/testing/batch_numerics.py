@@ -1,5 +1,5 @@
 """Greedy equality under batch-shape numerics: how often two greedy decodes of the same prompts differ, and the rule
-that holds speculative decoding to the autoregressive-vs-autoregressive baseline (issue 35, lossless in bf16).
+that holds speculative decoding to the autoregressive-vs-autoregressive baseline (what lossless means in bf16).
 
 In fp32 a speculative greedy decode equals the autoregressive one token for token (the lossless tests). In bf16 two
 *autoregressive* decodes of the same prompts already differ when the batch shape differs (other kernels, other

@@ -20,7 +20,7 @@ from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
 
 SERVING_PROMPT = " ".join(["serving"] * 48)
 # a lossless check asserts at least this acceptance length before it asserts equality: with nothing accepted every
-# emitted token is the target's own, and equality proves nothing about verification (issue 16, item 7)
+# emitted token is the target's own, and equality proves nothing about verification
 MIN_ACCEPTANCE_LENGTH = 1.5
 
 

@@ -1,19 +1,16 @@
-"""The lossless checks in a given engine dtype (issue 35: fp32 and bf16), driven by
-``examples/diagnostics/lossless_bf16.py``.
+"""The lossless checks in a given engine dtype (fp32 or bf16), driven by ``examples/diagnostics/lossless_bf16.py``.
 
 - :func:`greedy_study`: greedy decodes of the same prompts by an autoregressive engine and by speculative engines
-  (EAGLE-3 head trained on that engine dtype's own greedy continuations, a ``draft_model`` that is a clean
-  full-depth copy of the target) at several batch shapes; AR-vs-AR divergence is the baseline, spec-vs-AR divergence is held to it
-  by :func:`~nemo_rl_spec.testing.batch_numerics.hold_to_baseline` (exact equality in fp32).
+  (an EAGLE-3 head trained on that dtype's own greedy continuations, a full-depth ``draft_model`` copy of the
+  target) at several batch shapes; spec-vs-AR divergence is held to the AR-vs-AR baseline by
+  :func:`~nemo_rl_spec.testing.batch_numerics.hold_to_baseline` (exact equality in fp32).
 - :func:`t1_study`: the CI-sized T = 1 distribution test with both negative controls on an engine of the given dtype
-  (``tests/functional/test_speculative_sampling.py::test_ci_sized_lossless_sampling_and_its_two_controls`` is
-  this function in float32). The exact reference stays transformers' fp32
-  pair distribution: at 1,000 samples a bf16 engine's own rounding of the probabilities is far below what the test
-  resolves, and a failure there would be reported, not hidden.
+  (``tests/functional/test_speculative_sampling.py::test_ci_sized_lossless_sampling_and_its_two_controls`` is this
+  function in float32), against transformers' fp32 exact pair distribution.
 - :func:`positions_study`: the distribution test at the speculative recipes' settings (T 0.7, probabilistic
-  drafting, top-p 1 and 0.9) at every draft position, against teacher-forced exact conditionals, with both
-  negative controls (``tests/functional/test_lossless_positions.py``), and on a second engine with the recipe's
-  batch-size-aware k and drafter catch-up (:func:`batch_aware_scenario`).
+  drafting, top-p 1 and 0.9) at every draft position, with both negative controls
+  (``tests/functional/test_lossless_positions.py``), and on a second engine with the recipe's batch-size-aware k
+  and drafter catch-up (:func:`batch_aware_scenario`).
 
 Every engine runs in a spawned process (``checks.run_isolated``; the positions study's two engines share one).
 """

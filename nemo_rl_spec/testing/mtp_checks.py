@@ -86,7 +86,7 @@ def train_mtp_on_own_greedy(
 ) -> dict[str, object]:
     """Train the policy worker's MTP layer 0 (trunk frozen: the policy's outputs do not change) on the policy's own
     greedy continuations of ``prompts``, so the engine's MTP drafter accepts after the next refit: what a lossless
-    check needs (issue 16, item 7).
+    check needs (with nothing accepted, equality proves nothing about verification).
 
     Each prompt is continued greedily by megatron's main head (``max_tokens + 1`` tokens, full forward per token,
     no KV cache), then :func:`train_mtp_on_sequences` (``steps`` full-batch Adam steps) fits the MTP layer to

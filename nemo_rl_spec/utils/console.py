@@ -91,7 +91,7 @@ HARMLESS_VLLM_WARNINGS: dict[str, list[tuple[str, Callable[[tuple], bool] | None
     ],
     "vllm.platforms.cpu": [("Triton is not installed", None)],
     # A bf16 engine loading an fp32 checkpoint (the tiny models and SmolLM2 are stored in fp32): vLLM casts each
-    # 1-D weight into its bf16 parameter, as it does silently for the matrices (docs/precision.md).
+    # 1-D weight into its bf16 parameter, as it does silently for the matrices (docs/design/precision.md).
     "vllm.model_executor.models.utils": [("Attempted to load weight %s with dtype %s into", _is_fp32_into_bf16)],
     "vllm.v1.worker.cpu_worker": [
         ("%s is not found in LD_PRELOAD", lambda args: args[0] == "libtcmalloc"),
@@ -106,7 +106,7 @@ CPU_PYTHON_WARNINGS = (
     "MimoModelConfig is experimental",
 )
 """Import-time UserWarnings of megatron-core dropped on a CPU run when quiet: the CPU build has neither Transformer
-Engine nor Apex by design (docs/install.md), and the MiMo config class is only imported, not used."""
+Engine nor Apex by design (docs/guides/install.md), and the MiMo config class is only imported, not used."""
 
 
 class HarmlessVllmWarnings(logging.Filter):

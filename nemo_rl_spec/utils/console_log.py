@@ -1,20 +1,17 @@
 """The run's console log, ``<logger.log_dir>/console.log``: everything the driver prints and every line its Ray
 workers print, while the terminal of a quiet run (``logger.verbose: false``) shows only what a user needs.
 
-What a quiet run shows on the terminal: the driver's own lines (the precision line, one "starting N workers" line,
-the progress bar, the step lines, its warnings and errors), worker lines that report an error (a traceback, an
-``ERROR`` / ``CRITICAL`` record, an ``...Error:`` line, and the lines that follow them from the same worker within
-:data:`ERROR_TAIL_S`), and Ray's own records at ERROR or above. What goes to ``console.log`` only: the workers' other
-output (Megatron's CUDA_DEVICE_MAX_CONNECTIONS and deprecation warnings, vLLM's NUMA-binding and
-"Failed to load weights" warnings, its shard-loading bars), Ray's INFO / WARNING records (e.g. its token-auth
-notice) and :func:`log_only` lines (the placement of each actor). ``logger.verbose: true`` shows all of it on the
-terminal too, as before; the file is written either way.
+A quiet terminal shows the driver's own lines (the precision line, one "starting N workers" line, the progress bar,
+the step lines, its warnings and errors), worker lines that report an error (a traceback, an ``ERROR`` /
+``CRITICAL`` record, an ``...Error:`` line, and the lines that follow them from the same worker within
+:data:`ERROR_TAIL_S`) and Ray's own records at ERROR or above; the workers' other output, Ray's INFO / WARNING
+records and :func:`log_only` lines go to ``console.log`` only. ``logger.verbose: true`` shows all of it on the
+terminal too; the file is written either way.
 
 Mechanism: the driver's ``sys.stdout`` / ``sys.stderr`` become tees into the file (:class:`ConsoleLog`); Ray's
-handler that prints worker output in the driver (``ray_print_logs``, on with ``log_to_driver=True``) is replaced by
-:meth:`ConsoleLog.on_worker_output`, which writes every batch to the file and passes the chosen ones to the terminal
-through Ray's own printer (its de-duplication included); a filter on the handlers of the ``ray`` logger sends records
-below ERROR to the file only.
+handler that prints worker output in the driver is replaced by :meth:`ConsoleLog.on_worker_output`, which writes
+every batch to the file and passes the chosen ones to Ray's own printer; a filter on the ``ray`` logger's handlers
+sends records below ERROR to the file only.
 """
 
 from __future__ import annotations

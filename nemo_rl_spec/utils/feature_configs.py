@@ -43,7 +43,7 @@ class PilotCommitConfig(BaseModel):
     1/n_pilot for 0/1 rewards, so a threshold written as k/n_pilot (0.125 = 1/8) is on the grid and selects that
     grid point. The defaults 0.1/0.9 select every pilot that is neither all-wrong nor all-right.
 
-    Fixed training batch (``fixed_train_batch``, the paper's reference recipe; docs/pilot_commit.md "Fixed training
+    Fixed training batch (``fixed_train_batch``, the paper's reference recipe; docs/guides/pilot_commit.md "Fixed training
     batch"): every step trains exactly K = ``grpo.num_prompts_per_step`` groups of ``grpo.num_generations_per_prompt``
     rollouts (n_pilot pilots reused + n_commit commits; n_commit defaults to their difference). Each pilot round
     pilots ceil(``pilot_oversampling`` x groups still missing) fresh prompts; up to ``max_pilot_rounds`` rounds,
@@ -71,7 +71,8 @@ class PilotCommitConfig(BaseModel):
     all_too_hard_fallback: Literal["commit_top", "skip"] = "commit_top"
     fill_commit_budget: bool = Field(
         default=False,
-        description="fewer than K prompts committed: spread the K*n_commit commit rollouts over them (larger groups)",
+        description="Measured negative (docs/results/pilot_commit_ablations.md: no accuracy gain, more rollouts): "
+        "fewer than K prompts committed: spread the K*n_commit commit rollouts over them (larger groups)",
     )
     fixed_train_batch: bool = Field(
         default=False,
@@ -191,13 +192,14 @@ class DynamicSpeculationConfig(BaseModel):
     skipped decode step's drafter pass would have read and replay a request's skipped positions through the drafter
     right before its next pass (:mod:`~nemo_rl_spec.speculative.drafter_catch_up`), so its KV cache is complete when
     drafting resumes; the target's auxiliary hidden states stay on at every step.
-    ``plain_step_at_k0`` (issue 35): engine steps that carry no draft token take vLLM's plain sampler (no rejection
+    ``plain_step_at_k0``: engine steps that carry no draft token take vLLM's plain sampler (no rejection
     sampler), and a schedule with k = 0 at every batch size also skips the drafter's pass and the target's auxiliary
     hidden states (:func:`~nemo_rl_spec.speculative.adaptive_k.install_plain_step_without_drafts`); false keeps
-    vLLM's own speculative path on those steps (the cost measured before issue 35).
-    ``live_acceptance`` (issue 35; needs ``step_costs``): every engine step picks k in 0..schedule(b) from the step
-    costs and the draft's acceptance measured over the engine's recent steps instead of the fixed
-    ``acceptance_rate`` (which becomes the prior): k = 0 where drafting is predicted not to pay
+    vLLM's own speculative path on those steps (whose k = 0 step costs more than a plain decode step).
+    ``live_acceptance`` (measured negative: in long-tail rollouts on CPU it trailed the fixed schedule in every
+    seed measured, docs/results/longtail.md; off by default; needs ``step_costs``): every engine step picks k in
+    0..schedule(b) from the step costs and the draft's acceptance measured over the engine's recent steps instead of
+    the fixed ``acceptance_rate`` (which becomes the prior): k = 0 where drafting is predicted not to pay
     (:mod:`~nemo_rl_spec.speculative.live_acceptance`). ``live_acceptance_half_life``: engine steps over which that
     evidence halves (after a stretch without drafts the estimate returns to the prior and the engine drafts again);
     ``live_acceptance_prior_trials``: the prior's weight, in proposals.
@@ -215,7 +217,11 @@ class DynamicSpeculationConfig(BaseModel):
     drafter_pass_max_batch: PositiveInt | None = None
     drafter_catch_up: bool = False
     plain_step_at_k0: bool = True
-    live_acceptance: bool = False
+    live_acceptance: bool = Field(
+        default=False,
+        description="Measured negative (docs/results/longtail.md): k from the acceptance the engine measures; it "
+        "trailed the fixed schedule in the long-tail rollouts measured on CPU. Off by default.",
+    )
     live_acceptance_half_life: PositiveInt = 16
     live_acceptance_prior_trials: float = Field(default=4.0, ge=0.0)
 

@@ -4,15 +4,13 @@ Without the switch a recipe is validated strictly: every key this project does n
 ConfigError (:func:`~nemo_rl_spec.utils.config.validate_config`). With it, a recipe in NeMo-RL's layout (the key set
 of NeMo-RL's ``examples/configs/grpo_math_1B.yaml``) is adapted before validation:
 
-- keys with the same name and meaning are read as they are (most of them: ``grpo.*``, ``loss_fn.*``,
-  ``policy.megatron_cfg.optimizer`` / ``scheduler``, ``policy.generation.*``, ``checkpointing.*`` ...);
+- keys with the same name and meaning are read as they are (``grpo.*``, ``loss_fn.*``, ``policy.generation.*`` ...);
 - :data:`RENAMED`: NeMo-RL keys whose value lives under another key here are moved there (a conflicting value
   already there is a ConfigError naming both keys);
-- :data:`MUST_MATCH`: NeMo-RL keys that repeat another key's value (``${policy.precision}``) or name the only
-  choice this build has are dropped when they agree, else a ConfigError;
+- :data:`MUST_MATCH`: NeMo-RL keys that repeat another key's value or name the only choice this build has are
+  dropped when they agree, else a ConfigError;
 - :data:`IGNORED`: keys of backends and features this project does not have (DTensor, FP8, MoE, context / sequence
-  parallelism, NeMo-RL's data pipeline and logger back-ends) are removed, all listed in ONE warning with their
-  values.
+  parallelism, NeMo-RL's data pipeline and logger back-ends) are removed, all listed in ONE warning with their values.
 
 Keys in none of these tables stay unknown keys (a typo remains an error under the switch).
 """

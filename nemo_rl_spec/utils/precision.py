@@ -1,7 +1,7 @@
-"""Precision choices: ``policy.precision: auto``, the engine dtype and the refit check's tolerance (docs/precision.md).
+"""Precision choices: ``policy.precision: auto``, the engine dtype and the refit check's tolerance (docs/guides/precision.md).
 
 - :func:`native_bf16` probes the CPU for native bfloat16 arithmetic (AMX-BF16 or AVX512-BF16 in ``/proc/cpuinfo``);
-  oneDNN runs bf16 matmuls on those units, about twice as fast as fp32 on this machine (issue 31's table). Without
+  oneDNN runs bf16 matmuls on those units, about twice as fast as fp32 on this machine (docs/results/precision.md). Without
   them bf16 is emulated and slower than fp32.
 - :func:`choose_precision` turns ``policy.precision`` (``float32 | bfloat16 | auto``) into the dtype a run uses, with
   the one-line reason the driver prints: ``auto`` is bf16 on a GPU and on a CPU with native bf16, fp32 otherwise; an
@@ -23,7 +23,7 @@ CPUINFO = Path("/proc/cpuinfo")
 #: (trainer dtype, engine dtype) -> refit probe tolerance in nats (mean |logp_engine - logp_trainer| over the probe's
 #: tokens). fp32/fp32 is the threshold the project has always used (measured mismatches ~1e-5 on CPU). A pair with
 #: bf16 gets ~3x the largest mismatch measured (0.0798 nats, SmolLM2-135M, bf16/bf16, over 3 seeds x 10 steps of the
-#: default recipe; docs/precision.md, "Refit tolerance"); a stale layer moves the probe by far more.
+#: default recipe; docs/guides/precision.md, "Refit tolerance"); a stale layer moves the probe by far more.
 REFIT_TOLERANCE: dict[tuple[str, str], float] = {
     ("float32", "float32"): 1.0e-3,
     ("bfloat16", "bfloat16"): 0.25,

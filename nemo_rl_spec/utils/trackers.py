@@ -1,4 +1,4 @@
-"""Experiment trackers behind ``logger.wandb_enabled`` and ``logger.mlflow_enabled`` (README "Logging").
+"""Experiment trackers behind ``logger.wandb_enabled`` and ``logger.mlflow_enabled`` (docs/guides/logging.md).
 
 Each tracker has the same four calls, which :class:`~nemo_rl_spec.utils.logger.Logger` fans out to: ``log_metrics``
 (the metric names of ``metrics.jsonl`` / TensorBoard, one call per logged step), ``log_config`` (the resolved recipe,

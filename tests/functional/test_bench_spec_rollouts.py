@@ -1,5 +1,5 @@
 """Smoke test of ``examples/bench_spec_rollouts.py --quick`` on the tiny recipe: the JSON has every (k, batch) row
-with the issue's keys, and its derived quantities agree with an independent recomputation from the raw numbers
+with the expected keys, and its derived quantities agree with an independent recomputation from the raw numbers
 (speedup = spec tok/s / AR tok/s, E(a) = acceptance length, bound = E / step_cost_ratio, rollout-phase speedup =
 AR seconds / speculative seconds). Several engines start: slow."""
 

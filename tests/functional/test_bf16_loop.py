@@ -1,4 +1,4 @@
-"""bf16 through the whole GRPO loop (issue 31, item 6; docs/precision.md): the features that run in fp32 run in bf16.
+"""bf16 through the whole GRPO loop (docs/design/precision.md): the features that run in fp32 run in bf16.
 
 Each run is ``examples/run_grpo.py`` with ``policy.precision=bfloat16`` on a tiny recipe, several features packed into
 one start-up, and the scripted reward (loop_training_checks.TRAINS) so every step trains:

@@ -1,11 +1,11 @@
-"""bfloat16 on CPU (issue 31, docs/precision.md): Megatron's mixed precision against fp32, fp32 master weights, exact
+"""bfloat16 on CPU (docs/design/precision.md): Megatron's mixed precision against fp32, fp32 master weights, exact
 resume, and the refit into a bf16 vLLM engine bit for bit.
 
 Independent computations: the same step in fp32 (from the same bf16-representable weights), Adam's first-step rule
 ``-lr * g / (|g| + eps)`` on the fp32 masters, a second worker resumed from disk, and the sender's bf16 tensors read
 back out of the engine through its own GEMM (``VllmGenerationWorker.engine_weights``).
 
-Tolerances (docs/precision.md, "Tolerances"): bf16 keeps 8 significant bits, unit roundoff ``U = 2**-9``. A bf16
+Tolerances (docs/design/precision.md, "Tolerances"): bf16 keeps 8 significant bits, unit roundoff ``U = 2**-9``. A bf16
 forward rounds every matmul / norm output once, so the logits carry a relative error of a few U compounded over the
 layers; the budget is ``16 U`` of the largest |logit| (the 2-layer tiny Qwen3 measured 8.6 U), and a log-prob moves
 by at most twice its logits' error. The loss (a masked mean of advantage-weighted log-probs) and the grad norm (a

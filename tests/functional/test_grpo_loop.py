@@ -75,8 +75,8 @@ def console_before_first_step(out: str) -> list[str]:
 
 def assert_quiet_console(proc: subprocess.CompletedProcess, steps: int, log_dir: Path) -> None:
     """Default console (logger.verbose=false; ``proc`` run with ``merged`` output): at most 3 lines before the first
-    step line (precision, "starting N Ray workers", the progress bar), one line per step, no worker output (issue
-    36), no vLLM INFO line, no per-refit rotary warning (issue 16, item 5); ``<log_dir>/console.log`` holds the
+    step line (precision, "starting N Ray workers", the progress bar), one line per step, no worker output, no vLLM
+    INFO line, no per-refit rotary warning; ``<log_dir>/console.log`` holds the
     console and what was kept off it (worker output, the placement lines)."""
     out = proc.stdout.replace("\r", "\n")
     head = console_before_first_step(proc.stdout)

@@ -1,4 +1,4 @@
-"""NeMo-RL GRPO parity (issue 18) on the real Megatron worker (tiny random Qwen3, CPU fp32, in process).
+"""NeMo-RL GRPO parity on the real Megatron worker (tiny random Qwen3, CPU fp32, in process).
 
 - ``policy.train_global_batch_size``: 16 rows with GBS 8 are two optimizer steps (the controller's loop,
   :func:`~nemo_rl_spec.models.policy.lm_policy.train_minibatches`); the second step's PPO ratio is

@@ -386,7 +386,7 @@ def test_refusals_name_their_keys(model_dir, cluster):
 
 
 def test_reference_policy_kl_at_tp2(cluster, model_dir, tmp_path):
-    """Reference policy (``init_reference_model``, issue 14) on a TP=2 group: its log-probs equal the policy's before
+    """Reference policy (``init_reference_model``) on a TP=2 group: its log-probs equal the policy's before
     any step (bitwise), stay at the initial values after two steps while the policy's move, scoring them leaves the
     policy untouched, and the loss's ``kl_penalty`` equals k3 computed here from the two log-prob tensors; the
     checkpoint carries the reference (a reloaded group scores the same)."""
@@ -460,7 +460,7 @@ def test_bf16_dp2_distributed_optimizer_equals_dp1_to_one_bf16_ulp(dp2_bf16_dist
     """bf16 DP=2 runs the same micro-batches as DP=1 in bf16; only the fp32 sum of main_grad over ranks is ordered
     differently (1e-7 relative), so the fp32 masters agree to fp32 rounding and the bf16 parameters, their rounding,
     agree except where a master sits within that much of a rounding midpoint: there they are one bf16 ulp apart
-    (docs/precision.md, "Tolerances"). Checkpoint at DP=2 (sharded masters) -> DP=1 resumes the same."""
+    (docs/design/precision.md, "Tolerances"). Checkpoint at DP=2 (sharded masters) -> DP=1 resumes the same."""
     run = dp2_bf16_distopt
     assert all(lay["distributed_optimizer"] == 1 for lay in run["layouts"])
     got, expected = run["logprobs"]

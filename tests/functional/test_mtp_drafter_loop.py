@@ -6,7 +6,7 @@ refit pushes the trunk (HF names; the zero q/k/v biases the Qwen2 layers need ar
 and then the MTP layer through the versioned draft refit. After a few train + refit cycles on the real Ray workers
 (before the last refit, the policy actor also trains its MTP layer for a few seconds on the policy's own greedy
 continuations, trunk frozen, so the drafter accepts: a near-random MTP layer accepts nothing and (b) would prove
-nothing; issue 16, item 7):
+nothing):
 
 (c) a draft refit whose policy version differs from the engine's is refused and loads nothing;
 (a) every MTP proposal the engine makes while decoding greedily equals megatron's MTP argmax of the *current* policy

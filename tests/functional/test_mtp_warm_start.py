@@ -1,5 +1,5 @@
 """CE warm start of the MTP layers on the Megatron policy worker (``policy.megatron_cfg.mtp_warm_start``; tiny random
-Qwen3, CPU; docs/occ.md).
+Qwen3, CPU; docs/guides/occ.md).
 
 Data: sequences the tiny HF model samples itself (T = 0.5), so the MTP head has something to learn. Covers: the held-out
 CE falls, and the reported CE / acceptance before and after equal an independent computation on the same weights (a

@@ -202,7 +202,7 @@ ASYNC = (
 )
 
 
-# sync: slow tier since the CI-budget trim (docs/testing.md): Pilot-Commit's exact plan in sync runs in CI
+# sync: slow tier since the CI-budget trim (docs/guides/testing.md): Pilot-Commit's exact plan in sync runs in CI
 # (test_counts_equal_the_allocators_plan), speculation in the sync loop too (test_grpo_loop), and the combination in
 # the async case below
 @pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.slow), "async"])
@@ -212,7 +212,7 @@ def test_pilot_commit_with_speculative_rollouts_sync_and_async(tmp_path, mode):
     refit paired with the policy version; in sync mode the counts equal the allocator's plan exactly (speculation
     does not change which rollouts are made). Async runs in bf16, so Pilot-Commit, async GRPO and the online draft
     are covered in both precisions."""
-    # the async variant runs in bf16 (Megatron mixed precision, bf16 engine and draft refit; docs/precision.md)
+    # the async variant runs in bf16 (Megatron mixed precision, bf16 engine and draft refit; docs/design/precision.md)
     extra = ("checkpointing.enabled=false", *(ASYNC + ("policy.precision=bfloat16",) if mode == "async" else ()))
     metrics = [m for m in run_grpo(tmp_path, 2, ROOT / "configs" / "grpo_math_tiny_spec.yaml", extra) if m["step"] > 0]
     assert [m["step"] for m in metrics] == [1, 2]

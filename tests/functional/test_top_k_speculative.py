@@ -4,7 +4,7 @@ the rejection sampler (``apply_top_k_only`` takes ``k.max()`` of an empty per-to
 
 Slow (one engine start). When this test fails because the engine no longer crashes, replace it with a
 goodness-of-fit test against the exact top-k pair distribution (``testing/lossless.py``) before lifting the
-refusal (docs/nemo_rl_compat.md).
+refusal (docs/guides/nemo_rl_recipes.md).
 """
 
 from __future__ import annotations

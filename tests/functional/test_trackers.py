@@ -1,4 +1,4 @@
-"""W&B and MLflow against the real clients (issue 36): the tiny recipe runs 2 GRPO steps through the CLI
+"""W&B and MLflow against the real clients: the tiny recipe runs 2 GRPO steps through the CLI
 (``examples/run_grpo.py``: Ray + vLLM + Megatron) with both trackers on, in ONE run:
 
 - W&B offline (``WANDB_MODE=offline``; the automatic offline decision is unit-tested in

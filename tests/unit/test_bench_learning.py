@@ -50,12 +50,14 @@ def test_seed_summary_and_mean_gain_by_hand():
 
 
 def test_plots_the_committed_result(tmp_path):
-    """docs/training_curves.json (the README's numbers) re-summarises to its own mean gain and plots."""
+    """docs/results/grpo_learning/training_curves.json (its results page's numbers) re-summarises to its own mean
+    gain and plots."""
     import json
     from pathlib import Path
 
     bench = bench_learning
-    saved = json.loads((Path(__file__).resolve().parents[2] / "docs" / "training_curves.json").read_text())
+    path = Path(__file__).resolve().parents[2] / "docs" / "results" / "grpo_learning" / "training_curves.json"
+    saved = json.loads(path.read_text())
     seeds = {s: {k: v for k, v in r.items() if k not in ("returncode", "wall_s")} for s, r in saved["seeds"].items()}
     assert bench.summarize(seeds)["mean_gain"] == pytest.approx(saved["mean_gain"], abs=1e-12)
     for s in seeds.values():

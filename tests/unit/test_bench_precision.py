@@ -1,5 +1,5 @@
 """The precision benchmark's arithmetic (examples/bench_precision.py), without a model: run order, per-run
-overrides, per-run phase means with the warm-up step dropped, the bf16 / fp32 ratios against issue 31's goals with
+overrides, per-run phase means with the warm-up step dropped, the bf16 / fp32 ratios against the benchmark's goals with
 failed runs left out, the /proc/cpuinfo parse, the table and the plot."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The arithmetic of examples/bench_spec_learning.py (issue 33, items 3-4), without a model: run summaries from
+"""The arithmetic of examples/bench_spec_learning.py, without a model: run summaries from
 metrics records, per-step Welch standard errors by hand, the exact permutation test, and the acceptance goals."""
 
 import math

@@ -92,7 +92,7 @@ def test_repeats_below_one_is_refused_before_any_run():
 
 
 def test_rollout_acceptance_sums_the_training_steps_counts_only():
-    """The per-step counts of a 5-step run of the default spec recipe (measured in session 26): 33 drafts, 34
+    """The per-step counts of a 5-step run of the default spec recipe (measured): 33 drafts, 34
     accepted in the training rollouts -> 1 + 34 / 33; the final validation's drafts are not in the history."""
     counts = [(0, 0), (0, 0), (4, 3), (29, 31), (0, 0)]
     history = [{"vllm/spec_num_drafts": d, "vllm/spec_num_accepted_tokens": a} for d, a in counts]

@@ -1,4 +1,4 @@
-"""The demo's footprint (issue 36, item 5): ``checkpointing.keep_top_k`` bounds what stays on disk after many saves,
+"""The demo's disk footprint: ``checkpointing.keep_top_k`` bounds what stays on disk after many saves,
 ``checkpointing.save_optimizer`` (NeMo-RL's key) is false in the default recipe only, and a resume from a weights-only
 checkpoint says that the optimizer restarted."""
 

@@ -7,7 +7,7 @@ import torch
 
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn, LossFunction, aggregate_microbatch_metrics
 
-pytestmark = pytest.mark.numerics  # docs/testing.md, "Numerical tolerances"
+pytestmark = pytest.mark.numerics  # docs/design/numerical_tolerances.md
 
 BASE_CFG = dict(
     ratio_clip_min=0.2,
@@ -29,7 +29,7 @@ LN2 = math.log(2)
 
 
 def hand_tol(abs_sum: float, n_terms: int, per_term: int = 3) -> float:
-    """Bound on |fp32 loss - hand value| (docs/testing.md, "Numerical tolerances"): n_terms terms, each within
+    """Bound on |fp32 loss - hand value| (docs/design/numerical_tolerances.md): n_terms terms, each within
     ``per_term`` roundings (the fp32 input curr = prev + log r, the exp, the fp32 clip constant; k3 adds its two
     subtractions), the sum n_terms - 1 more and the normaliser 1, each at most eps times ``abs_sum``, the sum of the
     terms' absolute values (and of their parts) over the normaliser. The terms have both signs, so a relative
@@ -216,7 +216,7 @@ def test_microbatches_with_global_normalisers_sum_to_full_batch(token_level):
         loss.backward()
         parts.append(loss.detach())
         metrics.append(m)
-    # Bound (docs/testing.md, "Numerical tolerances"; eps = float32 eps). The loss is one sum of the n valid
+    # Bound (docs/design/numerical_tolerances.md; eps = float32 eps). The loss is one sum of the n valid
     # per-token terms (w * pg + kl, over the normaliser) on the whole batch and two partial sums added on the
     # micro-batches: two summation orders differ by <= 2 n eps sum |terms| (each is within gamma_{n-1} of the exact
     # sum). |term| <= w |A| max(r, clip(r)) + kl (kl >= 0), over the same normaliser. The gradient has no sum over

@@ -270,13 +270,13 @@ def test_missing_draft_directory_exits_2_before_ray(tmp_path, capsys, monkeypatc
 
 
 def test_every_override_in_the_deploy_doc_names_an_existing_key():
-    """docs/deploy.md shows overrides (``a.b=value``): each key must exist in a shipped recipe (a doc showing a
+    """docs/guides/scale_out.md shows overrides (``a.b=value``): each key must exist in a shipped recipe (a doc showing a
     key that was renamed or never existed fails here)."""
     import re
 
     from omegaconf import OmegaConf
 
-    doc = (CONFIGS.parent / "docs" / "deploy.md").read_text()
+    doc = (CONFIGS.parent / "docs" / "guides" / "scale_out.md").read_text()
     keys = set(re.findall(r"(?<![\w.$+])((?:grpo|loss_fn|policy|data|env|logger|checkpointing|cluster)\.[\w.]+)=", doc))
     assert {"policy.draft.online", "policy.megatron_cfg.mtp_loss_mode", "cluster.ray_address"} <= keys
     merged = [load_yaml_with_defaults(p) for p in RECIPES]

@@ -1,4 +1,4 @@
-"""Quiet console (issue 16, item 5): vLLM's log level and the rotary refit warning, in a real vLLM process."""
+"""Quiet console: vLLM's log level and the rotary refit warning, in a real vLLM process."""
 
 import logging
 import os

@@ -1,4 +1,4 @@
-"""The quiet console (issue 36, item 4): ``<log_dir>/console.log`` keeps everything, the terminal gets the driver's
+"""The quiet console: ``<log_dir>/console.log`` keeps everything, the terminal gets the driver's
 lines, worker errors and Ray's errors; the per-step table behind ``logger.verbose``. Expected outputs by hand."""
 
 import logging

@@ -127,7 +127,7 @@ def test_base_image_is_pinned(dockerfile):
         # Transformer Engine's PyTorch extension is compiled in the build: it needs nvcc and cuDNN headers
         assert repo == "nvidia/cuda" and "cudnn-devel" in tag, image
     else:
-        # install_cpu.sh creates the venv with python3.11 (docs/install.md's stack); the base must provide it
+        # install_cpu.sh creates the venv with python3.11 (docs/guides/install.md's stack); the base must provide it
         assert repo == "python" and tag.startswith("3.11."), image
         assert "python3.11 -m venv" in INSTALL_CPU.read_text()
 

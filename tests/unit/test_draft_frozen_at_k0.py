@@ -1,5 +1,5 @@
-"""An online EAGLE-3 draft is not trained when the batch-size-aware schedule never drafts (issue 35 item 1,
-nemo_rl_spec/algorithms/grpo_setup.py ``freeze_draft_without_drafting``): the resolved config says
+"""An online EAGLE-3 draft is not trained when the batch-size-aware schedule never drafts
+(nemo_rl_spec/algorithms/grpo_setup.py ``freeze_draft_without_drafting``): the resolved config says
 ``policy.draft.online: false`` for schedules with k = 0 at every reachable running batch size, and keeps it true
 for schedules with some k > 0 there; hand-built schedules, the spec recipe's own config, and the
 ``speculative@k0`` mode of examples/bench_sync_vs_async.py."""
@@ -118,7 +118,7 @@ def test_the_refit_and_the_policy_worker_follow_the_resolved_config(schedule, tr
 
 
 def test_the_loop_benchmarks_k0_mode_runs_with_the_draft_frozen(tmp_path):
-    """examples/bench_sync_vs_async.py's speculative@k0 variant (docs/speculative.md, "Goals") resolves to a frozen
+    """examples/bench_sync_vs_async.py's speculative@k0 variant (docs/results/spec_loop_default.md) resolves to a frozen
     draft; the recipe's own speculative mode keeps training it."""
     from nemo_rl_spec.bench import sync_vs_async as bench
 

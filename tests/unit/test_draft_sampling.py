@@ -1,4 +1,4 @@
-"""Inverse-CDF draft sampling (issue 35 item 2): the distribution it draws, against exact probabilities and against
+"""Inverse-CDF draft sampling: the distribution it draws, against exact probabilities and against
 vLLM's own exponential-race sampler, with a negative control."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``policy.draft.train_period`` (issue 35 item 1): the online draft trains on every n-th GRPO step only, and the
+"""``policy.draft.train_period``: the online draft trains on every n-th GRPO step only, and the
 refit pushes it only after those steps; in between the engines keep the last draft pushed, paired with the policy
 version it was pushed at.
 

@@ -1,4 +1,4 @@
-"""The import layers of docs/architecture.md, checked three ways:
+"""The import layers of docs/design/architecture.md, checked three ways:
 
 * ``lint-imports`` (import-linter) keeps pyproject.toml's layer contract on the package, and catches a deliberately
   wrong import (a function-local ``speculative -> models`` import, the shape of the cycle the contract replaced)

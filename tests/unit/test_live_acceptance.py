@@ -1,4 +1,4 @@
-"""Live-acceptance k (issue 35): the acceptance estimate and the per-step choice of k, against hand-worked numbers."""
+"""Live-acceptance k: the acceptance estimate and the per-step choice of k, against hand-worked numbers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""NeMo-RL loss options (issue 18) by hand on small tensors: dual clip (``ratio_clip_c``), GSPO
+"""NeMo-RL loss options by hand on small tensors: dual clip (``ratio_clip_c``), GSPO
 (``sequence_level_importance_ratios``) against its paper's formula, ``use_on_policy_kl_approximation``; and the
 config keys of the loss and the LR scheduler refused with their names before any worker starts."""
 
@@ -29,7 +29,7 @@ EPS32 = torch.finfo(torch.float32).eps
 
 
 def hand_tol(abs_sum: float, n_terms: int, per_term: int = 3) -> float:
-    """|fp32 loss - hand value| bound (docs/testing.md, "Numerical tolerances"): each of n_terms terms within
+    """|fp32 loss - hand value| bound (docs/design/numerical_tolerances.md): each of n_terms terms within
     ``per_term`` roundings (the fp32 log-ratio input, the exp, the product with A or a clip constant), the sum
     n_terms - 1 more and the normaliser 1, each at most eps times ``abs_sum`` (the sum of |term| and of the parts
     inside a term, over the normaliser). The losses below cancel (+-A terms, e^d - d - 1), so a relative tolerance

@@ -1,5 +1,5 @@
-"""The debug-only lossy speculative sampler (``policy.generation.debug_lossy_sampler``, issue 33's negative control)
-is lossy at token level, and vLLM's own recovered-token sampler, on the same inputs, is not.
+"""The debug-only lossy speculative sampler (``policy.generation.debug_lossy_sampler``, a negative control) is
+lossy at token level, and vLLM's own recovered-token sampler, on the same inputs, is not.
 
 One speculative position with a greedy draft token d (``draft_probs=None``, as EAGLE-3 drafts here): the verifier
 accepts d with probability min(1, p(d) / 1) = p(d), else emits the recovered token. Lossless (vLLM): recovered ~

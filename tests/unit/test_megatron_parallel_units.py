@@ -150,7 +150,7 @@ def test_vocab_parallel_logprobs_grad_and_argmax_equal_unsharded():
     expected = torch.log_softmax(full / 0.7, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     upstream = torch.arange(1.0, 1.0 + expected.numel()).view_as(expected)
     (expected * upstream).sum().backward()
-    # Bound (fp32, eps = 2^-23; docs/testing.md "Numerical tolerances"). Both sides compute lp = z_t - m - log sum_v
+    # Bound (fp32, eps = 2^-23; docs/design/numerical_tolerances.md). Both sides compute lp = z_t - m - log sum_v
     # exp(z_v - m), z = logits / T, V = 12 (here max|z| ~ 19.5, |lp| up to ~24, where one ulp is 1.9e-6): the sum of V
     # positive exps in two orders (two shards vs one vectorised row) differs by <= 2(V-1) eps relative, each exp and
     # the log by ~1 ulp, and the subtractions round at |z| and |lp|:

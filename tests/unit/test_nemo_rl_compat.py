@@ -17,7 +17,7 @@ from nemo_rl_spec.utils.config_schema import MasterConfig
 from nemo_rl_spec.utils.nemo_rl_compat import NemoRLCompatWarning
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "nemo_rl" / "grpo_math_1B_layout_tiny.yaml"
-# NeMo-RL keys this project implements (issue 18): none of them may be reported unknown
+# NeMo-RL keys this project implements: none of them may be reported unknown
 IMPLEMENTED = [
     "grpo.max_num_epochs",
     "grpo.max_val_samples",

@@ -1,5 +1,5 @@
 """OCC coefficient: the rule on exact c and v2 (signed, optional clamp), the per-mode head coefficients, the MTP
-log-probs / acceptance on a hand example, and the benchmark's proxy validation and summaries (docs/occ.md)."""
+log-probs / acceptance on a hand example, and the benchmark's proxy validation and summaries (docs/guides/occ.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The paper's OCC proxy (``mtp_occ_proxy: logprob_delta``, RL-MTP): hand-worked values, clamps, zero cases, and
-the config rules around it (docs/occ.md section 3)."""
+the config rules around it (docs/guides/occ.md section 3)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from nemo_rl_spec.speculative.online import OnlineDraft
 from nemo_rl_spec.utils.config_schema import DraftConfig
 from tests.unit.test_ttt_scored import MASK, K, T, V, make_batch, make_head, reorder_tol
 
-pytestmark = pytest.mark.numerics  # docs/testing.md, "Numerical tolerances"
+pytestmark = pytest.mark.numerics  # docs/design/numerical_tolerances.md
 
 METHODS = ("greedy", "probabilistic")
 
@@ -46,7 +46,7 @@ def train_step(draft: OnlineDraft, embedding: torch.Tensor, batch) -> dict[str, 
 # The estimates are means over the chains of per-chain acceptance lengths (> 0), summed per micro-batch or per rank and
 # merged, against one whole-batch sum: two summation orders of the chains' terms, each computed by the same per-row
 # ops (a GEMM over fewer rows may block differently): relative bound reorder_tol(chains) = 2 (chains + 64) eps
-# (tests/unit/test_ttt_scored.py; docs/testing.md, "Numerical tolerances"). One chain more or less moves the mean
+# (tests/unit/test_ttt_scored.py; docs/design/numerical_tolerances.md). One chain more or less moves the mean
 # by ~1 / chains (1/37), far above it.
 REL = reorder_tol(int(MASK[:, 2:].sum()))
 

@@ -1,4 +1,4 @@
-"""Issue 32 diagnostics: which prompts were trained on (``rollout_alloc/trained_*`` metrics, difficulty buckets) and
+"""Pilot-Commit diagnostics: which prompts were trained on (``rollout_alloc/trained_*`` metrics, difficulty buckets) and
 the constant loss normaliser (Dr. GRPO) of ClippedPGLossFn, against hand computations."""
 
 from __future__ import annotations
@@ -144,9 +144,9 @@ def test_constant_normaliser_divides_by_the_constant_not_the_batch_tokens():
 
 @pytest.mark.numerics
 def test_constant_normaliser_gradient_scales_with_batch_size_batch_mean_does_not():
-    """The issue-32 property: twice the informative rows -> twice the gradient on a shared parameter with the
-    constant normaliser; the batch mean gives the half batch the same gradient as the full one (so a step with one
-    or two groups moves the policy as far as a full batch). Fails on the old, batch-only behaviour."""
+    """What the constant normaliser is for: twice the informative rows -> twice the gradient on a shared parameter
+    with the constant normaliser; the batch mean gives the half batch the same gradient as the full one (so a step
+    with one or two groups moves the policy as far as a full batch). Fails on the old, batch-only behaviour."""
 
     def shared_grad(cfg, copies):
         curr, data = _batch()
@@ -159,7 +159,7 @@ def test_constant_normaliser_gradient_scales_with_batch_size_batch_mean_does_not
 
     def tol(copies):
         """The 4 * copies terms +-A / 40 are inexact in binary and cancel: each rounds once, the sum adds 4 copies - 1
-        roundings, all <= eps * sum|terms| = eps * 5 copies / 40 (docs/testing.md, "Numerical tolerances")."""
+        roundings, all <= eps * sum|terms| = eps * 5 copies / 40 (docs/design/numerical_tolerances.md)."""
         return 4 * copies * torch.finfo(torch.float32).eps * 5 * copies / 40
 
     const = {**LOSS_CFG, "loss_normalizer": "constant", "loss_normalizer_constant": 40.0}

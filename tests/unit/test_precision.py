@@ -1,5 +1,5 @@
 """policy.precision: auto, the engine dtype key, the refit tolerance by dtype pair, the consolidated export's dtype
-(utils/precision.py, docs/precision.md). Only the CPU capability probe is mocked."""
+(utils/precision.py, docs/guides/precision.md). Only the CPU capability probe is mocked."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The CPU patch of vLLM's recovered-token sampler (issue 35 item 2): each draft position's recovered token drawn from
+"""The CPU patch of vLLM's recovered-token sampler: each draft position's recovered token drawn from
 the speculative-sampling residual norm(max(0, p - q)) by inverse CDF with one uniform per request. Checked against
 hand-worked draws, exact residual probabilities, vLLM's own sampler's distribution and a negative control."""
 

@@ -1,4 +1,4 @@
-"""Non-finite rewards (issue 16, item 2): the issue's group of 8 with rewards [nan x 7, 1.0].
+"""Non-finite rewards: the reported failing case, a group of 8 with rewards [nan x 7, 1.0].
 
 The rollout path under test is the real one (RolloutGenerator -> UniformAllocator -> advantages ->
 build_train_data -> ClippedPGLossFn); only the two ends are stand-ins: a generation object returning fixed token
@@ -146,7 +146,7 @@ def test_mask_mode_keeps_advantages_loss_and_gradients_finite():
     a = adv[valid].unsqueeze(1).expand_as(ratio)
     pg = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2))
     # Same per-token terms, summed in another order (the loss adds zeros at masked tokens too): two orders of the n
-    # terms differ by <= 2 n eps sum|terms| (docs/testing.md, "Numerical tolerances"); the terms have both signs
+    # terms differ by <= 2 n eps sum|terms| (docs/design/numerical_tolerances.md); the terms have both signs
     # (advantages sum to zero in a group), so the bound is on sum|terms| / n, not on the cancelling mean.
     n = int(m.sum())
     tol = 2 * n * torch.finfo(torch.float32).eps * float(pg[m].abs().mean())

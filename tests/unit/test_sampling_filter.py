@@ -24,8 +24,8 @@ def vllm_filtered(scaled: torch.Tensor, top_k, top_p) -> torch.Tensor:
 
 
 def logsumexp_bound(scaled: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
-    """|d lp| between two fp32 orders of ``lp = z_t - m - log sum_v exp(z_v - m)`` (docs/testing.md "Numerical
-    tolerances"): eps (2V + 4 + 2 max|z| + 2|lp|) per row, V the entries summed. Shapes: scaled [..., V], lp [...]."""
+    """|d lp| between two fp32 orders of ``lp = z_t - m - log sum_v exp(z_v - m)`` (docs/design/numerical_tolerances.md):
+    eps (2V + 4 + 2 max|z| + 2|lp|) per row, V the entries summed. Shapes: scaled [..., V], lp [...]."""
     eps, vocab = torch.finfo(torch.float32).eps, scaled.shape[-1]
     zmax = scaled.masked_fill(~torch.isfinite(scaled), 0.0).abs().amax(-1)
     return eps * (2 * vocab + 4 + 2 * zmax + 2 * lp.abs())

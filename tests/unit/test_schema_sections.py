@@ -1,6 +1,6 @@
 """Every boolean / optional key of the schema, set one at a time on the tiny recipe, either passes every check the
-CLI makes before Ray starts, or is refused there with the key (or its section) named (issue 14, item 4). Which of
-the two is declared per key (ss.REFUSED_BEFORE_RAY, issue 30): a key is never allowed either outcome.
+CLI makes before Ray starts, or is refused there with the key (or its section) named. Which of the two is
+declared per key (ss.REFUSED_BEFORE_RAY): a key is never allowed either outcome.
 
 The keys are enumerated from the pydantic models (tests/schema_sections.py), so a new key is covered without
 editing this file. The path under test is the CLI's own: ``load_config`` -> ``check_runtime_support`` ->

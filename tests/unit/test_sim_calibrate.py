@@ -1,4 +1,4 @@
-"""Calibration from metrics.jsonl (synthetic runs with a known truth) and the docs/install.md CPU profile fit."""
+"""Calibration from metrics.jsonl (synthetic runs with a known truth) and the docs/results/cpu_step_costs.md CPU profile fit."""
 
 import json
 
@@ -111,7 +111,7 @@ def test_cpu_profile_preset_is_the_design_fit():
     fit = cpu_efficiency_from_design().model_dump()
     for key, value in CPU_EFFICIENCY.model_dump().items():
         assert value == pytest.approx(fit[key], rel=2e-3, abs=1e-6), key
-    assert np.all(np.abs(design_fit_errors()) < 0.20)  # every docs/install.md step cost within 20%
+    assert np.all(np.abs(design_fit_errors()) < 0.20)  # every docs/results/cpu_step_costs.md step cost within 20%
     assert np.sqrt(np.mean(design_fit_errors() ** 2)) < 0.10
 
 

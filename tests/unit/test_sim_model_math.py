@@ -34,7 +34,7 @@ def test_smollm2_matches_hf_count_without_norms():
 
 def test_random_eagle3_head_matches_design_md():
     d = DRAFTS["eagle3-smollm2-135m"]
-    assert round(mm.total_params(d) / 1e6, 1) == 33.4  # docs/install.md: 33.4M parameters
+    assert round(mm.total_params(d) / 1e6, 1) == 33.4  # docs/results/cpu_step_costs.md: 33.4M parameters
     assert round(mm.output_params(d) / 1e6, 1) == 28.3  # of them 28.3M the full-vocabulary output layer
 
 

@@ -58,7 +58,7 @@ def test_k_sweep_shape(name):
 
 def test_swapped_acceptance_mapping_does_not_reproduce():
     """The secondary source lists 2.47 and 2.05 without an unambiguous mapping; the other assignment misses the
-    RL-Think generation time by far more than 10% (docs/simulator.md)."""
+    RL-Think generation time by far more than 10% (docs/results/simulator_paper_8b.md)."""
     r = simulate(scenario("paper_8b_rl_think", speculative={"acceptance_length": 2.47}))
     assert abs(r.spec.generation - 87.0) / 87.0 > 0.15
 

@@ -277,7 +277,7 @@ def test_longtail_calibrated_derivation_reproduces_the_engines_schedules(monkeyp
     the schedules the engines recorded: min_speedup 1.0 (rep 1) and the recipe's 1.2 (reps 2-3)."""
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(root)
-    paths = [f"docs/spec_longtail/bench_rep{i}.json" for i in (1, 2)]
+    paths = [f"docs/results/longtail/bench_rep{i}.json" for i in (1, 2)]
     benches = [(p, json.loads(Path(p).read_text())) for p in paths]
     for min_speedup, (_, ran) in zip((1.0, 1.2), benches):
         out = project_longtail(benches, hardware=(), min_speedup=min_speedup)

@@ -13,7 +13,7 @@ from nemo_rl_spec.speculative.online import OnlineDraft
 from nemo_rl_spec.speculative.ttt_scored import chain_window, scored_index, scored_soft_targets, scored_ttt_loss
 from nemo_rl_spec.utils.config_schema import DraftConfig
 
-pytestmark = pytest.mark.numerics  # docs/testing.md, "Numerical tolerances"
+pytestmark = pytest.mark.numerics  # docs/design/numerical_tolerances.md
 
 torch.set_num_threads(1)
 V, H, S, K, T = 64, 16, 14, 3, 0.7
@@ -107,7 +107,7 @@ def grads_of(head, loss) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in head.named_parameters() if p.requires_grad}
 
 
-# The bound of the scored-vs-full comparisons (docs/testing.md, "Numerical tolerances"). Both paths add up the same
+# The bound of the scored-vs-full comparisons (docs/design/numerical_tolerances.md). Both paths add up the same
 # N nonnegative-weighted terms, one per scored (chain, step) pair, in different orders and groupings (the full path
 # also adds exact zeros); each order is within gamma_{N-1} ~ (N - 1) eps of the exact sum of the absolute values
 # (Higham, recursive summation), so two orders differ by <= 2 N eps sum_k |term_k| elementwise. A term's own

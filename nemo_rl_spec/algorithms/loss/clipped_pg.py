@@ -1,36 +1,18 @@
-"""Clipped policy-gradient loss for GRPO (NeMo-RL ``ClippedPGLossFn`` semantics).
+"""Clipped policy-gradient loss for GRPO (NeMo-RL ``ClippedPGLossFn`` semantics). Per valid token t of sequence b
+(``token_mask[b, t] * sample_mask[b] == 1``), curr / prev / gen / ref its log-probs under pi_theta, pi_old, the
+generator and the reference policy::
 
-Per valid token t of sequence b (valid: ``token_mask[b, t] * sample_mask[b] == 1``)::
+    ratio   = exp(curr - prev)    (GSPO, ``sequence_level_importance_ratios``: exp of sequence b's mean of curr - prev)
+    pg      = -min(ratio * A_b, clip(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max) * A_b)
+    w       = min(exp(prev - gen), truncated_importance_sampling_ratio), detached   (1 without IS correction)
+    kl      = exp(ref - curr) - (ref - curr) - 1   k3 (use_on_policy_kl_approximation: x exp(curr - gen), detached)
+    per_tok = w * pg + reference_policy_kl_penalty * kl
+    loss    = sum_{b,t valid} per_tok / global_valid_toks                              (token_level_loss)
+            = sum_{b: sample_mask=1} mean_{t valid in b} per_tok / global_valid_seqs   (otherwise)
 
-    ratio    = exp(curr_logprobs - prev_logprobs)                           pi_theta / pi_old
-               (sequence_level_importance_ratios, GSPO: ratio[b, t] = exp(mean_{t' valid in b} (curr - prev)),
-               the same for every token of sequence b, = (pi_theta(y_b) / pi_old(y_b)) ** (1 / |y_b|))
-    pg       = -min(ratio * A_b, clip(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max) * A_b)
-               (ratio_clip_c = c > 1, dual clip: where A_b < 0, pg = min(pg, -c * A_b))
-    w        = min(exp(prev_logprobs - generation_logprobs), truncated_importance_sampling_ratio)   (detached;
-               only with use_importance_sampling_correction, else 1)
-    kl       = exp(ref - curr) - (ref - curr) - 1                           k3 estimator of KL(pi_theta || pi_ref)
-               (use_on_policy_kl_approximation: kl *= exp(curr - generation_logprobs), detached: the samples
-               come from the generator, the KL is an expectation under pi_theta)
-    per_tok  = w * pg + reference_policy_kl_penalty * kl
-
-    token_level_loss=True :  loss = sum_{b,t valid} per_tok / global_valid_toks
-    token_level_loss=False:  loss = sum_{b: sample_mask=1} mean_{t valid in b} per_tok / global_valid_seqs
-
-    loss_normalizer="constant" (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training", sec. 3.1; verl's
-    loss_agg_mode "seq-mean-token-sum-norm"): the denominator global_valid_toks (token level) or global_valid_seqs
-    (sequence level) is replaced by the fixed loss_normalizer_constant C, e.g. the nominal batch's tokens
-    (train_global_batch_size x max_new_tokens). Then a batch with fewer rows or fewer valid tokens contributes a
-    proportionally smaller gradient, instead of the same-sized step the batch mean gives it; groups with zero
-    advantage no longer dilute the others. The metrics ``probs_ratio`` etc. keep the batch-mean normalisation.
-
-References: clipped surrogate, PPO (Schulman et al. 2017, eq. 7), with GRPO's per-sequence advantage
-(Shao et al. 2024); asymmetric clip range ("clip-higher", DAPO, Yu et al. 2025); k3 KL estimator
-(Schulman 2020, "Approximating KL Divergence"; GRPO eq. 4); truncated importance sampling for the
-generator/trainer mismatch (Espeholt et al. 2018 IMPALA; Yao et al. 2025 "TIS"); dual-clip PPO (Ye et al. 2020,
-"Mastering Complex Control in MOBA Games with Deep RL", eq. 5); GSPO (Zheng et al. 2025, "Group Sequence Policy
-Optimization", eq. 7: s_i = (pi_theta(y_i|x) / pi_old(y_i|x)) ** (1/|y_i|)), which needs the sequence-level
-reduction (``token_level_loss: false``: J = mean_i min(s_i A_i, clip(s_i) A_i)).
+Dual clip (``ratio_clip_c`` = c > 1): where A_b < 0, pg = min(pg, -c * A_b). ``loss_normalizer: constant`` (Dr.
+GRPO) divides by ``loss_normalizer_constant`` instead, so a batch with fewer rows or valid tokens contributes a
+proportionally smaller gradient (the metrics keep the batch mean). References: :class:`ClippedPGLossFn`.
 """
 
 from __future__ import annotations
@@ -68,6 +50,16 @@ def _loss_error(err: dict) -> str:
 
 class ClippedPGLossFn:
     """GRPO clipped policy-gradient loss; implements :class:`~nemo_rl_spec.algorithms.loss.interfaces.LossFunction`.
+
+    References: clipped surrogate, PPO (Schulman et al. 2017, eq. 7), with GRPO's per-sequence advantage
+    (Shao et al. 2024); asymmetric clip range ("clip-higher", DAPO, Yu et al. 2025); k3 KL estimator
+    (Schulman 2020, "Approximating KL Divergence"; GRPO eq. 4); truncated importance sampling for the
+    generator/trainer mismatch (Espeholt et al. 2018 IMPALA; Yao et al. 2025 "TIS"); dual-clip PPO (Ye et al. 2020,
+    "Mastering Complex Control in MOBA Games with Deep RL", eq. 5); GSPO (Zheng et al. 2025, "Group Sequence Policy
+    Optimization", eq. 7: s_i = (pi_theta(y_i|x) / pi_old(y_i|x)) ** (1/|y_i|)), which needs the sequence-level
+    reduction (``token_level_loss: false``: J = mean_i min(s_i A_i, clip(s_i) A_i)); the constant normaliser, Dr.
+    GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", sec. 3.1; verl's loss_agg_mode
+    "seq-mean-token-sum-norm"), e.g. the nominal batch's tokens (train_global_batch_size x max_new_tokens).
 
     Args:
         cfg: the ``loss_fn`` section, typed (:class:`~nemo_rl_spec.utils.config_schema.LossConfig`, its validators

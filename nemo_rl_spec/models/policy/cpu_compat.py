@@ -1,42 +1,18 @@
 """CPU compatibility patches for megatron-core 0.19.2 (torch CPU wheel, no CUDA, no TE, no Apex).
 
 megatron-core assumes a CUDA device in a handful of places that the dense GPT training path reaches.
-:func:`apply_cpu_compat` patches exactly those, in process, and is a no-op when CUDA is available.
-Call it BEFORE the first ``import megatron.core`` (the triton stub must be in place by then); calling it
-again is cheap and re-patches megatron modules imported since (it is idempotent).
+:func:`apply_cpu_compat` patches exactly those, in process (idempotent), and is a no-op when CUDA is available.
+Call it BEFORE the first ``import megatron.core``; calling it again re-patches megatron modules imported since.
 
-The patches, each with its reason:
-
-1. **triton stub** (only if ``import triton`` fails). ``megatron.core.models.gpt.gpt_model`` imports
-   ``transformer.moe.paged_stash`` which imports ``triton`` unconditionally and decorates kernels with
-   ``@triton.jit`` at import time. The stub provides ``triton.jit``/``triton.language`` placeholders;
-   the kernels are never launched by the dense (non-MoE) model.
-2. **``torch`` namespace proxy in every ``megatron.core.*`` module** (:class:`_CpuTorch`). Megatron code
-   writes ``device=torch.cuda.current_device()`` (rotary embedding, attention, DDP buffers),
-   ``device="cuda"`` literals (causal mask in ``transformer.utils``, grad-norm buffers in
-   ``optimizer.clip_grads``, ``found_inf`` in the optimizer) and uses CUDA streams/events
-   (``torch.cuda.Stream``, ``torch.cuda.stream``, ``current_stream``) in DDP. Rather than mutating the
-   global ``torch`` (which vLLM / transformers in the same process also use), each megatron module's
-   ``torch`` global is replaced by a proxy that forwards everything to ``torch`` except: factory
-   functions map a CUDA ``device`` argument to ``"cpu"``, and ``torch.cuda`` is a namespace whose
-   ``current_device`` returns ``"cpu"``, whose streams/events/synchronize are no-ops and whose RNG
-   functions act on the CPU generator (so ``model_parallel_cuda_manual_seed(seed)`` reseeds the CPU
-   generator with ``seed``, as it reseeds the default CUDA generator on a GPU). ``tensor.cuda()`` calls
-   are not patched: the dense path (data and tensor parallel on gloo, the distributed optimizer) never reaches
-   them. The same proxy covers the TP collectives' buffers (``tensor_parallel.mappings`` allocates gather outputs
-   on ``torch.cuda.current_device()``).
-3. **CPU RNG tracker** (:class:`CpuRNGStatesTracker`). Megatron's ``CudaRNGStatesTracker`` (used by
-   ``model_parallel_cuda_manual_seed`` and forked around dropout / weight init) stores CUDA generator
-   states. The replacement keeps named CPU generator states with the same ``add``/``fork`` semantics,
-   without the "CPU RNG state changed within GPU RNG context" warning (on CPU that is the point).
-4. **grad clipping** (``clip_grad_by_total_norm_fp32``) asserts ``param.grad.type() ==
-   'torch.cuda.FloatTensor'``; it is replaced by an equivalent that accepts CPU fp32 grads.
-5. **distributed optimizer** (:func:`cuda_tensor_type_names`, a context, not applied globally): megatron's
-   ``DistributedOptimizer.__init__`` sorts parameters by ``param.type()`` against the strings
-   ``'torch.cuda.FloatTensor'`` / ``'torch.cuda.HalfTensor'`` / ``'torch.cuda.BFloat16Tensor'`` and raises
-   TypeError for anything else. Inside the context, ``Tensor.type()`` (no arguments) of a CPU tensor answers the
-   CUDA name of its dtype, so fp32 CPU parameters take the fp32 path; the worker wraps only the optimizer's
-   construction in it (the checks are all in the constructor in megatron-core 0.19.2).
+1. triton stub (only if ``import triton`` fails): the MoE code decorates kernels at import time; never launched.
+2. ``torch`` proxy in every ``megatron.core.*`` module (:class:`_CpuTorch`): CUDA ``device`` arguments map to
+   ``"cpu"``, ``torch.cuda`` streams / events / synchronize are no-ops and its RNG calls act on the CPU generator.
+   The global ``torch`` (which vLLM / transformers in the same process use) is left alone.
+3. CPU RNG tracker (:class:`CpuRNGStatesTracker`): named CPU generator states in place of CUDA ones.
+4. grad clipping: ``clip_grad_by_total_norm_fp32`` asserts CUDA grads; replaced by an equivalent for CPU fp32 grads.
+5. distributed optimizer (:func:`cuda_tensor_type_names`, a context, not global): ``DistributedOptimizer.__init__``
+   sorts parameters by ``param.type()`` against CUDA type names; inside the context a CPU tensor answers the CUDA
+   name of its dtype. The worker wraps only the optimizer's construction in it.
 """
 
 from __future__ import annotations

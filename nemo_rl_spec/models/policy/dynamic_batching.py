@@ -2,23 +2,14 @@
 
 A plan is a list of :class:`MicroBatch` (row indices into the worker's batch, padded length). The worker runs one
 forward (and backward) per entry on ``rows`` trimmed to ``seq_len`` columns and writes per-row outputs back at
-``rows``, so the caller sees its original row order whatever the plan.
-
-- :func:`fixed_size_plan` (the default): consecutive chunks of ``rows_per_mb`` rows, each trimmed to its own
-  longest row (``policy.train_micro_batch_size`` / ``policy.logprob_batch_size``).
-- :func:`token_budget_plan` (``policy.dynamic_batching.enabled``): rows sorted by length, longest first (stable, so
-  equal lengths keep their order), and filled greedily into micro-batches while ``rows x padded length <=
-  max_tokens``; the padded length of a micro-batch is its first (longest) row rounded up to ``round_to`` and capped
-  at the batch width. A row longer than the budget gets a micro-batch of its own.
-
-Worked example: lengths [5, 30, 12, 28, 7], budget 64, round_to 8, width 32 -> order 1, 3, 2, 4, 0; micro-batch
-{1, 3} padded to 32 (2 x 32 = 64 tokens), {2, 4, 0} padded to 16 (48 tokens; a fourth row would make 64, but there
-is none): 112 tokens. Fixed chunks of 2 rows pad to 30, 28 and 7: 2*30 + 2*28 + 7 = 123 tokens.
+``rows``, so the caller sees its original row order whatever the plan. :func:`fixed_size_plan` (the default):
+consecutive chunks of ``rows_per_mb`` rows, each trimmed to its own longest row. :func:`token_budget_plan`
+(``policy.dynamic_batching.enabled``): rows sorted by length, packed up to a padded-token budget.
 
 Why the results do not change (fp32 rounding aside): rows never attend to each other (causal attention, right
 padding), and the worker's losses are divided by global counts (valid tokens / sequences of the whole global batch,
 :meth:`~.megatron_worker.MegatronPolicyWorker._global_counts`), so the gradient is a sum over rows whatever the
-grouping. The one exception is OCC's coefficient lambda, computed per micro-batch (docs/occ.md): regrouping rows
+grouping. The one exception is OCC's coefficient lambda, computed per micro-batch (docs/guides/occ.md): regrouping rows
 changes it as another micro-batch size would.
 """
 
@@ -70,8 +61,15 @@ def fixed_size_plan(lengths: torch.Tensor, rows_per_mb: int) -> list[MicroBatch]
 
 
 def token_budget_plan(lengths: torch.Tensor, max_tokens: int, round_to: int, width: int) -> list[MicroBatch]:
-    """Length-sorted micro-batches of at most ``max_tokens`` padded tokens (module docstring; NeMo-RL's
-    ``train_mb_tokens`` / ``logprob_mb_tokens`` and ``sequence_length_round``).
+    """Length-sorted micro-batches of at most ``max_tokens`` padded tokens (NeMo-RL's ``train_mb_tokens`` /
+    ``logprob_mb_tokens`` and ``sequence_length_round``): rows sorted by length, longest first (stable, so equal
+    lengths keep their order), and filled greedily into micro-batches while ``rows x padded length <= max_tokens``;
+    the padded length of a micro-batch is its first (longest) row rounded up to ``round_to`` and capped at the batch
+    width. A row longer than the budget gets a micro-batch of its own.
+
+    Worked example: lengths [5, 30, 12, 28, 7], budget 64, round_to 8, width 32 -> order 1, 3, 2, 4, 0; micro-batch
+    {1, 3} padded to 32 (2 x 32 = 64 tokens), {2, 4, 0} padded to 16 (48 tokens; a fourth row would make 64, but
+    there is none): 112 tokens. Fixed chunks of 2 rows pad to 30, 28 and 7: 2*30 + 2*28 + 7 = 123 tokens.
 
     Shape: lengths [B] (tokens per row, <= width) -> micro-batches covering every row exactly once.
     Raises:

@@ -2,20 +2,16 @@
 
 ``Policy`` starts one :class:`~nemo_rl_spec.models.policy.megatron_worker.MegatronPolicyWorker` per rank in a
 :class:`~nemo_rl_spec.distributed.worker_group.RayWorkerGroup` (one ``torch.distributed`` world), rank ``r`` on node
-``nodes[r]`` of the :class:`~nemo_rl_spec.distributed.virtual_cluster.RayVirtualCluster`. The ranks' coordinates follow
-megatron's default order (TP fastest): rank = pp * (DP * TP) + dp * TP + tp, DP = N / (TP * PP).
-
-Every method blocks until the workers are done and returns plain values (or object refs for the big weight dicts);
-no caller needs ``.remote`` on a policy worker. Batches are sharded by DP rank into contiguous row blocks
-(:func:`~nemo_rl_spec.distributed.batch.shard_batch`; the first ``B % DP`` shards one row longer, shards may be
-empty); TP peers of a DP rank get the same shard; per-row outputs come back from the TP-rank-0 worker of each DP rank
-and are concatenated in DP order.
+``nodes[r]``, in megatron's default order (TP fastest): rank = pp * (DP * TP) + dp * TP + tp, DP = N / (TP * PP).
+Every method blocks until the workers are done and returns plain values (or object refs for the big weight dicts).
+Batches are sharded by DP rank into contiguous row blocks (:func:`~nemo_rl_spec.distributed.batch.shard_batch`;
+shards may be empty); TP peers of a DP rank get the same shard; per-row outputs come back from the TP-rank-0 worker
+of each DP rank, concatenated in DP order.
 
 Training follows NeMo-RL's ``policy.train_global_batch_size`` (GBS): :meth:`Policy.train` splits the rows of a GRPO
-step into consecutive mini-batches of GBS rows (the last one smaller when GBS does not divide the row count) and
-makes one optimizer step per mini-batch, each sharded over DP like any batch (global counts are per mini-batch).
-``prev_logprobs`` come with the batch, computed before the first mini-batch, so from the second mini-batch on the
-PPO ratio pi_theta / pi_old differs from 1 and clipping acts (:func:`train_minibatches`).
+step into consecutive mini-batches of GBS rows and makes one optimizer step per mini-batch. ``prev_logprobs`` come
+with the batch, computed before the first mini-batch, so from the second mini-batch on the PPO ratio
+pi_theta / pi_old differs from 1 and clipping acts (:func:`train_minibatches`).
 """
 
 from __future__ import annotations

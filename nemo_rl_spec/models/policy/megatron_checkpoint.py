@@ -9,7 +9,7 @@ training step stays in the worker. They read the worker's state: ``module`` (the
 ``cfg``; and call its ``advance_scheduler``.
 
 Exports cast once, on the sender, to the dtype asked (:func:`~nemo_rl_spec.utils.dtypes.cast_state`). Checkpoints
-hold the fp32 masters, so a resume is exact (docs/precision.md).
+hold the fp32 masters, so a resume is exact (docs/design/precision.md).
 """
 
 from __future__ import annotations

@@ -3,62 +3,15 @@ co-training pass is a plug-in the step calls (:mod:`~.mtp_cotraining`); HF / dra
 the worker's methods from :mod:`~.megatron_checkpoint`.
 
 A plain class; :class:`~nemo_rl_spec.models.policy.lm_policy.Policy` runs N of them as a
-:class:`~nemo_rl_spec.distributed.worker_group.RayWorkerGroup` (one ``torch.distributed`` world, gloo on CPU).
-``__init__`` applies the CPU patches, joins the world (or makes a world of size 1 when created outside a worker
-group) and initialises megatron ``parallel_state`` with TP x PP; DP = world / (TP * PP), ranks in megatron's order
-(TP fastest, :class:`~.parallel.ParallelLayout`).
-
-Training uses Megatron's ``DistributedDataParallel`` (contiguous fp32 grad buffer, ``main_grad``) and
-``get_megatron_optimizer`` (Adam; torch's AdamW underneath when neither TE nor Apex is installed, with Megatron's
-grad-norm clipping), configured by the ``policy`` section (:class:`~nemo_rl_spec.utils.config_schema.PolicyConfig`);
-logits are divided by ``generation.temperature`` in ``train`` as in ``get_logprobs``.
-
-Data parallel: each DP rank gets a contiguous row shard of the global batch (the controller shards it; shards may
-differ in size, even be empty). The loss of every micro-batch is divided by GLOBAL counts (valid tokens, valid
-sequences, per-MTP-head targets: sums over the DP group), so the gradients of all ranks add up to the global-batch
-gradient: Megatron DDP all-reduces with SUM (``calculate_per_token_loss``, gradient scaling 1). ``train`` returns
-the same metrics on every rank (loss-type metrics combined over DP by the loss contract: sum, ``*_max`` by max).
-
-Tensor parallel: megatron-core's own TP layers on gloo; HF weights are sliced per TP rank on import and gathered
-back on export (:mod:`~nemo_rl_spec.models.hf_weight_mapping`), log-probs are vocab-parallel
-(:mod:`~.vocab_parallel`).
-
-Pipeline parallel is refused (``pipeline_model_parallel_size`` must be 1; why: :func:`_check_supported_layout`).
-
-Micro-batches (:mod:`~.dynamic_batching`): consecutive chunks of ``train_micro_batch_size`` / ``logprob_batch_size``
-rows, each trimmed to its longest row; with ``policy.dynamic_batching.enabled`` (NeMo-RL's dynamic batching) each rank
-sorts its own shard by length and fills micro-batches up to ``train_mb_tokens`` / ``logprob_mb_tokens`` padded tokens
-(per-row outputs return in the caller's row order). The global-count normalisation makes both give the same step.
-
-Activation checkpointing (``megatron_cfg.activation_checkpointing``): megatron's full uniform recompute, one layer
-per chunk; the step is the same as without it.
-
-Distributed optimizer (``optimizer.use_distributed_optimizer``): megatron's ``DistributedOptimizer`` (Adam state
-sharded over DP, gradients reduce-scattered, parameters all-gathered), on CPU through a type-name shim
-(:func:`~.cpu_compat.cuda_tensor_type_names`). DDP, optimizer and lr scheduler are built by :mod:`~.megatron_optim`.
-
-MTP co-training (``megatron_cfg.mtp_num_layers`` > 0; docs/occ.md): :class:`~.mtp_cotraining.MTPCoTraining` runs the
-micro-batches' forward and backward with the MTP block and owns its AdamW; the trunk's step is unchanged by it in
-``detach`` mode (bitwise). Before RL, ``mtp_warm_start`` trains the MTP block alone with CE (trunk frozen,
-:mod:`~.mtp_warm_start`); ``mtp_state`` / ``load_mtp_state`` carry its weights (the driver's cache).
-
-Online EAGLE-3 draft (``policy.draft.enabled`` and ``policy.draft.online``; docs/speculative.md): the training
-forward runs under the draft's capture hooks and the head trains on the detached activations after the policy's
-backward, with its own optimizer (``speculative/online.py``; gradients summed over DP); ``export_draft_weights`` /
-``save_draft`` hand it to the generation worker.
-
-``train`` makes exactly one optimizer step over all rows it is given: the controller
-(:class:`~nemo_rl_spec.models.policy.lm_policy.Policy`) splits a GRPO step into mini-batches of
-``policy.train_global_batch_size`` rows and calls it once per mini-batch. The learning rate follows
-``megatron_cfg.scheduler`` (megatron-core's ``OptimizerParamScheduler``: linear warmup, constant / linear / cosine
-decay to ``optimizer.min_lr``; constant ``optimizer.lr`` without the section), stepped once per optimizer step, the
-MTP block's AdamW at the same lr, saved and restored with checkpoints.
-
-Precision (``precision``; docs/precision.md): float32, or bfloat16 with Megatron's own mixed precision on CPU as on
-GPU (``Float16OptimizerWithFloat16Params`` / the distributed optimizer: bf16 parameters, fp32 ``main_grad`` in the DDP
-buffer, fp32 master weights and Adam state; log-probs, losses and the KL in fp32 from ``logits.float()``). The MTP
-block's AdamW keeps its own fp32 masters (:mod:`~.mixed_precision`); the online EAGLE-3 head keeps fp32 weights and
-AdamW state and trains on activations cast up, its forward in fp32 or under bf16 autocast (``policy.draft.precision``).
+:class:`~nemo_rl_spec.distributed.worker_group.RayWorkerGroup` (one ``torch.distributed`` world, gloo on CPU), ranks
+in megatron's order (TP fastest, :class:`~.parallel.ParallelLayout`); pipeline parallelism is refused
+(:func:`_check_supported_layout`). ``train`` makes exactly one optimizer step over the rows it is given (the
+controller calls it once per mini-batch of ``policy.train_global_batch_size`` rows) with Megatron's DDP and optimizer
+(:mod:`~.megatron_optim`). Every micro-batch's loss is divided by GLOBAL counts summed over the DP group, so the
+ranks' gradients add up to the global-batch gradient whatever the DP size or micro-batch plan (:mod:`~.dynamic_batching`).
+Optional parts, each configured in ``policy``: vocab-parallel log-probs under TP (:mod:`~.vocab_parallel`),
+activation checkpointing, the distributed optimizer, bf16 mixed precision with fp32 master weights
+(:mod:`~.mixed_precision`), MTP co-training and the online EAGLE-3 draft (``speculative/online.py``).
 """
 
 from __future__ import annotations
@@ -123,6 +76,22 @@ def _check_supported_layout(mcfg: MegatronConfig) -> None:
 
 class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
     """megatron-core GPTModel policy (Llama / Qwen3 HF checkpoints), see module docstring.
+
+    Data parallel: each DP rank gets a contiguous row shard of the global batch (the controller shards it; shards may
+    differ in size, even be empty). The loss of every micro-batch is divided by GLOBAL counts (valid tokens, valid
+    sequences, per-MTP-head targets: sums over the DP group), so the gradients of all ranks add up to the
+    global-batch gradient: Megatron DDP all-reduces with SUM (``calculate_per_token_loss``, gradient scaling 1).
+    ``train`` returns the same metrics on every rank (loss-type metrics combined over DP by the loss contract: sum,
+    ``*_max`` by max); logits are divided by ``generation.temperature`` in ``train`` as in ``get_logprobs``.
+
+    The learning rate follows ``megatron_cfg.scheduler`` (megatron-core's ``OptimizerParamScheduler``: linear warmup,
+    constant / linear / cosine decay to ``optimizer.min_lr``; constant ``optimizer.lr`` without the section), stepped
+    once per optimizer step, the MTP block's AdamW at the same lr, saved and restored with checkpoints.
+
+    Precision (``policy.precision``): float32, or bfloat16 with Megatron's own mixed precision on CPU as on GPU (bf16
+    parameters, fp32 ``main_grad`` in the DDP buffer, fp32 master weights and Adam state; log-probs, losses and the KL
+    in fp32 from ``logits.float()``). The MTP block's AdamW keeps its own fp32 masters; the online EAGLE-3 head keeps
+    fp32 weights and AdamW state, its forward in fp32 or under bf16 autocast (``policy.draft.precision``).
 
     Args:
         cfg: the ``policy`` section.

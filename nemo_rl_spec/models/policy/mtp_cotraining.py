@@ -1,4 +1,4 @@
-"""MTP co-training (``policy.megatron_cfg.mtp_num_layers`` > 0; docs/occ.md): the plug-in the Megatron policy worker
+"""MTP co-training (``policy.megatron_cfg.mtp_num_layers`` > 0; docs/guides/occ.md): the plug-in the Megatron policy worker
 (:class:`~nemo_rl_spec.models.policy.megatron_worker.MegatronPolicyWorker`) calls for every training micro-batch
 (:meth:`MTPCoTraining.micro_batch`) and once per optimizer step (:meth:`MTPCoTraining.step`).
 

@@ -1,21 +1,16 @@
-"""CE warm start of the MTP layers before RL (``policy.megatron_cfg.mtp_warm_start``; docs/occ.md).
+"""CE warm start of the MTP layers before RL (``policy.megatron_cfg.mtp_warm_start``; docs/guides/occ.md).
 
-The OCC paper co-trains MiMo's *pretrained* MTP layer; ours starts from a seeded random initialisation. The warm start
-trains the MTP block alone on the policy's own samples, trunk frozen, with the heads' cross-entropy
+The OCC paper co-trains MiMo's *pretrained* MTP layer; ours starts from a seeded random initialisation. The warm
+start trains the MTP block alone on the policy's own samples, trunk frozen, with the heads' cross-entropy
 
     L = (1 / K) sum_k CE_k,   CE_k = -sum(valid_k * log p_k(target)) / sum(valid_k)
 
 (head k at position p reads the trunk output at p and the embeddings of tokens p+1..p+k+1 and predicts token
-p+k+2: :mod:`~.mtp_loss`), with a temporary AdamW (the MTP optimizer's betas / eps / weight decay, the warm start's
-own lr, the MTP block's grad clipping). The trunk output is computed without a graph and the backward is restricted
-to the MTP parameters (the block reads detached trunk outputs, embeddings and output weight), so no trunk parameter
-or gradient is touched. Afterwards the MTP optimizer is
-replaced by a fresh one (its own hyper-parameters and lr), so RL starts from zero Adam moments and fp32 masters equal
-to the new weights.
-
-Every rank gets the whole (replicated) data and the same seeded row order, so DP ranks take identical steps without a
-reduction; TP peers compute the same rows together (vocab-parallel log-probs, the q/k-norm gradients summed over
-TP as megatron's ``finalize_model_grads`` does in a training step, TP-aware grad norm).
+p+k+2: :mod:`~.mtp_loss`), with a temporary AdamW. The block reads detached trunk outputs, embeddings and output
+weight, so no trunk parameter or gradient is touched. Afterwards the MTP optimizer is replaced by a fresh one, so RL
+starts from zero Adam moments and fp32 masters equal to the new weights. Every rank gets the whole (replicated) data
+and the same seeded row order, so DP ranks take identical steps without a reduction; TP peers compute the same rows
+together (vocab-parallel log-probs, q/k-norm gradients summed over TP, TP-aware grad norm).
 """
 
 from __future__ import annotations

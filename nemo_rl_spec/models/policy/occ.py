@@ -1,7 +1,7 @@
-"""OCC, the per-step coefficient of the MTP heads' policy loss (docs/methods.md section 3, docs/occ.md).
+"""OCC, the per-step coefficient of the MTP heads' policy loss (docs/design/methods.md section 3, docs/guides/occ.md).
 
-Derivation (docs/occ.md). With the trunk updated by ``theta' = theta + eta * (g_RL + lambda * g_MTP)`` and the RL
-objective J L-smooth, the guaranteed improvement is
+Derivation. With the trunk updated by ``theta' = theta + eta * (g_RL + lambda * g_MTP)`` and the RL objective J
+L-smooth, the guaranteed improvement is
 
     J(theta') - J(theta) >= eta <g_RL, g> - (L eta^2 / 2) ||g||^2,        g = g_RL + lambda * g_MTP
 
@@ -9,11 +9,10 @@ whose lambda-dependent part ``lambda * eta * (1 - L eta) * c - lambda^2 * (L eta
 v2 = ||g_MTP||^2) is maximised by ``lambda* = (1 - L eta) / (L eta) * c / v2``: OCC sets
 ``lambda_t = lambda_plus * c / v2`` with ``lambda_plus`` (``mtp_loss_scaling_factor``) absorbing the unknown
 constant. :func:`occ_lambda` is that rule on exact c and v2 (the full-gradient reference of
-:class:`~nemo_rl_spec.models.policy.occ_reference.OCCReference`).
-
-The proxy OCC trains with (:func:`logprob_delta_lambda`) is the paper's reference implementation (RL-MTP): c and v2
-are estimated per token from observed log-prob changes, so no second backward pass is needed. Like the reference it
-is signed and unclamped by default: a negative lambda flips the sign of the MTP head's advantages.
+:class:`~nemo_rl_spec.models.policy.occ_reference.OCCReference`). The proxy OCC trains with
+(:func:`logprob_delta_lambda`) is the paper's reference implementation (RL-MTP): c and v2 are estimated per token
+from observed log-prob changes, so no second backward pass is needed. Like the reference it is signed and
+unclamped by default: a negative lambda flips the sign of the MTP head's advantages.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("detach", "ce", "policy", "occ")
-PROXIES = ("logprob_delta",)  # ``policy.megatron_cfg.mtp_occ_proxy`` (docs/occ.md section 3)
+PROXIES = ("logprob_delta",)  # ``policy.megatron_cfg.mtp_occ_proxy`` (docs/guides/occ.md section 3)
 
 
 def _clamp(lam: float, lambda_max: float | None) -> float:

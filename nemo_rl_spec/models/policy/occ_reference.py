@@ -1,7 +1,7 @@
 """OCC's full-gradient reference at optimizer-step level (``policy.megatron_cfg.mtp_occ_reference``).
 
 For one optimizer step over micro-batches m, with G_RL = sum_m dL_RL,m/dtheta and G_MTP = sum_m dL_MTP,m/dtheta
-over the shared (non-MTP) parameters theta, the quantities OCC's rule is about (docs/occ.md section 3) are
+over the shared (non-MTP) parameters theta, the quantities OCC's rule is about (docs/guides/occ.md section 3) are
 
     c = <G_RL, G_MTP>        v2 = ||G_MTP||^2        lambda_ref = lambda_plus * c / (v2 + eps)
 

@@ -1,20 +1,16 @@
 """Adam state of a Megatron optimizer by parameter name, independent of the data-parallel layout (checkpoints).
 
-``get_megatron_optimizer`` returns a ``ChainedOptimizer`` whose parts wrap a torch Adam(W):
-
-- ``FP32Optimizer`` (plain): the torch optimizer steps the model parameters themselves; its state is the same
-  on every data-parallel rank.
-- ``DistributedOptimizer`` (``use_distributed_optimizer``): the torch optimizer steps 1-D views
-  ``param.view(-1)[start:end]`` of the slice of each parameter that this DP rank owns (ZeRO-1); the moments of a
-  parameter are spread over the DP ranks.
-- ``Float16OptimizerWithFloat16Params`` (``policy.precision: bfloat16``, mixed precision): the torch optimizer steps
-  fp32 master copies of the bf16 parameters (the distributed optimizer: shards of them); checkpoints keep the masters
-  (``"master"``), so a resumed run continues from the fp32 weights, not from their bf16 rounding.
+``get_megatron_optimizer`` returns a ``ChainedOptimizer`` whose parts wrap a torch Adam(W): ``FP32Optimizer`` steps
+the model parameters themselves (its state is the same on every DP rank); ``DistributedOptimizer`` steps 1-D views
+of the slice of each parameter that this DP rank owns (ZeRO-1: a parameter's moments are spread over the DP ranks);
+``Float16OptimizerWithFloat16Params`` (``policy.precision: bfloat16``) steps fp32 master copies of the bf16
+parameters, and checkpoints keep the masters (``"master"``), so a resumed run continues from the fp32 weights.
 
 :func:`named_adam_state` returns, for every trained parameter, its moments at full parameter shape (this TP rank's
 slice; distributed shards put together by an all-reduce over DP: each rank contributes zeros outside its range),
 so a checkpoint written with one DP size (and either optimizer kind) loads with another (:func:`load_named_adam_state`).
-Hyper-parameters are not stored: they come from the recipe (the learning rate is constant).
+Hyper-parameters are not stored here: they come from the recipe (the lr schedule's state is checkpointed
+beside it, :mod:`~.megatron_checkpoint`).
 """
 
 from __future__ import annotations

@@ -2,19 +2,16 @@
 
 vLLM samples a token from ``softmax(filter(logits / T))`` and, with ``logprobs_mode="processed_logprobs"``, returns
 its log-prob under that filtered, renormalised distribution. A trainer that scores ``log_softmax(logits / T)`` over
-the full vocabulary then disagrees with the engine by ``log`` of the kept probability mass on every token (at
-``top_p = 0.8`` roughly ``-log 0.8``), which biases every importance ratio and clip decision. NeMo-RL's answer, used
-here: the trainer's current and previous log-probs are taken under the same filter; the reference policy's (the KL
-term) are not (NeMo-RL scores the reference unfiltered).
+the full vocabulary then disagrees with the engine by ``log`` of the kept probability mass on every token, which
+biases every importance ratio and clip decision. NeMo-RL's answer, used here: the trainer's current and previous
+log-probs are taken under the same filter; the reference policy's (the KL term) are not.
 
 The filter is vLLM's (``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p_pytorch``), re-derived, on one row
 of temperature-scaled logits ``z``, ascending order ``z_(1) <= ... <= z_(V)``:
 
 - top-k: keep ``z_i >= z_(V-k+1)`` (the k-th largest value; ties with it are kept);
 - top-p, after top-k: with ``c_j = sum_{i <= j} softmax(z_kept)_(i)`` in ascending order, drop ``z_(j)`` where
-  ``c_j <= 1 - p``; the largest is always kept.
-
-The mask is computed without gradient; the kept logits keep theirs (a dropped logit is ``-inf``, gradient 0).
+  ``c_j <= 1 - p``; the largest is always kept. The mask is computed without gradient; the kept logits keep theirs.
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@ With tensor parallelism megatron's output layer leaves each TP rank ``r`` of ``T
     z_target = logits[target] - m on the owning shard, 0 elsewhere   (all-reduce SUM)
     log p(target) = z_target - log Z
 
-The backward needs no communication: ``d log p / d logits_local = onehot_local(target) - softmax_local``, where
-``softmax_local = exp(logits_local - m) / Z`` uses the global ``m`` and ``Z`` saved by the forward.
-
-``group=None`` (or a group of size 1) takes the single-device path ``log_softmax(x).gather(target)`` (the very ops
-of the unsharded reference, so TP=1 stays bitwise what it was).
+The backward needs no communication: ``d log p / d logits_local = onehot_local(target) - softmax_local``, with the
+global ``m`` and ``Z`` saved by the forward. ``group=None`` (or a group of size 1) takes the single-device path
+``log_softmax(x).gather(target)`` (the very ops of the unsharded reference, so TP=1 stays bitwise what it was).
 """
 
 from __future__ import annotations
