@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from nemo_rl_spec.utils.config_schema import MasterConfig
 from nemo_rl_spec.utils.feature_configs import VLLM_SPECULATIVE_KEYS, SpeculativeConfig
-from nemo_rl_spec.utils.nemo_rl_compat import SWITCH, adapt_nemo_rl_recipe, known_nemo_rl_keys
+from nemo_rl_spec.utils.nemo_rl_compat import SWITCH, adapt_nemo_rl_recipe, drop_null_defaults, known_nemo_rl_keys
 from nemo_rl_spec.utils.trackers import missing_clients
 
 # NeMo-RL recipes size token budgets with ${mul:a,b}
@@ -63,6 +63,8 @@ def load_yaml_with_defaults(path: str | Path, _seen: tuple[Path, ...] = ()) -> D
     if path in _seen:
         raise ConfigError(f"cycle in defaults: {' -> '.join(map(str, _seen + (path,)))}")
     data = _read_yaml(path)
+    if data.get(SWITCH) is True:  # a NeMo-RL recipe's null sections mean "the default": keep its defaults' values
+        drop_null_defaults(data)
     parents = data.pop("defaults", None) or []
     if isinstance(parents, str):
         parents = [parents]

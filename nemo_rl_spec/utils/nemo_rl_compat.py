@@ -6,11 +6,13 @@ of NeMo-RL's ``examples/configs/grpo_math_1B.yaml``) is adapted before validatio
 
 - keys with the same name and meaning are read as they are (``grpo.*``, ``loss_fn.*``, ``policy.generation.*`` ...);
 - :data:`RENAMED`: NeMo-RL keys whose value lives under another key here are moved there (a conflicting value
-  already there is a ConfigError naming both keys);
+  already there is a ConfigError naming both keys); :data:`SETS`: the same, the NeMo-RL value winning;
 - :data:`MUST_MATCH`: NeMo-RL keys that repeat another key's value or name the only choice this build has are
   dropped when they agree, else a ConfigError;
 - :data:`IGNORED`: keys of backends and features this project does not have (DTensor, FP8, MoE, context / sequence
-  parallelism, NeMo-RL's data pipeline and logger back-ends) are removed, all listed in ONE warning with their values.
+  parallelism, NeMo-RL's data pipeline and logger back-ends) are removed, all listed in ONE warning with their values;
+- :data:`OFF_ONLY`: NeMo-RL features this project does not implement yet, accepted at their "off" value (dropped)
+  and refused with a ConfigError naming the feature when turned on.
 
 Keys in none of these tables stay unknown keys (a typo remains an error under the switch).
 """
@@ -26,6 +28,21 @@ SWITCH = "nemo_rl_compat"
 #: NeMo-RL key -> this project's key with the same meaning
 RENAMED: dict[str, str] = {
     "policy.max_grad_norm": "policy.megatron_cfg.optimizer.clip_grad",
+    "policy.draft.aux_layer_indices": "policy.draft.aux_layer_ids",
+}
+
+#: NeMo-RL's default weight of the online draft's loss (``policy.draft.loss_weight``; this project's own default is 1)
+NEMO_RL_DRAFT_LOSS_WEIGHT = 0.1
+
+#: NeMo-RL keys whose null means "the default": in a recipe file with the switch, a null is dropped before the
+#: file is merged over its ``defaults:``, so the value there applies (:func:`drop_null_defaults`)
+NULL_MEANS_DEFAULT: tuple[str, ...] = ("policy.tokenizer.chat_template_kwargs", "data.validation")
+
+#: NeMo-RL key -> this project's key it sets, replacing the value the recipe's ``defaults:`` gave (the NeMo-RL
+#: recipe states the user's intent; NeMo-RL validates at the rollout temperature unless told otherwise)
+SETS: dict[str, str] = {
+    "policy.generation.val_temperature": "grpo.val_temperature",
+    "grpo.val_num_generations_per_prompt": "grpo.val_num_generations",
 }
 
 #: NeMo-RL key -> (a key whose value it must equal, or None) and the fixed value it must have otherwise
@@ -43,6 +60,8 @@ _PREC = "mixed-precision flags (the precision is policy.precision)"
 _DATA = "NeMo-RL's data pipeline (this project: data.train / data.validation)"
 _LOG = "logger back-ends and GPU monitoring this project does not have"
 _GPU = "GPU-only performance switches"
+_OFFLOAD = "GPU memory offloading (CPU training keeps everything in host memory)"
+_REFIT = "refit transport ports and tuning (refit goes through Ray's object store)"
 
 #: NeMo-RL keys (a key or a whole section) without a counterpart here -> why
 IGNORED: dict[str, str] = {
@@ -99,7 +118,152 @@ IGNORED: dict[str, str] = {
     "logger.wandb.log_nemo_gym_full_result_tables": "NeMo Gym (not in this project)",
     "logger.mlflow.run_id": "resuming an MLflow run (each launch starts a new run)",
     "logger.mlflow.artifact_location": "MLflow artifact location (the tracking server's or <log_dir>/mlartifacts)",
+    "policy.tokenizer.use_fastokens": "the HF tokenizer of the model is used as it is",
+    "policy.megatron_cfg.optimizer.optimizer_cpu_offload": _OFFLOAD,
+    "policy.megatron_cfg.optimizer.optimizer_offload_fraction": _OFFLOAD,
+    "policy.megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d": _OFFLOAD,
+    "policy.megatron_cfg.checkpoint": "megatron-core's distributed-checkpoint options (checkpoints are torch files)",
+    "policy.megatron_cfg.use_fused_linear_logprobs": _GPU,
+    "policy.megatron_cfg.fused_linear_logprobs_chunk_size": _GPU,
+    "policy.megatron_cfg.force_reconvert_from_hf": "the HF weights are converted on every start (no conversion cache)",
+    "policy.megatron_cfg.cuda_graph_impl": _GPU,
+    "policy.megatron_cfg.cuda_graph_modules": _GPU,
+    "policy.megatron_cfg.cuda_graph_warmup_steps": _GPU,
+    "policy.megatron_cfg.fine_grained_activation_offloading": _OFFLOAD,
+    "policy.megatron_cfg.offload_modules": _OFFLOAD,
+    "policy.megatron_cfg.bias_activation_fusion": _GPU,
+    "policy.megatron_cfg.gradient_accumulation_fusion": _GPU,
+    "policy.megatron_cfg.use_fused_weighted_squared_relu": _GPU,
+    "policy.megatron_cfg.moe_per_layer_logging": _MOE,
+    "policy.megatron_cfg.moe_enable_deepep": _MOE,
+    "policy.megatron_cfg.moe_token_dispatcher_type": _MOE,
+    "policy.megatron_cfg.moe_shared_expert_overlap": _MOE,
+    "policy.megatron_cfg.use_gloo_process_groups": "the process-group backend follows the platform (gloo on CPU, NCCL on GPU)",
+    "policy.offload_optimizer_for_logprob": _OFFLOAD,
+    "policy.sequence_packing.microbatch_order": "order of packed micro-batches (sequence packing is not run here)",
+    "policy.generation.vllm_cfg.kv_cache_dtype": _GPU,
+    "policy.generation.vllm_cfg.use_tqdm": _LOG,
+    "policy.generation.vllm_cfg.enable_vllm_metrics_logger": _LOG,
+    "policy.generation.vllm_cfg.vllm_metrics_logger_interval": _LOG,
+    "policy.generation.vllm_cfg.http_refit_api_key_env_var": _REFIT,
+    "policy.generation.vllm_cfg.http_refit_server_port": _REFIT,
+    "policy.generation.vllm_cfg.zmq_refit_server_port": _REFIT,
+    "policy.generation.vllm_cfg.reset_encoder_cache_after_weight_update": "multimodal encoders (text models only)",
+    "policy.generation.port_range_low": _REFIT,
+    "policy.generation.port_range_high": _REFIT,
+    "policy.generation.refit_cfg": _REFIT,
+    "policy.generation.real_quant_export_cpu_offload": "quantised weight export (the engines take full-precision weights)",
+    "policy.generation.mcore_generation_config": "megatron-core's generation backend (vLLM only here)",
+    "data.train.dataset_name": _DATA,
+    "data.train.split_validation_size": _DATA,
+    "data.num_workers": _DATA,
+    "data.use_multiple_dataloader": _DATA,
+    "data.default": _DATA,
+    "logger.swanlab": _LOG,
+    "cluster.master_port_range_low": "torch.distributed ports are picked free by Ray's workers",
+    "cluster.master_port_range_high": "torch.distributed ports are picked free by Ray's workers",
+    "cluster.segment_size": "Slurm topology segments (the placement plan packs nodes itself)",
+    "data_plane": "NeMo-RL's transfer-queue data plane (batches move through Ray's object store)",
 }
+
+
+def _section_off(value: Any) -> bool:
+    """A NeMo-RL feature section that is off: null, or a mapping whose ``enabled`` is false."""
+    return value is None or (isinstance(value, dict) and value.get("enabled") is False)
+
+
+def _all_false(value: Any) -> bool:
+    """A mapping of switches that are all off (null / false entries; non-bool entries are their parameters)."""
+    return value is None or (isinstance(value, dict) and not any(v is True for v in value.values()))
+
+
+#: NeMo-RL key -> (the values or the test that mean "off", the feature it turns on). Off: dropped; on: refused.
+OFF_ONLY: dict[str, tuple[Any, str]] = {
+    "grpo.async_grpo.max_generation_failures": ((0,), "tolerating generation-worker failures"),
+    "grpo.async_grpo.recompute_kv_cache_after_weight_updates": ((False,), "KV-cache recompute after in-flight updates"),
+    "grpo.val_start_at": ((-1, 0, None), "a delayed first periodic validation"),
+    "grpo.val_at_end": ((False, True), "validation after the last step (this loop always validates there)"),
+    "grpo.advantage_clip_low": ((None,), "advantage clipping"),
+    "grpo.advantage_clip_high": ((None,), "advantage clipping"),
+    "grpo.stop_at_validation_metric": ((None,), "early stop on a validation metric"),
+    "grpo.stop_at_validation_threshold": ((None,), "early stop on a validation metric"),
+    "grpo.reward_shaping": (_section_off, "DAPO's overlong reward shaping"),
+    "grpo.adv_estimator": (
+        lambda v: v is None or (isinstance(v, dict) and v.get("name") == "grpo"),
+        "the Reinforce++ advantage estimator (grpo.adv_estimator.name other than grpo)",
+    ),
+    "grpo.reward_scaling": (_section_off, "reward scaling"),
+    "grpo.seq_logprob_error_threshold": ((None,), "masking sequences by their log-prob error"),
+    "grpo.invalid_tool_call_advantage": ((None,), "tool-call penalties (single-turn math only)"),
+    "grpo.malformed_thinking_advantage": ((None,), "thinking-tag penalties"),
+    "loss_fn.kl_input_clamp_value": ((None, 20, 20.0), "a KL input clamp other than NeMo-RL's default 20"),
+    "loss_fn.kl_output_clamp_value": ((None, 10, 10.0), "a KL output clamp other than NeMo-RL's default 10"),
+    "loss_fn.truncated_importance_sampling_type": (
+        (None, "tis"),
+        "ICEPOP / seq-mask-tis truncated importance sampling",
+    ),
+    "loss_fn.truncated_importance_sampling_ratio_min": ((None,), "a lower bound on the importance weight"),
+    "loss_fn.force_on_policy_ratio": ((False,), "forcing the on-policy ratio"),
+    "loss_fn.use_kl_in_reward": ((False,), "the KL penalty in the reward"),
+    "loss_fn.use_cispo": ((False,), "the CISPO loss"),
+    "loss_fn.disable_ppo_ratio": ((False,), "the loss without the PPO ratio"),
+    "loss_fn.positive_example_nll_weight": ((0, 0.0, None), "an NLL term on positive examples"),
+    "policy.megatron_cfg.model_overrides": ((None, {}), "Megatron model-config overrides"),
+    "policy.megatron_cfg.recompute_granularity": (
+        (None, "full"),
+        "selective activation recompute (activation_checkpointing recomputes full layers)",
+    ),
+    "policy.megatron_cfg.recompute_modules": ((None, []), "selective activation recompute"),
+    "policy.megatron_cfg.mtp_use_repeated_layer": ((False,), "one MTP layer repeated over the depths"),
+    "policy.megatron_cfg.peft": (_section_off, "LoRA / PEFT"),
+    "policy.hf_config_overrides": ((None, {}), "HF config overrides"),
+    "policy.generation.vllm_cfg.logprobs_mode": (("processed_logprobs",), "raw log-probs from the engine"),
+    "policy.generation.refit_transport": ((None, "ray"), "a collective refit transport"),
+    "policy.generation.val_top_p": (lambda v: v is None or v == 1.0, "a validation top-p other than 1"),
+    "policy.generation.val_top_k": ((None, -1, 0), "a validation top-k"),
+    "policy.draft.num_layers": ((None, 1), "an EAGLE-3 draft of more than one layer"),
+    "reward_penalties": (_all_false, "NeMo-Gym reward penalties"),
+    "on_policy_distillation": (_section_off, "on-policy distillation"),
+}
+
+
+def _is_off(value: Any, off: Any) -> bool:
+    return off(value) if callable(off) else any(value == v and type(value) is type(v) or value is v for v in off)
+
+
+def check_off_only(cfg: dict) -> None:
+    """Drop every :data:`OFF_ONLY` key that is off; raise ValueError naming the key, its value and the feature for
+    one that is on."""
+    for key, (off, feature) in OFF_ONLY.items():
+        value = _get(cfg, key)
+        if value is _MISSING:
+            continue
+        if not _is_off(value, off):
+            raise ValueError(
+                f"{key}={value!r} turns on {feature}, which this project does not implement; "
+                f"remove the key or set it off under {SWITCH}"
+            )
+        _pop(cfg, key)
+
+
+def _nemo_rl_draft_semantics(cfg: dict) -> None:
+    """NeMo-RL's ``policy.draft``: ``enabled: true`` means the trainer owns the draft and trains it online, with loss
+    weight 0.1 unless the recipe says otherwise. Here the same section defaults to a frozen draft (``online:
+    false``) with weight 1, so under the switch a section without ``online`` / ``loss_weight`` gets NeMo-RL's."""
+    draft = _get(cfg, "policy.draft")
+    if not isinstance(draft, dict):
+        return
+    if draft.get("enabled") is True:
+        draft.setdefault("online", True)
+    draft.setdefault("loss_weight", NEMO_RL_DRAFT_LOSS_WEIGHT)
+
+
+def drop_null_defaults(data: dict) -> dict:
+    """Remove the :data:`NULL_MEANS_DEFAULT` keys that are null from one recipe file's dict (in place; returned)."""
+    for key in NULL_MEANS_DEFAULT:
+        if _get(data, key) is None:
+            _pop(data, key)
+    return data
 
 
 class NemoRLCompatWarning(UserWarning):
@@ -149,6 +313,11 @@ def adapt_nemo_rl_recipe(cfg: dict) -> tuple[dict, list[str]]:
             raise ValueError(f"{src}={value!r} (NeMo-RL's name of {dst}) conflicts with {dst}={there!r}; set one")
         _pop(cfg, src)
         _set(cfg, dst, value)
+    for src, dst in SETS.items():
+        value = _get(cfg, src)
+        if value is not _MISSING:
+            _pop(cfg, src)
+            _set(cfg, dst, value)
     for key, (other, fixed) in MUST_MATCH.items():
         value = _get(cfg, key)
         if value is _MISSING:
@@ -158,6 +327,8 @@ def adapt_nemo_rl_recipe(cfg: dict) -> tuple[dict, list[str]]:
             what = f"{other}={expected!r}" if other is not None else f"{expected!r} (the only choice of this build)"
             raise ValueError(f"{key}={value!r} must equal {what} under {SWITCH}")
         _pop(cfg, key)
+    check_off_only(cfg)
+    _nemo_rl_draft_semantics(cfg)
     ignored = []
     for key, reason in IGNORED.items():
         value = _get(cfg, key)
@@ -175,4 +346,4 @@ def adapt_nemo_rl_recipe(cfg: dict) -> tuple[dict, list[str]]:
 
 def known_nemo_rl_keys() -> frozenset[str]:
     """Every NeMo-RL key the compatibility switch handles (renamed, checked or ignored), for the strict error's hint."""
-    return frozenset(RENAMED) | frozenset(MUST_MATCH) | frozenset(IGNORED)
+    return frozenset(RENAMED) | frozenset(SETS) | frozenset(MUST_MATCH) | frozenset(IGNORED) | frozenset(OFF_ONLY)
