@@ -15,8 +15,7 @@ run: install
 
 # Offline EAGLE-3 draft for RECIPE (in-domain prompts, policy samples; resumable: rerun after an interruption):
 # make draft [RECIPE=...] [OUT=...] [ARGS=...]. DRAFT_ARGS: the setting measured for the default recipe
-# (docs/results/draft_init.md: 1,152 samples, 400 steps; 777 s, about 13 min, on 2 cores with the bf16 engine,
-# 1,636 s in fp32).
+# (docs/results/draft_init.md: 1,152 training samples, 400 steps; about 13 min on 2 cores with the bf16 engine).
 OUT ?= results/drafts/$(basename $(notdir $(RECIPE)))
 DRAFT_ARGS ?= --num-prompts 320 --samples-per-prompt 4 --eval-prompts 32 --steps 400 --batch-size 16 --threads 2
 draft: install

@@ -20,7 +20,8 @@ Variants (each from the same head and rows; one change from ``online``):
 - ``sharpened``: no training, the head's logits divided by T (``lm_head`` scaled by 1 / T): where the ``online``
   targets lead, since a head that fits ``log p_T = log p_1 / T + c`` has logits about ``z / T``.
 
-The heads train in fp32 (the recipe's online draft autocasts its forward to bf16). Prints a table (estimated acceptance length after each step, mean over seeds) and writes JSON with every point.
+The heads train in fp32 (the recipe's online draft autocasts its forward to bf16). Prints a table (estimated
+acceptance length after each step, mean over seeds) and writes JSON with every point to ``--out``.
 """
 
 from __future__ import annotations
@@ -44,16 +45,22 @@ VARIANTS = ("frozen", "online", "t1_targets", "carried_adam", "lr_div10", "sharp
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--draft", default="results/drafts/smollm2_135m_arith", help="a make-draft output directory")
     p.add_argument("--steps", type=int, default=12, help="draft optimizer steps (GRPO steps of the loop)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (the recipe's rollouts a step)")
     p.add_argument("--lr", type=float, default=3e-4, help="the online draft's lr (policy.draft.optimizer.lr)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="row orders")
     p.add_argument("--train-rows", type=int, default=384, help="training sequences cached (first of make draft's)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="results/online_draft_targets.json")
+    p.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="which to run (default: all)"
+    )
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument(
+        "--out",
+        default="results/online_draft_targets.json",
+        help="JSON written: the arguments, the held-out sequence count and every curve (variant -> seed -> points)",
+    )
     return p.parse_args()
 
 

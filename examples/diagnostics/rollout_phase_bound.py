@@ -7,7 +7,8 @@ benchmarks, are skipped with a note) and prints, per speculative engine: the sha
 batches, the time-weighted acceptance length, the measured rollout phase and
 :func:`~nemo_rl_spec.bench.spec_schedule.amdahl_bound`, the phase's speedup if drafting and verification cost
 nothing; where the file has AR held to the engine's row lengths, the held phase and the bound from that held AR run
-(``matched_amdahl_bound``). Reads files only; CPU results stay CPU results.
+(``matched_amdahl_bound``). Reads files only; CPU results stay CPU results. Prints a markdown table; ``--out`` also
+writes its rows as JSON.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ def _cell(x: float | None) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="+", help="bench_spec_schedule.py output JSON files")
-    p.add_argument("--out", help="also write the rows here")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("files", nargs="+", help="bench_spec_schedule.py output JSON files (others are skipped)")
+    p.add_argument("--out", help="also write the table's rows here (a JSON list, one object per file and engine)")
     args = p.parse_args()
     table = [r for f in args.files for r in rows(f)]
     print(

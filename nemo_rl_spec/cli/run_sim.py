@@ -292,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         return spec_bench_main(argv[1:])
     if argv and argv[0] == "project-spec":
         return project_spec_main(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    epilog = (
+        "subcommands (each with its own --help): calibrate (fit a scenario to a measured run), fidelity (held-out "
+        "predictions against a run), spec-bench (vLLM with and without speculation), project-spec (a measured "
+        "rollout benchmark projected to GPUs); without one, the sweep over every scenario runs"
+    )
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=epilog)
     p.add_argument("--out", required=True, help="JSON output; plots are written next to it")
     p.add_argument("--config-dir", default=str(CONFIG_DIR))
     p.add_argument("--no-plots", action="store_true")

@@ -1,4 +1,4 @@
-"""MTP-head log-probs, masks, losses and acceptance (OCC issue; megatron-core MTP block conventions).
+"""MTP-head log-probs, masks, losses and acceptance (OCC co-training; megatron-core MTP block conventions).
 
 MTP layer k (0-based) reads the trunk output at position p plus the embeddings of tokens p+1..p+k+1 and predicts
 token ``p + k + 2`` (the main head at p predicts p + 1). Everything here is aligned with ``input_ids`` like the
