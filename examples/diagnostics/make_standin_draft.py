@@ -18,15 +18,6 @@ import argparse
 import os
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-from nemo_rl_spec.algorithms.grpo_setup import load_datasets
-from nemo_rl_spec.data.prompts import format_prompt
-from nemo_rl_spec.models.hf_assets import resolve_model
-from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead, draft_vocab_from_counts
-from nemo_rl_spec.utils.config import load_config
-
 RECIPE = Path(__file__).resolve().parents[2] / "configs" / "grpo_math_smollm2_135m.yaml"
 
 
@@ -35,6 +26,16 @@ def main() -> None:
     ap.add_argument("out_dir", metavar="OUT_DIR", help="where to write the head (created; save_pretrained's files)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # imported after parsing, so --help and a usage error answer without loading torch and the project
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nemo_rl_spec.algorithms.grpo_setup import load_datasets
+    from nemo_rl_spec.data.prompts import format_prompt
+    from nemo_rl_spec.models.hf_assets import resolve_model
+    from nemo_rl_spec.speculative.eagle3 import Eagle3DraftHead, draft_vocab_from_counts
+    from nemo_rl_spec.utils.config import load_config
+
     cfg = load_config(RECIPE, [])
     path = resolve_model(cfg.policy.model_name)
     tok = AutoTokenizer.from_pretrained(path)

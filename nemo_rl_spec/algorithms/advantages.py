@@ -1,4 +1,6 @@
-"""GRPO advantages: per-prompt-group baselines and optional std normalisation.
+"""Advantages: NeMo-RL's ``grpo.adv_estimator`` (``grpo``: per-prompt-group baselines and optional std normalisation;
+``reinforce_plus_plus``: :func:`compute_reinforce_plus_plus_advantages`) and the advantage clip
+(:func:`estimate_advantages`).
 
 GRPO (Shao et al. 2024, "DeepSeekMath", eq. 3 outcome supervision) scores every response against the other
 responses to the same prompt::
@@ -124,3 +126,90 @@ def compute_grpo_advantages_by_group(
         advantages = advantages / (std + eps)
     advantages = torch.where(zero_spread, torch.zeros_like(advantages), advantages)
     return advantages.to(rewards.dtype)
+
+
+def compute_reinforce_plus_plus_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    token_counts: torch.Tensor,
+    minus_baseline: bool = True,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """REINFORCE++ advantages (NeMo-RL's ``reinforce_plus_plus`` estimator; ProRLv2's REINFORCE++-baseline).
+
+    Per response i (group g, L_i = token_counts[i] response tokens in the loss)::
+
+        a_i = r_i - mean_g(r)   if minus_baseline   else   a_i = r_i
+        mu  = sum_i L_i a_i / sum_i L_i,    var = sum_i L_i (a_i - mu)^2 / sum_i L_i
+        A_i = (a_i - mu) / sqrt(max(var, 1e-8))
+
+    i.e. the per-token advantage a_i, whitened over every response token of the batch that is in the loss. A
+    group whose rewards are all equal gets a_i = 0 before whitening and -mu / std after it (not 0).
+
+    Shape: rewards [N], group_ids [N], token_counts [N] (response tokens x sample_mask; 0 leaves a row out of mu and
+    var), valid [N] bool or None (False rows leave their group's mean) -> [N], dtype of ``rewards``. No token in
+    the loss (sum L_i = 0): every advantage is 0.
+    """
+    r = rewards.detach().to(torch.float64)
+    a = r
+    if minus_baseline:
+        a = r - _group_mean(r, group_ids, valid)
+    w = token_counts.to(torch.float64)
+    total = w.sum()
+    if total <= 0:
+        return torch.zeros_like(rewards)
+    mu = (w * a).sum() / total
+    var = (w * (a - mu) ** 2).sum() / total
+    return ((a - mu) * var.clamp(min=1e-8).rsqrt()).to(rewards.dtype)
+
+
+def _group_mean(r: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Mean of each row's group over its valid rows (a masked row is its own group). Shape: [N] -> [N] float64."""
+    w = torch.ones_like(r) if valid is None else valid.to(torch.float64)
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    zeros = torch.zeros(int(inverse.max()) + 1 if r.numel() else 0, dtype=torch.float64, device=r.device)
+    sums, counts = zeros.index_add(0, inverse, r * w), zeros.index_add(0, inverse, w)
+    return torch.where(w > 0, sums[inverse] / counts[inverse].clamp(min=1), r)
+
+
+def clip_advantages(advantages: torch.Tensor, low: float | None, high: float | None) -> torch.Tensor:
+    """``grpo.advantage_clip_low`` / ``advantage_clip_high``: clamp(A, low, high) after the estimator (None: that side
+    is not clipped). Shape: any -> same."""
+    if low is not None:
+        advantages = advantages.clamp(min=low)
+    if high is not None:
+        advantages = advantages.clamp(max=high)
+    return advantages
+
+
+def estimate_advantages(
+    grpo_cfg,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    token_counts: torch.Tensor,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``grpo.adv_estimator`` then the advantage clip, as NeMo-RL's loop applies them to the (scaled, shaped) rewards.
+
+    Args:
+        grpo_cfg: the ``grpo`` section (:class:`~nemo_rl_spec.utils.config_schema.GRPOConfig`).
+        rewards: [N] rewards after ``grpo.reward_scaling`` / ``grpo.reward_shaping``.
+        group_ids: [N] prompt-group id per response.
+        token_counts: [N] response tokens in the loss (token_mask row sums x sample_mask); reinforce_plus_plus only.
+        valid: [N] bool or None; False rows (masked non-finite rewards) leave their group's statistics.
+
+    Returns:
+        [N] advantages, dtype of ``rewards``.
+    """
+    est = grpo_cfg.adv_estimator
+    if est.name == "reinforce_plus_plus":
+        adv = compute_reinforce_plus_plus_advantages(rewards, group_ids, token_counts, est.minus_baseline, valid)
+    else:  # the section's copies, or the grpo.* keys where they are null (set, they are equal: GRPOConfig)
+        loo = (
+            grpo_cfg.use_leave_one_out_baseline
+            if est.use_leave_one_out_baseline is None
+            else est.use_leave_one_out_baseline
+        )
+        norm = grpo_cfg.normalize_rewards if est.normalize_rewards is None else est.normalize_rewards
+        adv = compute_grpo_advantages_by_group(rewards, group_ids, loo, norm, valid=valid)
+    return clip_advantages(adv, grpo_cfg.advantage_clip_low, grpo_cfg.advantage_clip_high)

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
-from nemo_rl_spec.algorithms.grpo import end_step, epochs_finished, train_on_selection
+from nemo_rl_spec.algorithms.grpo import end_step, epochs_finished, train_on_selection, validate_at_start
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
 from nemo_rl_spec.algorithms.rollouts import RolloutGenerator
 from nemo_rl_spec.algorithms.trajectory_buffer import (
@@ -339,8 +339,8 @@ def async_grpo_train(s: GRPOSetup) -> list[dict[str, float]]:
         with gate.exclusive():
             return run_validation(s)
 
-    if cfg.grpo.val_at_start and start == 0:
-        s.logger.log_metrics(val(), step=0)
+    if validate_at_start(s, val):
+        return history
     producer = TrajectoryProducer(
         s,
         buffer,

@@ -1,7 +1,8 @@
 """Overlong filtering (NeMo-RL's ``grpo.overlong_filtering``; DAPO, Yu et al. 2025, sec. 3.4): responses that the
 engine cut off (by ``policy.generation.max_new_tokens`` or the engine's ``max_model_len``) carry no end-of-sequence
 token, so their reward judges an unfinished answer; their rows leave the loss (``sample_mask`` 0). They stay in
-the batch and in the group baselines (advantages are computed before filtering, as NeMo-RL does).
+the batch and in the group baselines (the GRPO baseline counts every response, as NeMo-RL's does; only
+``grpo.adv_estimator.name=reinforce_plus_plus`` whitens over the rows left in the loss).
 
 A row is truncated when its response reached a length limit and does not end with EOS::
 

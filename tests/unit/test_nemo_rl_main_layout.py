@@ -89,13 +89,11 @@ def test_the_recipe_validates_with_no_unknown_key_and_nemo_rl_meanings():
 @pytest.mark.parametrize(
     "override, feature",
     [
-        ("grpo.advantage_clip_low=0.2", "advantage clipping"),
-        ("grpo.reward_shaping.enabled=true", "overlong reward shaping"),
-        ("grpo.adv_estimator.name=reinforce_plus_plus", "Reinforce++"),
+        ("grpo.invalid_tool_call_advantage=-5.0", "tool-call penalties"),
+        ("grpo.malformed_thinking_advantage=-5.0", "thinking-tag penalties"),
         ("grpo.async_grpo.max_generation_failures=2", "generation-worker failures"),
-        ("loss_fn.truncated_importance_sampling_type=icepop", "ICEPOP"),
-        ("loss_fn.use_cispo=true", "CISPO"),
-        ("loss_fn.kl_input_clamp_value=5.0", "KL input clamp"),
+        ("loss_fn.use_kl_in_reward=true", "KL penalty in the reward"),
+        ("policy.generation.vllm_cfg.logprobs_mode=raw_logprobs", "raw log-probs"),
         ("policy.megatron_cfg.recompute_granularity=selective", "selective activation recompute"),
         ("policy.megatron_cfg.peft.enabled=true", "LoRA"),
         ("policy.generation.refit_transport=nccl", "collective refit"),
@@ -110,6 +108,64 @@ def test_an_off_only_feature_turned_on_is_refused_by_name(override, feature):
     msg = str(err.value)
     assert feature in msg and msg.count("does not implement") == 1
     assert key.rsplit(".", 1)[0] in msg  # names the key (or its section)
+
+
+def test_nemo_rl_advantage_and_reward_options_load_as_schema_keys():
+    """grpo.advantage_clip_low/high, reward_shaping, reward_scaling and adv_estimator are implemented: the fixture's
+    values (adv_estimator's copies interpolated from grpo.normalize_rewards / use_leave_one_out_baseline) and
+    turned-on values load into the schema instead of being refused."""
+    g = _load().grpo
+    assert (g.advantage_clip_low, g.advantage_clip_high) == (None, None)
+    shaping = g.reward_shaping
+    assert not shaping.enabled and shaping.stop_properly_penalty_coef is None
+    assert (shaping.overlong_buffer_length, shaping.overlong_buffer_penalty, shaping.max_response_length) == (
+        128,
+        1,
+        256,
+    )
+    assert (g.adv_estimator.name, g.adv_estimator.normalize_rewards, g.adv_estimator.use_leave_one_out_baseline) == (
+        "grpo",
+        True,
+        True,
+    )
+    assert not g.reward_scaling.enabled and (g.reward_scaling.source_max, g.reward_scaling.target_max) == (1.0, 1.0)
+    g = _load(
+        "grpo.advantage_clip_low=-2.0",
+        "grpo.advantage_clip_high=3.0",
+        "grpo.reward_shaping.enabled=true",
+        "grpo.reward_scaling.enabled=true",
+        "grpo.reward_scaling.target_min=-1.0",
+        "grpo.adv_estimator.name=reinforce_plus_plus",
+        "grpo.adv_estimator.minus_baseline=false",
+    ).grpo
+    assert (g.advantage_clip_low, g.advantage_clip_high) == (-2.0, 3.0)
+    assert g.reward_shaping.enabled and g.reward_scaling.enabled and g.reward_scaling.target_min == -1.0
+    assert (g.adv_estimator.name, g.adv_estimator.minus_baseline) == ("reinforce_plus_plus", False)
+
+
+def test_nemo_rl_loss_options_load_as_schema_keys():
+    """NeMo-RL's loss options (tests/unit/test_nemo_rl_loss_options.py) load with the fixture's values and turned
+    on, instead of being refused."""
+    loss = _load().loss_fn
+    assert (loss.kl_input_clamp_value, loss.kl_output_clamp_value) == (20.0, 10.0)
+    assert loss.truncated_importance_sampling_type is None and loss.truncated_importance_sampling_ratio_min is None
+    assert not (loss.force_on_policy_ratio or loss.use_cispo or loss.disable_ppo_ratio)
+    assert loss.positive_example_nll_weight == 0.0
+    loss = _load(
+        "loss_fn.reference_policy_kl_type=k2",
+        "loss_fn.kl_input_clamp_value=5.0",
+        "loss_fn.kl_output_clamp_value=null",
+        "loss_fn.use_importance_sampling_correction=true",
+        "loss_fn.truncated_importance_sampling_type=icepop",
+        "loss_fn.truncated_importance_sampling_ratio=2.0",
+        "loss_fn.truncated_importance_sampling_ratio_min=0.5",
+        "loss_fn.use_cispo=true",
+        "loss_fn.positive_example_nll_weight=0.1",
+    ).loss_fn
+    assert (loss.reference_policy_kl_type, loss.kl_input_clamp_value, loss.kl_output_clamp_value) == ("k2", 5.0, None)
+    assert (loss.truncated_importance_sampling_type, loss.truncated_importance_sampling_ratio_min) == ("icepop", 0.5)
+    assert loss.use_cispo and loss.positive_example_nll_weight == 0.1
+    assert _load("loss_fn.disable_ppo_ratio=true").loss_fn.disable_ppo_ratio
 
 
 def test_off_values_are_judged_by_type_and_draft_keys_the_recipe_sets_stay():

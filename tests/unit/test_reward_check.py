@@ -182,6 +182,7 @@ def test_validation_counts_a_non_finite_reward_as_wrong_in_mask_mode():
     assert m == {
         "validation/accuracy": pytest.approx(0.4, abs=1e-7),
         "validation/mean_response_length": 2.0,
+        "validation/avg_length": 2.0,  # NeMo-RL's name of the same mean
         "validation/non_finite_rewards": 2.0,
     }
     clean = validate(_FixedRows(), _Tokenizer(), _ScriptedRewards(), problems[:1] + problems[2:4], prompt_ids[:3], 2)

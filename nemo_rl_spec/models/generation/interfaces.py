@@ -51,8 +51,11 @@ class GenerationInterface(ABC):
         seed: int,
         temperature: float | None = None,
         max_new_tokens: int | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
     ) -> GenerationOutputSpec:
-        """Sample ``n`` responses per prompt (temperature / max_new_tokens from config unless overridden)."""
+        """Sample ``n`` responses per prompt (temperature / max_new_tokens / top_p / top_k from config unless
+        overridden)."""
 
     @abstractmethod
     def score(self, input_ids: torch.Tensor, input_lengths: torch.Tensor) -> torch.Tensor:
@@ -90,6 +93,8 @@ class GenerationController(Protocol):
         seed: int,
         temperature: float | None = None,
         max_new_tokens: int | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
     ) -> GenerationOutputSpec:
         """``n`` samples per prompt, with the engines' ``policy_version`` / ``draft_version`` / ``spec_counters``."""
 

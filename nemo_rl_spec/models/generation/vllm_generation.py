@@ -209,6 +209,8 @@ class VllmGeneration:
         seed: int,
         temperature: float | None = None,
         max_new_tokens: int | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
     ) -> GenerationOutputSpec:
         """Sample ``n`` responses per prompt over all engines; identical to one engine's ``generate`` (same rows,
         same order, same per-row seeds). Blocks until every engine has answered.
@@ -227,7 +229,7 @@ class VllmGeneration:
         calls = [
             (
                 ({"prompt_token_ids": prompts[bounds[e][0] : bounds[e][1]]}, n, seed, temperature, max_new_tokens),
-                {"row_offset": bounds[e][0] * n},
+                {"row_offset": bounds[e][0] * n, "top_p": top_p, "top_k": top_k},
             )
             for e in used
         ]

@@ -235,7 +235,17 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         self.llm.generate([TokensPrompt(prompt_token_ids=[0, 1])], params, use_tqdm=False)
         self.llm.reset_prefix_cache()
 
-    def _sampling_params(self, row_seed: int, prompt_len: int, temperature: float, max_new_tokens: int):
+    def _sampling_params(
+        self,
+        row_seed: int,
+        prompt_len: int,
+        temperature: float,
+        max_new_tokens: int,
+        top_p: float | None = None,
+        top_k: int | None = None,
+    ):
+        """One row's SamplingParams; ``top_p`` / ``top_k`` override ``policy.generation``'s (None: the configured
+        values; validation's ``grpo.val_top_p`` / ``val_top_k``). Greedy rows (temperature 0) take no filter."""
         from vllm import SamplingParams  # lazy: vllm is slow to import
 
         if prompt_len < 1 or prompt_len >= self.max_model_len:
@@ -243,20 +253,21 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         return SamplingParams(
             n=1,
             temperature=float(temperature),
-            top_p=float(self.cfg.top_p) if temperature > 0 else 1.0,
+            top_p=float(self.cfg.top_p if top_p is None else top_p) if temperature > 0 else 1.0,
             max_tokens=min(int(max_new_tokens), self.max_model_len - prompt_len),
             logprobs=0,  # the sampled token's log-prob only
             seed=row_seed,
-            **self._stop_kwargs(temperature),
+            **self._stop_kwargs(temperature, top_k),
         )
 
-    def _stop_kwargs(self, temperature: float) -> dict[str, Any]:
-        """NeMo-RL's ``top_k`` (sampling only), ``stop_token_ids`` and ``stop_strings`` as SamplingParams keys. The
-        token that ends generation stays in the response (vLLM drops only the text of a stop string, and the
-        tokens after it when speculation accepted several at once)."""
+    def _stop_kwargs(self, temperature: float, top_k: int | None = None) -> dict[str, Any]:
+        """NeMo-RL's ``top_k`` (sampling only; ``top_k`` overrides the configured one), ``stop_token_ids`` and
+        ``stop_strings`` as SamplingParams keys. The token that ends generation stays in the response (vLLM drops
+        only the text of a stop string, and the tokens after it when speculation accepted several at once)."""
         cfg, out = self.cfg, {}
-        if cfg.top_k is not None and temperature > 0:
-            out["top_k"] = int(cfg.top_k)
+        top_k = cfg.top_k if top_k is None else top_k
+        if top_k is not None and temperature > 0:
+            out["top_k"] = int(top_k)
         if cfg.stop_token_ids:
             out["stop_token_ids"] = [int(t) for t in cfg.stop_token_ids]
         if cfg.stop_strings:
@@ -271,6 +282,8 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         temperature: float | None = None,
         max_new_tokens: int | None = None,
         row_offset: int = 0,
+        top_p: float | None = None,
+        top_k: int | None = None,
     ) -> GenerationOutputSpec:
         """Sample ``n`` responses per prompt; rows are prompt-major (row = prompt * n + sample).
 
@@ -282,8 +295,9 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
             row_offset: index of this call's first row in a larger batch sharded over engines (a shard of whole
                 prompt groups starting at prompt p has ``row_offset = p * n``), so each row keeps the seed one
                 engine would give it.
-            temperature, max_new_tokens: per-call overrides of ``policy.generation`` (validation decodes
-                greedily; the refit probe is short). None: the configured values.
+            temperature, max_new_tokens, top_p, top_k: per-call overrides of ``policy.generation`` (validation
+                decodes greedily or with its own grpo.val_top_p / val_top_k; the refit probe is short). None: the
+                configured values.
 
         Returns:
             GenerationOutputSpec with N = B * n rows, right-padded with the tokenizer's pad id;
@@ -303,7 +317,9 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 requests.append(TokensPrompt(prompt_token_ids=prompt))
-                params.append(self._sampling_params(row_seeds[i * n + j], len(prompt), temperature, max_new_tokens))
+                params.append(
+                    self._sampling_params(row_seeds[i * n + j], len(prompt), temperature, max_new_tokens, top_p, top_k)
+                )
                 prompt_index.append(i)
         before = self.spec_counters()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
