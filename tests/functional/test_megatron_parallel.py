@@ -388,9 +388,12 @@ def test_refusals_name_their_keys(model_dir, cluster):
 def test_reference_policy_kl_at_tp2(cluster, model_dir, tmp_path):
     """Reference policy (``init_reference_model``) on a TP=2 group: its log-probs equal the policy's before
     any step (bitwise), stay at the initial values after two steps while the policy's move, scoring them leaves the
-    policy untouched, and the loss's ``kl_penalty`` equals k3 computed here from the two log-prob tensors; the
+    policy untouched, and the loss's ``kl_penalty`` equals k3 computed here from the two log-prob tensors (with the recipe's input and
+    output clamps, which act here: the tiny model's steps move some tokens' log-probs by > 10 nats); the
     checkpoint carries the reference (a reloaded group scores the same)."""
-    kl_loss = ClippedPGLossFn({**fm.base_recipe_section("loss_fn"), "reference_policy_kl_penalty": 0.5})
+    loss_cfg = {**fm.base_recipe_section("loss_fn"), "reference_policy_kl_penalty": 0.5}
+    kl_loss = ClippedPGLossFn(loss_cfg)
+    d_max, k_max = loss_cfg["kl_input_clamp_value"], loss_cfg["kl_output_clamp_value"]  # NeMo-RL's 20 / 10
     policy = Policy(
         cluster,
         [0, 0],
@@ -413,8 +416,9 @@ def test_reference_policy_kl_at_tp2(cluster, model_dir, tmp_path):
             assert torch.equal(policy.get_logprobs(data), current)  # the swap puts the policy back bitwise
             metrics = policy.train({**data, "prev_logprobs": current, "reference_policy_logprobs": ref})
             mask = data["token_mask"] * data["sample_mask"].unsqueeze(1)
-            d = torch.where(mask > 0, ref - current, 0.0).double()
-            kls.append((metrics["kl_penalty"], float(0.5 * ((d.exp() - d - 1) * mask).sum() / mask.sum())))
+            d = torch.where(mask > 0, ref - current, 0.0).double().clamp(-d_max, d_max)
+            k3 = (d.exp() - d - 1).clamp(max=k_max)
+            kls.append((metrics["kl_penalty"], float(0.5 * (k3 * mask).sum() / mask.sum())))
         moved = (policy.get_logprobs(data) - initial).abs().max().item()
         assert moved > 1e-3
         assert torch.equal(policy.get_reference_policy_logprobs(data), initial)
