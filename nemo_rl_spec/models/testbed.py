@@ -60,6 +60,11 @@ class TestbedRecipe:
         init_std: std of every initial non-norm tensor.
         threads: torch threads during the build (fixed, so the reduction order and the result do not depend on
             the machine's core count).
+        families: the multi-family build (empty: the single-family build from ``generator`` and ``direct_rate``):
+            ``(generator, direct_rate)`` pairs; stage 1 trains chains on every family (equal shares), stage 2 mixes
+            the families in equal shares, each with its own direct-answer rate (0: that family keeps its chains).
+        round_to_bf16: round every weight to the nearest bf16 value (stored as fp32) after SFT, so the shipped
+            file compresses by half.
         bf16_autocast: run the SFT forward and backward under ``torch.autocast("cpu", torch.bfloat16)`` (weights
             and AdamW state stay fp32). Measured here (/tmp micro-benchmark, 8 steps of batch 64, 2 threads, a
             CPU with AMX-BF16): 0.55-0.58 s per step against 0.76 s in fp32. A CPU without native bf16 was not
@@ -95,6 +100,8 @@ class TestbedRecipe:
     init_std: float = 0.02
     threads: int = 2
     bf16_autocast: bool = True
+    families: tuple[tuple[str, float], ...] = ()
+    round_to_bf16: bool = False
 
     @property
     def stage2_steps(self) -> int:
@@ -103,6 +110,19 @@ class TestbedRecipe:
 
 
 TESTBED = TestbedRecipe()
+
+POOL_EASY = "chain_sum:min_terms=2,max_terms=2,min_digits=1,max_digits=1"
+POOL_MIXED = "chain_sum:min_terms=3,max_terms=4,min_digits=1,max_digits=1"
+POOL_HARD = "chain_sum:min_terms=3,max_terms=3,min_digits=2,max_digits=2"
+TESTBED_POOL = TestbedRecipe(
+    generator=POOL_MIXED,
+    seed=20261207,
+    families=((POOL_EASY, 0.0), (POOL_MIXED, 0.7)),
+    round_to_bf16=True,
+)
+"""The multi-family testbed (built-in ``testbed-pool-llama``): two-term sums always written as a chain (solved),
+three- and four-term sums answered directly 70% of the time (learnable: write the chain), and two-digit sums never
+taught (:data:`POOL_HARD`, out of reach). The pool recipe trains on all three."""
 
 
 def chain_solution(expression: str, slips: Sequence[int] | None = None) -> str:
@@ -140,18 +160,23 @@ def draw_slips(num_steps: int, rate: float, rng) -> list[int]:
 
 
 def sft_conversations(
-    recipe: TestbedRecipe, direct_rate: float = 0.0, seed: int | None = None, size: int | None = None
+    recipe: TestbedRecipe,
+    direct_rate: float = 0.0,
+    seed: int | None = None,
+    size: int | None = None,
+    generator: str | None = None,
 ) -> list[tuple[str, str]]:
-    """(question, answer) pairs of an SFT corpus: ``size`` (default ``recipe.sft_examples``) chain sums drawn with
-    ``seed`` (default ``recipe.seed``) and their chains, each step slipping with probability ``recipe.slip_rate``
-    (:func:`draw_slips`, ``random.Random(seed)``); with probability ``direct_rate`` the answer is the bare
-    ``\\boxed{answer}`` instead (no chain: the policy must guess the sum in one token step).
+    """(question, answer) pairs of an SFT corpus: ``size`` (default ``recipe.sft_examples``) chain sums of
+    ``generator`` (default ``recipe.generator``) drawn with ``seed`` (default ``recipe.seed``) and their chains, each
+    step slipping with probability ``recipe.slip_rate`` (:func:`draw_slips`, ``random.Random(seed)``); with
+    probability ``direct_rate`` the answer is the bare ``\\boxed{answer}`` instead (no chain: the policy must guess
+    the sum in one token step).
 
     Raises:
         ValueError: the slip-free chain's final line disagrees with reasoning-gym's ground truth."""
     import reasoning_gym  # lazy: reasoning-gym is slow to import
 
-    name, settings = parse_generator(recipe.generator)
+    name, settings = parse_generator(recipe.generator if generator is None else generator)
     seed = recipe.seed if seed is None else seed
     size = recipe.sft_examples if size is None else size
     rng, pairs = random.Random(seed), []
@@ -164,6 +189,22 @@ def sft_conversations(
         direct = direct_rate > 0 and rng.random() < direct_rate
         answer = boxed if direct else chain_solution(expression, slips)
         pairs.append((item["question"], answer))
+    return pairs
+
+
+def stage_corpus(recipe: TestbedRecipe, stage: int, seed: int, size: int) -> list[tuple[str, str]]:
+    """The SFT corpus of stage 1 (chains only) or 2 (direct answers at each family's rate): ``size`` pairs.
+
+    Single-family recipe: :func:`sft_conversations` of ``recipe.generator`` at 0 (stage 1) or ``recipe.direct_rate``.
+    Multi-family recipe: family i of k gets ``size // k`` pairs (the first ``size % k`` one more), drawn with seed
+    ``seed + 1000 i``, at 0 (stage 1) or its own direct rate (stage 2), concatenated (SFT shuffles them).
+    """
+    if not recipe.families:
+        return sft_conversations(recipe, recipe.direct_rate if stage == 2 else 0.0, seed, size)
+    pairs, k = [], len(recipe.families)
+    for i, (generator, rate) in enumerate(recipe.families):
+        count = size // k + (1 if i < size % k else 0)
+        pairs += sft_conversations(recipe, rate if stage == 2 else 0.0, seed + 1000 * i, count, generator)
     return pairs
 
 
@@ -313,7 +354,7 @@ def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, pro
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
     try:
-        pairs = sft_conversations(recipe)
+        pairs = stage_corpus(recipe, 1, recipe.seed, recipe.sft_examples)
         corpus = [f"{SYSTEM_PROMPT}\n{q}\n{a}" for q, a in pairs]
         tokenizer = train_tokenizer(corpus, recipe.vocab_size)
         model = build_model(tokenizer, recipe)
@@ -323,9 +364,7 @@ def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, pro
 
         losses = sft(model, encode_examples(tokenizer, pairs), tokenizer.pad_token_id, recipe, steps, progress, hook(0))
         if recipe.stage2_steps > 0:
-            mixed = sft_conversations(
-                recipe, recipe.direct_rate, recipe.seed + 2, recipe.stage2_steps * recipe.batch_size
-            )
+            mixed = stage_corpus(recipe, 2, recipe.seed + 2, recipe.stage2_steps * recipe.batch_size)
             losses += sft(
                 model,
                 encode_examples(tokenizer, mixed),
@@ -336,6 +375,10 @@ def train_testbed(recipe: TestbedRecipe = TESTBED, steps: int | None = None, pro
                 hook(len(losses)),
                 lr_fn=lambda _step: recipe.direct_lr,
             )
+        if recipe.round_to_bf16:
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.copy_(param.to(torch.bfloat16).to(torch.float32))
     finally:
         torch.set_num_threads(threads)
     return model, tokenizer, losses

@@ -187,7 +187,9 @@ def validate_config(raw: dict[str, Any], source: str = "<dict>") -> MasterConfig
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # the names nemo_rl_spec/models/hf_assets.py builds (BUILTIN_MODELS; utils does not import models, a unit test
 # checks that the two agree)
-BUILTIN_MODEL_NAMES = frozenset({"tiny-qwen3", "tiny-llama", "testbed-llama", "smollm2-135m-instruct"})
+BUILTIN_MODEL_NAMES = frozenset(
+    {"tiny-qwen3", "tiny-llama", "testbed-llama", "testbed-pool-llama", "smollm2-135m-instruct"}
+)
 
 
 def _check_model_name(name: str) -> None:
