@@ -5,7 +5,7 @@
 Each JSON is an ``examples/bench_pilot_commit.py --methods uniform`` result (one recipe setting, K or 2K prompts a
 step, any seeds). Per setting and seed: the plateau of a run is the mean of its last 3 validations; the target is
 ``start + f * (max(plateau_K, plateau_2K) - start)`` for f = 0.5 and 0.9 (one target for both runs of the seed);
-steps_to = the first validated step at or above it (None: never). The setting is *batch-limited* when 2K reaches
+steps_to = the first validated step at or above it (None: never, or neither run ends above its start). The setting is *batch-limited* when 2K reaches
 the 0.9 target in at most 2/3 of K's steps on every seed (the paper's effect needs a full batch of informative
 groups to beat a half-informative one; if doubling the batch does not shorten training, no allocator can).
 Prints a table and writes ``--out``.
@@ -40,9 +40,13 @@ def compare_seed(k_curve: list, k2_curve: list) -> dict:
     start = k_curve[0][2]
     top = max(plateau(k_curve), plateau(k2_curve))
     out = {"start": start, "plateau_K": plateau(k_curve), "plateau_2K": plateau(k2_curve)}
+    for name, c in (("K", k_curve), ("2K", k2_curve)):
+        best = max(c, key=lambda p: p[2])  # the first of equal maxima
+        out[f"peak_{name}"], out[f"peak_step_{name}"] = best[2], best[0]
     for f in FRACTIONS:
         target = start + f * (top - start)
-        k, k2 = steps_to(k_curve, target), steps_to(k2_curve, target)
+        # no gain over the start (both runs end at or below it): nothing to reach
+        k, k2 = (steps_to(k_curve, target), steps_to(k2_curve, target)) if top > start else (None, None)
         out[f"target_{f}"] = target
         out[f"steps_K_{f}"], out[f"steps_2K_{f}"] = k, k2
         out[f"ratio_{f}"] = (k / k2) if k and k2 else None
@@ -60,16 +64,20 @@ def compare_setting(k_json: dict, k2_json: dict) -> dict:
 
 
 def table(result: dict) -> str:
-    head = "| setting | seed | start | plateau K | plateau 2K | steps to 0.5 (K / 2K) | steps to 0.9 (K / 2K) | K/2K |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head = (
+        "| setting | seed | start | plateau K | plateau 2K | peak (step) K | peak (step) 2K | steps to 0.5 (K / 2K) "
+        "| steps to 0.9 (K / 2K) | K/2K |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for name, setting in result["settings"].items():
         for seed, r in setting["per_seed"].items():
             ratio = f"{r['ratio_0.9']:.2f}" if r["ratio_0.9"] else "-"
             lines.append(
                 f"| {name} | {seed} | {r['start']:.3f} | {r['plateau_K']:.3f} | {r['plateau_2K']:.3f} | "
+                f"{r['peak_K']:.3f} ({r['peak_step_K']}) | {r['peak_2K']:.3f} ({r['peak_step_2K']}) | "
                 f"{r['steps_K_0.5']} / {r['steps_2K_0.5']} | {r['steps_K_0.9']} / {r['steps_2K_0.9']} | {ratio} |"
             )
-        lines.append(f"| {name} | batch-limited: **{'yes' if setting['batch_limited'] else 'no'}** | | | | | | |")
+        lines.append(f"| {name} | batch-limited: **{'yes' if setting['batch_limited'] else 'no'}** |" + " |" * 8)
     return "\n".join(lines)
 
 

@@ -54,6 +54,13 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--steps", type=int, default=None, help="grpo.max_num_steps (default: the recipe's)")
+    p.add_argument(
+        "--method-steps",
+        nargs="+",
+        default=[],
+        metavar="METHOD=N",
+        help="grpo.max_num_steps of one method (over --steps): a method that spends more rollouts a step needs fewer",
+    )
     p.add_argument("--target", default="auto", help="target validation accuracy in [0, 1], or 'auto'")
     p.add_argument("--work-dir", default=None, help="per-run log dirs (default: <out stem>_runs/ next to --out)")
     p.add_argument("--run-timeout", type=float, default=1800.0, help="seconds one run may take")
@@ -76,13 +83,27 @@ def rollouts_to(points: list[tuple[int, float, float]], target: float) -> float 
     return next((c for _, c, a in points if a >= target - 1e-9), None)
 
 
+def method_steps(args) -> dict[str, int]:
+    """``--method-steps`` as {method: steps}.
+
+    Raises:
+        SystemExit: an entry is not METHOD=N with a known method and an integer N."""
+    out = {}
+    for item in args.method_steps:
+        method, sep, n = item.partition("=")
+        if not sep or method not in METHODS or not n.isdigit():
+            raise SystemExit(f"--method-steps: {item!r} is not METHOD=N with METHOD in {list(METHODS)}")
+        out[method] = int(n)
+    return out
+
+
 def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> dict:
     """Run one (method, seed) subprocess unless ``--reuse`` finds it complete; returns its record."""
     metrics = run_dir / "logs" / "metrics.jsonl"
     overrides = [
         *METHODS[method],
         f"grpo.seed={seed}",
-        *([f"grpo.max_num_steps={args.steps}"] if args.steps else []),
+        *([f"grpo.max_num_steps={steps}"] if (steps := method_steps(args).get(method, args.steps)) else []),
         *extra,
     ]
     info = run_grpo_subprocess(

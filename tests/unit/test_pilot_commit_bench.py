@@ -73,7 +73,10 @@ def test_pilot_commit_budget_without_commit_slot_fails_at_config_time():
     load_config(tiny, ["+grpo.pilot_commit.pilot_batch_size=2", "loss_fn.use_importance_sampling_correction=true"])
 
 
-@pytest.mark.parametrize("recipe", [BENCH_RECIPE, ROOT / "configs" / "grpo_math_testbed_pilot_commit.yaml"])
+@pytest.mark.parametrize(
+    "recipe",
+    [BENCH_RECIPE, *(ROOT / "configs" / f"grpo_math_testbed{s}_pilot_commit.yaml" for s in ("", "_pool"))],
+)
 def test_bench_recipe_methods_differ_only_in_the_allocator(recipe):
     base = load_config(recipe).model_dump()
     for override in ("grpo.pilot_commit.enabled=true", "grpo.dynamic_sampling.enabled=true"):
@@ -216,3 +219,12 @@ def test_bench_reanalysis_of_finished_runs_writes_json_table_and_plot(tmp_path, 
     ]
     assert out.with_suffix(".png").stat().st_size > 10_000
     assert "uniform_over_pilot_commit: mean 2.60 median 2.60" in capsys.readouterr().out
+
+
+def test_method_steps_override_steps_per_method():
+    args, _ = bench_pilot_commit.parse_args(["--out", "x.json", "--steps", "84", "--method-steps", "pilot_commit=30"])
+    assert bench_pilot_commit.method_steps(args) == {"pilot_commit": 30}
+    for bad in ("pilot_commit", "grpo=3", "dapo=x"):
+        args, _ = bench_pilot_commit.parse_args(["--out", "x.json", "--method-steps", bad])
+        with pytest.raises(SystemExit, match="METHOD=N"):
+            bench_pilot_commit.method_steps(args)

@@ -71,6 +71,7 @@ def test_batch_limited_by_hand():
     r = bl.compare_seed(k, k2)
     assert r["plateau_K"] == pytest.approx(0.62) and r["plateau_2K"] == pytest.approx(0.7)
     assert r["target_0.9"] == pytest.approx(0.65)
+    assert (r["peak_K"], r["peak_step_K"], r["peak_2K"], r["peak_step_2K"]) == (0.66, 28, 0.7, 12)
     assert (r["steps_K_0.5"], r["steps_2K_0.5"]) == (12, 4)
     assert (r["steps_K_0.9"], r["steps_2K_0.9"], r["ratio_0.9"]) == (28, 8, 3.5)
     runs = lambda c: {"runs": {"uniform": {"0": {"curve": c}, "1": {"curve": c}}}}  # noqa: E731
@@ -78,6 +79,9 @@ def test_batch_limited_by_hand():
     assert bl.compare_setting(runs(k), runs(k))["batch_limited"] is False  # same curve: ratio 1
     never = _curve([0.2, 0.2, 0.2, 0.2])
     assert bl.compare_setting(runs(never), runs(k2))["ratios_0.9"] == [None, None]
+    fell = _curve([0.2, 0.1, 0.1, 0.1])  # both end below the start: no target, not "reached at step 0"
+    r = bl.compare_seed(fell, _curve([0.2, 0.3, 0.15, 0.15, 0.15]))
+    assert (r["steps_K_0.9"], r["steps_2K_0.9"], r["ratio_0.9"]) == (None, None, None)
 
 
 def test_per_source_pass_rates():
