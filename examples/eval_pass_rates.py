@@ -14,7 +14,6 @@ Used to choose the default recipe's task mix and to check the testbed policy (RE
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -60,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     from nemo_rl_spec.utils.config import load_config
+    from nemo_rl_spec.utils.machine import write_bench_json
 
     if args.problems is not None:
         overrides = [*overrides, f"data.validation.max_samples={args.problems}"]
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:>22}: {value}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_bench_json(args.out, result)
     engine.shutdown()
     return 0
 

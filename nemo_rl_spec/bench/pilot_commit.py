@@ -78,6 +78,17 @@ def curve(records: list[dict]) -> list[tuple[int, float, float]]:
     return out
 
 
+def time_curve(records: list[dict]) -> list[tuple[float, float]]:
+    """(cumulative ``timing/train/total_step_time`` in seconds, validation accuracy) at every validated step: accuracy
+    against the steps' wall time (validation time excluded)."""
+    wall, out = 0.0, []
+    for r in sorted(records, key=lambda r: r["step"]):
+        wall += r.get("timing/train/total_step_time", 0.0)
+        if ACC in r:
+            out.append((round(wall, 3), float(r[ACC])))
+    return out
+
+
 def rollouts_to(points: list[tuple[int, float, float]], target: float) -> float | None:
     """Cumulative rollouts at the first validation with accuracy >= target (1e-9 slack for float noise)."""
     return next((c for _, c, a in points if a >= target - 1e-9), None)
@@ -117,6 +128,7 @@ def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> di
         "wall_s": info["wall_s"],
         "steps_run": len(steps),
         "curve": curve(records),
+        "time_curve": time_curve(records),
         "mean_step_time_s": mean("timing/train/total_step_time"),
         "mean_group_reward_var": mean(VAR),
         "group_reward_var_curve": [(int(r["step"]), r[VAR]) for r in steps if VAR in r],
@@ -125,8 +137,27 @@ def run_one(args, extra: list[str], method: str, seed: int, run_dir: Path) -> di
         "cumulative_rollouts": [(int(r["step"]), r[CUM]) for r in steps if CUM in r],
         "useful_rollout_frac": steps[-1].get("rollout_alloc/useful_rollout_frac") if steps else None,
         **training_diagnostics(steps),
+        "allocation_per_epoch": allocation_per_epoch(steps),
         "log_dir": str(run_dir / "logs"),
     }
+
+
+def allocation_per_epoch(steps: list[dict]) -> dict[str, dict[str, float]]:
+    """Pilot-Commit's per-step counts summed per epoch of the prompt pool (the epoch a step ended in,
+    ``rollout_alloc/epoch``): steps, ``evicted`` (solved prompts removed), ``deferred`` (too hard this time),
+    ``selected``, ``short_groups``, rollouts generated; and ``pool_size`` (prompts left) at the epoch's last step.
+    Empty for runs without Pilot-Commit's metrics."""
+    out: dict[str, dict[str, float]] = {}
+    for r in steps:
+        if "pilot_commit/evicted" not in r:
+            continue
+        e = out.setdefault(str(int(r.get("rollout_alloc/epoch", 0))), {"steps": 0})
+        e["steps"] += 1
+        for key in ("evicted", "deferred", "selected", "short_groups"):
+            e[key] = e.get(key, 0.0) + r.get(f"pilot_commit/{key}", 0.0)
+        e["rollouts"] = e.get("rollouts", 0.0) + r.get("rollout_alloc/step_rollouts", 0.0)
+        e["pool_size"] = r.get("pilot_commit/pool_size")
+    return out
 
 
 def training_diagnostics(steps: list[dict]) -> dict:
@@ -275,8 +306,8 @@ def per_method_stats(by_seed: dict) -> dict:
 
 
 def plot(result: dict, png: Path) -> None:
-    """Left: validation accuracy vs cumulative rollouts, every run. Right: mean within-group reward variance per
-    step, each method averaged over its seeds (``per_method``)."""
+    """Left: validation accuracy vs cumulative rollouts, every run. Middle: the same vs the steps' wall time.
+    Right: mean within-group reward variance per step, each method averaged over its seeds (``per_method``)."""
     import matplotlib  # lazy: matplotlib only for the plot
 
     matplotlib.use("Agg")
@@ -284,12 +315,19 @@ def plot(result: dict, png: Path) -> None:
 
     colors = {"uniform": "tab:blue", "dapo": "tab:orange", "pilot_commit": "tab:green"}
     styles = ["-o", "--s", ":^", "-.d", "-x"]
-    fig, (ax, ax_var) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax, ax_time, ax_var) = plt.subplots(1, 3, figsize=(17, 4.5), gridspec_kw={"width_ratios": [3, 3, 2]})
     for m, by in result["runs"].items():
         for i, (s, r) in enumerate(by.items()):
+            style = dict(color=colors.get(m), alpha=0.85, ms=3)
             if r["curve"]:
                 _, xs, ys = zip(*r["curve"])
-                ax.plot(xs, ys, styles[i % len(styles)], color=colors.get(m), label=f"{m} seed {s}", alpha=0.85, ms=3)
+                ax.plot(xs, ys, styles[i % len(styles)], label=f"{m} seed {s}", **style)
+            if r.get("time_curve"):
+                ts, ys = zip(*r["time_curve"])
+                ax_time.plot(ts, ys, styles[i % len(styles)], **style)
+    ax_time.set_xlabel("wall time of the steps (s, validation excluded)")
+    ax_time.set_ylabel("validation accuracy")
+    ax_time.grid(alpha=0.3)
     for m, st in result.get("per_method", {}).items():
         if st["group_reward_var_per_step"]:
             steps, var = zip(*st["group_reward_var_per_step"])

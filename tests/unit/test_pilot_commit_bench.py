@@ -228,3 +228,47 @@ def test_method_steps_override_steps_per_method():
         args, _ = bench_pilot_commit.parse_args(["--out", "x.json", "--method-steps", bad])
         with pytest.raises(SystemExit, match="METHOD=N"):
             bench_pilot_commit.method_steps(args)
+
+
+def test_allocation_per_epoch_sums_each_epochs_steps():
+    step = lambda epoch, ev, de, pool: {  # noqa: E731
+        "rollout_alloc/epoch": epoch,
+        "pilot_commit/evicted": ev,
+        "pilot_commit/deferred": de,
+        "pilot_commit/selected": 1.0,
+        "pilot_commit/short_groups": 0.0,
+        "rollout_alloc/step_rollouts": 100.0,
+        "pilot_commit/pool_size": pool,
+    }
+    steps = [step(0, 2.0, 5.0, 30), step(0, 1.0, 4.0, 29), step(1, 0.0, 7.0, 29), {"rollout_alloc/epoch": 1}]
+    out = bench_pilot_commit.allocation_per_epoch(steps)
+    assert out == {
+        "0": {
+            "steps": 2,
+            "evicted": 3.0,
+            "deferred": 9.0,
+            "selected": 2.0,
+            "short_groups": 0.0,
+            "rollouts": 200.0,
+            "pool_size": 29,
+        },
+        "1": {
+            "steps": 1,
+            "evicted": 0.0,
+            "deferred": 7.0,
+            "selected": 1.0,
+            "short_groups": 0.0,
+            "rollouts": 100.0,
+            "pool_size": 29,
+        },
+    }
+    assert bench_pilot_commit.allocation_per_epoch([{"rollout_alloc/epoch": 0}]) == {}
+
+
+def test_time_curve_sums_step_times_up_to_each_validation():
+    records = [
+        {"step": 0, "validation/accuracy": 0.5},
+        {"step": 2, "timing/train/total_step_time": 2.5, "validation/accuracy": 0.7},
+        {"step": 1, "timing/train/total_step_time": 1.5},
+    ]
+    assert bench_pilot_commit.time_curve(records) == [(0.0, 0.5), (4.0, 0.7)]
