@@ -195,7 +195,6 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
     "policy.generation.debug_lossy_sampler": "needs policy.generation.vllm_kwargs.speculative_config",
     "policy.draft.model_name": "no draft there (config.json missing)",
     "policy.draft.online": "needs policy.generation.vllm_kwargs.speculative_config.method=eagle3",
-    "policy.sequence_packing.enabled": "policy.sequence_packing.enabled=true is not supported",
     "policy.megatron_cfg.mtp_warm_start": "mtp_warm_start.enabled=true needs mtp_num_layers >= 1",
     "logger.mlflow.tracking_uri": "expected a URI such as http://127.0.0.1:5000",
     "cluster.ray_address": "expected null, auto, host:port or ray://host:port",

@@ -722,27 +722,23 @@ class DynamicBatchingConfig(_Strict):
 
 
 class SequencePackingConfig(_Strict):
-    """``policy.sequence_packing`` (NeMo-RL's keys). Accepted only with ``enabled: false``: packing rows into one THD
-    sequence needs megatron-core's ``PackedSeqParams`` (cu_seqlens), which its local attention
-    (``DotProductAttention``, the only one without Transformer Engine, so the only one on CPU) refuses; use
-    ``policy.dynamic_batching``."""
+    """``policy.sequence_packing`` (NeMo-RL's keys; :mod:`nemo_rl_spec.models.policy.sequence_packing`). Each worker
+    bins its rows into packs of at most ``train_mb_tokens`` (``train``) / ``logprob_mb_tokens`` (log-prob passes)
+    tokens with ``algorithm``, each row costing its length rounded up to ``sequence_length_round``, and runs a pack as
+    one sequence: per-row position ids, a block-diagonal causal mask (megatron-core's local attention; no Transformer
+    Engine THD kernel here, so the attention costs T^2 per pack of T tokens). The loss is normalised by global counts
+    as without it, so a step equals the padded one to fp32 rounding. Not with ``policy.dynamic_batching``, MTP layers
+    or an online draft (validated in :class:`PolicyConfig`)."""
 
     enabled: bool = False
-    train_mb_tokens: Optional[PositiveInt] = None
-    logprob_mb_tokens: Optional[PositiveInt] = None
-    algorithm: Optional[str] = None
-    sequence_length_round: Optional[PositiveInt] = None
-
-    @model_validator(mode="after")
-    def _not_enabled(self) -> "SequencePackingConfig":
-        if self.enabled:
-            raise ValueError(
-                "policy.sequence_packing.enabled=true is not supported: packed (THD, cu_seqlens) "
-                "sequences need Transformer Engine's attention; megatron-core's local DotProductAttention "
-                "asserts packed_seq_params is None. Use policy.dynamic_batching.enabled=true instead "
-                "(length-sorted micro-batches by token budget, same results)"
-            )
-        return self
+    # the base recipe's CPU-sized budgets, as policy.dynamic_batching's (NeMo-RL's GPU sizes: max_total_sequence_length
+    # x micro-batch rows, round 64)
+    train_mb_tokens: PositiveInt = 768
+    logprob_mb_tokens: PositiveInt = 1536
+    algorithm: Literal[
+        "modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle", "concatenative"
+    ] = "modified_first_fit_decreasing"
+    sequence_length_round: PositiveInt = 1
 
 
 class PolicyConfig(_Strict):
@@ -759,7 +755,7 @@ class PolicyConfig(_Strict):
     refit: RefitConfig
     draft: Optional[DraftConfig] = None
     dynamic_batching: Optional[DynamicBatchingConfig] = None  # NeMo-RL parity; None: fixed-size micro-batches
-    sequence_packing: Optional[SequencePackingConfig] = None  # NeMo-RL parity; refused when enabled (see class)
+    sequence_packing: Optional[SequencePackingConfig] = None  # NeMo-RL parity; None: not packed
     _precision_reason: str = PrivateAttr(default="set in the recipe")  # why policy.precision is what it is
 
     @property
@@ -798,6 +794,32 @@ class PolicyConfig(_Strict):
                     f"policy.dynamic_batching.{key}={getattr(dyn, key)} is below policy."
                     f"max_total_sequence_length={self.max_total_sequence_length}: a micro-batch must "
                     "hold at least one full-length row"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _sequence_packing(self) -> "PolicyConfig":
+        """Packing replaces the micro-batch plan and runs the main head only: one plan at a time, no MTP block (its
+        shifted inputs would cross the rows of a pack) and no online draft (it captures per-row hidden states); each
+        budget must hold one full-length row."""
+        pack = self.sequence_packing
+        if pack is None or not pack.enabled:
+            return self
+        clash = {
+            "policy.dynamic_batching.enabled=true": self.dynamic_batching is not None and self.dynamic_batching.enabled,
+            "policy.megatron_cfg.mtp_num_layers > 0 (MTP co-training)": bool(self.megatron_cfg.mtp_num_layers),
+            "policy.draft.online=true (online EAGLE-3 draft)": bool(
+                self.draft is not None and self.draft.enabled and self.draft.online
+            ),
+        }
+        for what, on in clash.items():
+            if on:
+                raise ValueError(f"policy.sequence_packing.enabled=true cannot be combined with {what}; turn one off")
+        for key in ("train_mb_tokens", "logprob_mb_tokens"):
+            if getattr(pack, key) < self.max_total_sequence_length:
+                raise ValueError(
+                    f"policy.sequence_packing.{key}={getattr(pack, key)} is below policy.max_total_sequence_length="
+                    f"{self.max_total_sequence_length}: a pack must hold at least one full-length row"
                 )
         return self
 

@@ -134,7 +134,7 @@ IGNORED: dict[str, str] = {
     "policy.megatron_cfg.moe_shared_expert_overlap": _MOE,
     "policy.megatron_cfg.use_gloo_process_groups": "the process-group backend follows the platform (gloo on CPU, NCCL on GPU)",
     "policy.offload_optimizer_for_logprob": _OFFLOAD,
-    "policy.sequence_packing.microbatch_order": "order of packed micro-batches (sequence packing is not run here)",
+    "policy.sequence_packing.microbatch_order": "packs run in the packer's order; losses use global counts, so the order does not change the step",
     "policy.generation.vllm_cfg.kv_cache_dtype": _GPU,
     "policy.generation.vllm_cfg.use_tqdm": _LOG,
     "policy.generation.vllm_cfg.enable_vllm_metrics_logger": _LOG,

@@ -1,11 +1,15 @@
-"""Dynamic batching (``policy.dynamic_batching``) on the real Megatron worker, tiny random Qwen3, CPU fp32.
+"""Dynamic batching (``policy.dynamic_batching``) and sequence packing (``policy.sequence_packing``) on the real
+Megatron worker, tiny random Qwen3, CPU fp32.
 
-Two workers built alike, one with fixed-size micro-batches (the padded path) and one with length-sorted token-budget
-micro-batches, see the same batch of rows of very different lengths (5 to 120 tokens). Log-probs (policy and
-reference) and one train step (loss, grad norm, every gradient, the weights after the step) must agree within 1e-5:
-plainly, with MTP co-training (fixed coefficient: the MTP losses are normalised by global counts too), and with the
-online EAGLE-3 head trained on hidden states captured from the dynamically batched forward (its weights too).
-A DP=2 group binning its own shards gives the DP=1 padded step (Ray and two worker processes, about 16 s: CI tier).
+Workers built alike, one with fixed-size micro-batches (the padded path) and one with length-sorted token-budget
+micro-batches or with packs (rows concatenated, per-row positions, block-diagonal causal mask), see the same batch of
+rows of very different lengths (5 to 120 tokens). Log-probs (policy and reference) and one train step (loss, grad
+norm, every gradient, the weights after the step) must agree within 1e-5 (fp32 sums in another order and shape):
+dynamic batching plainly, with MTP co-training (fixed coefficient: the MTP losses are normalised by global counts too),
+and with the online EAGLE-3 head trained on hidden states captured from the dynamically batched forward (its weights
+too); packing plainly (it refuses MTP and the online draft). A pack run under a plain causal mask is far off: the
+test tells a correct pack from a broken one. Parallel groups binning their own
+shards give the DP=1 padded step: dynamic batching at DP=2, packing at DP=2 x TP=2 (Ray, 2 and 4 worker processes).
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ WIDTH, PROMPT = 120, 4  # responses start at position 4 (>= the draft's TTT reac
 TOL = 1e-5
 
 
-def _policy_cfg(dynamic: bool, feature: str) -> dict:
+def _policy_cfg(plan: str, feature: str, tp: int = 1) -> dict:
+    """``plan``: "padded", "dynamic" or "packed"."""
     cfg = fm.base_recipe_section("policy")
     cfg.update(train_micro_batch_size=2, logprob_batch_size=3, max_total_sequence_length=128)
     cfg["megatron_cfg"]["optimizer"].update(lr=1e-3, adam_eps=1e-3)  # smooth first Adam step (test_megatron_parallel)
-    if dynamic:  # train plan: {120}, {101}, {80, 64}, {33, 17, 9, 5} (padded to 120, 104, 80, 40)
+    cfg["megatron_cfg"]["tensor_model_parallel_size"] = tp
+    if plan == "packed":  # train packs (MFFD, 160 tokens): {120, 33, 5}, {101, 17, 9}, {80, 64}
+        cfg["sequence_packing"] = {"enabled": True, "train_mb_tokens": 160, "logprob_mb_tokens": 256}
+    if plan == "dynamic":  # train plan: {120}, {101}, {80, 64}, {33, 17, 9, 5} (padded to 120, 104, 80, 40)
         cfg["dynamic_batching"] = {
             "enabled": True,
             "train_mb_tokens": 160,
@@ -60,8 +68,8 @@ def _loss_cfg() -> dict:
     return {**fm.base_recipe_section("loss_fn"), "reference_policy_kl_penalty": 0.05}
 
 
-def _worker(model_dir: str, dynamic: bool, feature: str) -> MegatronPolicyWorker:
-    cfg = PolicyConfig.model_validate(_policy_cfg(dynamic, feature))
+def _worker(model_dir: str, plan: str, feature: str = "plain") -> MegatronPolicyWorker:
+    cfg = PolicyConfig.model_validate(_policy_cfg(plan, feature))
     return MegatronPolicyWorker(cfg, ClippedPGLossFn(_loss_cfg()), model_dir, seed=3, init_reference_model=True)
 
 
@@ -112,7 +120,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def test_token_budget_plan_regroups_the_rows(model_dir):
-    worker = _worker(model_dir, dynamic=True, feature="plain")
+    worker = _worker(model_dir, "dynamic")
     plan = worker.micro_batch_plan(_batch(), "train")
     assert [mb.rows.tolist() for mb in plan] == [[0], [4], [7, 2], [5, 3, 1, 6]]
     assert [mb.seq_len for mb in plan] == [120, 104, 80, 40]
@@ -120,9 +128,52 @@ def test_token_budget_plan_regroups_the_rows(model_dir):
     assert sum(mb.num_tokens for mb in plan) == 544 < padded == 730
 
 
-@pytest.mark.parametrize("feature", ["plain", "mtp", "draft"])
-def test_dynamic_batching_equals_padded_path(model_dir, feature):
-    padded, dynamic = _worker(model_dir, False, feature), _worker(model_dir, True, feature)
+def test_packed_plan_packs_the_rows(model_dir):
+    """MFFD with 160 tokens: 120 and 101 are large (> 80) and open packs; no medium (53-80) row fits beside them;
+    phase 4 fills them largest first (33 and 5 beside 120, 17 and 9 beside 101); 80 and 64 share a third pack."""
+    plan = _worker(model_dir, "packed").micro_batch_plan(_batch(), "train")
+    assert [(mb.rows.tolist(), mb.row_tokens) for mb in plan] == [
+        ([0, 5, 6], (120, 33, 5)),
+        ([4, 3, 1], (101, 17, 9)),
+        ([7, 2], (80, 64)),
+    ]
+    assert sum(mb.num_tokens for mb in plan) == sum(LENGTHS) == 429
+
+
+def test_packed_forward_needs_row_positions_and_the_block_mask(model_dir):
+    """The packed log-probs equal the padded ones; with a plain causal mask (rows attending to earlier rows) they do
+    not: the parity test below can fail. GPTModel's own positions 0 .. T-1 instead of per-row ones change only the
+    rounding: RoPE's attention scores depend on position differences alone, and the block mask keeps every pair inside
+    one row (the worker still passes per-row positions, so each row gets its unpacked rotary angles)."""
+    from nemo_rl_spec.models.policy.sequence_packing import block_causal_mask, pack_rows, unpack_rows
+    from nemo_rl_spec.models.policy.vocab_parallel import token_logprobs
+
+    worker, data = _worker(model_dir, "padded"), _batch()
+    rows, tokens = [7, 2], (80, 64)
+    ids = data["input_ids"][rows, :80]
+    expected = worker.get_logprobs(data)[rows, :80]
+    packed, positions = pack_rows(ids, tokens)
+    total = sum(tokens)
+    variants = {
+        "right": (positions, block_causal_mask(tokens)),
+        "positions 0..T-1": (torch.arange(total).unsqueeze(0), block_causal_mask(tokens)),
+        "plain causal mask": (positions, ~torch.ones(total, total, dtype=torch.bool).tril().view(1, 1, total, total)),
+    }
+    diffs = {}
+    with torch.no_grad():
+        for name, (pos, mask) in variants.items():
+            logits = unpack_rows(mm.packed_gpt_logits(worker.model, packed, pos, mask), tokens, 80)
+            got = token_logprobs(logits, ids, torch.tensor(tokens))
+            diffs[name] = float((got - expected).abs().max())
+    assert diffs["right"] < TOL, diffs
+    assert diffs["plain causal mask"] > 1e-2 and diffs["positions 0..T-1"] < 1e-4, diffs
+
+
+@pytest.mark.parametrize(
+    "plan, feature", [("dynamic", "plain"), ("dynamic", "mtp"), ("dynamic", "draft"), ("packed", "plain")]
+)
+def test_plan_equals_padded_path(model_dir, plan, feature):
+    padded, dynamic = _worker(model_dir, "padded", feature), _worker(model_dir, plan, feature)
     data = _batch()
     lp_padded, lp_dynamic = padded.get_logprobs(data), dynamic.get_logprobs(data)
     ref_padded, ref_dynamic = padded.get_reference_policy_logprobs(data), dynamic.get_reference_policy_logprobs(data)
@@ -132,7 +183,7 @@ def test_dynamic_batching_equals_padded_path(model_dir, feature):
     data = {**data, "prev_logprobs": lp_padded, "reference_policy_logprobs": ref_padded}
 
     m_padded, m_dynamic = padded.train(data), dynamic.train(data)
-    assert m_padded["num_micro_batches"] == 4 and m_dynamic["num_micro_batches"] == 4
+    assert m_padded["num_micro_batches"] == 4 and m_dynamic["num_micro_batches"] == (3 if plan == "packed" else 4)
     assert m_padded["grad_norm"] > 0
     for key in ("loss", "grad_norm", "probs_ratio", "kl_penalty", "num_valid_tokens"):
         assert m_dynamic[key] == pytest.approx(m_padded[key], rel=TOL, abs=TOL), key
@@ -143,14 +194,14 @@ def test_dynamic_batching_equals_padded_path(model_dir, feature):
         for key in ("draft_loss", "draft_grad_norm", "draft_acc_step0", "draft_acc_step1"):
             assert m_dynamic[key] == pytest.approx(m_padded[key], rel=TOL, abs=TOL), key
     assert _max_diff(_grads(padded), _grads(dynamic)) < TOL
-    before = _params(_worker(model_dir, False, feature))
+    before = _params(_worker(model_dir, "padded", feature))
     after_padded, after_dynamic = _params(padded), _params(dynamic)
     assert _max_diff(before, after_padded) > 1e-4  # the step moved the weights (the draft's too)
     if feature == "draft":
         draft = [k for k in before if k.startswith("draft.fc")]
         assert draft and _max_diff({k: before[k] for k in draft}, {k: after_padded[k] for k in draft}) > 1e-4
     print(
-        f"[{feature}] max |diff| log-probs {float((lp_padded - lp_dynamic).abs().max()):.2e}, reference "
+        f"[{plan} {feature}] max |diff| log-probs {float((lp_padded - lp_dynamic).abs().max()):.2e}, reference "
         f"{float((ref_padded - ref_dynamic).abs().max()):.2e}, grads {_max_diff(_grads(padded), _grads(dynamic)):.2e}, "
         f"weights after the step {_max_diff(after_padded, after_dynamic):.2e}"
     )
@@ -158,7 +209,8 @@ def test_dynamic_batching_equals_padded_path(model_dir, feature):
 
 
 @pytest.mark.timeout(600)
-def test_dp2_dynamic_batching_equals_dp1_padded(model_dir):
+@pytest.mark.parametrize("plan, tp, workers", [("dynamic", 1, 2), ("packed", 2, 4)])
+def test_parallel_plan_equals_dp1_padded(model_dir, plan, tp, workers):
     ray = pytest.importorskip("ray")
     from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl_spec.models.policy.lm_policy import Policy
@@ -167,11 +219,11 @@ def test_dp2_dynamic_batching_equals_dp1_padded(model_dir):
     if started_here:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cluster = RayVirtualCluster(num_nodes=1, cpus_per_node=2.0)
-    reference = _worker(model_dir, False, "plain")
+    reference = _worker(model_dir, "padded")
     policy = Policy(
         cluster,
-        [0, 0],
-        PolicyConfig.model_validate(_policy_cfg(True, "plain")),
+        [0] * workers,
+        PolicyConfig.model_validate(_policy_cfg(plan, "plain", tp=tp)),
         ClippedPGLossFn(_loss_cfg()),
         model_dir,
         3,
@@ -188,8 +240,9 @@ def test_dp2_dynamic_batching_equals_dp1_padded(model_dir):
         m_dp1, m_dp2 = reference.train(data), policy.train(data)
         for key in ("loss", "grad_norm", "probs_ratio", "kl_penalty", "num_valid_tokens"):
             assert m_dp2[key] == pytest.approx(m_dp1[key], rel=TOL, abs=TOL), key
-        assert m_dp2["num_micro_batches"] == 6  # shard lengths 120 9 64 17 -> {120} {64 17} {9}; 101 33 5 80 ->
-        # {101} {80 33} {5}: each rank binned its own rows
+        # each DP rank bins its own rows: shard lengths 120 9 64 17 and 101 33 5 80; dynamic: {120} {64 17} {9} and
+        # {101} {80 33} {5}; packed: {120 17 9} {64} and {101 33 5} {80}
+        assert m_dp2["num_micro_batches"] == (6 if plan == "dynamic" else 4)
         after = policy.export_megatron_weights()
         assert _max_diff(after, reference.export_megatron_weights()) < TOL
     finally:

@@ -76,12 +76,12 @@ def test_config_keys():
     cfg = _load("policy.dynamic_batching.enabled=true")
     dyn = cfg.policy.dynamic_batching
     assert (dyn.enabled, dyn.train_mb_tokens, dyn.logprob_mb_tokens, dyn.sequence_length_round) == (True, 768, 1536, 1)
-    assert _load().policy.dynamic_batching.enabled is False and _load().policy.sequence_packing is None
+    assert _load().policy.dynamic_batching.enabled is False and _load().policy.sequence_packing.enabled is False
     with pytest.raises(ConfigError, match="policy.dynamic_batching.train_mb_tokens=100"):
         _load("policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=100")
     assert (
         _load("policy.dynamic_batching.train_mb_tokens=100").policy.dynamic_batching.enabled is False
     )  # off: unchecked
-    assert _load("+policy.sequence_packing.enabled=false").policy.sequence_packing.enabled is False
-    with pytest.raises(ConfigError, match="sequence_packing.enabled=true is not supported"):
-        _load("+policy.sequence_packing.enabled=true")
+    pack = _load("policy.sequence_packing.enabled=true").policy.sequence_packing
+    assert (pack.enabled, pack.train_mb_tokens, pack.logprob_mb_tokens, pack.sequence_length_round) == (True, 768, 1536, 1)
+    assert pack.algorithm == "modified_first_fit_decreasing"

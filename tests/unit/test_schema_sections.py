@@ -77,7 +77,7 @@ def test_packed_groups_greedy_by_hand():
     def outcome(overrides):
         return ("refused", "x") if {"b=1", "c=1"} <= set(overrides) or overrides == ["e=1"] else ("ok", None)
 
-    variants = [(fake(p), [f"{p}=1"]) for p in ("a", "b", "c", "d", "policy.sequence_packing.enabled")]
+    variants = [(fake(p), [f"{p}=1"]) for p in ("a", "b", "c", "d", "policy.draft.online")]
     got = [[s.path for s, _ in g] for g in ss.packed_groups(variants, outcome)]
     assert got == [["a", "b", "d"], ["c"]]
     with pytest.raises(AssertionError, match="e: .* is refused alone"):
@@ -151,7 +151,9 @@ def test_refusal_is_a_config_error_before_ray():
     """The outcome helper reports a refused key as the CLI would (a ConfigError, no Ray started)."""
     import ray
 
-    outcome, message = ss.pre_ray_outcome(["policy.sequence_packing.enabled=true"])
+    outcome, message = ss.pre_ray_outcome(
+        ["policy.sequence_packing.enabled=true", "policy.dynamic_batching.enabled=true"]
+    )
     assert outcome == "refused" and "policy.sequence_packing.enabled=true" in message and not ray.is_initialized()
     with pytest.raises(ConfigError):
         ss.pre_ray_checks(["+grpo.pilot_commit={}"])

@@ -318,6 +318,29 @@ def gpt_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return output_logits(unwrapped, trunk.hidden)
 
 
+def packed_gpt_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Main-head logits of a packed sequence (:mod:`~.sequence_packing`): embedding, decoder under
+    ``attention_mask`` (block-diagonal causal, True = masked) with the rotary table read at ``position_ids`` (each
+    row's own positions; ``GPTModel.forward`` would use 0 .. T-1), output layer.
+
+    Shape: input_ids [1, T] int64, position_ids [1, T], attention_mask [1, 1, T, T] bool -> [1, T, V] (V / TP with
+    tensor parallelism).
+    Raises:
+        ValueError: the model has an MTP block (its shifted inputs would cross row boundaries).
+    """
+    unwrapped = getattr(model, "module", model)
+    if unwrapped.config.mtp_num_layers:
+        raise ValueError("packed_gpt_logits: a model with an MTP block cannot run packed sequences")
+    hidden = unwrapped.embedding(input_ids=input_ids, position_ids=position_ids)
+    table = unwrapped.rotary_pos_emb(int(position_ids.max()) + 1)  # [L, 1, 1, head_dim]
+    hidden = unwrapped.decoder(
+        hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=table[position_ids[0]]
+    )
+    return output_logits(unwrapped, hidden)
+
+
 class TrunkOutput:
     """What the main and MTP heads consume: ``hidden`` [S, B, H] (decoder output after its final norm),
     ``position_ids`` [B, S], ``rotary_pos_emb`` (megatron RoPE table)."""

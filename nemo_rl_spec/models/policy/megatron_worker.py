@@ -45,6 +45,7 @@ from nemo_rl_spec.models.policy.parallel import (
     reduce_metrics,
 )
 from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
+from nemo_rl_spec.models.policy.sequence_packing import PackedMicroBatch, block_causal_mask, pack_rows, packed_plan, unpack_rows
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, token_logprobs
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
 from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
@@ -227,15 +228,29 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         return {**vars(self.layout), "distributed_optimizer": int(uses_distributed_optimizer(self.optimizer))}
 
     # ---- log-probs -------------------------------------------------------------------------------
-    def _forward_logprobs(self, mb: TrainDatumSpec, temperature: float, sampling_filter) -> torch.Tensor:
-        logits = mm.gpt_logits(self.model, mb["input_ids"])
+    def _logits(self, mb: TrainDatumSpec, plan_mb: MicroBatch) -> torch.Tensor:
+        """Main-head logits of one micro-batch, run packed when ``plan_mb`` is a :class:`PackedMicroBatch`
+        (:mod:`~.sequence_packing`). Shape: input_ids [b, S] -> [b, S, V] (V / TP)."""
+        if not isinstance(plan_mb, PackedMicroBatch):
+            return mm.gpt_logits(self.model, mb["input_ids"])
+        ids, positions = pack_rows(mb["input_ids"], plan_mb.row_tokens)
+        packed = mm.packed_gpt_logits(self.model, ids, positions, block_causal_mask(plan_mb.row_tokens, ids.device))
+        return unpack_rows(packed, plan_mb.row_tokens, int(mb["input_ids"].shape[1]))
+
+    def _forward_logprobs(self, mb: TrainDatumSpec, plan_mb: MicroBatch, temperature: float, sampling_filter):
+        logits = self._logits(mb, plan_mb)
         return token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group, sampling_filter)
 
     def micro_batch_plan(self, data: TrainDatumSpec, phase: str) -> list[MicroBatch]:
         """The micro-batches of ``phase`` ("train" or "logprob") for this rank's ``data``: fixed row chunks of
-        ``train_micro_batch_size`` / ``logprob_batch_size``, or with ``policy.dynamic_batching.enabled`` length-sorted
-        micro-batches of ``train_mb_tokens`` / ``logprob_mb_tokens`` (:mod:`~.dynamic_batching`)."""
-        dyn, lengths = self.cfg.dynamic_batching, data["input_lengths"]
+        ``train_micro_batch_size`` / ``logprob_batch_size``, with ``policy.dynamic_batching.enabled`` length-sorted
+        micro-batches of ``train_mb_tokens`` / ``logprob_mb_tokens`` (:mod:`~.dynamic_batching`), with
+        ``policy.sequence_packing.enabled`` packs of that many tokens (:mod:`~.sequence_packing`)."""
+        dyn, pack, lengths = self.cfg.dynamic_batching, self.cfg.sequence_packing, data["input_lengths"]
+        if pack is not None and pack.enabled:
+            budget = pack.train_mb_tokens if phase == "train" else pack.logprob_mb_tokens
+            width = int(data["input_ids"].shape[1])
+            return packed_plan(lengths, budget, pack.sequence_length_round, width, pack.algorithm, self.step)
         if dyn is not None and dyn.enabled:
             budget = dyn.train_mb_tokens if phase == "train" else dyn.logprob_mb_tokens
             return token_budget_plan(lengths, budget, dyn.sequence_length_round, int(data["input_ids"].shape[1]))
@@ -244,11 +259,11 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         )
 
     def _micro_batches(self, data: TrainDatumSpec, phase: str):
-        """Yield (row indices, rows trimmed to the micro-batch's padded length, on the worker's device) per entry of
-        :meth:`micro_batch_plan`."""
+        """Yield (plan entry, its rows trimmed to the micro-batch's padded length, on the worker's device) per entry
+        of :meth:`micro_batch_plan`."""
         for plan_mb in self.micro_batch_plan(data, phase):
             mb = select_rows(data, plan_mb)
-            yield plan_mb.rows, {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+            yield plan_mb, {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
 
     @torch.no_grad()
     def get_logprobs(self, data: TrainDatumSpec, temperature: float = 1.0, filtered: bool = True) -> torch.Tensor:
@@ -266,9 +281,9 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
     def _logprobs(self, data: TrainDatumSpec, temperature: float, sampling_filter) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
-        for rows, mb in self._micro_batches(data, "logprob"):
-            lp = self._forward_logprobs(mb, temperature, sampling_filter)
-            out[rows, : lp.shape[1]] = lp.cpu()
+        for plan_mb, mb in self._micro_batches(data, "logprob"):
+            lp = self._forward_logprobs(mb, plan_mb, temperature, sampling_filter)
+            out[plan_mb.rows, : lp.shape[1]] = lp.cpu()
         return out
 
     @contextlib.contextmanager
@@ -332,12 +347,12 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         if draft is not None:
             draft.begin(self._full_embedding(), _draft_loss_mask(data))
         losses, per_mb_metrics, mtp_stats = [], [], []
-        for _, mb in self._micro_batches(data, "train"):
+        for plan_mb, mb in self._micro_batches(data, "train"):
             if self.mtp_num_layers:
                 loss, metrics, stats = self.mtp.micro_batch(mb, global_toks, global_seqs, global_mtp)
                 mtp_stats.append(stats)
             else:
-                loss, metrics = self._rl_micro_batch(mb, global_toks, global_seqs, draft)
+                loss, metrics = self._rl_micro_batch(mb, plan_mb, global_toks, global_seqs, draft)
             losses.append(float(loss.detach()))
             per_mb_metrics.append(metrics)
         finalize_model_grads([self.model])  # DP all-reduce (DDP), then TP sums of q/k-norm grads (per-head shards)
@@ -367,13 +382,15 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         if self.mtp is not None:
             self.mtp.set_lr(self._current_lr())
 
-    def _rl_micro_batch(self, mb: TrainDatumSpec, global_toks, global_seqs, draft: OnlineDraft | None = None):
+    def _rl_micro_batch(
+        self, mb: TrainDatumSpec, plan_mb: MicroBatch, global_toks, global_seqs, draft: OnlineDraft | None = None
+    ):
         """Forward + backward of the RL loss on one micro-batch; with ``draft`` (the online draft training in this
         step), the forward runs under the draft's capture hooks and, after the policy's backward, the draft trains on
         the detached activations."""
         capture = draft.capture(self.model) if draft is not None else contextlib.nullcontext()
         with capture as cap:
-            logits = mm.gpt_logits(self.model, mb["input_ids"])
+            logits = self._logits(mb, plan_mb)
         curr_logprobs = token_logprobs(
             logits, mb["input_ids"], mb["input_lengths"], self.train_temperature, self.tp_group, self.sampling_filter
         )

@@ -1,0 +1,220 @@
+"""Sequence packing of the Megatron policy worker: NeMo-RL's ``policy.sequence_packing`` on megatron-core's local
+attention (no Transformer Engine, so no THD / ``cu_seqlens`` kernels).
+
+A packed micro-batch puts the tokens of its rows one after the other in a single sequence of T tokens: row b
+contributes its first ``row_tokens[b]`` tokens (its length rounded up to ``sequence_length_round``, capped at the
+batch width; with round 1 only its real tokens), position ids restart at 0 at every row, and a block-diagonal causal
+mask lets a token attend only to the earlier tokens of its own row. RoPE takes the rotary table at each token's
+position id, so every row sees exactly the positions, keys and values it sees alone; the logits are scattered back to
+[b, S, V] (zeros past a row's packed tokens) and every later computation (log-probs, losses) is the unpacked one. A
+packed step therefore equals the padded step to float32 rounding; what changes is the work: sum(row_tokens) tokens
+through the linear layers instead of rows x longest row, but a T x T attention score matrix per head instead of one
+of longest-row^2 per row (megatron's local attention has no variable-length kernel).
+
+Micro-batch plans: rows are assigned to bins of at most ``train_mb_tokens`` / ``logprob_mb_tokens`` packed tokens by
+one of NeMo-RL's four algorithms (:data:`ALGORITHMS`); a row larger than the budget gets a bin of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nemo_rl_spec.models.policy.dynamic_batching import MicroBatch, padded_length
+
+ALGORITHMS = ("concatenative", "first_fit_decreasing", "first_fit_shuffle", "modified_first_fit_decreasing")
+
+
+@dataclass(frozen=True)
+class PackedMicroBatch(MicroBatch):
+    """A micro-batch whose rows run packed into one sequence.
+
+    Attributes:
+        rows: int64 [b] row indices (as :class:`MicroBatch`), in packing order.
+        seq_len: the longest row's length (the columns the rows are trimmed to before packing).
+        row_tokens: tokens of each row in the pack, aligned with ``rows`` (its length rounded, capped at the width).
+    """
+
+    row_tokens: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed: the pack's length T = ``sum(row_tokens)``."""
+        return sum(self.row_tokens)
+
+
+# ---- bin packing -----------------------------------------------------------------------------------------------------
+def _first_fit(order: list[int], sizes: list[int], capacity: int, bins: list[list[int]] | None = None) -> list[list[int]]:
+    """Place each item of ``order`` into the first bin (in opening order) with room, else a new bin."""
+    bins = [] if bins is None else bins
+    loads = [sum(sizes[i] for i in b) for b in bins]
+    for item in order:
+        for k, load in enumerate(loads):
+            if load + sizes[item] <= capacity:
+                bins[k].append(item)
+                loads[k] += sizes[item]
+                break
+        else:
+            bins.append([item])
+            loads.append(sizes[item])
+    return bins
+
+
+def _concatenative(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Rows in their order; a bin is closed when the next row does not fit."""
+    bins, load = [], 0
+    for item, size in enumerate(sizes):
+        if not bins or load + size > capacity:
+            bins.append([])
+            load = 0
+        bins[-1].append(item)
+        load += size
+    return bins
+
+
+def _decreasing(sizes: list[int], items: list[int] | None = None) -> list[int]:
+    items = range(len(sizes)) if items is None else items
+    return sorted(items, key=lambda i: (-sizes[i], i))
+
+
+def _modified_first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Johnson & Garey's MFFD (1985), items classed by size s against the capacity C: large (s > C/2), medium
+    (C/3 < s <= C/2), small (C/6 < s <= C/3), tiny (the rest).
+
+    1. every large item opens a bin (largest first);
+    2. forward over those bins: add the largest medium item that fits;
+    3. backward over the bins that got no medium item: if the two smallest small items fit together, add the smallest
+       and then the largest small item that still fits;
+    4. forward over all bins: add the largest remaining item that fits, repeatedly;
+    5. what remains goes to new bins by first fit decreasing.
+    """
+    cls = {"large": [], "medium": [], "small": [], "tiny": []}
+    for i in _decreasing(sizes):
+        s = sizes[i] * 6
+        key = "large" if s > 3 * capacity else "medium" if s > 2 * capacity else "small" if s > capacity else "tiny"
+        cls[key].append(i)
+    bins = [[i] for i in cls["large"]]
+    room = [capacity - sizes[i] for i in cls["large"]]
+    medium, small = list(cls["medium"]), sorted(cls["small"], key=lambda i: (sizes[i], i))  # small: ascending
+    got_medium = [False] * len(bins)
+    for k in range(len(bins)):  # 2
+        fit = next((i for i in medium if sizes[i] <= room[k]), None)
+        if fit is not None:
+            medium.remove(fit)
+            bins[k].append(fit)
+            room[k] -= sizes[fit]
+            got_medium[k] = True
+    for k in reversed(range(len(bins))):  # 3
+        if got_medium[k] or len(small) < 2 or sizes[small[0]] + sizes[small[1]] > room[k]:
+            continue
+        first = small.pop(0)
+        bins[k].append(first)
+        room[k] -= sizes[first]
+        second = next(i for i in reversed(small) if sizes[i] <= room[k])
+        small.remove(second)
+        bins[k].append(second)
+        room[k] -= sizes[second]
+    rest = _decreasing(sizes, medium + small + cls["tiny"])
+    for k in range(len(bins)):  # 4: rest is in decreasing order, so the first that fits is the largest
+        while (fit := next((i for i in rest if sizes[i] <= room[k]), None)) is not None:
+            rest.remove(fit)
+            bins[k].append(fit)
+            room[k] -= sizes[fit]
+    return bins + _first_fit(rest, sizes, capacity)  # 5
+
+
+def pack_bins(sizes: list[int], capacity: int, algorithm: str, seed: int = 0) -> list[list[int]]:
+    """Assign items of ``sizes`` to bins of total size <= ``capacity`` (an item larger than ``capacity`` alone).
+
+    ``concatenative``: in order, a new bin when the next item does not fit; ``first_fit_decreasing``: largest first,
+    each into the first bin with room; ``first_fit_shuffle``: the same in a random order (``seed``);
+    ``modified_first_fit_decreasing``: :func:`_modified_first_fit_decreasing`.
+
+    Worked example: sizes [5, 30, 12, 28, 7], capacity 40: concatenative [[0, 1], [2, 3], [4]]; first fit decreasing
+    [[1, 4], [3, 2], [0]] (30+7, 28+12, 5).
+
+    Returns: lists of item indices; every index exactly once, no empty bin.
+    Raises:
+        ValueError: unknown ``algorithm`` or ``capacity`` < 1.
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity={capacity} must be >= 1")
+    if algorithm == "concatenative":
+        return _concatenative(sizes, capacity)
+    if algorithm == "first_fit_decreasing":
+        return _first_fit(_decreasing(sizes), sizes, capacity)
+    if algorithm == "first_fit_shuffle":
+        order = torch.randperm(len(sizes), generator=torch.Generator().manual_seed(seed)).tolist()
+        return _first_fit(order, sizes, capacity)
+    if algorithm == "modified_first_fit_decreasing":
+        return _modified_first_fit_decreasing(sizes, capacity)
+    raise ValueError(f"unknown sequence packing algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+
+
+def packed_plan(
+    lengths: torch.Tensor, max_tokens: int, round_to: int, width: int, algorithm: str, seed: int = 0
+) -> list[PackedMicroBatch]:
+    """Packed micro-batches of at most ``max_tokens`` tokens (NeMo-RL's ``train_mb_tokens`` / ``logprob_mb_tokens``,
+    ``sequence_length_round`` and ``algorithm``): each row costs its length rounded up to ``round_to`` (capped at the
+    batch ``width``), rows are binned by :func:`pack_bins`.
+
+    Worked example: lengths [5, 30, 12, 28, 7], budget 40, round 1, first_fit_decreasing -> packs {1, 4} (37 tokens),
+    {3, 2} (40), {0} (5): 82 tokens, against 112 for dynamic batching with budget 64 and round 8.
+
+    Shape: lengths [B] -> micro-batches covering every row exactly once.
+    Raises:
+        ValueError: ``max_tokens``, ``round_to`` or ``width`` < 1, or an unknown ``algorithm``.
+    """
+    if min(max_tokens, round_to, width) < 1:
+        raise ValueError(f"max_tokens={max_tokens}, round_to={round_to} and width={width} must be >= 1")
+    sizes = [padded_length(int(n), round_to, width) for n in lengths.tolist()]
+    plan = []
+    for members in pack_bins(sizes, max_tokens, algorithm, seed):
+        tokens = tuple(sizes[i] for i in members)  # >= each row's length, <= width
+        plan.append(PackedMicroBatch(torch.tensor(members, dtype=torch.long), max(tokens), tokens))
+    return plan
+
+
+# ---- packing a micro-batch -----------------------------------------------------------------------------------------
+def pack_rows(input_ids: torch.Tensor, row_tokens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate the first ``row_tokens[b]`` tokens of each row.
+
+    Shape: input_ids [b, S] (S >= max(row_tokens)) -> (packed ids [1, T], position ids [1, T]), T = sum(row_tokens);
+    position ids run 0 .. row_tokens[b] - 1 within each row.
+    Raises:
+        ValueError: ``row_tokens`` does not have one entry per row, or an entry is < 1 or > S.
+    """
+    if len(row_tokens) != input_ids.shape[0] or min(row_tokens, default=0) < 1 or max(row_tokens) > input_ids.shape[1]:
+        raise ValueError(f"row_tokens {row_tokens} must give 1..{input_ids.shape[1]} tokens for each of the "
+                         f"{input_ids.shape[0]} rows")
+    ids = torch.cat([input_ids[b, :n] for b, n in enumerate(row_tokens)]).unsqueeze(0)
+    positions = torch.cat([torch.arange(n, device=input_ids.device) for n in row_tokens]).unsqueeze(0)
+    return ids, positions
+
+
+def block_causal_mask(row_tokens: tuple[int, ...], device=None) -> torch.Tensor:
+    """Megatron's boolean attention mask of a pack (True = masked): token q attends to token k iff both belong to the
+    same row and k <= q.
+
+    Shape: -> [1, 1, T, T] bool, T = sum(row_tokens).
+    """
+    segment = torch.repeat_interleave(torch.arange(len(row_tokens), device=device),
+                                      torch.tensor(row_tokens, device=device))
+    total = segment.numel()
+    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    return ~(causal & (segment.unsqueeze(0) == segment.unsqueeze(1))).view(1, 1, total, total)
+
+
+def unpack_rows(packed: torch.Tensor, row_tokens: tuple[int, ...], seq_len: int) -> torch.Tensor:
+    """Scatter a pack's per-token outputs back to rows: row b gets the b-th segment at columns 0 .. row_tokens[b] - 1
+    and zeros after.
+
+    Shape: packed [1, T, ...] -> [b, seq_len, ...] (seq_len >= max(row_tokens)).
+    """
+    out = packed.new_zeros((len(row_tokens), seq_len, *packed.shape[2:]))
+    start = 0
+    for b, n in enumerate(row_tokens):
+        out[b, :n] = packed[0, start : start + n]
+        start += n
+    return out
