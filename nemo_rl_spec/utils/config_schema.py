@@ -725,9 +725,9 @@ class SequencePackingConfig(_Strict):
     """``policy.sequence_packing`` (NeMo-RL's keys; :mod:`nemo_rl_spec.models.policy.sequence_packing`). Each worker
     bins its rows into packs of at most ``train_mb_tokens`` (``train``) / ``logprob_mb_tokens`` (log-prob passes)
     tokens with ``algorithm``, each row costing its length rounded up to ``sequence_length_round``, and runs a pack as
-    one sequence: per-row position ids, a block-diagonal causal mask (megatron-core's local attention; no Transformer
-    Engine THD kernel here, so the attention costs T^2 per pack of T tokens). The loss is normalised by global counts
-    as without it, so a step equals the padded one to fp32 rounding. Not with ``policy.dynamic_batching``, MTP layers
+    one THD sequence through megatron-core's packed path (``cu_seqlens``; attention within each row by
+    :class:`~nemo_rl_spec.models.policy.packed_attention.PackedDotProductAttention`, as Transformer Engine does it on
+    GPU). The loss is normalised by global counts as without it, so a step equals the padded one to fp32 rounding. Not with ``policy.dynamic_batching``, MTP layers
     or an online draft (validated in :class:`PolicyConfig`)."""
 
     enabled: bool = False

@@ -2,13 +2,13 @@
 Megatron worker, tiny random Qwen3, CPU fp32.
 
 Workers built alike, one with fixed-size micro-batches (the padded path) and one with length-sorted token-budget
-micro-batches or with packs (rows concatenated, per-row positions, block-diagonal causal mask), see the same batch of
+micro-batches or with packs (rows concatenated, megatron-core's THD path with per-row bounds), see the same batch of
 rows of very different lengths (5 to 120 tokens). Log-probs (policy and reference) and one train step (loss, grad
 norm, every gradient, the weights after the step) must agree within 1e-5 (fp32 sums in another order and shape):
 dynamic batching plainly, with MTP co-training (fixed coefficient: the MTP losses are normalised by global counts too),
 and with the online EAGLE-3 head trained on hidden states captured from the dynamically batched forward (its weights
-too); packing plainly (it refuses MTP and the online draft). A pack run under a plain causal mask is far off: the
-test tells a correct pack from a broken one. Parallel groups binning their own
+too); packing plainly (it refuses MTP and the online draft). A pack run as one row (without its row bounds) is far
+off: the test tells a correct pack from a broken one. Parallel groups binning their own
 shards give the DP=1 padded step: dynamic batching at DP=2, packing at DP=2 x TP=2 (Ray, 2 and 4 worker processes).
 """
 
@@ -140,33 +140,25 @@ def test_packed_plan_packs_the_rows(model_dir):
     assert sum(mb.num_tokens for mb in plan) == sum(LENGTHS) == 429
 
 
-def test_packed_forward_needs_row_positions_and_the_block_mask(model_dir):
-    """The packed log-probs equal the padded ones; with a plain causal mask (rows attending to earlier rows) they do
-    not: the parity test below can fail. GPTModel's own positions 0 .. T-1 instead of per-row ones change only the
-    rounding: RoPE's attention scores depend on position differences alone, and the block mask keeps every pair inside
-    one row (the worker still passes per-row positions, so each row gets its unpacked rotary angles)."""
-    from nemo_rl_spec.models.policy.sequence_packing import block_causal_mask, pack_rows, unpack_rows
+def test_packed_forward_needs_the_row_bounds(model_dir):
+    """Two rows packed with their bounds give the padded log-probs; the same tokens given as one row (each token
+    attending to everything before it in the pack) do not for the second row: the parity test below can fail."""
+    from nemo_rl_spec.models.policy.sequence_packing import pack_rows, unpack_rows
     from nemo_rl_spec.models.policy.vocab_parallel import token_logprobs
 
     worker, data = _worker(model_dir, "padded"), _batch()
     rows, tokens = [7, 2], (80, 64)
     ids = data["input_ids"][rows, :80]
     expected = worker.get_logprobs(data)[rows, :80]
-    packed, positions = pack_rows(ids, tokens)
-    total = sum(tokens)
-    variants = {
-        "right": (positions, block_causal_mask(tokens)),
-        "positions 0..T-1": (torch.arange(total).unsqueeze(0), block_causal_mask(tokens)),
-        "plain causal mask": (positions, ~torch.ones(total, total, dtype=torch.bool).tril().view(1, 1, total, total)),
-    }
+    packed = pack_rows(ids, tokens)
     diffs = {}
     with torch.no_grad():
-        for name, (pos, mask) in variants.items():
-            logits = unpack_rows(mm.packed_gpt_logits(worker.model, packed, pos, mask), tokens, 80)
+        for name, bounds in {"row bounds": tokens, "one row": (sum(tokens),)}.items():
+            logits = unpack_rows(mm.packed_gpt_logits(worker.model, packed, bounds), tokens, 80)
             got = token_logprobs(logits, ids, torch.tensor(tokens))
-            diffs[name] = float((got - expected).abs().max())
-    assert diffs["right"] < TOL, diffs
-    assert diffs["plain causal mask"] > 1e-2 and diffs["positions 0..T-1"] < 1e-4, diffs
+            diffs[name] = [float((got[b] - expected[b]).abs().max()) for b in range(2)]
+    assert max(diffs["row bounds"]) < TOL, diffs
+    assert diffs["one row"][0] < TOL and diffs["one row"][1] > 1e-2, diffs  # the first row sees nothing else
 
 
 @pytest.mark.parametrize(

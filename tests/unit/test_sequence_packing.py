@@ -9,7 +9,6 @@ import torch
 
 from nemo_rl_spec.models.policy.sequence_packing import (
     ALGORITHMS,
-    block_causal_mask,
     pack_bins,
     pack_rows,
     packed_plan,
@@ -90,21 +89,9 @@ def test_packed_plan_by_hand():
         packed_plan(lengths, 40, 0, 32, "concatenative")
 
 
-def test_pack_mask_and_unpack_by_hand():
+def test_pack_and_unpack_by_hand():
     ids = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0]])
-    packed, positions = pack_rows(ids, (3, 2))
-    assert packed.tolist() == [[1, 2, 3, 4, 5]] and positions.tolist() == [[0, 1, 2, 0, 1]]
-    allowed = torch.tensor(  # row 0: tokens 0-2, row 1: tokens 3-4; causal within each
-        [
-            [1, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0],
-            [1, 1, 1, 0, 0],
-            [0, 0, 0, 1, 0],
-            [0, 0, 0, 1, 1],
-        ],
-        dtype=torch.bool,
-    )
-    assert torch.equal(block_causal_mask((3, 2)), ~allowed.view(1, 1, 5, 5))
+    assert pack_rows(ids, (3, 2)).tolist() == [[1, 2, 3, 4, 5]]
     values = torch.arange(10.0).view(1, 5, 2)
     assert unpack_rows(values, (3, 2), 4).tolist() == [
         [[0, 1], [2, 3], [4, 5], [0, 0]],

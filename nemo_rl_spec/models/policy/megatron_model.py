@@ -34,8 +34,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
     get_gpt_layer_local_spec,
     get_gpt_mtp_block_spec,
 )
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
+
+from nemo_rl_spec.models.policy.packed_attention import PackedDotProductAttention  # noqa: E402
 
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -191,6 +194,7 @@ def build_gpt_model(
     model_parallel_cuda_manual_seed(seed)
     config = transformer_config(spec, dtype, mtp_num_layers, activation_checkpointing)
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # + THD packs
     mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if mtp_num_layers else None
     model = GPTModel(
         config=config,
@@ -318,27 +322,28 @@ def gpt_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return output_logits(unwrapped, trunk.hidden)
 
 
-def packed_gpt_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """Main-head logits of a packed sequence (:mod:`~.sequence_packing`): embedding, decoder under
-    ``attention_mask`` (block-diagonal causal, True = masked) with the rotary table read at ``position_ids`` (each
-    row's own positions; ``GPTModel.forward`` would use 0 .. T-1), output layer.
+def packed_gpt_logits(model: torch.nn.Module, input_ids: torch.Tensor, row_tokens: tuple[int, ...]) -> torch.Tensor:
+    """Main-head logits of a packed sequence (:mod:`~.sequence_packing`) through megatron-core's THD path:
+    ``GPTModel.forward`` with ``PackedSeqParams`` (``cu_seqlens`` from ``row_tokens``): RoPE restarts at every row and
+    the core attention (:class:`~.packed_attention.PackedDotProductAttention`) attends causally within each row.
 
-    Shape: input_ids [1, T] int64, position_ids [1, T], attention_mask [1, 1, T, T] bool -> [1, T, V] (V / TP with
-    tensor parallelism).
+    Shape: input_ids [1, T] int64, T = sum(row_tokens) -> [1, T, V] (V / TP with tensor parallelism).
     Raises:
         ValueError: the model has an MTP block (its shifted inputs would cross row boundaries).
     """
     unwrapped = getattr(model, "module", model)
     if unwrapped.config.mtp_num_layers:
         raise ValueError("packed_gpt_logits: a model with an MTP block cannot run packed sequences")
-    hidden = unwrapped.embedding(input_ids=input_ids, position_ids=position_ids)
-    table = unwrapped.rotary_pos_emb(int(position_ids.max()) + 1)  # [L, 1, 1, head_dim]
-    hidden = unwrapped.decoder(
-        hidden_states=hidden, attention_mask=attention_mask, rotary_pos_emb=table[position_ids[0]]
+    cu_seqlens = F.pad(torch.tensor(row_tokens, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens.to(input_ids.device),
+        cu_seqlens_kv=cu_seqlens.to(input_ids.device),
+        max_seqlen_q=max(row_tokens),
+        max_seqlen_kv=max(row_tokens),
     )
-    return output_logits(unwrapped, hidden)
+    positions = torch.cat([torch.arange(n, device=input_ids.device) for n in row_tokens]).unsqueeze(0)
+    return model(input_ids, positions, attention_mask=None, packed_seq_params=params)
 
 
 class TrunkOutput:

@@ -45,7 +45,7 @@ from nemo_rl_spec.models.policy.parallel import (
     reduce_metrics,
 )
 from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
-from nemo_rl_spec.models.policy.sequence_packing import PackedMicroBatch, block_causal_mask, pack_rows, packed_plan, unpack_rows
+from nemo_rl_spec.models.policy.sequence_packing import PackedMicroBatch, pack_rows, packed_plan, unpack_rows
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, token_logprobs
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
 from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
@@ -233,8 +233,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         (:mod:`~.sequence_packing`). Shape: input_ids [b, S] -> [b, S, V] (V / TP)."""
         if not isinstance(plan_mb, PackedMicroBatch):
             return mm.gpt_logits(self.model, mb["input_ids"])
-        ids, positions = pack_rows(mb["input_ids"], plan_mb.row_tokens)
-        packed = mm.packed_gpt_logits(self.model, ids, positions, block_causal_mask(plan_mb.row_tokens, ids.device))
+        packed = mm.packed_gpt_logits(self.model, pack_rows(mb["input_ids"], plan_mb.row_tokens), plan_mb.row_tokens)
         return unpack_rows(packed, plan_mb.row_tokens, int(mb["input_ids"].shape[1]))
 
     def _forward_logprobs(self, mb: TrainDatumSpec, plan_mb: MicroBatch, temperature: float, sampling_filter):

@@ -1,18 +1,16 @@
-"""Sequence packing of the Megatron policy worker: NeMo-RL's ``policy.sequence_packing`` on megatron-core's local
-attention (no Transformer Engine, so no THD / ``cu_seqlens`` kernels).
+"""Sequence packing of the Megatron policy worker: NeMo-RL's ``policy.sequence_packing``.
 
 A packed micro-batch puts the tokens of its rows one after the other in a single sequence of T tokens: row b
 contributes its first ``row_tokens[b]`` tokens (its length rounded up to ``sequence_length_round``, capped at the
-batch width; with round 1 only its real tokens), position ids restart at 0 at every row, and a block-diagonal causal
-mask lets a token attend only to the earlier tokens of its own row. RoPE takes the rotary table at each token's
-position id, so every row sees exactly the positions, keys and values it sees alone; the logits are scattered back to
-[b, S, V] (zeros past a row's packed tokens) and every later computation (log-probs, losses) is the unpacked one. A
-packed step therefore equals the padded step to float32 rounding; what changes is the work: sum(row_tokens) tokens
-through the linear layers instead of rows x longest row, but a T x T attention score matrix per head instead of one
-of longest-row^2 per row (megatron's local attention has no variable-length kernel).
+batch width; with round 1 only its real tokens). The model runs it through megatron-core's THD path
+(:func:`~.megatron_model.packed_gpt_logits`: ``cu_seqlens`` bounds, RoPE restarting at every row, attention within
+each row by :class:`~.packed_attention.PackedDotProductAttention`), and the logits are scattered back to [b, S, V]
+(zeros past a row's packed tokens), so every later computation (log-probs, losses) is the unpacked one. A packed step
+therefore equals the padded step to float32 rounding; what changes is the work: sum(row_tokens) tokens through the
+linear layers in one matrix product instead of rows x longest row, and sum(row_tokens^2) attention scores.
 
-Micro-batch plans: rows are assigned to bins of at most ``train_mb_tokens`` / ``logprob_mb_tokens`` packed tokens by
-one of NeMo-RL's four algorithms (:data:`ALGORITHMS`); a row larger than the budget gets a bin of its own.
+Micro-batch plans: rows are assigned to packs of at most ``train_mb_tokens`` / ``logprob_mb_tokens`` tokens by one
+of NeMo-RL's four algorithms (:data:`ALGORITHMS`); a row larger than the budget gets a pack of its own.
 """
 
 from __future__ import annotations
@@ -177,33 +175,19 @@ def packed_plan(
 
 
 # ---- packing a micro-batch -----------------------------------------------------------------------------------------
-def pack_rows(input_ids: torch.Tensor, row_tokens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_rows(input_ids: torch.Tensor, row_tokens: tuple[int, ...]) -> torch.Tensor:
     """Concatenate the first ``row_tokens[b]`` tokens of each row.
 
-    Shape: input_ids [b, S] (S >= max(row_tokens)) -> (packed ids [1, T], position ids [1, T]), T = sum(row_tokens);
-    position ids run 0 .. row_tokens[b] - 1 within each row.
+    Shape: input_ids [b, S] (S >= max(row_tokens)) -> [1, T], T = sum(row_tokens).
     Raises:
         ValueError: ``row_tokens`` does not have one entry per row, or an entry is < 1 or > S.
     """
     if len(row_tokens) != input_ids.shape[0] or min(row_tokens, default=0) < 1 or max(row_tokens) > input_ids.shape[1]:
-        raise ValueError(f"row_tokens {row_tokens} must give 1..{input_ids.shape[1]} tokens for each of the "
-                         f"{input_ids.shape[0]} rows")
-    ids = torch.cat([input_ids[b, :n] for b, n in enumerate(row_tokens)]).unsqueeze(0)
-    positions = torch.cat([torch.arange(n, device=input_ids.device) for n in row_tokens]).unsqueeze(0)
-    return ids, positions
-
-
-def block_causal_mask(row_tokens: tuple[int, ...], device=None) -> torch.Tensor:
-    """Megatron's boolean attention mask of a pack (True = masked): token q attends to token k iff both belong to the
-    same row and k <= q.
-
-    Shape: -> [1, 1, T, T] bool, T = sum(row_tokens).
-    """
-    segment = torch.repeat_interleave(torch.arange(len(row_tokens), device=device),
-                                      torch.tensor(row_tokens, device=device))
-    total = segment.numel()
-    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
-    return ~(causal & (segment.unsqueeze(0) == segment.unsqueeze(1))).view(1, 1, total, total)
+        raise ValueError(
+            f"row_tokens {row_tokens} must give 1..{input_ids.shape[1]} tokens for each of the "
+            f"{input_ids.shape[0]} rows"
+        )
+    return torch.cat([input_ids[b, :n] for b, n in enumerate(row_tokens)]).unsqueeze(0)
 
 
 def unpack_rows(packed: torch.Tensor, row_tokens: tuple[int, ...], seq_len: int) -> torch.Tensor:
