@@ -1,8 +1,9 @@
-"""Training and log-prob phase seconds, padded micro-batches vs dynamic batching, on one batch of the default recipe.
+"""Training and log-prob phase seconds, padded micro-batches vs dynamic batching vs sequence packing, on one batch of
+a recipe (the default one unless ``--config``).
 
     python examples/bench_dynamic_batching.py --out results/bench_dynamic_batching.json
-        [--config configs/grpo_math_smollm2_135m.yaml] [--rounds 64 1] [--budgets 768:1536 ...] [--repeats 1]
-        [--seed 0] [key=value ...]
+        [--config configs/grpo_math_smollm2_135m.yaml] [--rounds 64 1] [--budgets 768:1536 ...]
+        [--packing modified_first_fit_decreasing ...] [--repeats 1] [--seed 0] [key=value ...]
 
 One :class:`~nemo_rl_spec.models.policy.megatron_worker.MegatronPolicyWorker` of the recipe's policy (its model,
 threads, micro-batch sizes) in this process, no Ray and no vLLM. The batch has the recipe's shape
@@ -14,7 +15,9 @@ tokens for 160; the default recipe's first step measured a mean response length 
 Variants, timed on the same batch and the same weights (restored after every ``train``): ``padded`` (the recipe's
 fixed micro-batches, each trimmed to its longest row) and ``dynamic_r<R>`` for each ``--rounds`` R
 (``policy.dynamic_batching`` on, the recipe's token budgets, ``sequence_length_round=R``), or with ``--budgets
-T:L`` ``dynamic_t<T>_l<L>_r<R>`` (``train_mb_tokens=T``, ``logprob_mb_tokens=L``). Phases: ``logprob_s``
+T:L`` ``dynamic_t<T>_l<L>_r<R>`` (``train_mb_tokens=T``, ``logprob_mb_tokens=L``), and for each ``--packing``
+algorithm A ``packed_<A>`` (``policy.sequence_packing`` on with the same budgets as the first dynamic variant, round
+1). Phases: ``logprob_s``
 (``get_logprobs``, the GRPO step's ``policy_and_reference_logprobs`` phase without a reference model) and
 ``train_s`` (one ``train`` call on all rows: the recipe's ``train_global_batch_size`` is the whole step), each
 the median over ``--repeats`` rounds (variants interleaved) after an untimed warm-up on two rows.
@@ -22,10 +25,14 @@ the median over ``--repeats`` rounds (variants interleaved) after an untimed war
 Written JSON::
 
     {"config", "overrides", "threads", "batch": {"rows", "seq_lengths", "prompt_lengths", "response_lengths"},
-     "variants": {"<name>": {"dynamic_batching" (the section used, null: padded), "logprob_s", "train_s", "train_tokens", "logprob_tokens" (padded tokens computed),
+     "variants": {"<name>": {"dynamic_batching" / "sequence_packing" (the section used, null: not this plan),
+                             "logprob_s", "train_s", "train_tokens", "logprob_tokens" (tokens computed, padding included),
+                             "train_tokens_per_s", "logprob_tokens_per_s" (real tokens: sum of row lengths / seconds),
+                             "logprob_s_all", "train_s_all" (every repeat),
                              "train_micro_batches", "logprob_micro_batches", "loss", "grad_norm",
                              "logprob_max_abs_diff" (vs padded, valid tokens)}},
      "ratios": {"<name>": {"logprob": padded / variant seconds, "train": ..., "both": ...}},
+     "packed_vs_dynamic": {"packed_<A>": {"vs", "logprob", "train" (dynamic / packed seconds), per-repeat lists}},
      "machine": {...} (nemo_rl_spec.utils.machine.machine_info)}
 
 Also prints a table. On 2 shared CPU cores run it alone (``../shared/tools/heavy``).
@@ -84,13 +91,14 @@ def build_batch(cfg, tokenizer, seed: int) -> dict:
     )
 
 
-def _variants(cfg, rounds: list[int], budgets: list[str] | None = None) -> dict:
-    """``{"padded": None, "dynamic_r<R>": DynamicBatchingConfig}`` with the recipe's token budgets, or with
-    ``budgets`` ("<train_mb_tokens>:<logprob_mb_tokens>" each) ``"dynamic_t<T>_l<L>_r<R>"``."""
-    from nemo_rl_spec.utils.config_schema import DynamicBatchingConfig
+def _variants(cfg, rounds: list[int], budgets: list[str] | None = None, packing: list[str] | None = None) -> dict:
+    """``{"padded": (None, None), "dynamic_r<R>": (DynamicBatchingConfig, None)}`` with the recipe's token budgets, or
+    with ``budgets`` ("<train_mb_tokens>:<logprob_mb_tokens>" each) ``"dynamic_t<T>_l<L>_r<R>"``; and
+    ``"packed_<algorithm>": (None, SequencePackingConfig)`` with the first dynamic variant's budgets, round 1."""
+    from nemo_rl_spec.utils.config_schema import DynamicBatchingConfig, SequencePackingConfig
 
     base = cfg.policy.dynamic_batching or DynamicBatchingConfig()
-    out = {"padded": None}
+    out = {"padded": (None, None)}
     for pair in budgets or [None]:
         update, tag = {"enabled": True}, ""
         if pair is not None:
@@ -98,11 +106,23 @@ def _variants(cfg, rounds: list[int], budgets: list[str] | None = None) -> dict:
             update.update(train_mb_tokens=train, logprob_mb_tokens=logprob)
             tag = f"_t{train}_l{logprob}"
         for r in rounds:
-            out[f"dynamic{tag}_r{r}"] = base.model_copy(update={**update, "sequence_length_round": r})
+            out[f"dynamic{tag}_r{r}"] = (base.model_copy(update={**update, "sequence_length_round": r}), None)
+    first = next(dyn for dyn, _ in out.values() if dyn is not None)
+    for algorithm in packing or []:
+        pack = SequencePackingConfig(
+            enabled=True,
+            train_mb_tokens=first.train_mb_tokens,
+            logprob_mb_tokens=first.logprob_mb_tokens,
+            algorithm=algorithm,
+            sequence_length_round=1,
+        )
+        out[f"packed_{algorithm}"] = (None, pack)
     return out
 
 
-def run(cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | None = None) -> dict:
+def run(
+    cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | None = None, packing: list[str] | None = None
+) -> dict:
     """Time both phases per variant (module docstring); returns the JSON body."""
     import torch
     from transformers import AutoTokenizer
@@ -118,7 +138,8 @@ def run(cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | No
     worker = MegatronPolicyWorker(
         cfg.policy.model_copy(deep=True), ClippedPGLossFn(cfg.loss_fn.model_dump()), path, seed=0
     )
-    variants = _variants(cfg, rounds, budgets)
+    variants = _variants(cfg, rounds, budgets, packing)
+    real_tokens = int(batch["input_lengths"].sum())
     weights = {k: v.detach().clone() for k, v in mm.megatron_param_state(worker.module).items()}
     mask = batch["token_mask"].bool()
     times = {name: {"logprob_s": [], "train_s": []} for name in variants}
@@ -128,8 +149,8 @@ def run(cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | No
     mm.load_megatron_state(worker.module, weights)
     reference_lp = None
     for rep in range(1, repeats + 1):
-        for name, dyn in variants.items():
-            worker.cfg.dynamic_batching = dyn
+        for name, (dyn, pack) in variants.items():
+            worker.cfg.dynamic_batching, worker.cfg.sequence_packing = dyn, pack
             start = time.perf_counter()
             lp = worker.get_logprobs(batch)
             logprob_s = time.perf_counter() - start
@@ -145,6 +166,7 @@ def run(cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | No
             plans = {phase: worker.micro_batch_plan(batch, phase) for phase in ("train", "logprob")}
             results[name] = {
                 "dynamic_batching": None if dyn is None else dyn.model_dump(),
+                "sequence_packing": None if pack is None else pack.model_dump(),
                 "train_tokens": sum(mb.num_tokens for mb in plans["train"]),
                 "logprob_tokens": sum(mb.num_tokens for mb in plans["logprob"]),
                 "train_micro_batches": len(plans["train"]),
@@ -156,6 +178,11 @@ def run(cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | No
             print(f"round {rep} {name}: logprob {logprob_s:.2f}s train {train_s:.2f}s", flush=True)
     for name in variants:
         results[name].update({k: statistics.median(v) for k, v in times[name].items()})
+        results[name].update({f"{k}_all": v for k, v in times[name].items()})
+        results[name].update(
+            train_tokens_per_s=real_tokens / results[name]["train_s"],
+            logprob_tokens_per_s=real_tokens / results[name]["logprob_s"],
+        )
     pad = results["padded"]
     ratios = {
         name: {
@@ -173,20 +200,41 @@ def run(cfg, rounds: list[int], repeats: int, seed: int, budgets: list[str] | No
         "batch": {"rows": int(batch["input_ids"].shape[0]), "seq_lengths": batch["input_lengths"].tolist(), **meta},
         "variants": results,
         "ratios": ratios,
+        "packed_vs_dynamic": _packed_vs_dynamic(results),
         "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _packed_vs_dynamic(results: dict) -> dict:
+    """``{"packed_<A>": {"vs": <first dynamic variant>, "logprob": dynamic / packed seconds, "train": ...,
+    "train_per_repeat": [...]}}`` (repeats are interleaved, so per-repeat ratios pair runs taken side by side)."""
+    dynamic = next((n for n in results if n.startswith("dynamic")), None)
+    if dynamic is None:
+        return {}
+    d = results[dynamic]
+    return {
+        name: {
+            "vs": dynamic,
+            "logprob": d["logprob_s"] / r["logprob_s"],
+            "train": d["train_s"] / r["train_s"],
+            "train_per_repeat": [a / b for a, b in zip(d["train_s_all"], r["train_s_all"])],
+            "logprob_per_repeat": [a / b for a, b in zip(d["logprob_s_all"], r["logprob_s_all"])],
+        }
+        for name, r in results.items()
+        if name.startswith("packed_")
     }
 
 
 def print_table(result: dict) -> None:
     pad = result["variants"]["padded"]
     print(
-        f"\n{'variant':12s} {'logprob_s':>9s} {'train_s':>8s} {'lp_tokens':>9s} {'tr_tokens':>9s} {'tr_mbs':>6s} "
+        f"\n{'variant':36s} {'logprob_s':>9s} {'train_s':>8s} {'lp_tokens':>9s} {'tr_tokens':>9s} {'tr_mbs':>6s} "
         f"{'x logprob':>9s} {'x train':>8s} {'loss':>11s} {'grad_norm':>10s} {'lp_diff':>8s}"
     )
     for name, r in result["variants"].items():
         ratio = result["ratios"].get(name, {"logprob": 1.0, "train": 1.0})
         print(
-            f"{name:12s} {r['logprob_s']:9.2f} {r['train_s']:8.2f} {r['logprob_tokens']:9d} {r['train_tokens']:9d} "
+            f"{name:36s} {r['logprob_s']:9.2f} {r['train_s']:8.2f} {r['logprob_tokens']:9d} {r['train_tokens']:9d} "
             f"{r['train_micro_batches']:6d} {ratio['logprob']:9.3f} {ratio['train']:8.3f} {r['loss']:11.3e} "
             f"{r['grad_norm']:10.4e} {r['logprob_max_abs_diff']:8.1e}"
         )
@@ -202,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/grpo_math_smollm2_135m.yaml")
     parser.add_argument("--rounds", nargs="+", type=int, default=[64, 1], help="sequence_length_round values")
     parser.add_argument("--repeats", type=int, default=1, help="timed rounds (after a two-row warm-up)")
+    parser.add_argument("--packing", nargs="*", default=None, help="sequence packing algorithms to add as variants")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--budgets",
@@ -214,12 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl_spec.utils.machine import write_bench_json
 
     cfg = load_config(args.config, extra)
-    result = {"config": args.config, "overrides": extra, **run(cfg, args.rounds, args.repeats, args.seed, args.budgets)}
+    result = {"config": args.config, "overrides": extra, **run(cfg, args.rounds, args.repeats, args.seed, args.budgets, args.packing)}
     print_table(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_bench_json(out, result)
-    print(json.dumps({"out": str(out), "ratios": result["ratios"]}))
+    print(json.dumps({"out": str(out), "ratios": result["ratios"], "packed_vs_dynamic": result["packed_vs_dynamic"]}))
     return 0
 
 

@@ -12,6 +12,7 @@ from nemo_rl_spec.models.policy.sequence_packing import (
     pack_bins,
     pack_rows,
     packed_plan,
+    unpack_logprobs,
     unpack_rows,
 )
 from nemo_rl_spec.utils.config import ConfigError, load_config
@@ -99,6 +100,14 @@ def test_pack_and_unpack_by_hand():
     ]
     with pytest.raises(ValueError, match="row_tokens .* must give 1..4 tokens for each of the 2 rows"):
         pack_rows(ids, (3, 5))
+
+
+def test_unpack_logprobs_zeroes_row_starts_and_padding():
+    """Pack of rows with 3 real tokens (+1 rounding token) and 2: the values at the second row's first token (scored
+    from the first row's last logits) and at the rounding token are not log-probs of the rows and become 0."""
+    packed = torch.tensor([[0.0, -1.0, -2.0, -3.0, -4.0, -5.0]])  # tokens: row 0 (3 + 1 rounding), row 1 (2)
+    got = unpack_logprobs(packed, (4, 2), torch.tensor([3, 2]), 5)
+    assert got.tolist() == [[0.0, -1.0, -2.0, 0.0, 0.0], [0.0, -5.0, 0.0, 0.0, 0.0]]
 
 
 def _load(*overrides):

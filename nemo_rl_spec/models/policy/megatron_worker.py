@@ -45,7 +45,7 @@ from nemo_rl_spec.models.policy.parallel import (
     reduce_metrics,
 )
 from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
-from nemo_rl_spec.models.policy.sequence_packing import PackedMicroBatch, pack_rows, packed_plan, unpack_rows
+from nemo_rl_spec.models.policy.sequence_packing import PackedMicroBatch, pack_rows, packed_plan, unpack_logprobs
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, token_logprobs
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
 from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
@@ -228,17 +228,25 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         return {**vars(self.layout), "distributed_optimizer": int(uses_distributed_optimizer(self.optimizer))}
 
     # ---- log-probs -------------------------------------------------------------------------------
-    def _logits(self, mb: TrainDatumSpec, plan_mb: MicroBatch) -> torch.Tensor:
-        """Main-head logits of one micro-batch, run packed when ``plan_mb`` is a :class:`PackedMicroBatch`
-        (:mod:`~.sequence_packing`). Shape: input_ids [b, S] -> [b, S, V] (V / TP)."""
+    def _token_logprobs(
+        self, mb: TrainDatumSpec, plan_mb: MicroBatch, temperature: float, sampling_filter
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(per-token log-probs [b, S] as :func:`token_logprobs`, main-head logits [b, S, V] or None when packed).
+
+        A :class:`PackedMicroBatch` runs packed (:mod:`~.sequence_packing`): the log-probs are taken on the pack's
+        [1, T, V] logits and only they are unpacked (:func:`unpack_logprobs`), so no [b, S, V] tensor is built."""
         if not isinstance(plan_mb, PackedMicroBatch):
-            return mm.gpt_logits(self.model, mb["input_ids"])
-        packed = mm.packed_gpt_logits(self.model, pack_rows(mb["input_ids"], plan_mb.row_tokens), plan_mb.row_tokens)
-        return unpack_rows(packed, plan_mb.row_tokens, int(mb["input_ids"].shape[1]))
+            logits = mm.gpt_logits(self.model, mb["input_ids"])
+            lp = token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group, sampling_filter)
+            return lp, logits
+        ids = pack_rows(mb["input_ids"], plan_mb.row_tokens)
+        logits = mm.packed_gpt_logits(self.model, ids, plan_mb.row_tokens)
+        lengths = torch.tensor([ids.shape[1]], device=ids.device)
+        lp = token_logprobs(logits, ids, lengths, temperature, self.tp_group, sampling_filter)
+        return unpack_logprobs(lp, plan_mb.row_tokens, mb["input_lengths"], int(mb["input_ids"].shape[1])), None
 
     def _forward_logprobs(self, mb: TrainDatumSpec, plan_mb: MicroBatch, temperature: float, sampling_filter):
-        logits = self._logits(mb, plan_mb)
-        return token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group, sampling_filter)
+        return self._token_logprobs(mb, plan_mb, temperature, sampling_filter)[0]
 
     def micro_batch_plan(self, data: TrainDatumSpec, phase: str) -> list[MicroBatch]:
         """The micro-batches of ``phase`` ("train" or "logprob") for this rank's ``data``: fixed row chunks of
@@ -389,10 +397,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         the detached activations."""
         capture = draft.capture(self.model) if draft is not None else contextlib.nullcontext()
         with capture as cap:
-            logits = self._logits(mb, plan_mb)
-        curr_logprobs = token_logprobs(
-            logits, mb["input_ids"], mb["input_lengths"], self.train_temperature, self.tp_group, self.sampling_filter
-        )
+            curr_logprobs, logits = self._token_logprobs(mb, plan_mb, self.train_temperature, self.sampling_filter)
         loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
         self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
         if draft is not None:

@@ -192,13 +192,31 @@ def pack_rows(input_ids: torch.Tensor, row_tokens: tuple[int, ...]) -> torch.Ten
 
 def unpack_rows(packed: torch.Tensor, row_tokens: tuple[int, ...], seq_len: int) -> torch.Tensor:
     """Scatter a pack's per-token outputs back to rows: row b gets the b-th segment at columns 0 .. row_tokens[b] - 1
-    and zeros after.
+    and zeros after. One gather (its backward one index-add), not a copy per row.
 
     Shape: packed [1, T, ...] -> [b, seq_len, ...] (seq_len >= max(row_tokens)).
     """
-    out = packed.new_zeros((len(row_tokens), seq_len, *packed.shape[2:]))
-    start = 0
-    for b, n in enumerate(row_tokens):
-        out[b, :n] = packed[0, start : start + n]
-        start += n
-    return out
+    total = sum(row_tokens)
+    column = torch.arange(seq_len)
+    starts = torch.tensor([0, *row_tokens[:-1]]).cumsum(0)
+    lengths = torch.tensor(row_tokens)
+    index = torch.where(column < lengths.unsqueeze(1), starts.unsqueeze(1) + column, total)  # total: the zero row
+    rows = torch.cat([packed[0], packed.new_zeros((1, *packed.shape[2:]))])
+    return rows[index.to(packed.device)]
+
+
+def unpack_logprobs(
+    packed: torch.Tensor, row_tokens: tuple[int, ...], input_lengths: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """Per-token log-probs of a pack, as :func:`~.vocab_parallel.token_logprobs` gives them for the unpacked rows.
+
+    ``packed[0, t]`` is the log-prob of pack token t given the logits at t - 1; at the first token of a row that is
+    the previous row's last position, so column 0 of every row is set to 0, as are the columns from
+    ``input_lengths[b]`` on (padding, and the rounding tokens of a pack).
+
+    Shape: packed [1, T] float32, input_lengths [b] -> [b, seq_len] float32.
+    """
+    out = unpack_rows(packed, row_tokens, seq_len)
+    column = torch.arange(seq_len, device=out.device)
+    valid = (column > 0) & (column < input_lengths.to(out.device).unsqueeze(1))
+    return torch.where(valid, out, 0.0)
