@@ -150,6 +150,7 @@ def run(
     reference_lp = None
     for rep in range(1, repeats + 1):
         for name, (dyn, pack) in variants.items():
+            worker.cfg.dynamic_batching = worker.cfg.sequence_packing = None  # (validated: one plan at a time)
             worker.cfg.dynamic_batching, worker.cfg.sequence_packing = dyn, pack
             start = time.perf_counter()
             lp = worker.get_logprobs(batch)
@@ -263,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl_spec.utils.machine import write_bench_json
 
     cfg = load_config(args.config, extra)
-    result = {"config": args.config, "overrides": extra, **run(cfg, args.rounds, args.repeats, args.seed, args.budgets, args.packing)}
+    result = {
+        "config": args.config,
+        "overrides": extra,
+        **run(cfg, args.rounds, args.repeats, args.seed, args.budgets, args.packing),
+    }
     print_table(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

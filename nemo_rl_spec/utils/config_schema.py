@@ -727,8 +727,9 @@ class SequencePackingConfig(_Strict):
     tokens with ``algorithm``, each row costing its length rounded up to ``sequence_length_round``, and runs a pack as
     one THD sequence through megatron-core's packed path (``cu_seqlens``; attention within each row by
     :class:`~nemo_rl_spec.models.policy.packed_attention.PackedDotProductAttention`, as Transformer Engine does it on
-    GPU). The loss is normalised by global counts as without it, so a step equals the padded one to fp32 rounding. Not with ``policy.dynamic_batching``, MTP layers
-    or an online draft (validated in :class:`PolicyConfig`)."""
+    GPU). The loss is normalised by global counts as without it, so a step equals the padded one to fp32 rounding.
+    Not with ``policy.dynamic_batching`` or MTP layers (validated in :class:`PolicyConfig`); an online EAGLE-3 draft
+    trains on the rows unpacked."""
 
     enabled: bool = False
     # the base recipe's CPU-sized budgets, as policy.dynamic_batching's (NeMo-RL's GPU sizes: max_total_sequence_length
@@ -799,18 +800,14 @@ class PolicyConfig(_Strict):
 
     @model_validator(mode="after")
     def _sequence_packing(self) -> "PolicyConfig":
-        """Packing replaces the micro-batch plan and runs the main head only: one plan at a time, no MTP block (its
-        shifted inputs would cross the rows of a pack) and no online draft (it captures per-row hidden states); each
-        budget must hold one full-length row."""
+        """Packing replaces the micro-batch plan: one plan at a time, no MTP block (its shifted inputs would cross the
+        rows of a pack); each budget must hold one full-length row."""
         pack = self.sequence_packing
         if pack is None or not pack.enabled:
             return self
         clash = {
             "policy.dynamic_batching.enabled=true": self.dynamic_batching is not None and self.dynamic_batching.enabled,
             "policy.megatron_cfg.mtp_num_layers > 0 (MTP co-training)": bool(self.megatron_cfg.mtp_num_layers),
-            "policy.draft.online=true (online EAGLE-3 draft)": bool(
-                self.draft is not None and self.draft.enabled and self.draft.online
-            ),
         }
         for what, on in clash.items():
             if on:

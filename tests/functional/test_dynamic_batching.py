@@ -7,9 +7,10 @@ rows of very different lengths (5 to 120 tokens). Log-probs (policy and referenc
 norm, every gradient, the weights after the step) must agree within 1e-5 (fp32 sums in another order and shape):
 dynamic batching plainly, with MTP co-training (fixed coefficient: the MTP losses are normalised by global counts too),
 and with the online EAGLE-3 head trained on hidden states captured from the dynamically batched forward (its weights
-too); packing plainly (it refuses MTP and the online draft). A pack run as one row (without its row bounds) is far
-off: the test tells a correct pack from a broken one. Parallel groups binning their own
-shards give the DP=1 padded step: dynamic batching at DP=2, packing at DP=2 x TP=2 (Ray, 2 and 4 worker processes).
+too); packing plainly and with the online draft (trained on the captured states unpacked to rows; packing refuses
+MTP). A pack run as one row (without its row bounds) is far off: the test tells a correct pack from a broken one.
+Parallel groups binning their own shards give the DP=1 padded step: dynamic batching at DP=2, packing at DP=2 x TP=2
+(Ray, 2 and 4 worker processes).
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ def test_packed_forward_needs_the_row_bounds(model_dir):
 
 
 @pytest.mark.parametrize(
-    "plan, feature", [("dynamic", "plain"), ("dynamic", "mtp"), ("dynamic", "draft"), ("packed", "plain")]
+    "plan, feature",
+    [("dynamic", "plain"), ("dynamic", "mtp"), ("dynamic", "draft"), ("packed", "plain"), ("packed", "draft")],
 )
 def test_plan_equals_padded_path(model_dir, plan, feature):
     padded, dynamic = _worker(model_dir, "padded", feature), _worker(model_dir, plan, feature)

@@ -3,7 +3,8 @@ config with the online EAGLE-3 recipe on top, ``nemo_rl_compat: true``) runs two
 end (Ray + vLLM + Megatron, one subprocess): one warning lists the ignored keys, NeMo-RL's keys act
 (train_global_batch_size 4 of 8 rollouts: two optimizer steps; the scheduler's warmup lr; validation of
 max_val_samples problems), ``policy.draft.enabled: true`` trains the EAGLE-3 draft online and refits it each step
-(NeMo-RL's meaning), and save_consolidated writes an HF checkpoint of the trained policy."""
+(NeMo-RL's meaning), ``policy.sequence_packing.enabled: true`` (NeMo-RL's base default) packs the training and
+log-prob rows, and save_consolidated writes an HF checkpoint of the trained policy."""
 
 import json
 import os

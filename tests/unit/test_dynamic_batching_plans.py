@@ -83,5 +83,10 @@ def test_config_keys():
         _load("policy.dynamic_batching.train_mb_tokens=100").policy.dynamic_batching.enabled is False
     )  # off: unchecked
     pack = _load("policy.sequence_packing.enabled=true").policy.sequence_packing
-    assert (pack.enabled, pack.train_mb_tokens, pack.logprob_mb_tokens, pack.sequence_length_round) == (True, 768, 1536, 1)
+    assert (pack.enabled, pack.train_mb_tokens, pack.logprob_mb_tokens, pack.sequence_length_round) == (
+        True,
+        768,
+        1536,
+        1,
+    )
     assert pack.algorithm == "modified_first_fit_decreasing"

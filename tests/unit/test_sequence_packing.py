@@ -126,9 +126,3 @@ def _load(*overrides):
 def test_refused_combinations_name_their_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _load("policy.sequence_packing.enabled=true", *overrides)
-
-
-def test_online_draft_with_packing_is_refused():
-    with pytest.raises(ConfigError, match="cannot be combined with policy.draft.online=true"):
-        load_config("configs/grpo_math_tiny_spec.yaml", ["policy.sequence_packing.enabled=true",
-                                                          "policy.draft.online=true"])

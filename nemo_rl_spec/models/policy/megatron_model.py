@@ -323,9 +323,11 @@ def gpt_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def packed_gpt_logits(model: torch.nn.Module, input_ids: torch.Tensor, row_tokens: tuple[int, ...]) -> torch.Tensor:
-    """Main-head logits of a packed sequence (:mod:`~.sequence_packing`) through megatron-core's THD path:
-    ``GPTModel.forward`` with ``PackedSeqParams`` (``cu_seqlens`` from ``row_tokens``): RoPE restarts at every row and
-    the core attention (:class:`~.packed_attention.PackedDotProductAttention`) attends causally within each row.
+    """Main-head logits of a packed sequence (:mod:`~.sequence_packing`) through megatron-core's THD path: embedding,
+    decoder with ``PackedSeqParams`` (``cu_seqlens`` from ``row_tokens``; the core attention,
+    :class:`~.packed_attention.PackedDotProductAttention`, attends causally within each row), output layer. The rotary
+    table is passed per token, read at each token's position in its row (0 .. row_tokens[b] - 1), which megatron
+    applies in one call (``GPTModel.forward`` would pass the [max row, d] table and apply it row by row).
 
     Shape: input_ids [1, T] int64, T = sum(row_tokens) -> [1, T, V] (V / TP with tensor parallelism).
     Raises:
@@ -334,16 +336,22 @@ def packed_gpt_logits(model: torch.nn.Module, input_ids: torch.Tensor, row_token
     unwrapped = getattr(model, "module", model)
     if unwrapped.config.mtp_num_layers:
         raise ValueError("packed_gpt_logits: a model with an MTP block cannot run packed sequences")
-    cu_seqlens = F.pad(torch.tensor(row_tokens, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    device = input_ids.device
+    cu_seqlens = F.pad(torch.tensor(row_tokens, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(device)
     params = PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=cu_seqlens.to(input_ids.device),
-        cu_seqlens_kv=cu_seqlens.to(input_ids.device),
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=max(row_tokens),
         max_seqlen_kv=max(row_tokens),
     )
-    positions = torch.cat([torch.arange(n, device=input_ids.device) for n in row_tokens]).unsqueeze(0)
-    return model(input_ids, positions, attention_mask=None, packed_seq_params=params)
+    positions = torch.cat([torch.arange(n, device=device) for n in row_tokens])
+    table = unwrapped.rotary_pos_emb(max(row_tokens))  # [max row, 1, 1, d]
+    hidden = unwrapped.embedding(input_ids=input_ids, position_ids=positions.unsqueeze(0))
+    hidden = unwrapped.decoder(
+        hidden_states=hidden, attention_mask=None, rotary_pos_emb=table[positions], packed_seq_params=params
+    )
+    return output_logits(unwrapped, hidden)
 
 
 class TrunkOutput:

@@ -45,7 +45,14 @@ from nemo_rl_spec.models.policy.parallel import (
     reduce_metrics,
 )
 from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
-from nemo_rl_spec.models.policy.sequence_packing import PackedMicroBatch, pack_rows, packed_plan, unpack_logprobs
+from nemo_rl_spec.models.policy.sequence_packing import (
+    PackedMicroBatch,
+    pack_rows,
+    packed_plan,
+    unpack_capture,
+    unpack_logprobs,
+    unpack_rows,
+)
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, token_logprobs
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
 from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
@@ -231,19 +238,22 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
     def _token_logprobs(
         self, mb: TrainDatumSpec, plan_mb: MicroBatch, temperature: float, sampling_filter
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(per-token log-probs [b, S] as :func:`token_logprobs`, main-head logits [b, S, V] or None when packed).
+        """(per-token log-probs [b, S] as :func:`token_logprobs`, main-head logits: [b, S, V], or the pack's
+        [1, T, V] for a :class:`PackedMicroBatch`).
 
-        A :class:`PackedMicroBatch` runs packed (:mod:`~.sequence_packing`): the log-probs are taken on the pack's
-        [1, T, V] logits and only they are unpacked (:func:`unpack_logprobs`), so no [b, S, V] tensor is built."""
+        A packed micro-batch runs packed (:mod:`~.sequence_packing`): the log-probs are taken on the pack's logits and
+        only they are unpacked (:func:`unpack_logprobs`), so no [b, S, V] tensor is built for the policy."""
         if not isinstance(plan_mb, PackedMicroBatch):
             logits = mm.gpt_logits(self.model, mb["input_ids"])
-            lp = token_logprobs(logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group, sampling_filter)
+            lp = token_logprobs(
+                logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group, sampling_filter
+            )
             return lp, logits
         ids = pack_rows(mb["input_ids"], plan_mb.row_tokens)
         logits = mm.packed_gpt_logits(self.model, ids, plan_mb.row_tokens)
         lengths = torch.tensor([ids.shape[1]], device=ids.device)
         lp = token_logprobs(logits, ids, lengths, temperature, self.tp_group, sampling_filter)
-        return unpack_logprobs(lp, plan_mb.row_tokens, mb["input_lengths"], int(mb["input_ids"].shape[1])), None
+        return unpack_logprobs(lp, plan_mb.row_tokens, mb["input_lengths"], int(mb["input_ids"].shape[1])), logits
 
     def _forward_logprobs(self, mb: TrainDatumSpec, plan_mb: MicroBatch, temperature: float, sampling_filter):
         return self._token_logprobs(mb, plan_mb, temperature, sampling_filter)[0]
@@ -401,6 +411,10 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         loss, metrics = self.loss_fn(curr_logprobs, mb, global_toks, global_seqs)
         self.optimizer.scale_loss(loss).backward()  # x1 in fp32/bf16; the loss scale in fp16
         if draft is not None:
+            if isinstance(plan_mb, PackedMicroBatch):  # the draft trains on rows: unpack its inputs
+                seq_len = int(mb["input_ids"].shape[1])
+                logits = unpack_rows(logits.detach(), plan_mb.row_tokens, seq_len)
+                unpack_capture(cap, plan_mb.row_tokens, seq_len)
             draft.accumulate(cap, mb["input_ids"], _draft_loss_mask(mb), gather_vocab(logits, self.tp_group))
         return loss, metrics
 

@@ -43,7 +43,9 @@ class PackedMicroBatch(MicroBatch):
 
 
 # ---- bin packing -----------------------------------------------------------------------------------------------------
-def _first_fit(order: list[int], sizes: list[int], capacity: int, bins: list[list[int]] | None = None) -> list[list[int]]:
+def _first_fit(
+    order: list[int], sizes: list[int], capacity: int, bins: list[list[int]] | None = None
+) -> list[list[int]]:
     """Place each item of ``order`` into the first bin (in opening order) with room, else a new bin."""
     bins = [] if bins is None else bins
     loads = [sum(sizes[i] for i in b) for b in bins]
@@ -220,3 +222,13 @@ def unpack_logprobs(
     column = torch.arange(seq_len, device=out.device)
     valid = (column > 0) & (column < input_lengths.to(out.device).unsqueeze(1))
     return torch.where(valid, out, 0.0)
+
+
+def unpack_capture(capture, row_tokens: tuple[int, ...], seq_len: int) -> None:
+    """Unpack, in place, the hidden states an online draft captured from a packed forward
+    (:class:`~nemo_rl_spec.speculative.capture.HiddenStateCapture`, sequence-first): each [T, 1, H] state becomes
+    [seq_len, b, H] with row b's tokens at 0 .. row_tokens[b] - 1 and zeros after, as the unpacked forward's rows
+    (whose states past a row's length the draft's loss mask never reads)."""
+    for layer, state in capture.states.items():
+        rows = unpack_rows(state.transpose(0, 1) if capture.sequence_first else state, row_tokens, seq_len)
+        capture.states[layer] = rows.transpose(0, 1) if capture.sequence_first else rows
