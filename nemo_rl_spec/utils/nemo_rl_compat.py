@@ -39,6 +39,15 @@ SETS: dict[str, str] = {
     "grpo.val_num_generations_per_prompt": "grpo.val_num_generations",
 }
 
+#: NeMo-RL dataset names (``dataset_name`` under ``data.train``, ``data.validation`` or, older layout, ``data``) that
+#: this project has as a data source -> (the source key it sets, the source). Other names are ignored with their
+#: reason (:data:`IGNORED`): the recipe's ``defaults:`` supply the data.
+DATASETS: dict[str, dict[str, tuple[str, str]]] = {
+    "data.train.dataset_name": {"DAPOMath17K": ("data.train.source", "dapo_math_17k")},
+    "data.dataset_name": {"DAPOMath17K": ("data.train.source", "dapo_math_17k")},
+    "data.validation.dataset_name": {"AIME2024": ("data.validation.source", "aime_2024")},
+}
+
 #: NeMo-RL key -> (a key whose value it must equal, or None) and the fixed value it must have otherwise
 MUST_MATCH: dict[str, tuple[str | None, Any]] = {
     "policy.tokenizer.name": ("policy.model_name", None),  # the policy's own tokenizer only
@@ -52,6 +61,10 @@ _MOE = "MoE / expert parallelism (dense models only)"
 _PAR = "parallelism this build does not run"
 _PREC = "mixed-precision flags (the precision is policy.precision)"
 _DATA = "NeMo-RL's data pipeline (this project: data.train / data.validation)"
+_DATASET = (
+    "a dataset this project has no copy of (mapped: DAPOMath17K -> data.train.source=dapo_math_17k, AIME2024 -> "
+    "data.validation.source=aime_2024); the data comes from the recipe's defaults"
+)
 _LOG = "logger back-ends and GPU monitoring this project does not have"
 _GPU = "GPU-only performance switches"
 _OFFLOAD = "GPU memory offloading (CPU training keeps everything in host memory)"
@@ -101,7 +114,7 @@ IGNORED: dict[str, str] = {
     "data.prompt_file": _DATA,
     "data.system_prompt_file": _DATA,
     "data.shuffle": _DATA,
-    "data.dataset_name": _DATA,
+    "data.dataset_name": _DATASET,
     "env.math.math_verify_impl": "the math verifier is fixed (environments/math_env.py)",
     "logger.num_val_samples_to_print": _LOG,
     "logger.swanlab_enabled": _LOG,
@@ -148,7 +161,8 @@ IGNORED: dict[str, str] = {
     "policy.generation.refit_cfg": _REFIT,
     "policy.generation.real_quant_export_cpu_offload": "quantised weight export (the engines take full-precision weights)",
     "policy.generation.mcore_generation_config": "megatron-core's generation backend (vLLM only here)",
-    "data.train.dataset_name": _DATA,
+    "data.train.dataset_name": _DATASET,
+    "data.validation.dataset_name": _DATASET,
     "data.train.split_validation_size": _DATA,
     "data.num_workers": _DATA,
     "data.use_multiple_dataloader": _DATA,
@@ -226,6 +240,17 @@ def _nemo_rl_draft_semantics(cfg: dict) -> None:
     draft.setdefault("loss_weight", NEMO_RL_DRAFT_LOSS_WEIGHT)
 
 
+def _nemo_rl_datasets(cfg: dict) -> None:
+    """Map the :data:`DATASETS` names onto this project's data sources (the key popped, the source set); other names
+    stay for :data:`IGNORED`."""
+    for key, names in DATASETS.items():
+        value = _get(cfg, key)
+        if value in names:
+            target, source = names[value]
+            _pop(cfg, key)
+            _set(cfg, target, source)
+
+
 def drop_null_defaults(data: dict) -> dict:
     """Remove the :data:`NULL_MEANS_DEFAULT` keys that are null from one recipe file's dict (in place; returned)."""
     for key in NULL_MEANS_DEFAULT:
@@ -297,6 +322,7 @@ def adapt_nemo_rl_recipe(cfg: dict) -> tuple[dict, list[str]]:
         _pop(cfg, key)
     check_off_only(cfg)
     _nemo_rl_draft_semantics(cfg)
+    _nemo_rl_datasets(cfg)
     ignored = []
     for key, reason in IGNORED.items():
         value = _get(cfg, key)
@@ -314,4 +340,5 @@ def adapt_nemo_rl_recipe(cfg: dict) -> tuple[dict, list[str]]:
 
 def known_nemo_rl_keys() -> frozenset[str]:
     """Every NeMo-RL key the compatibility switch handles (renamed, checked or ignored), for the strict error's hint."""
-    return frozenset(RENAMED) | frozenset(SETS) | frozenset(MUST_MATCH) | frozenset(IGNORED) | frozenset(OFF_ONLY)
+    keys = (RENAMED, SETS, MUST_MATCH, IGNORED, OFF_ONLY, DATASETS)
+    return frozenset(k for table in keys for k in table)

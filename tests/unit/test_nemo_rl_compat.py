@@ -121,3 +121,22 @@ def test_conflicts_and_typos_stay_errors_under_the_switch(override, match):
         warnings.simplefilter("ignore", NemoRLCompatWarning)
         with pytest.raises(ConfigError, match=match):
             load_config(FIXTURE, [override])
+
+
+@pytest.mark.parametrize(
+    "override, key, expected",
+    [
+        ("data.dataset_name=DAPOMath17K", "train", "dapo_math_17k"),  # the 1B layout's key
+        ("+data.train.dataset_name=DAPOMath17K", "train", "dapo_math_17k"),  # NeMo-RL main's key
+        ("+data.validation.dataset_name=AIME2024", "validation", "aime_2024"),
+        ("data.dataset_name=OpenMathInstruct-2", "train", "reasoning_gym"),  # no copy here: the defaults' source
+    ],
+)
+def test_nemo_rl_dataset_names_map_onto_data_sources(override, key, expected):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(FIXTURE, [override])
+    assert getattr(cfg.data, key).source == expected
+    text = "".join(str(w.message) for w in caught if issubclass(w.category, NemoRLCompatWarning))
+    name = override.split("=")[1]
+    assert (f"dataset_name={name!r}: a dataset this project has no copy of" in text) == (name == "OpenMathInstruct-2")

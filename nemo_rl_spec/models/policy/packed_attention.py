@@ -4,17 +4,17 @@ without Transformer Engine (on CPU, and on a GPU image without TE).
 With ``packed_seq_params`` (``qkv_format="thd"``) megatron's ``Attention`` squeezes the batch dimension, applies RoPE
 per row (``cu_seqlens``: positions restart at every row) and hands the core attention [T, heads, head_dim] tensors of
 the whole pack; TE's variable-length kernel then attends within each row. ``DotProductAttention`` asserts
-``packed_seq_params is None``; :class:`PackedDotProductAttention` instead attends within each row's slice: with
-megatron's vanilla softmax and no attention window by torch's fused ``scaled_dot_product_attention`` (causal, grouped
-query heads, megatron's softmax scale; one kernel per row, where the parent takes about eight operations), otherwise
-by the parent's own computation on the slice. Either way the attention costs sum(L_i^2) per pack, as with the
-variable-length kernel, not T^2.
+``packed_seq_params is None``; :class:`PackedDotProductAttention` instead gathers the rows of the pack into a
+padded batch [longest row, rows, heads, d] and runs the parent's own computation on it (scaled scores, softmax under
+a causal and key-padding mask, GQA head repeat) in one batched call, then gathers the real tokens back into the pack.
+Only the attention sees padding (rows x longest row^2 scores per layer, as an unpacked micro-batch of those rows);
+the linear layers, the output layer and the log-softmax see the pack's real tokens only. (A loop over rows was
+measured slower on CPU: one small call per row and layer, and torch's fused CPU attention backward in bf16.)
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -50,34 +50,28 @@ class PackedDotProductAttention(DotProductAttention):
         bounds = packed_seq_params.cu_seqlens_q
         if packed_seq_params.cu_seqlens_kv is not None and not torch.equal(packed_seq_params.cu_seqlens_kv, bounds):
             raise ValueError("PackedDotProductAttention: cu_seqlens_kv must equal cu_seqlens_q (self-attention)")
-        bounds = bounds.tolist()
-        row = self._fused_row if self._fusable() else self._parent_row
-        rows = [
-            row(query[start:end], key[start:end], value[start:end], attn_mask_type, attention_bias)
-            for start, end in zip(bounds[:-1], bounds[1:])
-        ]
-        return torch.cat(rows, dim=0)
+        index, mask = _row_layout(tuple(bounds.tolist()), query.device)
 
-    def _fusable(self) -> bool:
-        """True when the parent's attention is plain causal softmax attention without dropout (what the fused kernel
-        computes here)."""
-        cfg = self.config
-        no_dropout = cfg.attention_dropout == 0.0 or not self.training
-        return cfg.softmax_type == "vanilla" and cfg.window_size is None and no_dropout
+        def to_rows(x: torch.Tensor) -> torch.Tensor:  # [T, n, d] -> [longest, rows, n, d], padding zeros
+            return torch.cat([x, x.new_zeros((1, *x.shape[1:]))])[index].transpose(0, 1)
 
-    def _fused_row(self, query, key, value, attn_mask_type, attention_bias) -> torch.Tensor:
-        """One row: query [L, heads, d], key / value [L, groups, d] -> [L, 1, heads * d]."""
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1).unsqueeze(0),
-            key.transpose(0, 1).unsqueeze(0),
-            value.transpose(0, 1).unsqueeze(0),
-            is_causal=True,
-            scale=self.softmax_scale,
-            enable_gqa=self.num_attention_heads_per_partition != self.num_query_groups_per_partition,
-        )  # [1, heads, L, d]
-        return out[0].transpose(0, 1).reshape(query.shape[0], 1, -1)
+        out = super().forward(to_rows(query), to_rows(key), to_rows(value), mask, attn_mask_type, attention_bias)
+        valid = index < query.shape[0]  # [rows, longest], row-major: the pack's order
+        return out.transpose(0, 1)[valid].unsqueeze(1)  # [T, 1, heads * d]
 
-    def _parent_row(self, query, key, value, attn_mask_type, attention_bias) -> torch.Tensor:
-        return super().forward(
-            query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), None, attn_mask_type, attention_bias
-        )
+
+def _row_layout(bounds: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a pack with row bounds ``bounds`` (cu_seqlens): the gather index [rows, longest] into the pack's T tokens
+    (T, one past the end, for padding) and megatron's boolean mask [rows, 1, longest, longest] (True = masked: a
+    later key or a padding key).
+
+    Worked example: bounds (0, 3, 5) -> index [[0, 1, 2], [3, 4, 5]]; row 1's mask masks key 2 everywhere.
+    """
+    starts = torch.tensor(bounds[:-1], device=device)
+    lengths = torch.tensor(bounds[1:], device=device) - starts
+    longest = int(lengths.max())
+    column = torch.arange(longest, device=device)
+    index = torch.where(column < lengths.unsqueeze(1), starts.unsqueeze(1) + column, bounds[-1])
+    causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+    keep = causal & (column < lengths.unsqueeze(1)).unsqueeze(1)  # [rows, longest (q), longest (k)]
+    return index, ~keep.unsqueeze(1)

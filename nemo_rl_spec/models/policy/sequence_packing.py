@@ -4,10 +4,11 @@ A packed micro-batch puts the tokens of its rows one after the other in a single
 contributes its first ``row_tokens[b]`` tokens (its length rounded up to ``sequence_length_round``, capped at the
 batch width; with round 1 only its real tokens). The model runs it through megatron-core's THD path
 (:func:`~.megatron_model.packed_gpt_logits`: ``cu_seqlens`` bounds, RoPE restarting at every row, attention within
-each row by :class:`~.packed_attention.PackedDotProductAttention`), and the logits are scattered back to [b, S, V]
-(zeros past a row's packed tokens), so every later computation (log-probs, losses) is the unpacked one. A packed step
-therefore equals the padded step to float32 rounding; what changes is the work: sum(row_tokens) tokens through the
-linear layers in one matrix product instead of rows x longest row, and sum(row_tokens^2) attention scores.
+each row by :class:`~.packed_attention.PackedDotProductAttention`); the per-token log-probs taken on the pack are
+scattered back to [b, S] (:func:`unpack_logprobs`), so every later computation (losses, metrics) is the unpacked
+one. A packed step therefore equals the padded step to float32 rounding; what changes is the work: sum(row_tokens)
+tokens through the linear layers, the output layer and the log-softmax instead of rows x longest row (the attention
+alone runs on the rows re-padded, see :mod:`~.packed_attention`).
 
 Micro-batch plans: rows are assigned to packs of at most ``train_mb_tokens`` / ``logprob_mb_tokens`` tokens by one
 of NeMo-RL's four algorithms (:data:`ALGORITHMS`); a row larger than the budget gets a pack of its own.
