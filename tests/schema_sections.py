@@ -172,6 +172,7 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
     "grpo.pilot_commit.bind_pilot_to_commit": "rollout_budget_per_step=8 leaves no commit slot",
     "grpo.pilot_commit.fill_commit_budget": "rollout_budget_per_step=8 leaves no commit slot",
     "grpo.pilot_commit.fixed_train_batch": "fixed_train_batch=true with grpo.pilot_commit.bind_pilot_to_commit=true",
+    "grpo.pilot_commit.repilot_within_step": "rollout_budget_per_step=8 leaves no commit slot",
     "grpo.batch_multiplier": "grpo.batch_multiplier=2.0 needs DAPO dynamic sampling",
     "grpo.stop_at_validation_metric": "needs grpo.stop_at_validation_threshold",
     "grpo.async_grpo.enabled": "set loss_fn.use_importance_sampling_correction=true",

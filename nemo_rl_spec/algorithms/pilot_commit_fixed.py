@@ -31,6 +31,10 @@ class FixedBatchPilotCommitAllocator(PilotCommitAllocator):
        buffer is empty, ``all_too_hard_fallback`` applies to this step's too-hard pilots. The step trains on what it
        has: ``pilot_commit/short_groups`` = K - groups trained (0 on a full step).
 
+    With ``repilot_within_step`` false a prompt is piloted at most once a step: a round skips the prompts this step
+    already piloted (the stream still advances past them) and asks for at most as many prompts as the pool has not
+    yet seen this step; the pilot rounds end when none is left.
+
     Rounds per step: at most ``max_pilot_rounds + 1`` (:attr:`max_rounds_per_step`). Every rollout generated (the
     pilots of prompts that did not pass, re-pilots, commits) counts in ``rollout_alloc/step_rollouts`` and
     ``rollout_alloc/cumulative_rollouts``. Extra metrics: ``pilot_commit/pilot_rounds`` (pilot rounds this step),
@@ -69,6 +73,7 @@ class FixedBatchPilotCommitAllocator(PilotCommitAllocator):
         super().__init__(prompt_ids, config, seed=seed, shuffle=shuffle)
         self.max_rounds_per_step = config.max_pilot_rounds + 1
         self._pilot_rounds = 0
+        self._piloted_this_step: set[int] = set()
 
     def _budget(self, default_rollout_budget: int | None) -> tuple[int | None, int]:
         """No rollout budget; K = ``num_prompts_per_step`` commit slots."""
@@ -83,7 +88,9 @@ class FixedBatchPilotCommitAllocator(PilotCommitAllocator):
             self._pilot_rounds += 1
             missing = self.commit_slots - len(self._pending)
             size = scaled_count(self.cfg.pilot_oversampling, missing, round_up=True)
-            return self._issue(self._pilot_requests(t, size))
+            if self.cfg.repilot_within_step:
+                return self._issue(self._pilot_requests(t, size))
+            return self._issue(self._fresh_pilot_requests(t, min(size, self._unpiloted_this_step())))
         self._round_kind = "commit"
         return self._issue(self._commit_requests(t))
 
@@ -95,13 +102,32 @@ class FixedBatchPilotCommitAllocator(PilotCommitAllocator):
             return None
         selection = self._finish_step(self._commit_groups(commits))
         self._pilot_rounds = 0
+        self._piloted_this_step = set()
         return selection
+
+    def _unpiloted_this_step(self) -> int:
+        """Prompts of the pool (evicted ones are out) not piloted this step."""
+        return self.stream.pool_size - len(self._piloted_this_step - self.stream.evicted)
+
+    def _fresh_pilot_requests(self, target_step: int, size: int) -> list[RolloutRequest]:
+        """Pilot requests for up to ``size`` prompts not piloted this step (``repilot_within_step`` false): the
+        stream's next prompts, skipping those already piloted this step, until ``size`` are found or a whole epoch's
+        worth was drawn."""
+        requests, drawn = [], 0
+        while len(requests) < size and drawn < self.stream.pool_size + size:
+            batch = self._pilot_requests(target_step, size - len(requests))
+            drawn += len(batch)
+            fresh = [r for r in batch if r.prompt_id not in self._piloted_this_step]
+            self._piloted_this_step.update(r.prompt_id for r in fresh)
+            requests += fresh
+        return requests
 
     def _wants_pilot(self) -> bool:
         return (
             len(self._pending) < self.commit_slots
             and self._pilot_rounds < self.cfg.max_pilot_rounds
             and self.stream.pool_size > 0
+            and (self.cfg.repilot_within_step or self._unpiloted_this_step() > 0)
         )
 
     def _mode_metrics(self, groups: list[TrainGroup]) -> dict[str, float]:
@@ -114,3 +140,4 @@ class FixedBatchPilotCommitAllocator(PilotCommitAllocator):
         """Restore :meth:`state_dict` output (a step in progress is never saved: no pilot round is pending)."""
         super().load_state_dict(state)
         self._pilot_rounds = 0
+        self._piloted_this_step = set()

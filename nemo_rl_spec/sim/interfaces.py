@@ -191,6 +191,38 @@ class LayoutSpec(BaseModel):
         return self
 
 
+MiB = 2**20
+
+
+class RefitSpec(BaseModel):
+    """How a refit moves the weights to the generation engines (NeMo-RL ``policy.generation.refit_transport``) and
+    the hardware numbers of that path; formulas in :mod:`nemo_rl_spec.sim.refit`. Defaults are assumptions (the
+    description of each says on what they rest); set them from a measurement when one exists."""
+
+    model_config = _STRICT
+    transport: Literal["ray", "nccl", "cuda_ipc"] = Field(
+        description="ray: Ray object store; nccl: bucketed broadcast trainer -> engines; cuda_ipc: colocated handles"
+    )
+    bucket_bytes: float = Field(256 * MiB, gt=0, description="bytes per broadcast / IPC bucket (assumed 256 MiB)")
+    fixed_s: Optional[float] = Field(
+        None, ge=0, description="fixed seconds per refit on top of the transport (RPCs); None: efficiency's overhead"
+    )
+    host_device_bw: float = Field(
+        25e9, gt=0, description="ray: device<->host copy bytes/s (PCIe Gen5 x16 is 64e9 peak; pageable copies less)"
+    )
+    serialize_bw: float = Field(10e9, gt=0, description="ray: bytes/s of putting the tensors into the object store")
+    store_bw: float = Field(10e9, gt=0, description="ray: bytes/s the object store sends from one node (TCP path)")
+    ray_fetch: Literal["sender", "tree"] = Field(
+        "sender", description="sender: every engine pulls from the sender's node; tree: copies serve further pulls"
+    )
+    nccl_bw: Optional[float] = Field(
+        None, gt=0, description="nccl: broadcast bus bytes/s; None: 0.8 x net_bw (refit_over_network) or link_bw"
+    )
+    nccl_latency_s: float = Field(50e-6, ge=0, description="nccl: seconds per bucket per tree level (assumed)")
+    ipc_copy_bw: Optional[float] = Field(None, gt=0, description="cuda_ipc: device copy bytes/s; None: mem_bw / 2")
+    ipc_bucket_s: float = Field(1e-3, ge=0, description="cuda_ipc: handle export/open/sync seconds per bucket")
+
+
 class PhaseTimes(BaseModel):
     """Seconds per phase of one RL step (NeMo-RL ``timing/train/*``: generation, policy_and_reference_logprobs,
     policy_training, weight_sync; ``other`` = the rest of ``total_step_time``)."""
@@ -228,6 +260,15 @@ class ScenarioSpec(BaseModel):
     max_policy_lag: int = Field(1, ge=0, description="async: max trajectory age in steps")
     baseline: Optional[PhaseTimes] = None
     paper: Optional[dict[str, Optional[float]]] = Field(None, description="published values (null: not given)")
+    refit: Optional[RefitSpec] = Field(
+        None, description="weight transport of a refit; None: the lumped model (efficiency.refit_overhead_s/_bw_eff)"
+    )
+
+    @model_validator(mode="after")
+    def _ipc_needs_colocation(self) -> "ScenarioSpec":
+        if self.refit is not None and self.refit.transport == "cuda_ipc" and not self.layout.colocated:
+            raise ValueError("refit.transport cuda_ipc needs layout.colocated: true (use nccl or ray for split pools)")
+        return self
 
 
 class GenerationResult(BaseModel):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from nemo_rl_spec.sim import model_math as mm
-from nemo_rl_spec.sim.interfaces import LayoutSpec, ModelSpec, SystemProfile
+from nemo_rl_spec.sim.interfaces import LayoutSpec, ModelSpec, RefitSpec, SystemProfile
+from nemo_rl_spec.sim.refit import fixed_seconds, transport_seconds
 
 
 def logprob_seconds(
@@ -34,13 +35,31 @@ def draft_training_seconds(
     return ttt_steps * training_seconds(draft, profile, devices, seq_tokens)
 
 
-def refit_seconds(params: int, bytes_per_param: float, profile: SystemProfile, layout: LayoutSpec) -> float:
-    """Weight refit: overhead + shard bytes / (link or network bandwidth * refit_bw_eff).
+def refit_seconds(
+    params: int,
+    bytes_per_param: float,
+    profile: SystemProfile,
+    layout: LayoutSpec,
+    refit: RefitSpec | None = None,
+    gen_devices: int | None = None,
+) -> float:
+    """Weight refit, seconds. Lumped model (``refit`` None): overhead + shard bytes / (link or network bandwidth *
+    refit_bw_eff); every generation device receives its 1/gen_devices_per_engine shard, engines in parallel:
+    t = t0 + params * bytes_per_param / d_engine / (bw * eff).
 
-    Every generation device receives its 1/gen_devices_per_engine shard of the weights; engines receive in
-    parallel. Formula: t = t0 + params * bytes_per_param / d_engine / (bw * eff).
+    With a :class:`RefitSpec`: t = fixed + the transport's seconds for all params * bytes_per_param bytes to
+    ``gen_devices`` generation devices (default ``layout.gen_devices`` or all devices); see :mod:`.refit`.
     """
     hw, eff = profile.hardware, profile.efficiency
+    if refit is not None:
+        devices = gen_devices or layout.gen_devices or layout.total_devices
+        moved = transport_seconds(params * bytes_per_param, refit, hw, layout, devices)
+        return fixed_seconds(refit, eff) + moved
     bw = hw.net_bw if layout.refit_over_network else hw.link_bw
     shard = params * bytes_per_param / layout.gen_devices_per_engine
     return eff.refit_overhead_s + shard / (bw * eff.refit_bw_eff)
+
+
+def refit_fixed_seconds(profile: SystemProfile, refit: RefitSpec | None = None) -> float:
+    """The fixed part of :func:`refit_seconds`, seconds: the transport's fixed cost, or ``refit_overhead_s``."""
+    return profile.efficiency.refit_overhead_s if refit is None else fixed_seconds(refit, profile.efficiency)

@@ -28,7 +28,13 @@ from nemo_rl_spec.sim.generation import (
 )
 from nemo_rl_spec.sim.interfaces import GenerationResult, ModelSpec, ScenarioSpec, SpeculativeSpec, SystemProfile
 from nemo_rl_spec.sim.lengths import sample_lengths
-from nemo_rl_spec.sim.phases import draft_training_seconds, logprob_seconds, refit_seconds, training_seconds
+from nemo_rl_spec.sim.phases import (
+    draft_training_seconds,
+    logprob_seconds,
+    refit_fixed_seconds,
+    refit_seconds,
+    training_seconds,
+)
 from nemo_rl_spec.sim.presets import resolve_draft, resolve_model, resolve_profile
 
 
@@ -116,20 +122,35 @@ def train_side(res: Resolved, lengths: np.ndarray, devices: int, speculative: bo
     seqs = trained_seq_tokens(res, lengths)
     lp = logprob_seconds(res.model, res.profile, devices, seqs, res.scenario.workload.reference_logprobs)
     tr = training_seconds(res.model, res.profile, devices, seqs)
-    refit = refit_seconds(mm.total_params(res.model), res.model.bytes_per_param, res.profile, res.scenario.layout)
+    gen = refit_gen_devices(res, devices)
+    refit = refit_seconds(
+        mm.total_params(res.model), res.model.bytes_per_param, res.profile, res.scenario.layout, res.scenario.refit, gen
+    )
     if speculative:
-        refit += draft_refit_seconds(res, res.model.bytes_per_param)
+        refit += draft_refit_seconds(res, res.model.bytes_per_param, gen)
         if res.scenario.speculative.online_draft_training:
             tr += online_draft_seconds(res, devices, seqs)
     return lp, tr, refit
 
 
-def draft_refit_seconds(res: Resolved, bytes_per_param: float) -> float:
+def refit_gen_devices(res: Resolved, train_devices: int) -> int:
+    """Generation devices a refit reaches when ``train_devices`` train: all devices when colocated, else the rest
+    (``layout.gen_devices``, or half the devices, when every device is counted as training)."""
+    lay = res.scenario.layout
+    if lay.colocated:
+        return lay.total_devices
+    rest = lay.total_devices - train_devices
+    return rest if rest > 0 else (lay.gen_devices or max(1, lay.total_devices // 2))
+
+
+def draft_refit_seconds(res: Resolved, bytes_per_param: float, gen_devices: int | None = None) -> float:
     """The draft's share of a refit (its bytes, without the refit's fixed overhead) per step: over
-    ``draft_train_period`` with online training (the draft is refit only after the steps that trained it)."""
-    spec, lay = res.scenario.speculative, res.scenario.layout
-    seconds = refit_seconds(mm.total_params(res.draft), bytes_per_param, res.profile, lay)
-    seconds -= res.profile.efficiency.refit_overhead_s
+    ``draft_train_period`` with online training (the draft is refit only after the steps that trained it).
+    ``gen_devices``: devices the refit reaches (transport models only; default as :func:`refit_gen_devices`)."""
+    spec, lay, refit = res.scenario.speculative, res.scenario.layout, res.scenario.refit
+    gen = gen_devices or refit_gen_devices(res, lay.total_devices)
+    seconds = refit_seconds(mm.total_params(res.draft), bytes_per_param, res.profile, lay, refit, gen)
+    seconds -= refit_fixed_seconds(res.profile, refit)
     return seconds / (spec.draft_train_period if spec.online_draft_training else 1)
 
 

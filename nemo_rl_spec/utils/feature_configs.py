@@ -86,6 +86,12 @@ class PilotCommitConfig(BaseModel):
         default=3.0, ge=1.0, description="fixed_train_batch: a pilot round pilots ceil(this x groups still missing)"
     )
     max_pilot_rounds: int = Field(default=10, ge=1, description="fixed_train_batch: pilot rounds per step, at most")
+    repilot_within_step: bool = Field(
+        default=True,
+        description="fixed_train_batch: a later pilot round of a step may pilot a prompt piloted earlier in the step "
+        "(the reference, whose pool is far larger than a step's pilots); false: each prompt at most once a step, and "
+        "the pilot rounds end when every prompt of the pool was piloted this step",
+    )
     buffer_order: Literal["oldest", "pilot_std"] = Field(
         default="oldest", description="replay-buffer commit order: oldest first, or highest pilot std first"
     )

@@ -167,6 +167,48 @@ def test_a_prompt_piloted_twice_in_one_step_gives_one_group():
     assert m(sel, "pilot_commit/short_groups") == 1
 
 
+def test_without_re_piloting_a_step_pilots_each_prompt_once():
+    """The pool above (M H H, K = 2, oversampling 1.0, max_pilot_rounds 4) with repilot_within_step false: [0, 1] ->
+    0; [2] (at most the 1 prompt not yet piloted) -> none; every prompt was piloted, so the rounds end after 2:
+    commit [0], short 1, 3 x 2 + 4 = 10 rollouts (re-piloting: 4 pilot rounds, 14). The next step starts afresh:
+    epoch 1 pilots [0, 1], then [2]."""
+    gen = Scripted("MHH")
+    alloc = fixed_alloc(3, 2, pilot_oversampling=1.0, max_pilot_rounds=4, repilot_within_step=False)
+    s0, s1 = gen.steps(alloc, 2)
+    assert gen.ids_per_call() == [[0, 1], [2], [0], [0, 1], [2], [0]]
+    assert ids(s0) == ids(s1) == [0]
+    assert (m(s0, "pilot_commit/pilot_rounds"), m(s0, "pilot_commit/short_groups")) == (2, 1)
+    assert m(s0, "rollout_alloc/step_rollouts") == 10
+
+
+def test_without_re_piloting_no_prompt_is_piloted_twice_in_a_step():
+    """Shuffled pool of 23 random kinds, K = 4, oversampling 3, with eviction (after 1 solved pilot) shrinking the
+    pool: in every step no prompt id appears in two pilot rounds and a step pilots at most the pool it started with.
+    The same run with re-piloting does pilot some prompt twice in a step (the check can fail)."""
+
+    def pilots_per_step(repilot: bool) -> list[list[int]]:
+        kinds = "".join("HEMQ"[i] for i in torch.randint(0, 4, (23,), generator=torch.Generator().manual_seed(5)))
+        gen = Scripted(kinds)
+        config = fixed_cfg(
+            pilot_oversampling=3.0, repilot_within_step=repilot, evict_after_consecutive_solved=1, n_pilot=4
+        )
+        alloc = FixedBatchPilotCommitAllocator(
+            range(23), config, num_prompts_per_step=4, num_generations_per_prompt=8, seed=1
+        )
+        steps = []
+        for _ in range(6):
+            start = len(gen.calls)
+            pool = alloc.stream.pool_size
+            gen.steps(alloc, 1)
+            piloted = [r.prompt_id for call in gen.calls[start:] for r in call if r.stage == Stage.PILOT]
+            assert len(set(piloted)) <= pool
+            steps.append(piloted)
+        return steps
+
+    assert all(len(p) == len(set(p)) for p in pilots_per_step(repilot=False))
+    assert any(len(p) > len(set(p)) for p in pilots_per_step(repilot=True))
+
+
 def test_eviction_and_deferral_across_epochs():
     """Pool E H M M, K = 2, oversampling 1.0, evict after 2 all-solved pilots. Step 0: [0, 1] -> 0 too easy (solved
     1), 1 deferred; [2, 3] -> commit [2, 3]. Step 1 (epoch 1): [0, 1] -> 0 evicted (solved 2), 1 deferred again;
