@@ -12,6 +12,7 @@ from nemo_rl_spec.models.policy.sequence_packing import (
     pack_bins,
     pack_rows,
     packed_plan,
+    row_index,
     unpack_logprobs,
     unpack_rows,
 )
@@ -93,6 +94,7 @@ def test_packed_plan_by_hand():
 def test_pack_and_unpack_by_hand():
     ids = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0]])
     assert pack_rows(ids, (3, 2)).tolist() == [[1, 2, 3, 4, 5]]
+    assert row_index((3, 2), 4).tolist() == [[0, 1, 2, 5], [3, 4, 5, 5]]  # 5 = T: the padding slot
     values = torch.arange(10.0).view(1, 5, 2)
     assert unpack_rows(values, (3, 2), 4).tolist() == [
         [[0, 1], [2, 3], [4, 5], [0, 0]],

@@ -255,9 +255,6 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         lp = token_logprobs(logits, ids, lengths, temperature, self.tp_group, sampling_filter)
         return unpack_logprobs(lp, plan_mb.row_tokens, mb["input_lengths"], int(mb["input_ids"].shape[1])), logits
 
-    def _forward_logprobs(self, mb: TrainDatumSpec, plan_mb: MicroBatch, temperature: float, sampling_filter):
-        return self._token_logprobs(mb, plan_mb, temperature, sampling_filter)[0]
-
     def micro_batch_plan(self, data: TrainDatumSpec, phase: str) -> list[MicroBatch]:
         """The micro-batches of ``phase`` ("train" or "logprob") for this rank's ``data``: fixed row chunks of
         ``train_micro_batch_size`` / ``logprob_batch_size``, with ``policy.dynamic_batching.enabled`` length-sorted
@@ -299,7 +296,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         self.model.eval()
         out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
         for plan_mb, mb in self._micro_batches(data, "logprob"):
-            lp = self._forward_logprobs(mb, plan_mb, temperature, sampling_filter)
+            lp, _ = self._token_logprobs(mb, plan_mb, temperature, sampling_filter)
             out[plan_mb.rows, : lp.shape[1]] = lp.cpu()
         return out
 

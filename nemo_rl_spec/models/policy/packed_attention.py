@@ -18,6 +18,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from nemo_rl_spec.models.policy.sequence_packing import row_index
+
 
 class PackedDotProductAttention(DotProductAttention):
     """``DotProductAttention`` that also accepts THD packed sequences (module docstring); without
@@ -62,16 +64,14 @@ class PackedDotProductAttention(DotProductAttention):
 
 def _row_layout(bounds: tuple[int, ...], device) -> tuple[torch.Tensor, torch.Tensor]:
     """For a pack with row bounds ``bounds`` (cu_seqlens): the gather index [rows, longest] into the pack's T tokens
-    (T, one past the end, for padding) and megatron's boolean mask [rows, 1, longest, longest] (True = masked: a
-    later key or a padding key).
+    (:func:`~.sequence_packing.row_index`: T, one past the end, for padding) and megatron's boolean mask
+    [rows, 1, longest, longest] (True = masked: a later key or a padding key).
 
     Worked example: bounds (0, 3, 5) -> index [[0, 1, 2], [3, 4, 5]]; row 1's mask masks key 2 everywhere.
     """
-    starts = torch.tensor(bounds[:-1], device=device)
-    lengths = torch.tensor(bounds[1:], device=device) - starts
-    longest = int(lengths.max())
-    column = torch.arange(longest, device=device)
-    index = torch.where(column < lengths.unsqueeze(1), starts.unsqueeze(1) + column, bounds[-1])
+    row_tokens = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    longest = max(row_tokens)
+    index = row_index(row_tokens, longest, device)
     causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
-    keep = causal & (column < lengths.unsqueeze(1)).unsqueeze(1)  # [rows, longest (q), longest (k)]
+    keep = causal & (index < bounds[-1]).unsqueeze(1)  # [rows, longest (q), longest (k)]: causal, real keys
     return index, ~keep.unsqueeze(1)

@@ -193,19 +193,27 @@ def pack_rows(input_ids: torch.Tensor, row_tokens: tuple[int, ...]) -> torch.Ten
     return torch.cat([input_ids[b, :n] for b, n in enumerate(row_tokens)]).unsqueeze(0)
 
 
+def row_index(row_tokens: tuple[int, ...], seq_len: int, device=None) -> torch.Tensor:
+    """Where each row's columns sit in its pack: ``index[b, c]`` = the pack position of row b's token c for
+    c < row_tokens[b], else T = sum(row_tokens) (one past the end: a padding slot).
+
+    Worked example: row_tokens (3, 2), seq_len 3 -> [[0, 1, 2], [3, 4, 5]].
+    Shape: -> [b, seq_len] int64.
+    """
+    lengths = torch.tensor(row_tokens, device=device)
+    starts = lengths.cumsum(0) - lengths
+    column = torch.arange(seq_len, device=device)
+    return torch.where(column < lengths.unsqueeze(1), starts.unsqueeze(1) + column, int(lengths.sum()))
+
+
 def unpack_rows(packed: torch.Tensor, row_tokens: tuple[int, ...], seq_len: int) -> torch.Tensor:
     """Scatter a pack's per-token outputs back to rows: row b gets the b-th segment at columns 0 .. row_tokens[b] - 1
-    and zeros after. One gather (its backward one index-add), not a copy per row.
+    and zeros after. One gather (:func:`row_index`; its backward one index-add), not a copy per row.
 
     Shape: packed [1, T, ...] -> [b, seq_len, ...] (seq_len >= max(row_tokens)).
     """
-    total = sum(row_tokens)
-    column = torch.arange(seq_len)
-    starts = torch.tensor([0, *row_tokens[:-1]]).cumsum(0)
-    lengths = torch.tensor(row_tokens)
-    index = torch.where(column < lengths.unsqueeze(1), starts.unsqueeze(1) + column, total)  # total: the zero row
     rows = torch.cat([packed[0], packed.new_zeros((1, *packed.shape[2:]))])
-    return rows[index.to(packed.device)]
+    return rows[row_index(row_tokens, seq_len, packed.device)]
 
 
 def unpack_logprobs(
