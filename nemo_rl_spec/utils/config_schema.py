@@ -454,10 +454,36 @@ class MTPWarmStartConfig(_Strict):
     cache_dir: str = "results/mtp_warm_start"
 
 
+#: megatron-core selective-recompute modules that run on the layers built here (local, non-Transformer-Engine spec),
+#: each verified to give the same step as no recompute (tests/functional/test_megatron_parallel.py)
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "mlp")
+#: megatron-core's other ``recompute_modules`` names -> why they are refused here: "layernorm" cannot run without
+#: Transformer Engine; the rest need a layer type that the models built here (Llama / Qwen3 dense GPT) do not have,
+#: so megatron would either raise or recompute nothing
+RECOMPUTE_MODULES_REFUSED: dict[str, str] = {
+    "layernorm": (
+        "its output-discarding checkpoint of the layer norms (CheckpointWithoutOutput) reads Transformer Engine's "
+        "FP8 state and fails without Transformer Engine (the CPU build)"
+    ),
+    "moe_act": "it recomputes MoE expert activations (dense models only here)",
+    "moe": "it recomputes MoE layers (dense models only here)",
+    "shared_experts": "it recomputes MoE shared experts (dense models only here)",
+    "mla_up_proj": "it recomputes multi-latent attention projections (these models use GQA)",
+    "gdn_norm_out": "it recomputes GatedDeltaNet output norms (these models use softmax attention)",
+}
+
+
 class MegatronConfig(_Strict):
     tensor_model_parallel_size: PositiveInt
     pipeline_model_parallel_size: PositiveInt
+    # recompute activations in the backward (NeMo-RL's switch); recompute_granularity / recompute_modules pick how
     activation_checkpointing: bool
+    # NeMo-RL / megatron-core: "full" recomputes whole layers (uniform, one layer per chunk), "selective" only
+    # recompute_modules; None means "full". Read only with activation_checkpointing=true (_recompute)
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    # megatron-core's module names (RECOMPUTE_MODULES), only with recompute_granularity="selective"; None means
+    # megatron's default ["core_attn"]
+    recompute_modules: Optional[list[str]] = None
     num_threads: PositiveInt
     optimizer: OptimizerConfig
     # MTP co-training (docs/guides/occ.md); off by default
@@ -497,6 +523,46 @@ class MegatronConfig(_Strict):
                 f"but mtp_loss_mode={data['mtp_loss_mode']!r} is set; drop one of the two keys"
             )
         return {**data, "mtp_loss_mode": implied}
+
+    @model_validator(mode="after")
+    def _recompute(self) -> "MegatronConfig":
+        """NeMo-RL's meaning: ``activation_checkpointing`` turns recompute on, ``recompute_granularity`` (None: full)
+        and ``recompute_modules`` (selective only) refine it; megatron-core does the recompute
+        (:func:`~nemo_rl_spec.models.policy.megatron_model.recompute_settings`).
+
+        A refinement that would change nothing is refused rather than silently ignored (NeMo-RL ignores it; its
+        recipes load through nemo_rl_compat, which drops such inert keys): one set without activation_checkpointing,
+        modules with full granularity, an empty module list. Module names outside :data:`RECOMPUTE_MODULES` are
+        refused with the reason (:data:`RECOMPUTE_MODULES_REFUSED`: layernorm needs Transformer Engine; MoE / MLA /
+        GatedDeltaNet modules: no such layers here)."""
+        key = "policy.megatron_cfg"
+        if not self.activation_checkpointing:
+            for name in ("recompute_granularity", "recompute_modules"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{key}.{name}={getattr(self, name)!r} needs {key}.activation_checkpointing=true (it picks "
+                        "what activation checkpointing recomputes; without it nothing is recomputed)"
+                    )
+            return self
+        if self.recompute_modules is None:
+            return self
+        if self.recompute_granularity != "selective":
+            raise ValueError(
+                f"{key}.recompute_modules={self.recompute_modules!r} needs {key}.recompute_granularity='selective' "
+                f"(got {self.recompute_granularity!r}: full recompute reruns whole layers, not modules)"
+            )
+        if not self.recompute_modules:
+            raise ValueError(
+                f"{key}.recompute_modules=[] recomputes nothing; name modules ({', '.join(RECOMPUTE_MODULES)}) or "
+                "leave it null (megatron's default: core_attn)"
+            )
+        for name in self.recompute_modules:
+            if name in RECOMPUTE_MODULES:
+                continue
+            why = RECOMPUTE_MODULES_REFUSED.get(name)
+            reason = f"megatron-core's {name!r} is refused: {why}" if why else f"unknown module {name!r}"
+            raise ValueError(f"{key}.recompute_modules: {reason}; accepted: {', '.join(RECOMPUTE_MODULES)}")
+        return self
 
     @model_validator(mode="after")
     def _reference_without_checkpointing(self) -> "MegatronConfig":

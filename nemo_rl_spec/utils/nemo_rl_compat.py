@@ -5,8 +5,10 @@ layout is adapted before validation: keys with the same name and meaning are rea
 :data:`SETS` keys move to this project's key (a conflict is an error for RENAMED, NeMo-RL's value wins for SETS);
 :data:`MUST_MATCH` keys are dropped when they agree with the value they repeat, else an error; :data:`IGNORED` keys
 (backends and features this project does not have) are removed and listed in ONE warning; :data:`OFF_ONLY` features
-are accepted at their "off" value and refused by name when on. Keys in none of these tables stay unknown (a typo
-remains an error). docs/guides/nemo_rl_recipes.md lists the classes.
+are accepted at their "off" value and refused by name when on. NeMo-RL's activation-recompute refinements
+(``recompute_granularity`` / ``recompute_modules``) are schema keys, dropped where NeMo-RL ignores them
+(:func:`_nemo_rl_recompute`). Keys in none of these tables stay unknown (a typo remains an error).
+docs/guides/nemo_rl_recipes.md lists the classes.
 """
 
 from __future__ import annotations
@@ -193,11 +195,6 @@ OFF_ONLY: dict[str, tuple[Any, str]] = {
     "grpo.malformed_thinking_advantage": ((None,), "thinking-tag penalties"),
     "loss_fn.use_kl_in_reward": ((False,), "the KL penalty in the reward (per-token Reinforce++ advantages)"),
     "policy.megatron_cfg.model_overrides": ((None, {}), "Megatron model-config overrides"),
-    "policy.megatron_cfg.recompute_granularity": (
-        (None, "full"),
-        "selective activation recompute (activation_checkpointing recomputes full layers)",
-    ),
-    "policy.megatron_cfg.recompute_modules": ((None, []), "selective activation recompute"),
     "policy.megatron_cfg.mtp_use_repeated_layer": ((False,), "one MTP layer repeated over the depths"),
     "policy.megatron_cfg.peft": (_section_off, "LoRA / PEFT"),
     "policy.hf_config_overrides": ((None, {}), "HF config overrides"),
@@ -226,6 +223,22 @@ def check_off_only(cfg: dict) -> None:
                 f"remove the key or set it off under {SWITCH}"
             )
         _pop(cfg, key)
+
+
+def _nemo_rl_recompute(cfg: dict) -> None:
+    """NeMo-RL reads ``policy.megatron_cfg.recompute_granularity`` / ``recompute_modules`` only with
+    ``activation_checkpointing: true``, and ``recompute_modules`` only with ``recompute_granularity: selective``;
+    otherwise they are inert there (its base recipe ships ``recompute_granularity: full`` with checkpointing off).
+    This project's schema has the same keys with the same meaning but refuses an inert one, so under the switch the
+    inert ones are dropped, as NeMo-RL ignores them; the ones that act are read as they are (and validated there)."""
+    mcfg = _get(cfg, "policy.megatron_cfg")
+    if not isinstance(mcfg, dict):
+        return
+    if mcfg.get("activation_checkpointing") is not True:
+        mcfg.pop("recompute_granularity", None)
+        mcfg.pop("recompute_modules", None)
+    elif mcfg.get("recompute_granularity") != "selective":
+        mcfg.pop("recompute_modules", None)
 
 
 def _nemo_rl_draft_semantics(cfg: dict) -> None:
@@ -321,6 +334,7 @@ def adapt_nemo_rl_recipe(cfg: dict) -> tuple[dict, list[str]]:
             raise ValueError(f"{key}={value!r} must equal {what} under {SWITCH}")
         _pop(cfg, key)
     check_off_only(cfg)
+    _nemo_rl_recompute(cfg)
     _nemo_rl_draft_semantics(cfg)
     _nemo_rl_datasets(cfg)
     ignored = []

@@ -13,7 +13,8 @@ its whole scenario; the tests then compare pieces of it:
 - DP=2 x TP=2 (4 workers) with the online EAGLE-3 head vs DP=1: log-probs, the step, draft metrics and weights.
 - TP=2 with MTP (occ) vs TP=1: log-probs, export_hf_weights tensor for tensor, one step; per-TP-rank checkpoint
   round trip.
-- activation checkpointing equals no checkpointing after one step (in process), and the recompute really runs.
+- activation checkpointing (full, and selective core_attn / mlp recompute, also on THD packs) equals no
+  checkpointing after one step (in process), gradients included, and the recompute really runs.
 - the reference policy (KL penalty) at TP=2: initial weights swapped in and out bitwise, k3 KL matches the loss's.
 
 Tolerances: 1e-6 where only the order of fp32 sums differs (DP: the same micro-batches, summed on two ranks); 1e-5
@@ -56,9 +57,13 @@ def _cfg(
     activation_checkpointing: bool = False,
     precision: str = "float32",
     mtp_mode: str = "policy",
+    recompute_granularity: str | None = None,
+    recompute_modules: list[str] | None = None,
+    packed: bool = False,
 ) -> PolicyConfig:
     """Micro-batches of 2 rows for training and log-probs: the DP shards (4 + 3 rows) split into the same
-    micro-batches as DP=1, so OCC's per-micro-batch lambda is comparable."""
+    micro-batches as DP=1, so OCC's per-micro-batch lambda is comparable. ``packed``: THD packs of up to 28 tokens
+    (two full rows of :func:`_batch`) instead."""
     cfg = fm.base_recipe_section("policy")
     cfg.update(
         train_micro_batch_size=2,
@@ -68,6 +73,10 @@ def _cfg(
     )
     mcfg = cfg["megatron_cfg"]
     mcfg.update(tensor_model_parallel_size=tp, activation_checkpointing=activation_checkpointing, num_threads=1)
+    mcfg.update(recompute_granularity=recompute_granularity, recompute_modules=recompute_modules)
+    if packed:
+        cfg.update(max_total_sequence_length=28, sequence_packing={"enabled": True, "train_mb_tokens": 28})
+        cfg["sequence_packing"]["logprob_mb_tokens"] = 28
     mcfg["optimizer"].update(lr=1e-2, adam_eps=1e-3, use_distributed_optimizer=distributed_optimizer)
     if mtp:
         # policy mode: a fixed lambda sends the MTP gradient into the trunk; the step-level reference c / v2 checks the
@@ -358,22 +367,66 @@ def test_tp2_mtp_warm_start_equals_tp1_and_states_round_trip(tp2_mtp):
     assert torch.equal(torch.cat([states[0][fc2], states[1][fc2]], dim=1), tp2_weights[fc2])
 
 
-@pytest.mark.parametrize("mode", ["policy", "detach"])
-def test_activation_checkpointing_equals_no_checkpointing(model_dir, mode):
-    plain = _reference(model_dir, _cfg(mtp=True, mtp_mode=mode))
-    plain.mtp_occ_reference = False
-    recompute = _reference(model_dir, _cfg(mtp=True, activation_checkpointing=True, mtp_mode=mode))
-    assert recompute.module.config.recompute_granularity == "full"
-    calls = []
-    layer = recompute.module.decoder.layers[0]
-    hook = layer.register_forward_hook(lambda *args: calls.append(torch.is_grad_enabled()))
+def _main_grads(worker: MegatronPolicyWorker) -> dict[str, torch.Tensor]:
+    """The fp32 gradients the last ``train`` left in the DDP buffer (clipped: the same factor in both runs compared)."""
+    params = worker.model.module.named_parameters()
+    return {name: p.main_grad.detach().clone() for name, p in params if getattr(p, "main_grad", None) is not None}
+
+
+# recompute: "full" (whole layers) or the selective modules; the modules hooked to see the recompute run
+RECOMPUTED = {"core_attn": "self_attention.core_attention", "mlp": "mlp"}
+
+
+@pytest.mark.parametrize(
+    "mode, recompute",
+    [
+        ("policy", "full"),
+        ("detach", "full"),
+        ("policy", ["core_attn"]),
+        ("detach", ["core_attn", "mlp"]),
+        ("packed", ["core_attn"]),  # the checkpointed attention reruns PackedDotProductAttention on THD packs
+    ],
+    ids=["policy-full", "detach-full", "policy-core_attn", "detach-core_attn+mlp", "packed-core_attn"],
+)
+def test_activation_checkpointing_equals_no_checkpointing(model_dir, mode, recompute):
+    """megatron-core's recompute (``activation_checkpointing`` with ``recompute_granularity`` full or selective
+    ``recompute_modules``) gives the step of no recompute: loss, metrics, every DDP gradient and the weights after
+    the step. ``mode``: the MTP co-training mode (policy: the MTP gradient reaches the trunk; detach: it does not),
+    or ``packed``: THD sequence packing without MTP (packing refuses MTP co-training).
+
+    Tolerance: the recompute reruns the same fp32 CPU ops on the same inputs, so the results are measured
+    bitwise equal (max |diff| 0.0 for every case); 1e-7 (relative for metrics, absolute for gradients ~1e-2 after
+    clipping and for weights ~1e-1) leaves room only for fp32 rounding, should a kernel reorder a sum when rerun.
+    """
+    mtp = mode != "packed"
+    selective = recompute != "full"
+    extra = dict(recompute_granularity="selective", recompute_modules=recompute) if selective else {}
+    cfg_plain = _cfg(mtp=mtp, mtp_mode=mode, packed=not mtp)
+    plain = _reference(model_dir, cfg_plain)
+    if mtp:
+        plain.mtp_occ_reference = False
+    cfg = _cfg(mtp=mtp, activation_checkpointing=True, mtp_mode=mode, packed=not mtp, **extra)
+    recompute_worker = _reference(model_dir, cfg)
+    config = recompute_worker.module.config
+    assert config.recompute_granularity == ("selective" if selective else "full")
+    if selective:
+        assert config.recompute_modules == recompute and config.recompute_method is None
+    layer = recompute_worker.module.decoder.layers[0]
+    hooked = [layer] if not selective else [layer.get_submodule(RECOMPUTED[name]) for name in recompute]
+    calls = [[] for _ in hooked]
+    hooks = [m.register_forward_hook(lambda *a, c=c: c.append(torch.is_grad_enabled())) for m, c in zip(hooked, calls)]
     data = {**_batch(7, 1), "prev_logprobs": plain.get_logprobs(_batch(7, 1))}
-    m_plain, m_recompute = plain.train(data), recompute.train(data)
-    hook.remove()
-    assert calls == [False, True] * 4  # 4 micro-batches: forward without graph, recomputed with it in the backward
-    keys = [k for k in PG_KEYS + MTP_KEYS if "_ref" not in k]
+    m_plain, m_recompute = plain.train(data), recompute_worker.train(data)
+    for hook in hooks:
+        hook.remove()
+    micro_batches = 4 if mtp else 3  # 7 rows in pairs; packed: the 72 tokens in packs of at most 28
+    assert m_recompute["num_micro_batches"] == micro_batches
+    # each micro-batch: the forward without a graph, rerun with it in the backward
+    assert calls == [[False, True] * micro_batches] * len(hooked)
+    keys = [k for k in PG_KEYS + (MTP_KEYS if mtp else ()) if "_ref" not in k]
     _assert_metrics_close(m_recompute, m_plain, keys, rel=1e-7)
-    assert _max_diff(recompute.export_megatron_weights(), plain.export_megatron_weights()) < 1e-7
+    assert _max_diff(_main_grads(recompute_worker), _main_grads(plain)) < 1e-7
+    assert _max_diff(recompute_worker.export_megatron_weights(), plain.export_megatron_weights()) < 1e-7
 
 
 def test_refusals_name_their_keys(model_dir, cluster):

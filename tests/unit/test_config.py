@@ -86,6 +86,65 @@ def test_bad_values_name_the_key(override, key):
     assert key in str(info.value)
 
 
+_AC = "policy.megatron_cfg.activation_checkpointing=true"
+_SELECTIVE = "policy.megatron_cfg.recompute_granularity=selective"
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["policy.megatron_cfg.recompute_granularity=full"],
+            r"recompute_granularity='full' needs policy.megatron_cfg.activation_checkpointing=true",
+        ),
+        (
+            ["policy.megatron_cfg.recompute_modules=[mlp]"],
+            r"recompute_modules=\['mlp'\] needs policy.megatron_cfg.activation_checkpointing=true",
+        ),
+        (
+            [_AC, "policy.megatron_cfg.recompute_modules=[mlp]"],
+            r"recompute_modules=\['mlp'\] needs policy.megatron_cfg.recompute_granularity='selective' \(got None",
+        ),
+        ([_AC, _SELECTIVE, "policy.megatron_cfg.recompute_modules=[]"], r"recompute_modules=\[\] recomputes nothing"),
+        (
+            [_AC, _SELECTIVE, "policy.megatron_cfg.recompute_modules=[core_attn,layernorm]"],
+            r"recompute_modules: megatron-core's 'layernorm' is refused: .*fails without Transformer Engine"
+            r".*; accepted: core_attn, mlp",
+        ),
+        (
+            [_AC, _SELECTIVE, "policy.megatron_cfg.recompute_modules=[moe]"],
+            r"recompute_modules: megatron-core's 'moe' is refused: .*dense models only",
+        ),
+        (
+            [_AC, _SELECTIVE, "policy.megatron_cfg.recompute_modules=[attn]"],
+            r"recompute_modules: unknown module 'attn'; accepted: core_attn, mlp",
+        ),
+        ([_AC, "policy.megatron_cfg.recompute_granularity=partial"], r"policy.megatron_cfg.recompute_granularity"),
+        (
+            [_AC, _SELECTIVE, "+policy.megatron_cfg.mtp_num_layers=1", "+policy.megatron_cfg.mtp_occ_reference=true"],
+            r"mtp_occ_reference=true needs activation_checkpointing=false",
+        ),
+    ],
+)
+def test_recompute_settings_that_cannot_act_or_run_are_refused_by_key(overrides, match):
+    """``recompute_granularity`` / ``recompute_modules`` refine ``activation_checkpointing`` (NeMo-RL's meaning):
+    one that would change nothing, or a megatron-core module that cannot run on this build's layers, is refused
+    with the key named."""
+    with pytest.raises(ConfigError, match=match):
+        load_config(TINY, overrides)
+
+
+def test_recompute_settings_that_act_validate():
+    mcfg = load_config(TINY, [_AC]).policy.megatron_cfg
+    assert (mcfg.recompute_granularity, mcfg.recompute_modules) == (None, None)  # full, as before
+    mcfg = load_config(TINY, [_AC, _SELECTIVE, "policy.megatron_cfg.recompute_modules=[core_attn,mlp]"]).policy
+    assert (mcfg.megatron_cfg.recompute_granularity, mcfg.megatron_cfg.recompute_modules) == (
+        "selective",
+        ["core_attn", "mlp"],
+    )
+    assert load_config(TINY, [_AC, _SELECTIVE]).policy.megatron_cfg.recompute_modules is None  # megatron: core_attn
+
+
 def test_misspelled_override_without_plus_is_rejected():
     with pytest.raises(ConfigError, match="unknown key 'grpo.num_prompt_per_step'.*\\+grpo.num_prompt_per_step"):
         load_config(TINY, ["grpo.num_prompt_per_step=3"])

@@ -94,7 +94,6 @@ def test_the_recipe_validates_with_no_unknown_key_and_nemo_rl_meanings():
         ("grpo.async_grpo.max_generation_failures=2", "generation-worker failures"),
         ("loss_fn.use_kl_in_reward=true", "KL penalty in the reward"),
         ("policy.generation.vllm_cfg.logprobs_mode=raw_logprobs", "raw log-probs"),
-        ("policy.megatron_cfg.recompute_granularity=selective", "selective activation recompute"),
         ("policy.megatron_cfg.peft.enabled=true", "LoRA"),
         ("policy.generation.refit_transport=nccl", "collective refit"),
         ("policy.draft.num_layers=2", "more than one layer"),
@@ -173,3 +172,45 @@ def test_off_values_are_judged_by_type_and_draft_keys_the_recipe_sets_stay():
     assert not compat._is_off(True, (1,)) and not compat._is_off(False, (0,))  # bool is not an int here
     cfg = _load("+policy.draft.online=false", "+policy.draft.loss_weight=0.5")
     assert (cfg.policy.draft.online, cfg.policy.draft.loss_weight) == (False, 0.5)
+
+
+_AC = "policy.megatron_cfg.activation_checkpointing=true"
+
+
+@pytest.mark.parametrize(
+    "overrides, granularity, modules",
+    [
+        ((), None, None),  # the fixture: NeMo-RL's recompute_granularity=full with checkpointing off, inert: dropped
+        (
+            ("policy.megatron_cfg.recompute_granularity=selective", "policy.megatron_cfg.recompute_modules=[mlp]"),
+            None,
+            None,
+        ),
+        ((_AC,), "full", None),
+        ((_AC, "policy.megatron_cfg.recompute_modules=[core_attn]"), "full", None),  # modules unread with full
+        ((_AC, "policy.megatron_cfg.recompute_granularity=selective"), "selective", None),  # megatron's core_attn
+        (
+            (
+                _AC,
+                "policy.megatron_cfg.recompute_granularity=selective",
+                "policy.megatron_cfg.recompute_modules=[core_attn,mlp]",
+            ),
+            "selective",
+            ["core_attn", "mlp"],
+        ),
+    ],
+)
+def test_nemo_rl_recompute_keys_load_with_nemo_rl_meaning(overrides, granularity, modules):
+    """recompute_granularity / recompute_modules are schema keys: where NeMo-RL reads them (activation_checkpointing
+    true; modules with selective only) they load as they are, where NeMo-RL ignores them they are dropped."""
+    mcfg = _load(*overrides).policy.megatron_cfg
+    assert (mcfg.recompute_granularity, mcfg.recompute_modules) == (granularity, modules)
+
+
+def test_a_nemo_rl_recompute_module_this_build_cannot_run_is_refused_by_key():
+    with pytest.raises(ConfigError, match=r"policy.megatron_cfg.recompute_modules: megatron-core's 'layernorm'"):
+        _load(
+            _AC,
+            "policy.megatron_cfg.recompute_granularity=selective",
+            "policy.megatron_cfg.recompute_modules=[layernorm]",
+        )

@@ -119,24 +119,47 @@ MTP_PREFIX = "mtp."  # megatron-core names of the MTP block's parameters (``mtp.
 DECODER_PREFIX = "decoder."  # the transformer layers and final norm (not the embedding or output layer)
 
 
+def recompute_settings(
+    activation_checkpointing: bool, recompute_granularity: str | None = None, recompute_modules: list[str] | None = None
+) -> dict:
+    """megatron-core ``TransformerConfig`` keyword arguments for NeMo-RL's activation-checkpointing keys
+    (``policy.megatron_cfg.activation_checkpointing`` / ``recompute_granularity`` / ``recompute_modules``, validated
+    by the schema's ``MegatronConfig``); megatron-core does the recompute itself.
+
+    Off: {} (megatron's default, nothing recomputed). ``"full"`` (or None, NeMo-RL's default): every transformer
+    layer is rerun in the backward from its checkpointed input (``recompute_method="uniform"``,
+    ``recompute_num_layers=1``, as NeMo-RL sets it). ``"selective"``: only the named submodules of each layer are
+    rerun (``recompute_modules``; None keeps megatron's default ``["core_attn"]``); the rest keep their activations.
+    """
+    if not activation_checkpointing:
+        return {}
+    if recompute_granularity == "selective":
+        modules = list(recompute_modules) if recompute_modules is not None else None
+        return dict(recompute_granularity="selective", recompute_modules=modules)
+    if recompute_granularity not in (None, "full"):
+        raise ValueError(f"recompute_granularity={recompute_granularity!r}: expected 'full', 'selective' or None")
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
 def transformer_config(
-    spec: ModelSpec, dtype: torch.dtype = torch.float32, mtp_num_layers: int = 0, activation_checkpointing: bool = False
+    spec: ModelSpec,
+    dtype: torch.dtype = torch.float32,
+    mtp_num_layers: int = 0,
+    activation_checkpointing: bool = False,
+    recompute_granularity: str | None = None,
+    recompute_modules: list[str] | None = None,
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for ``spec``; dropout 0, all fusions off, CPU initialisation.
 
     ``mtp_num_layers`` > 0 adds megatron-core's multi-token-prediction block (``mtp_num_layers`` in the config,
     its loss scale left at megatron's default: the worker computes the MTP loss itself, see
-    :func:`gpt_trunk_forward`). ``activation_checkpointing`` recomputes every transformer layer in the backward
-    (megatron's ``recompute_granularity="full"``, ``recompute_method="uniform"``, one layer per chunk).
+    :func:`gpt_trunk_forward`). ``activation_checkpointing`` recomputes activations in the backward, whole layers or
+    the ``recompute_modules`` of each layer (:func:`recompute_settings`).
     ``calculate_per_token_loss=True``: the worker's losses are already divided by global (all data-parallel ranks)
     token / sequence counts, so Megatron DDP must SUM gradients over DP (gradient_scaling_factor 1) instead of
     averaging them.
     """
-    recompute = (
-        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        if activation_checkpointing
-        else {}
-    )
+    recompute = recompute_settings(activation_checkpointing, recompute_granularity, recompute_modules)
     return TransformerConfig(
         **recompute,
         calculate_per_token_loss=True,
@@ -177,6 +200,8 @@ def build_gpt_model(
     seed: int = 0,
     mtp_num_layers: int = 0,
     activation_checkpointing: bool = False,
+    recompute_granularity: str | None = None,
+    recompute_modules: list[str] | None = None,
 ) -> GPTModel:
     """A randomly initialised ``GPTModel`` with ``spec``'s architecture (distributed must be initialised).
 
@@ -186,13 +211,18 @@ def build_gpt_model(
     final RMSNorm; logits come from the shared output layer.
 
     With tensor parallelism every rank draws the full initial weights from the same CPU generator (seeded with
-    ``seed`` on every rank) and keeps its slice, so the TP=T model equals the TP=1 one.
+    ``seed`` on every rank) and keeps its slice, so the TP=T model equals the TP=1 one. The recompute arguments
+    are :func:`recompute_settings`'s (selective ``core_attn`` reruns :class:`PackedDotProductAttention`, packs
+    included).
+
     Raises:
         ValueError: the model cannot be split over the tensor-parallel size (:func:`check_tp_size`).
     """
     check_tp_size(spec, parallel_state.get_tensor_model_parallel_world_size())
     model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(spec, dtype, mtp_num_layers, activation_checkpointing)
+    config = transformer_config(
+        spec, dtype, mtp_num_layers, activation_checkpointing, recompute_granularity, recompute_modules
+    )
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
     layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # + THD packs
     mtp_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False) if mtp_num_layers else None

@@ -135,7 +135,15 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         )  # batches arrive as CPU tensors; each micro-batch moves here, results go back
         self.dp_group, self.tp_group = parallel_state.get_data_parallel_group(), mm.tp_group()
         self.mtp_num_layers = mcfg.mtp_num_layers
-        module = mm.build_gpt_model(self.spec, self.dtype, seed, self.mtp_num_layers, mcfg.activation_checkpointing)
+        module = mm.build_gpt_model(
+            self.spec,
+            self.dtype,
+            seed,
+            self.mtp_num_layers,
+            mcfg.activation_checkpointing,
+            mcfg.recompute_granularity,
+            mcfg.recompute_modules,
+        )
         mm.import_hf_weights(module, model_path, self.spec)
         # NeMo-RL's reference policy: the initial weights (this rank's TP slice), kept on CPU and swapped in to score
         self.reference_state = (
