@@ -22,6 +22,7 @@ from nemo_rl_spec.algorithms.interfaces import RolloutAllocator
 from nemo_rl_spec.algorithms.loss import ClippedPGLossFn
 from nemo_rl_spec.algorithms.mtp_warm_start import warm_start_config, warm_start_mtp
 from nemo_rl_spec.algorithms.refit import WeightRefitter
+from nemo_rl_spec.algorithms.refit_transport import make_refit_transport
 from nemo_rl_spec.algorithms.rollout_allocation import difficulty_bucket
 from nemo_rl_spec.algorithms.rollouts import RolloutGenerator
 from nemo_rl_spec.data import hub_datasets
@@ -535,6 +536,14 @@ def _finish_setup(cfg: MasterConfig, workers: Workers, tokenizer, train: list[di
         pad_token_id(tokenizer),
         engine_dtype=cfg.policy.engine_precision,
         sync_draft=syncs_draft(cfg),
+        transport=make_refit_transport(
+            cfg.policy.generation.refit_transport,
+            policy,
+            generation,
+            cfg.policy.engine_precision,
+            uses_gpus=workers.plan.policy_num_gpus > 0,
+            bucket_mb=cfg.policy.refit.bucket_size_mb,
+        ),
     )
     spec = None
     if cfg.policy.generation.speculative_config is not None:

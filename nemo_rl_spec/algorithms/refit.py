@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from nemo_rl_spec.algorithms.refit_transport import ObjectStoreTransport, RefitTransport
 from nemo_rl_spec.algorithms.rollouts import masked_mean_abs_diff, response_mask
 from nemo_rl_spec.models.generation.vllm_generation import EngineVersionMismatchError
 
@@ -36,6 +37,8 @@ class WeightRefitter:
         sync_draft: also refit the drafter (online EAGLE-3 head or MTP layers) right after the policy, as the same pair.
         engine_dtype: the engines' dtype (``float32`` | ``bfloat16``; ``policy.engine_precision``): the trainer casts
             the weights to it once before sending (bf16 engines get half the bytes).
+        transport: how the weights travel (:mod:`~nemo_rl_spec.algorithms.refit_transport`); None: Ray's object
+            store in ``engine_dtype``.
     """
 
     def __init__(
@@ -47,9 +50,10 @@ class WeightRefitter:
         pad_token_id: int,
         sync_draft: bool = False,
         engine_dtype: str = "float32",
+        transport: RefitTransport | None = None,
     ) -> None:
         self.policy, self.generation, self.threshold = policy, generation, threshold
-        self.engine_dtype = engine_dtype
+        self.transport = transport or ObjectStoreTransport(policy, generation, engine_dtype)
         self.sync_draft = sync_draft
         # the last draft pushed: its draft_version and the policy version it was paired with (None before a push)
         self.draft_version: int | None = None
@@ -67,13 +71,14 @@ class WeightRefitter:
         Returns metrics ``refit/logprob_mismatch`` (nats, worst engine), ``refit/weight_version``, with
         ``sync_draft`` ``refit/draft_policy_lag`` (policy versions since the engines' draft was pushed; 0 after a
         push) and, when the draft was pushed, ``refit/draft_version``; with several engines
-        ``refit/logprob_mismatch_engine_<e>``.
+        ``refit/logprob_mismatch_engine_<e>``; with ``refit_transport: nccl`` ``refit/broadcast_bytes`` and
+        ``refit/broadcast_buckets``.
         Raises:
             EngineVersionMismatchError: an engine does not hold ``version`` afterwards (a skipped engine).
             RefitMismatchError: mismatch above the threshold.
             DraftVersionMismatchError: the draft offered is not paired with ``version`` (from the generation worker).
         """
-        self.generation.update_weights(self.policy.export_hf_weights(version, self.engine_dtype), version)
+        self.transport.push_policy(version)
         draft = self.refit_draft(version) if self.pushes_draft() else {}
         self.check_versions(version)
         if self.sync_draft:
@@ -87,6 +92,7 @@ class WeightRefitter:
                 f"{', '.join(f'{m:.3g}' for m in per_engine)})"
             )
         out = {"refit/logprob_mismatch": mismatch, "refit/weight_version": float(version), **draft}
+        out.update(self.transport.metrics())
         if len(per_engine) > 1:
             out.update({f"refit/logprob_mismatch_engine_{e}": m for e, m in enumerate(per_engine)})
         return out
@@ -103,8 +109,7 @@ class WeightRefitter:
     def refit_draft(self, version: int) -> dict[str, float]:
         """Push the policy workers' drafter, paired with policy ``version``, into every engine's drafter (after the
         policy refit to ``version``)."""
-        export = self.policy.export_draft_weights(self.engine_dtype)
-        outs = self.generation.update_draft_weights(export)
+        outs = self.transport.push_draft()
         self.draft_version = min(int(o["draft_version"]) for o in outs)
         self.draft_policy_version = int(version)
         return {"refit/draft_version": float(self.draft_version)}

@@ -12,11 +12,11 @@ fractions of them (``cluster.policy_num_cpus``, ``cluster.generation_num_cpus``)
 
 from __future__ import annotations
 
-import socket
-
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from nemo_rl_spec.distributed.weight_broadcast import node_address_and_free_port
 
 
 class ClusterResourcesError(RuntimeError):
@@ -99,9 +99,4 @@ class RayVirtualCluster:
             self.placement_group = None
 
 
-@ray.remote(num_cpus=0)
-def _address_and_free_port() -> tuple[str, int]:
-    ip = ray.util.get_node_ip_address()
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return ip, sock.getsockname()[1]
+_address_and_free_port = ray.remote(num_cpus=0)(node_address_and_free_port)

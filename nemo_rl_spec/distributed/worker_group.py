@@ -85,6 +85,28 @@ class RemoteValue:
         return value.ref() if isinstance(value, RemoteValue) else ray.put(value)
 
 
+class PendingCalls:
+    """Calls already running on workers (a controller's ``*_async`` method), for drivers that must let two worker
+    groups work at once (the two sides of a collective) without holding Ray handles; :meth:`wait_all` collects them."""
+
+    def __init__(self, refs: list[ray.ObjectRef]) -> None:
+        self._refs = list(refs)
+
+    @staticmethod
+    def wait_all(*pending: "PendingCalls") -> list[list[Any]]:
+        """Each one's results (worker order), in argument order. A failed call raises its error as soon as it fails,
+        whatever the order (calls still running on the other side are left to their own timeout).
+
+        Raises:
+            ray.exceptions.RayError: the first call to fail.
+        """
+        left = [r for p in pending for r in p._refs]
+        while left:
+            done, left = ray.wait(left, num_returns=1)
+            ray.get(done)
+        return [ray.get(p._refs) for p in pending]
+
+
 class RayWorkerGroup:
     """N actors of ``actor_cls`` placed on ``cluster`` nodes.
 

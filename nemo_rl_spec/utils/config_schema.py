@@ -617,6 +617,10 @@ class GenerationConfig(_Strict):
     top_k: Optional[PositiveInt] = None
     stop_token_ids: Optional[list[int]] = None
     stop_strings: Optional[list[str]] = None
+    # NeMo-RL's refit transport (nemo_rl_spec.algorithms.refit_transport): ray (None too) = Ray's object store; nccl =
+    # a bucketed broadcast from the trainer's rank 0 to every engine (NCCL with GPU workers, gloo on CPU);
+    # policy.refit.bucket_size_mb sets the bucket
+    refit_transport: Optional[Literal["ray", "nccl"]] = None
     # k per running batch size (vLLM's num_speculative_tokens_per_batch_size, explicit or from measured step costs)
     dynamic_speculation: Optional[DynamicSpeculationConfig] = None
     # Diagnostic only (debug / test, deliberately LOSSY): a lossy speculative sampler, the negative control of the
@@ -628,6 +632,16 @@ class GenerationConfig(_Strict):
         description="Diagnostic only: a deliberately LOSSY speculative sampler (the negative control of the "
         "losslessness tests); never in a training run.",
     )
+
+    @field_validator("refit_transport", mode="before")
+    @classmethod
+    def _known_refit_transport(cls, value: Any) -> Any:
+        if value == "cuda_ipc":
+            raise ValueError(
+                "policy.generation.refit_transport=cuda_ipc (CUDA IPC handles between colocated GPU processes) is "
+                "not implemented; use nccl (a bucketed broadcast; gloo on CPU) or ray (the object store)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _lossy_sampler_is_debug_only(self) -> "GenerationConfig":
@@ -768,6 +782,8 @@ class RefitConfig(_Strict):
     # nats; "auto": a function of the trainer and engine dtypes (utils/precision.py, REFIT_TOLERANCE); None: only log
     logprob_mismatch_threshold: Optional[PositiveFloat | Literal["auto"]]
     probe_batch_size: PositiveInt
+    # MiB per broadcast bucket of policy.generation.refit_transport=nccl (a tensor larger than it travels alone)
+    bucket_size_mb: PositiveFloat = 256.0
 
 
 # ---- NeMo-RL parity: dynamic batching / sequence packing -------------------------------------------------------------

@@ -199,7 +199,6 @@ OFF_ONLY: dict[str, tuple[Any, str]] = {
     "policy.megatron_cfg.peft": (_section_off, "LoRA / PEFT"),
     "policy.hf_config_overrides": ((None, {}), "HF config overrides"),
     "policy.generation.vllm_cfg.logprobs_mode": (("processed_logprobs",), "raw log-probs from the engine"),
-    "policy.generation.refit_transport": ((None, "ray"), "a collective refit transport"),
     "policy.draft.num_layers": ((None, 1), "an EAGLE-3 draft of more than one layer"),
     "reward_penalties": (_all_false, "NeMo-Gym reward penalties"),
     "on_policy_distillation": (_section_off, "on-policy distillation"),

@@ -194,37 +194,86 @@ def _vllm_names(hf: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tens
     return out
 
 
-@pytest.fixture(scope="module")
-def bf16_engine():
-    ray = pytest.importorskip("ray")
+def _start_engine(ray, precision: str):
     from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker, vllm_runtime_env
     from nemo_rl_spec.models.hf_assets import resolve_model
 
+    path = resolve_model("tiny-qwen3")
+    gen = _cfg(precision).generation
+    actor = ray.remote(num_cpus=0.5, runtime_env=vllm_runtime_env(gen.vllm_cfg))(VllmGenerationWorker).remote(
+        gen, path, 0, precision=precision
+    )
+    return actor, path
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    path = resolve_model("tiny-qwen3")
-    gen = _cfg("bfloat16").generation
-    actor = ray.remote(num_cpus=0.5, runtime_env=vllm_runtime_env(gen.vllm_cfg))(VllmGenerationWorker).remote(
-        gen, path, 0, precision="bfloat16"
-    )
-    yield ray, actor, path
-    ray.get(actor.shutdown.remote())
-    ray.kill(actor)
+    yield ray
     if started:
         ray.shutdown()
 
 
-@pytest.mark.parametrize("trainer", ["bfloat16", "float32"])
-def test_refit_into_bf16_engine_holds_the_senders_bf16_weights_bit_for_bit(bf16_engine, trainer):
+@pytest.fixture(scope="module")
+def bf16_engine(ray_session):
+    actor, path = _start_engine(ray_session, "bfloat16")
+    yield ray_session, actor, path
+    ray_session.get(actor.shutdown.remote())
+    ray_session.kill(actor)
+
+
+def _refit(ray, engine, sent: dict[str, torch.Tensor], version: int, transport: str) -> None:
+    """Load ``sent`` into ``engine`` as ``version`` through the object store (``ray``) or the collective transport
+    (``nccl``: this process, the trainer, is rank 0 of a gloo group with the engine, 64 KiB buckets so the weights
+    span several broadcasts)."""
+    if transport == "ray":
+        ray.get(engine.update_weights.remote(sent, version))
+        return
+    from nemo_rl_spec.distributed.weight_broadcast import WeightBroadcastGroup, node_address_and_free_port
+
+    host, port = node_address_and_free_port()
+    joined = engine.init_refit_group.remote(host, port, 1, 2, "gloo", 120, "chain")
+    group = WeightBroadcastGroup(host, port, 0, 2, "gloo", timeout_s=120, algorithm="chain")
+    ray.get(joined)
+    received = engine.receive_weights.remote()
+    stats = group.send(sent, {"version": version}, bucket_bytes=1 << 16)
+    ray.get(received)
+    assert stats["buckets"] > 1
+
+
+def _assert_engine_holds(ray, engine, sent: dict[str, torch.Tensor], dtype: torch.dtype, version: int) -> None:
+    held = ray.get(engine.engine_weights.remote())
+    expected = _vllm_names(sent, tied="lm_head.weight" not in held)
+    assert set(held) == set(expected), sorted(set(held) ^ set(expected))[:6]
+    for name, t in expected.items():
+        assert held[name].dtype == dtype and torch.equal(held[name], t), name
+    assert ray.get(engine.get_versions.remote())["policy_version"] == version
+
+
+@pytest.mark.parametrize("trainer,transport", [("bfloat16", "ray"), ("float32", "ray"), ("float32", "nccl")])
+def test_refit_into_bf16_engine_holds_the_senders_bf16_weights_bit_for_bit(bf16_engine, trainer, transport):
     ray, engine, path = bf16_engine
     policy = _worker(path, trainer)
     policy.train(_batch(seed=3))  # weights that differ from the checkpoint the engine started from
     sent = policy.export_hf_weights(version=1, dtype="bfloat16")  # cast once, on the sender
     assert all(t.dtype == torch.bfloat16 for t in sent.values())
-    ray.get(engine.update_weights.remote(sent, 1))
-    held = ray.get(engine.engine_weights.remote())
-    expected = _vllm_names(sent, tied="lm_head.weight" not in held)
-    assert set(held) == set(expected), sorted(set(held) ^ set(expected))[:6]
-    for name, t in expected.items():
-        assert held[name].dtype == torch.bfloat16 and torch.equal(held[name], t), name
+    version = {"ray": 1, "nccl": 2}[transport]  # the module's engine is shared: a new version per transport
+    _refit(ray, engine, sent, version, transport)
+    _assert_engine_holds(ray, engine, sent, torch.bfloat16, version)
+
+
+def test_collective_refit_into_fp32_engine_is_bit_for_bit(ray_session):
+    """fp32 trainer -> fp32 engine over the collective transport: the engine computes with the sender's tensors."""
+    engine, path = _start_engine(ray_session, "float32")
+    try:
+        policy = _worker(path, "float32")
+        policy.train(_batch(seed=4))
+        sent = policy.export_hf_weights(version=3, dtype="float32")
+        _refit(ray_session, engine, sent, 3, "nccl")
+        _assert_engine_holds(ray_session, engine, sent, torch.float32, 3)
+    finally:
+        ray_session.get(engine.shutdown.remote())
+        ray_session.kill(engine)

@@ -1,7 +1,8 @@
 """Scale-out end to end: GRPO with 2 Megatron workers and 2 vLLM engines through the real driver.
 
 - sync GRPO, colocated (``configs/grpo_math_tiny_dp2.yaml``: DP=2 policy, 2 engines, online EAGLE-3, Pilot-Commit) and
-  async GRPO, split placement (``configs/grpo_math_tiny_dp2_async.yaml``), 3 steps each: finite metrics, every engine's
+  async GRPO, split placement with the collective refit transport (``configs/grpo_math_tiny_dp2_async.yaml``,
+  ``refit_transport: nccl``: gloo on CPU), 3 steps each: finite metrics, every engine's
   probe below 1e-3, and the first step's rewards and loss equal to the 1 policy worker + 1 engine run of the same
   recipe and seeds (the independent computation: the single-worker path; one sync run serves both, see
   ``single_step``).
@@ -100,9 +101,15 @@ def test_sync_dp2_two_engines_equals_one_plus_one(tmp_path, single_step):
 
 
 def test_async_split_dp2_two_engines_equals_one_plus_one(tmp_path, single_step):
-    scaled, out = run_grpo(DP2_ASYNC, tmp_path / "dp2")
+    """Also the collective refit transport on CPU: the trainer's rank 0 broadcasts policy and draft to both engines
+    over gloo in 1 MiB buckets (the 1 + 1 reference refits through the object store), so every probe below 1e-3 and
+    step 1 equal to the reference check its weights and versions."""
+    scaled, out = run_grpo(
+        DP2_ASYNC, tmp_path / "dp2", "policy.generation.refit_transport=nccl", "policy.refit.bucket_size_mb=1"
+    )
     _check_scaled_run(scaled, out, engines=2)
     assert "async/trajectory_age_max" in scaled[1]
+    assert all(r["refit/broadcast_buckets"] > 1 for r in scaled), [r["refit/broadcast_buckets"] for r in scaled]
     _assert_first_step_equal(scaled[0], single_step)
 
 

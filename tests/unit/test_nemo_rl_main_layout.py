@@ -95,7 +95,6 @@ def test_the_recipe_validates_with_no_unknown_key_and_nemo_rl_meanings():
         ("loss_fn.use_kl_in_reward=true", "KL penalty in the reward"),
         ("policy.generation.vllm_cfg.logprobs_mode=raw_logprobs", "raw log-probs"),
         ("policy.megatron_cfg.peft.enabled=true", "LoRA"),
-        ("policy.generation.refit_transport=nccl", "collective refit"),
         ("policy.draft.num_layers=2", "more than one layer"),
         ("reward_penalties.penalize_empty_final_answer=true", "NeMo-Gym"),
     ],

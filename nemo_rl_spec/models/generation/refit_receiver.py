@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from nemo_rl_spec.distributed.weight_broadcast import WeightBroadcastGroup
 from nemo_rl_spec.models.generation.mimo_surgery import mimo_refit_names, serves_mimo, with_zero_biases
 from nemo_rl_spec.speculative.draft_refit import DraftVersionGuard, refit_drafter_versioned
 
@@ -147,6 +148,37 @@ class RefitReceiverMixin:
         self.llm.reset_prefix_cache()  # cached blocks hold the old drafter's KV too
         self.last_draft_refit_s = time.perf_counter() - start
         return out
+
+    def init_refit_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float, algorithm: str
+    ) -> None:
+        """Join the collective refit group as receiver ``rank`` (1..engines; the trainer's rank 0 is its sender):
+        blocks until every member has joined (:class:`~nemo_rl_spec.distributed.weight_broadcast.
+        WeightBroadcastGroup`)."""
+        self.refit_group = WeightBroadcastGroup(host, port, rank, world_size, backend, timeout_s, algorithm)
+
+    def receive_weights(self) -> None:
+        """Receive one policy broadcast over the refit group and load it as :meth:`update_weights` does, under the
+        version in its header.
+
+        Raises:
+            RuntimeError: the engine has not joined a refit group (:meth:`init_refit_group`).
+            ValueError: from :meth:`update_weights` (names missing or unknown), after the whole broadcast.
+        """
+        weights, meta = self._refit_group().recv()
+        self.update_weights(weights, int(meta["version"]))
+
+    def receive_draft_weights(self) -> dict[str, Any]:
+        """Receive one drafter broadcast (weights; ``draft_version`` and ``policy_version`` in its header) and load it
+        as :meth:`update_draft_weights` does; returns its result."""
+        weights, meta = self._refit_group().recv()
+        return self.update_draft_weights({"weights": weights, **meta})
+
+    def _refit_group(self) -> WeightBroadcastGroup:
+        group = getattr(self, "refit_group", None)
+        if group is None:
+            raise RuntimeError("the engine has not joined a refit group: call init_refit_group first")
+        return group
 
     @property
     def policy_version(self) -> int:

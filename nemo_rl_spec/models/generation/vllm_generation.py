@@ -24,7 +24,7 @@ import torch
 
 from nemo_rl_spec.distributed.batch import gather_batch, shard_bounds
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl_spec.distributed.worker_group import RayWorkerGroup, RemoteValue
+from nemo_rl_spec.distributed.worker_group import PendingCalls, RayWorkerGroup, RemoteValue
 from nemo_rl_spec.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 from nemo_rl_spec.models.generation.runtime_env import as_generation_config, vllm_runtime_env
 from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
@@ -280,6 +280,23 @@ class VllmGeneration:
         return self.workers.get(
             self.workers.run_all_workers_single_data("update_draft_weights", ref, ranks=self._ranks(ranks))
         )
+
+    def init_refit_group_async(
+        self, host: str, port: int, world_size: int, backend: str, timeout_s: float, algorithm: str
+    ) -> PendingCalls:
+        """The calls of every engine joining the collective refit group hosted at ``host:port``, engine ``e`` as group
+        rank ``e + 1`` (rank 0 is the trainer's; ``world_size`` = 1 + engines)."""
+        args = [((host, port, e + 1, world_size, backend, timeout_s, algorithm), {}) for e in range(self.num_engines)]
+        return PendingCalls(self.workers.run_all_workers_multiple_data("init_refit_group", args))
+
+    def receive_weights_async(self) -> PendingCalls:
+        """The calls of every engine receiving and loading one policy broadcast (rank order)."""
+        return PendingCalls(self.workers.run_all_workers_single_data("receive_weights"))
+
+    def receive_draft_weights_async(self) -> PendingCalls:
+        """The calls of every engine receiving and loading one drafter broadcast; each holds the engine's load result
+        (:meth:`VllmGenerationWorker.update_draft_weights`)."""
+        return PendingCalls(self.workers.run_all_workers_single_data("receive_draft_weights"))
 
     def get_versions(self) -> list[dict[str, int | None]]:
         """Per engine (rank order): ``{"policy_version", "draft_version", "draft_policy_version"}``."""

@@ -26,7 +26,7 @@ import torch
 from nemo_rl_spec.distributed.batch import gather_batch
 from nemo_rl_spec.distributed.interfaces import TrainDatumSpec
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl_spec.distributed.worker_group import RayWorkerGroup, RemoteValue
+from nemo_rl_spec.distributed.worker_group import PendingCalls, RayWorkerGroup, RemoteValue
 from nemo_rl_spec.utils.config_schema import PolicyConfig
 
 # per-mini-batch metrics that add up over mini-batches; ``*_max`` keys take the max, ``lr`` the last step's value,
@@ -302,6 +302,32 @@ class Policy:
         """The drafter export ``{"weights", "draft_version", "policy_version"}``, weights in ``dtype`` (None:
         fp32), as a :class:`RemoteValue`."""
         return self._rank_zero("export_draft_weights", dtype)
+
+    # ------------------------------------------------------------------ collective refit (refit_transport: nccl)
+    def refit_group_address(self) -> tuple[str, int]:
+        """(rank 0's node IP, a free port there): where the collective refit group's store is hosted."""
+        return self.group.get(self.group.run_all_workers_single_data("refit_group_address", ranks=[0]))[0]
+
+    def init_refit_group_async(
+        self, host: str, port: int, world_size: int, backend: str, timeout_s: float, algorithm: str
+    ) -> PendingCalls:
+        """The calls of every rank joining the refit group (rank 0 as the sender; the others return at once)."""
+        return PendingCalls(
+            self.group.run_all_workers_single_data(
+                "init_refit_group", host, port, world_size, backend, timeout_s, algorithm
+            )
+        )
+
+    def broadcast_hf_weights_async(self, version: int, dtype: str | None, bucket_bytes: int) -> PendingCalls:
+        """The calls of the policy broadcast (every rank gathers; rank 0 sends; its future holds the send stats
+        ``{"bytes", "buckets"}``, rank 0's future first)."""
+        return PendingCalls(
+            self.group.run_all_workers_single_data("broadcast_hf_weights", version, dtype, bucket_bytes)
+        )
+
+    def broadcast_draft_weights_async(self, dtype: str | None, bucket_bytes: int) -> PendingCalls:
+        """The calls of the drafter broadcast, like :meth:`broadcast_hf_weights_async`."""
+        return PendingCalls(self.group.run_all_workers_single_data("broadcast_draft_weights", dtype, bucket_bytes))
 
     def export_megatron_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter under its Megatron name, full size (MTP block included); for checks."""

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from megatron.core import tensor_parallel  # noqa: E402  (after cpu_compat via megatron_model)
 
+from nemo_rl_spec.distributed.weight_broadcast import WeightBroadcastGroup, node_address_and_free_port
 from nemo_rl_spec.models.mtp_export import megatron_mtp_to_mimo, with_zero_qkv_bias, write_mimo_checkpoint
 from nemo_rl_spec.models.policy import megatron_model as mm
 from nemo_rl_spec.models.policy.optimizer_state import load_named_adam_state, named_adam_state
@@ -52,6 +53,35 @@ class WeightExportMixin:
         if not self._is_rank_zero:
             return {}
         return state if dtype is None else cast_state(state, dtype)
+
+    def refit_group_address(self) -> tuple[str, int]:
+        """(this node's IP, a free TCP port): where rank 0 will host the collective refit group's store."""
+        return node_address_and_free_port()
+
+    def init_refit_group(
+        self, host: str, port: int, world_size: int, backend: str, timeout_s: float, algorithm: str
+    ) -> None:
+        """Join the collective refit group as its sender (rank 0 only; the other ranks do nothing): blocks until
+        the ``world_size - 1`` engines have joined too (:class:`~nemo_rl_spec.distributed.weight_broadcast.
+        WeightBroadcastGroup`)."""
+        if self._is_rank_zero:
+            self.refit_group = WeightBroadcastGroup(host, port, 0, world_size, backend, timeout_s, algorithm)
+
+    def broadcast_hf_weights(self, version: int, dtype: str | None, bucket_bytes: int) -> dict[str, float]:
+        """:meth:`export_hf_weights` (a collective over the policy ranks), then rank 0 broadcasts the tensors with
+        ``{"version": version}`` over the refit group in buckets of ``bucket_bytes``; returns rank 0's
+        ``{"bytes", "buckets"}`` (empty on the other ranks)."""
+        state = self.export_hf_weights(version, dtype)
+        return self.refit_group.send(state, {"version": int(version)}, bucket_bytes) if self._is_rank_zero else {}
+
+    def broadcast_draft_weights(self, dtype: str | None, bucket_bytes: int) -> dict[str, float]:
+        """:meth:`export_draft_weights`, broadcast over the refit group like :meth:`broadcast_hf_weights` (the
+        versions travel in the header); returns rank 0's ``{"bytes", "buckets"}``."""
+        draft = self.export_draft_weights(dtype)
+        if not self._is_rank_zero:
+            return {}
+        meta = {k: v for k, v in draft.items() if k != "weights"}
+        return self.refit_group.send(draft["weights"], meta, bucket_bytes)
 
     def export_megatron_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter (MTP block included) under its Megatron name, full size (TP slices gathered: a

@@ -176,6 +176,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
             else None
         )
         self.draft = self._online_draft(seed)
+        self.refit_group = None  # the collective refit transport's group (rank 0, after init_refit_group)
         self.step = 0
         self.weight_version = 0
 
