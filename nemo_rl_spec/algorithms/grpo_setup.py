@@ -431,6 +431,7 @@ def _start_controllers(cfg: MasterConfig, model_path: str, plan: PlacementPlan, 
             draft_dir=_engine_draft_dir(cfg, policy, model_path),
             precision=cfg.policy.engine_precision,
             engine_env=lambda e: plan.visible_devices_env("generation", e),
+            max_failures=cfg.grpo.async_grpo.max_generation_failures if cfg.grpo.async_grpo else 0,
         )
     except BaseException:
         policy.shutdown()

@@ -72,7 +72,7 @@ class WeightRefitter:
         ``sync_draft`` ``refit/draft_policy_lag`` (policy versions since the engines' draft was pushed; 0 after a
         push) and, when the draft was pushed, ``refit/draft_version``; with several engines
         ``refit/logprob_mismatch_engine_<e>``; with ``refit_transport: nccl`` ``refit/broadcast_bytes`` and
-        ``refit/broadcast_buckets``.
+        ``refit/broadcast_buckets``; with engine restarts enabled ``generation/engine_restarts`` (so far this run).
         Raises:
             EngineVersionMismatchError: an engine does not hold ``version`` afterwards (a skipped engine).
             RefitMismatchError: mismatch above the threshold.
@@ -93,6 +93,7 @@ class WeightRefitter:
             )
         out = {"refit/logprob_mismatch": mismatch, "refit/weight_version": float(version), **draft}
         out.update(self.transport.metrics())
+        out.update(getattr(self.generation, "recovery_metrics", dict)())  # generation/engine_restarts, when enabled
         if len(per_engine) > 1:
             out.update({f"refit/logprob_mismatch_engine_{e}": m for e, m in enumerate(per_engine)})
         return out

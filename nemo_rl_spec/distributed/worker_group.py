@@ -139,29 +139,47 @@ class RayWorkerGroup:
         if not nodes:
             raise ValueError("a worker group needs at least one worker (nodes is empty)")
         self.cluster, self.nodes, self.name = cluster, list(nodes), name
-        rendezvous = cluster.node_address(self.nodes[0]) if torch_distributed else None
-        remote_cls = ray.remote(actor_cls)
-        self.workers = []
-        for rank, node in enumerate(self.nodes):
-            env = dict(env_vars(rank) if env_vars is not None else {})
-            if rendezvous is not None:
-                env.update(
-                    RANK=str(rank),
-                    WORLD_SIZE=str(len(self.nodes)),
-                    LOCAL_RANK=str(self.nodes[:rank].count(node)),
-                    MASTER_ADDR=rendezvous[0],
-                    MASTER_PORT=str(rendezvous[1]),
-                )
-            args, kwargs = init_args(rank)
-            self.workers.append(
-                remote_cls.options(
-                    num_cpus=num_cpus,
-                    num_gpus=num_gpus,
-                    scheduling_strategy=cluster.scheduling(node),
-                    runtime_env={"env_vars": env},
-                    name=f"{name}-{rank}-{os.getpid()}-{id(self):x}",
-                ).remote(*args, **kwargs)
+        self._remote_cls, self._init_args, self._env_vars = ray.remote(actor_cls), init_args, env_vars
+        self._resources = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        self._rendezvous = cluster.node_address(self.nodes[0]) if torch_distributed else None
+        self._incarnations = [0] * len(self.nodes)
+        self.workers = [self._spawn(rank) for rank in range(len(self.nodes))]
+
+    def _spawn(self, rank: int):
+        node = self.nodes[rank]
+        env = dict(self._env_vars(rank) if self._env_vars is not None else {})
+        if self._rendezvous is not None:
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(len(self.nodes)),
+                LOCAL_RANK=str(self.nodes[:rank].count(node)),
+                MASTER_ADDR=self._rendezvous[0],
+                MASTER_PORT=str(self._rendezvous[1]),
             )
+        args, kwargs = self._init_args(rank)
+        suffix = f"-r{self._incarnations[rank]}" if self._incarnations[rank] else ""
+        return self._remote_cls.options(
+            **self._resources,
+            scheduling_strategy=self.cluster.scheduling(node),
+            runtime_env={"env_vars": env},
+            name=f"{self.name}-{rank}-{os.getpid()}-{id(self):x}{suffix}",
+        ).remote(*args, **kwargs)
+
+    def restart(self, rank: int, timeout: float | None = None) -> None:
+        """Replace worker ``rank`` (dead or alive: it is killed first) by a new actor built as the first was, in the
+        same placement-group bundle; blocks until its constructor has finished. Only for groups without a
+        ``torch.distributed`` world (a new rank could not rejoin its peers' process group).
+
+        Raises:
+            RuntimeError: the group has a ``torch.distributed`` world.
+            ray.exceptions.RayError: the new actor's constructor failed.
+        """
+        if self._rendezvous is not None:
+            raise RuntimeError(f"{self.name}: a worker of a torch.distributed group cannot be restarted alone")
+        ray.kill(self.workers[rank], no_restart=True)
+        self._incarnations[rank] += 1
+        self.workers[rank] = self._spawn(rank)
+        ray.get(self.workers[rank].__ray_ready__.remote(), timeout=timeout)
 
     @property
     def world_size(self) -> int:

@@ -189,7 +189,6 @@ def _all_false(value: Any) -> bool:
 
 #: NeMo-RL key -> (the values or the test that mean "off", the feature it turns on). Off: dropped; on: refused.
 OFF_ONLY: dict[str, tuple[Any, str]] = {
-    "grpo.async_grpo.max_generation_failures": ((0,), "tolerating generation-worker failures"),
     "grpo.async_grpo.recompute_kv_cache_after_weight_updates": ((False,), "KV-cache recompute after in-flight updates"),
     "grpo.invalid_tool_call_advantage": ((None,), "tool-call penalties (single-turn math only)"),
     "grpo.malformed_thinking_advantage": ((None,), "thinking-tag penalties"),

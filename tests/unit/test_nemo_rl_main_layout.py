@@ -91,7 +91,6 @@ def test_the_recipe_validates_with_no_unknown_key_and_nemo_rl_meanings():
     [
         ("grpo.invalid_tool_call_advantage=-5.0", "tool-call penalties"),
         ("grpo.malformed_thinking_advantage=-5.0", "thinking-tag penalties"),
-        ("grpo.async_grpo.max_generation_failures=2", "generation-worker failures"),
         ("loss_fn.use_kl_in_reward=true", "KL penalty in the reward"),
         ("policy.generation.vllm_cfg.logprobs_mode=raw_logprobs", "raw log-probs"),
         ("policy.megatron_cfg.peft.enabled=true", "LoRA"),

@@ -25,6 +25,7 @@ import torch
 from nemo_rl_spec.distributed.batch import gather_batch, shard_bounds
 from nemo_rl_spec.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl_spec.distributed.worker_group import PendingCalls, RayWorkerGroup, RemoteValue
+from nemo_rl_spec.models.generation.engine_recovery import EngineRecovery
 from nemo_rl_spec.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 from nemo_rl_spec.models.generation.runtime_env import as_generation_config, vllm_runtime_env
 from nemo_rl_spec.models.generation.vllm_worker import VllmGenerationWorker
@@ -132,6 +133,9 @@ class VllmGeneration:
         name: prefix of the engine actors' names.
         engine_env: per-engine extra environment, ``engine_env(e) -> dict`` (e.g. the GPUs an engine is pinned to,
             :meth:`~nemo_rl_spec.distributed.placement.PlacementPlan.visible_devices_env`).
+        max_failures: engine deaths survived over the run (``grpo.async_grpo.max_generation_failures``): a dead
+            engine is restarted with the current weights and its call re-issued
+            (:class:`~nemo_rl_spec.models.generation.engine_recovery.EngineRecovery`); 0: a dead engine ends the run.
 
     The constructor returns once every engine is up (an engine's start error is raised here).
 
@@ -153,6 +157,7 @@ class VllmGeneration:
         precision: str = "float32",
         name: str = "vllm",
         engine_env: Callable[[int], dict[str, str]] | None = None,
+        max_failures: int = 0,
     ):
         self.cfg = _with_draft_dir(as_generation_config(cfg), draft_dir)
         worker_cfg = self.cfg
@@ -179,6 +184,28 @@ class VllmGeneration:
         except Exception:  # one engine failed to start: stop the others before re-raising
             self.workers.shutdown()
             raise
+        self.recovery = EngineRecovery(self.workers, max_failures)
+
+    def _call(self, method: str, calls: Sequence[tuple[tuple, dict]], ranks: Sequence[int]) -> list:
+        """``method(*args_i, **kwargs_i)`` on engine ``ranks[i]``, results in that order; an engine that died is
+        restarted (:attr:`recovery`, which raises past its budget) and its call re-issued on the new engine."""
+        refs = self.workers.run_all_workers_multiple_data(method, calls, ranks=ranks)
+        out = []
+        for rank, call, ref in zip(ranks, calls, refs):
+            try:
+                out.append(ray.get(ref))
+            except ray.exceptions.RayActorError as exc:
+                self.recovery.restart(rank, exc)
+                out.append(ray.get(self.workers.run_all_workers_multiple_data(method, [call], ranks=[rank])[0]))
+        return out
+
+    def _call_all(self, method: str, *args, ranks: Sequence[int] | None = None) -> list:
+        targets = self._ranks(ranks)
+        return self._call(method, [(args, {})] * len(targets), targets)
+
+    def recovery_metrics(self) -> dict[str, float]:
+        """``generation/engine_restarts`` when engine restarts are enabled (``max_failures > 0``)."""
+        return self.recovery.metrics()
 
     @property
     def num_engines(self) -> int:
@@ -233,7 +260,7 @@ class VllmGeneration:
             )
             for e in used
         ]
-        outputs = self.workers.get(self.workers.run_all_workers_multiple_data("generate", calls, ranks=used))
+        outputs = self._call("generate", calls, used)
         return merge_generation_outputs(outputs, [bounds[e][0] for e in used], self.pad_token_id, used)
 
     def score(
@@ -245,9 +272,7 @@ class VllmGeneration:
         :meth:`VllmGenerationWorker.score`.
         """
         ids_ref, len_ref = ray.put(input_ids), ray.put(input_lengths)
-        return self.workers.get(
-            self.workers.run_all_workers_single_data("score", ids_ref, len_ref, ranks=self._ranks(ranks))
-        )
+        return self._call_all("score", ids_ref, len_ref, ranks=ranks)
 
     # ---------------------------------------------------------------------------------------------- weights
     def update_weights(
@@ -261,9 +286,9 @@ class VllmGeneration:
                 one may have loaded (see :meth:`get_versions`).
         """
         ref = RemoteValue.ref_of(weights)
-        self.workers.get(
-            self.workers.run_all_workers_single_data("update_weights", ref, int(version), ranks=self._ranks(ranks))
-        )
+        self._call_all("update_weights", ref, int(version), ranks=ranks)
+        if ranks is None:
+            self.recovery.keep_policy(ref, version)
 
     def update_draft_weights(
         self, draft: dict[str, Any] | RemoteValue, ranks: Sequence[int] | None = None
@@ -277,9 +302,10 @@ class VllmGeneration:
             DraftVersionMismatchError: the draft is paired with another policy version than an engine holds.
         """
         ref = RemoteValue.ref_of(draft)
-        return self.workers.get(
-            self.workers.run_all_workers_single_data("update_draft_weights", ref, ranks=self._ranks(ranks))
-        )
+        out = self._call_all("update_draft_weights", ref, ranks=ranks)
+        if ranks is None:
+            self.recovery.keep_draft(ref)
+        return out
 
     def init_refit_group_async(
         self, host: str, port: int, world_size: int, backend: str, timeout_s: float, algorithm: str
@@ -300,7 +326,7 @@ class VllmGeneration:
 
     def get_versions(self) -> list[dict[str, int | None]]:
         """Per engine (rank order): ``{"policy_version", "draft_version", "draft_policy_version"}``."""
-        return self.workers.get(self.workers.run_all_workers_single_data("get_versions"))
+        return self._call_all("get_versions")
 
     # ---------------------------------------------------------------------------------------------- metrics, life
     def spec_counters(self):
