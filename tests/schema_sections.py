@@ -10,7 +10,9 @@ switch gives one variant: the recipe with that one key changed as a user would c
 * ``Optional[<scalar or list>]``: null -> the first candidate value the field accepts (see :data:`CANDIDATES`),
   set -> ``key=null``.
 
-A key added to the schema is covered without editing this file. Import with ``sys.path.insert(0, <tests dir>)``.
+A key added to the schema is covered without editing this file. A switch that does nothing unless other keys are
+set with it (and is refused alone as inert) is turned on together with them, as a user would: :data:`WITH`.
+Import with ``sys.path.insert(0, <tests dir>)``.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def variant(sw: Switch, raw: dict) -> list[str]:
         new = {} if sw.kind == "section" else _candidate(sw)
     else:
         new = None
-    return [f"{'' if found else '+'}{sw.path}={_yaml(new)}"]
+    return [f"{'' if found else '+'}{sw.path}={_yaml(new)}", *(WITH.get(sw.path, ()) if new is True else ())]
 
 
 def recipe_variants(recipe: Path = TINY) -> list[tuple[Switch, list[str]]]:
@@ -205,6 +207,23 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
 }
 
 
+# Switches that act only with other keys set (alone they are refused as inert, or act on nothing): turned on, their
+# variant carries these overrides too. Packing treats the keys they set as the switch's own (:func:`conflicts`), and
+# what they make inert is in HIDES.
+WITH: dict[str, tuple[str, ...]] = {
+    # the KL moved into the reward needs a KL coefficient and the estimator that reads it (NeMo-RL's REINFORCE++)
+    "loss_fn.use_kl_in_reward": (
+        "loss_fn.reference_policy_kl_penalty=0.01",
+        "grpo.adv_estimator.name=reinforce_plus_plus",
+    ),
+}
+
+
+def _with_keys(path: str) -> tuple[str, ...]:
+    """The dotted keys the :data:`WITH` overrides of switch ``path`` set."""
+    return tuple(o.split("=", 1)[0].lstrip("+") for o in WITH.get(path, ()))
+
+
 def expected_refusal(path: str) -> str | None:
     """The message fragment the tiny recipe's variant of ``path`` must be refused with, or None: it must pass."""
     return REFUSED_BEFORE_RAY.get(path)
@@ -231,6 +250,9 @@ def conflicts(a: Switch, b: Switch) -> bool:
     return (
         _under(b.path, _scope(a))
         or _under(a.path, _scope(b))
+        or any(_under(k, _scope(a)) for k in _with_keys(b.path))
+        or any(_under(k, _scope(b)) for k in _with_keys(a.path))
+        or bool(set(_with_keys(a.path)) & set(_with_keys(b.path)))
         or any(b.path.startswith(h) for h in HIDES.get(a.path, ()))
         or any(a.path.startswith(h) for h in HIDES.get(b.path, ()))
     )
@@ -248,9 +270,18 @@ _TRAINING_SIDE = (
     "grpo.normalize_rewards",
     "grpo.use_leave_one_out_baseline",
 )
+# loss_fn.use_kl_in_reward's WITH sets the reinforce_plus_plus estimator, which reads none of the grpo estimator's
+# options.
+_GRPO_ESTIMATOR = (
+    "grpo.normalize_rewards",
+    "grpo.use_leave_one_out_baseline",
+    "grpo.adv_estimator.normalize_rewards",
+    "grpo.adv_estimator.use_leave_one_out_baseline",
+)
 HIDES: dict[str, tuple[str, ...]] = {
     "grpo.dynamic_sampling": _TRAINING_SIDE,
     "grpo.use_dynamic_sampling": _TRAINING_SIDE,
+    "loss_fn.use_kl_in_reward": _GRPO_ESTIMATOR,
 }
 
 

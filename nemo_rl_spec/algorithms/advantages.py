@@ -1,5 +1,6 @@
 """Advantages: NeMo-RL's ``grpo.adv_estimator`` (``grpo``: per-prompt-group baselines and optional std normalisation;
-``reinforce_plus_plus``: :func:`compute_reinforce_plus_plus_advantages`) and the advantage clip
+``reinforce_plus_plus``: :func:`compute_reinforce_plus_plus_advantages`, or per token with ``loss_fn.use_kl_in_reward``:
+:func:`compute_reinforce_plus_plus_token_advantages` and :func:`reward_kl_penalty`) and the advantage clip
 (:func:`estimate_advantages`).
 
 GRPO (Shao et al. 2024, "DeepSeekMath", eq. 3 outcome supervision) scores every response against the other
@@ -20,6 +21,13 @@ result has the dtype of ``rewards``.
 from __future__ import annotations
 
 import torch
+
+from nemo_rl_spec.algorithms.loss.clipped_pg import reference_kl
+
+#: the clamps of the reward's KL estimate (NeMo-RL's ``calculate_kl`` defaults; its REINFORCE++ estimator passes no
+#: others, so ``loss_fn.kl_input_clamp_value`` / ``kl_output_clamp_value`` act on the loss's KL term only)
+REWARD_KL_INPUT_CLAMP = 20.0
+REWARD_KL_OUTPUT_CLAMP = 10.0
 
 
 def compute_grpo_advantages(
@@ -163,6 +171,80 @@ def compute_reinforce_plus_plus_advantages(
     return ((a - mu) * var.clamp(min=1e-8).rsqrt()).to(rewards.dtype)
 
 
+def reward_kl_penalty(
+    prev_logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    kl_coef: float,
+    kl_type: str,
+) -> torch.Tensor:
+    """``loss_fn.use_kl_in_reward``: the per-token KL penalty that REINFORCE++ subtracts from the reward (NeMo-RL's
+    ``ReinforcePlusPlusAdvantageEstimator``), beta * kl_t with beta = ``reference_policy_kl_penalty`` and kl_t the
+    estimator ``reference_policy_kl_type`` of KL(pi_old || pi_ref) at the sampled token::
+
+        d    = clamp(log pi_ref - log pi_old, -20, 20)
+        k1 = -d      k2 = d^2 / 2      k3 = e^d - d - 1
+        kl_t = clamp(k(d), -10, 10)
+
+    pi_old is the trainer's policy before the update (``prev_logprobs``), as in NeMo-RL; the clamps are NeMo-RL's
+    fixed ones (:data:`REWARD_KL_INPUT_CLAMP`, :data:`REWARD_KL_OUTPUT_CLAMP`). No gradient flows (the advantages are
+    constants of the loss).
+
+    Shapes: prev_logprobs, reference_logprobs [N, S] -> [N, S] float64 (every position; the caller's mask decides
+    which count).
+    """
+    if prev_logprobs.shape != reference_logprobs.shape or prev_logprobs.dim() != 2:
+        raise ValueError(
+            f"prev_logprobs {tuple(prev_logprobs.shape)} and reference_logprobs {tuple(reference_logprobs.shape)} "
+            "must be the same [N, S]"
+        )
+    prev = prev_logprobs.detach().to(torch.float64)
+    ref = reference_logprobs.detach().to(torch.float64)
+    kl = reference_kl(ref - prev, torch.ones_like(prev), kl_type, REWARD_KL_INPUT_CLAMP, REWARD_KL_OUTPUT_CLAMP)
+    return kl_coef * kl
+
+
+def compute_reinforce_plus_plus_token_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    token_penalty: torch.Tensor,
+    minus_baseline: bool = True,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """REINFORCE++ with the KL in the reward (``loss_fn.use_kl_in_reward``; NeMo-RL's ``reinforce_plus_plus``
+    estimator with ``logprobs_policy`` / ``logprobs_reference``). Per response i (group g) and token t::
+
+        a_i    = r_i - mean_g(r)   if minus_baseline   else   a_i = r_i
+        A_it   = a_i - p_it                                   p = token_penalty = beta * kl (:func:`reward_kl_penalty`)
+        mu     = sum_{m_it=1} A_it / sum m,    var = sum_{m_it=1} (A_it - mu)^2 / sum m
+        A_it  <- (A_it - mu) / sqrt(max(var, 1e-8))           on m_it = 1;  0 where m_it = 0
+
+    The penalty of each token is subtracted from the sequence reward at that token only: no return-to-go sum and no
+    discount, as NeMo-RL computes it. With p = 0 it is :func:`compute_reinforce_plus_plus_advantages` on every
+    token of the row (token counts = row sums of m).
+
+    Shapes: rewards [N], group_ids [N], mask [N, S] (token_mask x sample_mask: the tokens in the loss),
+    token_penalty [N, S], valid [N] bool or None (False rows leave their group's mean) -> [N, S], dtype of
+    ``rewards``. No token in the loss: every advantage is 0.
+    """
+    if mask.dim() != 2 or mask.shape != token_penalty.shape or mask.shape[0] != rewards.numel():
+        raise ValueError(
+            f"mask {tuple(mask.shape)} and token_penalty {tuple(token_penalty.shape)} must be [N, S] with "
+            f"N = len(rewards) = {rewards.numel()}"
+        )
+    r = rewards.detach().to(torch.float64)
+    a = r - _group_mean(r, group_ids, valid) if minus_baseline else r
+    m = mask > 0
+    n = m.sum()
+    if n == 0:
+        return torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+    adv = a.unsqueeze(-1) - token_penalty.detach().to(torch.float64)
+    zero = torch.zeros_like(adv)
+    mu = torch.where(m, adv, zero).sum() / n
+    var = torch.where(m, (adv - mu) ** 2, zero).sum() / n
+    return torch.where(m, (adv - mu) * var.clamp(min=1e-8).rsqrt(), zero).to(rewards.dtype)
+
+
 def _group_mean(r: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Mean of each row's group over its valid rows (a masked row is its own group). Shape: [N] -> [N] float64."""
     w = torch.ones_like(r) if valid is None else valid.to(torch.float64)
@@ -188,6 +270,8 @@ def estimate_advantages(
     group_ids: torch.Tensor,
     token_counts: torch.Tensor,
     valid: torch.Tensor | None = None,
+    token_penalty: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``grpo.adv_estimator`` then the advantage clip, as NeMo-RL's loop applies them to the (scaled, shaped) rewards.
 
@@ -197,12 +281,28 @@ def estimate_advantages(
         group_ids: [N] prompt-group id per response.
         token_counts: [N] response tokens in the loss (token_mask row sums x sample_mask); reinforce_plus_plus only.
         valid: [N] bool or None; False rows (masked non-finite rewards) leave their group's statistics.
+        token_penalty: [N, S] or None: ``loss_fn.use_kl_in_reward``'s beta * kl (:func:`reward_kl_penalty`);
+            reinforce_plus_plus only, per token (:func:`compute_reinforce_plus_plus_token_advantages`).
+        mask: [N, S] tokens in the loss (token_mask x sample_mask), with ``token_penalty`` (it then replaces
+            ``token_counts``).
 
     Returns:
-        [N] advantages, dtype of ``rewards``.
+        [N] advantages, or [N, S] with ``token_penalty``; dtype of ``rewards``.
+
+    Raises:
+        ValueError: ``token_penalty`` with the grpo estimator or without ``mask``.
     """
     est = grpo_cfg.adv_estimator
-    if est.name == "reinforce_plus_plus":
+    if token_penalty is not None:
+        if est.name != "reinforce_plus_plus" or mask is None:
+            raise ValueError(
+                "a per-token reward penalty (loss_fn.use_kl_in_reward) needs grpo.adv_estimator.name="
+                f"reinforce_plus_plus (got {est.name!r}) and the loss mask"
+            )
+        adv = compute_reinforce_plus_plus_token_advantages(
+            rewards, group_ids, mask, token_penalty, est.minus_baseline, valid
+        )
+    elif est.name == "reinforce_plus_plus":
         adv = compute_reinforce_plus_plus_advantages(rewards, group_ids, token_counts, est.minus_baseline, valid)
     else:  # the section's copies, or the grpo.* keys where they are null (set, they are equal: GRPOConfig)
         loo = (

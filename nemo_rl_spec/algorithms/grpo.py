@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from nemo_rl_spec.algorithms.advantages import estimate_advantages
+from nemo_rl_spec.algorithms.advantages import estimate_advantages, reward_kl_penalty
 from nemo_rl_spec.algorithms.grpo_setup import GRPOSetup, save_checkpoint
 from nemo_rl_spec.algorithms.overlong import apply_overlong_filtering, truncated_rows
 from nemo_rl_spec.algorithms.reward_shaping import scale_rewards, shape_rewards
@@ -49,12 +49,13 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer, step: int) -> dict
     overlong = overlong_metrics(s, data)
     with timer.time("policy_and_reference_logprobs"):
         data["prev_logprobs"] = s.policy.get_logprobs(data, cfg.policy.generation.temperature)
-        if cfg.loss_fn.reference_policy_kl_penalty > 0:
+        if cfg.loss_fn.reference_policy_kl_penalty > 0:  # the loss's KL term, or the reward's (use_kl_in_reward)
             data["reference_policy_logprobs"] = s.policy.get_reference_policy_logprobs(
                 data, cfg.policy.generation.temperature
             )
     seq_error = apply_seq_logprob_error_masking(data, selection.rewards, cfg.grpo.seq_logprob_error_threshold)
-    data["advantages"] = step_advantages(s, selection, data, valid)  # after every sample_mask change, as NeMo-RL
+    kl_penalty = step_reward_kl_penalty(s, data)
+    data["advantages"] = step_advantages(s, selection, data, valid, kl_penalty)  # after every sample_mask change
     with timer.time("policy_training"):
         train_metrics = s.policy.train(data, train_draft=s.trains_draft(step))
     agreement = logprob_agreement_metrics(data["prev_logprobs"], data["generation_logprobs"], data["token_mask"])
@@ -66,19 +67,50 @@ def train_on_selection(s: GRPOSetup, selection, timer: Timer, step: int) -> dict
         **agreement,
         **overlong,
         **seq_error,
+        **reward_kl_metrics(kl_penalty, data),
     }
 
 
-def step_advantages(s: GRPOSetup, selection, data, valid: torch.Tensor) -> torch.Tensor:
+def step_reward_kl_penalty(s: GRPOSetup, data) -> torch.Tensor | None:
+    """``loss_fn.use_kl_in_reward``: beta * kl per token of pi_old against the reference
+    (:func:`~.advantages.reward_kl_penalty`); None when the KL stays in the loss. Shape: [N, S] float64."""
+    loss = s.cfg.loss_fn
+    if not loss.use_kl_in_reward:
+        return None
+    return reward_kl_penalty(
+        data["prev_logprobs"],
+        data["reference_policy_logprobs"],
+        loss.reference_policy_kl_penalty,
+        loss.reference_policy_kl_type,
+    )
+
+
+def reward_kl_metrics(kl_penalty: torch.Tensor | None, data) -> dict[str, float]:
+    """``train/reward_kl_penalty``: the mean of beta * kl over the tokens in the loss (the loss's own
+    ``train/kl_penalty`` is then 0); empty when the KL stays in the loss."""
+    if kl_penalty is None:
+        return {}
+    mask = data["token_mask"] * data["sample_mask"].unsqueeze(-1) > 0
+    n = int(mask.sum())
+    return {"train/reward_kl_penalty": float(kl_penalty[mask].sum() / n) if n else 0.0}
+
+
+def step_advantages(
+    s: GRPOSetup, selection, data, valid: torch.Tensor, kl_penalty: torch.Tensor | None = None
+) -> torch.Tensor:
     """NeMo-RL's order: ``grpo.reward_scaling`` -> ``grpo.reward_shaping`` -> ``grpo.adv_estimator`` ->
     ``grpo.advantage_clip_low/high``, on the rewards of ``selection``. Shapes: selection.rewards [N], data rows N ->
-    [N] float32 advantages (reinforce_plus_plus whitens over the tokens in the loss: token_mask x sample_mask)."""
+    [N] float32 advantages (reinforce_plus_plus whitens over the tokens in the loss: token_mask x sample_mask), or
+    [N, S] with ``kl_penalty`` ([N, S], :func:`step_reward_kl_penalty`: subtracted per token before whitening)."""
     g = s.cfg.grpo
     lengths = data["token_mask"].sum(1)
     rewards = scale_rewards(selection.rewards, g.reward_scaling)
     rewards = shape_rewards(rewards, g.reward_shaping, lengths, lambda: truncated_of(s, data))
     token_counts = lengths * data["sample_mask"]
-    return estimate_advantages(g, rewards, selection.group_ids, token_counts, valid=valid).float()
+    mask = data["token_mask"] * data["sample_mask"].unsqueeze(-1)
+    return estimate_advantages(
+        g, rewards, selection.group_ids, token_counts, valid=valid, token_penalty=kl_penalty, mask=mask
+    ).float()
 
 
 def truncated_of(s: GRPOSetup, data) -> torch.Tensor:

@@ -26,7 +26,8 @@ class TrainDatumSpec(TypedDict, total=False):
     """One training batch. Shapes: B sequences, S padded length.
 
     input_ids: [B, S] int64.   input_lengths: [B] int64.   token_mask: [B, S] float32 (1 = response token).
-    sample_mask: [B] float32 (0 drops a whole sequence).   advantages: [B] float32.
+    sample_mask: [B] float32 (0 drops a whole sequence).
+    advantages: [B] float32, or [B, S] per token (``loss_fn.use_kl_in_reward``: the KL penalty in the reward).
     generation_logprobs: [B, S] float32, log-probs under the policy that sampled (behaviour policy).
     prev_logprobs: [B, S] float32, log-probs under the trainer's weights before the update (pi_old).
     reference_policy_logprobs: [B, S] float32, log-probs under the frozen reference (only if KL is on).

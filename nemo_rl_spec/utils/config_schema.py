@@ -309,6 +309,9 @@ class LossConfig(_Strict):
     ratio_clip_c: Optional[float] = Field(default=None, gt=1.0)  # dual clip bound; None: off
     sequence_level_importance_ratios: bool = False  # GSPO; needs token_level_loss=false
     use_on_policy_kl_approximation: bool = False
+    # NeMo-RL's KL penalty in the reward instead of the loss (REINFORCE++; algorithms/advantages.py
+    # reward_kl_penalty): per-token advantages a_i - beta * kl_t, whitened; the loss's KL term is then 0
+    use_kl_in_reward: bool = False
     # Dr. GRPO constant normaliser (algorithms/loss/clipped_pg.py): "batch" divides the summed loss by the batch's
     # valid tokens (sequences with token_level_loss=false); "constant" by loss_normalizer_constant
     loss_normalizer: Literal["batch", "constant"] = "batch"
@@ -325,6 +328,18 @@ class LossConfig(_Strict):
             raise ValueError(
                 "loss_fn.loss_normalizer=constant needs loss_fn.loss_normalizer_constant (tokens, or "
                 "sequences with token_level_loss=false; e.g. train_global_batch_size x max_new_tokens)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _kl_in_reward(self) -> "LossConfig":
+        """``use_kl_in_reward`` moves the KL term into the reward; with a zero coefficient there is no KL to move
+        (NeMo-RL then loads no reference model and the switch changes nothing), so it is refused rather than
+        silently inert."""
+        if self.use_kl_in_reward and self.reference_policy_kl_penalty == 0.0:
+            raise ValueError(
+                "loss_fn.use_kl_in_reward=true needs loss_fn.reference_policy_kl_penalty > 0 (the coefficient beta of "
+                "the per-token KL subtracted from the reward); with 0 there is no KL to move and it changes nothing"
             )
         return self
 
@@ -1195,6 +1210,19 @@ class MasterConfig(_Strict):
                 f"loss_fn.force_on_policy_ratio=true needs policy.train_global_batch_size="
                 f"{self.policy.train_global_batch_size} == grpo.num_prompts_per_step x num_generations_per_prompt"
                 f" = {rows} (one update per rollout)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _kl_in_reward_estimator(self) -> "MasterConfig":
+        """``loss_fn.use_kl_in_reward`` is read by NeMo-RL's ``reinforce_plus_plus`` estimator only; with ``grpo`` NeMo-RL
+        takes the KL out of the loss and puts it nowhere (no KL penalty at all), so that pair is refused."""
+        name = self.grpo.adv_estimator.name
+        if self.loss_fn.use_kl_in_reward and name != "reinforce_plus_plus":
+            raise ValueError(
+                f"loss_fn.use_kl_in_reward=true needs grpo.adv_estimator.name=reinforce_plus_plus (got {name!r}: that "
+                "estimator does not read the KL, and the loss drops its own KL term, so no KL penalty would apply); "
+                "set the estimator, or loss_fn.use_kl_in_reward=false to keep the KL in the loss"
             )
         return self
 

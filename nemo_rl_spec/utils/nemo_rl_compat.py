@@ -192,7 +192,6 @@ OFF_ONLY: dict[str, tuple[Any, str]] = {
     "grpo.async_grpo.recompute_kv_cache_after_weight_updates": ((False,), "KV-cache recompute after in-flight updates"),
     "grpo.invalid_tool_call_advantage": ((None,), "tool-call penalties (single-turn math only)"),
     "grpo.malformed_thinking_advantage": ((None,), "thinking-tag penalties"),
-    "loss_fn.use_kl_in_reward": ((False,), "the KL penalty in the reward (per-token Reinforce++ advantages)"),
     "policy.megatron_cfg.model_overrides": ((None, {}), "Megatron model-config overrides"),
     "policy.megatron_cfg.mtp_use_repeated_layer": ((False,), "one MTP layer repeated over the depths"),
     "policy.megatron_cfg.peft": (_section_off, "LoRA / PEFT"),

@@ -91,7 +91,6 @@ def test_the_recipe_validates_with_no_unknown_key_and_nemo_rl_meanings():
     [
         ("grpo.invalid_tool_call_advantage=-5.0", "tool-call penalties"),
         ("grpo.malformed_thinking_advantage=-5.0", "thinking-tag penalties"),
-        ("loss_fn.use_kl_in_reward=true", "KL penalty in the reward"),
         ("policy.generation.vllm_cfg.logprobs_mode=raw_logprobs", "raw log-probs"),
         ("policy.megatron_cfg.peft.enabled=true", "LoRA"),
         ("policy.draft.num_layers=2", "more than one layer"),
@@ -105,6 +104,16 @@ def test_an_off_only_feature_turned_on_is_refused_by_name(override, feature):
     msg = str(err.value)
     assert feature in msg and msg.count("does not implement") == 1
     assert key.rsplit(".", 1)[0] in msg  # names the key (or its section)
+
+
+def test_nemo_rl_kl_in_reward_loads_with_the_estimator_that_reads_it():
+    """loss_fn.use_kl_in_reward is a schema key: off in the fixture; on with NeMo-RL's reinforce_plus_plus estimator
+    it loads; on with the fixture's grpo estimator (which NeMo-RL lets drop the KL entirely) it is refused by key."""
+    assert _load().loss_fn.use_kl_in_reward is False
+    cfg = _load("loss_fn.use_kl_in_reward=true", "grpo.adv_estimator.name=reinforce_plus_plus")
+    assert cfg.loss_fn.use_kl_in_reward and cfg.loss_fn.reference_policy_kl_penalty == pytest.approx(0.01)
+    with pytest.raises(ConfigError, match="loss_fn.use_kl_in_reward=true needs grpo.adv_estimator.name"):
+        _load("loss_fn.use_kl_in_reward=true")
 
 
 def test_nemo_rl_advantage_and_reward_options_load_as_schema_keys():

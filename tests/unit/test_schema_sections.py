@@ -25,6 +25,7 @@ import schema_sections as ss  # noqa: E402
 from nemo_rl_spec.utils.config import ConfigError  # noqa: E402
 
 VARIANTS = ss.recipe_variants()
+VARIANTS_BY_PATH = [(sw.path, o) for sw, o in VARIANTS]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,24 @@ def test_packing_conflicts_by_hand():
     assert not ss.conflicts(sw["checkpointing.resume"], sw["checkpointing.save_consolidated"])
     assert not ss.conflicts(sw["grpo.val_at_start"], sw["grpo.normalize_rewards"])
     assert ss.conflicts(sw["loss_fn.token_level_loss"], sw["grpo.dynamic_sampling"])  # ss.HIDES: trains on nothing
+
+
+def test_a_switch_that_acts_only_with_other_keys_is_turned_on_with_them():
+    """ss.WITH: loss_fn.use_kl_in_reward is inert (refused) alone on the tiny recipe; its variant sets the KL
+    coefficient and the estimator that reads it, and packing keeps it from the grpo estimator's options it hides."""
+    sw = {s.path: s for s in ss.schema_switches()}
+    overrides = dict(VARIANTS_BY_PATH)["loss_fn.use_kl_in_reward"]
+    assert overrides == [
+        "+loss_fn.use_kl_in_reward=true",
+        "loss_fn.reference_policy_kl_penalty=0.01",
+        "grpo.adv_estimator.name=reinforce_plus_plus",
+    ]
+    assert ss.pre_ray_outcome(overrides[:1])[0] == "refused"
+    assert ss.conflicts(sw["loss_fn.use_kl_in_reward"], sw["grpo.normalize_rewards"])
+    assert not ss.conflicts(sw["loss_fn.use_kl_in_reward"], sw["grpo.adv_estimator.minus_baseline"])
+    assert ss.variant(sw["loss_fn.use_kl_in_reward"], {"loss_fn": {"use_kl_in_reward": True}}) == [
+        "loss_fn.use_kl_in_reward=false"  # turned off: nothing to set with it
+    ]
 
 
 def test_packed_groups_greedy_by_hand():

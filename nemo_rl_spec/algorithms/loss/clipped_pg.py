@@ -103,9 +103,10 @@ class ClippedPGLossFn:
         icepop:        w = u if lo <= u <= hi else 0
         seq-mask-tis:  w = u * [lo <= exp(mean_{t in row} (prev - gen)) <= hi]   (whole rows kept or dropped)
 
-    The KL term (:func:`reference_kl`, reference_policy_kl_penalty = beta) and the positive-example NLL
-    (positive_example_nll_weight = mu > 0, VAPO eq. 10): mu * sum(-curr over valid tokens of rows with reward > 0)
-    / (their count in this micro-batch), a per-micro-batch mean as NeMo-RL computes it.
+    The KL term (:func:`reference_kl`, reference_policy_kl_penalty = beta; 0 with use_kl_in_reward, whose KL is in
+    the per-token advantages instead: :func:`~nemo_rl_spec.algorithms.advantages.reward_kl_penalty`) and the
+    positive-example NLL (positive_example_nll_weight = mu > 0, VAPO eq. 10): mu * sum(-curr over valid tokens of
+    rows with reward > 0) / (their count in this micro-batch), a per-micro-batch mean as NeMo-RL computes it.
 
     References: PPO (Schulman et al. 2017, eq. 7); GRPO (Shao et al. 2024); clip-higher (DAPO, Yu et al. 2025);
     dual clip (Ye et al. 2020, eq. 5); GSPO (Zheng et al. 2025, eq. 7); CISPO (MiniMax-M1, arXiv:2506.13585);
@@ -133,7 +134,9 @@ class ClippedPGLossFn:
         self.cfg = cfg
         self.ratio_clip_min, self.ratio_clip_max = cfg.ratio_clip_min, cfg.ratio_clip_max
         self.token_level_loss = cfg.token_level_loss
-        self.kl_penalty, self.kl_type = cfg.reference_policy_kl_penalty, cfg.reference_policy_kl_type
+        # use_kl_in_reward: the KL is in the advantages (algorithms/advantages.py reward_kl_penalty), not here
+        self.kl_penalty = 0.0 if cfg.use_kl_in_reward else cfg.reference_policy_kl_penalty
+        self.kl_type = cfg.reference_policy_kl_type
         self.use_is_correction = cfg.use_importance_sampling_correction
         self.truncated_is_ratio = cfg.truncated_importance_sampling_ratio
         self.truncated_is_type = cfg.truncated_importance_sampling_type or (
@@ -181,6 +184,11 @@ class ClippedPGLossFn:
         sample_mask = mb_data["sample_mask"].to(curr_logprobs.dtype)
         mask = token_mask * sample_mask.unsqueeze(-1)
         advantages = mb_data["advantages"].to(curr_logprobs.dtype)
+        if advantages.shape not in (curr_logprobs.shape[:1], curr_logprobs.shape):
+            raise ValueError(
+                f"advantages {tuple(advantages.shape)} must be [mb] (per sequence) or [mb, S] (per token) for "
+                f"curr_logprobs {tuple(curr_logprobs.shape)}"
+            )
         advantages = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
 
         ratio, clipped = self._ratios(curr_logprobs, prev, mask)
