@@ -38,8 +38,10 @@ from pathlib import Path
 
 import ray
 import torch
+from safetensors.torch import load_file
 
 from nemo_rl_spec.distributed.weight_broadcast import ALGORITHMS, WeightBroadcastGroup, node_address_and_free_port
+from nemo_rl_spec.models.hf_assets import resolve_model
 from nemo_rl_spec.utils.machine import write_bench_json
 
 MiB = 1 << 20
@@ -54,10 +56,6 @@ def load_weight_set(name: str) -> dict[str, torch.Tensor]:
         count = max(1, total // (side * side * 4))
         gen = torch.Generator().manual_seed(0)
         return {f"layers.{i}.weight": torch.randn(side, side, generator=gen) for i in range(count)}
-    from safetensors.torch import load_file
-
-    from nemo_rl_spec.models.hf_assets import resolve_model
-
     out: dict[str, torch.Tensor] = {}
     for file in sorted(Path(resolve_model(name)).glob("*.safetensors")):
         out.update(load_file(str(file)))
