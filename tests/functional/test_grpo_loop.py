@@ -2,9 +2,10 @@
 
 Start-ups: one 3-step training run with speculative rollouts and top-p sampling (module fixture) serves the
 console / metrics / training / speculation checks and is the uninterrupted run of the resume test; the resume
-restarts from a copy of its step_2 (one more start-up); the top-k test is one more. Every run selects the scripted
-reward (loop_training_checks.TRAINS) so the weights move and the refit probe, importance-ratio and resume checks
-can fail."""
+restarts from a copy of its step_2 (one more start-up); the top-k test is one more, and carries the W&B / MLflow
+tracker checks (tracker_checks.py; they had a run of their own). Every run selects the scripted reward
+(loop_training_checks.TRAINS) so the weights move and the refit probe, importance-ratio and resume checks can
+fail."""
 
 import json
 import math
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from loop_training_checks import TRAINS, assert_trained, policy_weights
+from tracker_checks import mlflow_server, read_wandb_records, same, wait_until_answers, wandb_history  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
@@ -178,26 +180,97 @@ def test_resume_reproduces_uninterrupted_run(trained_run, tmp_path):
         torch.testing.assert_close(have[name], want[name], rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_top_k_sampling_and_weights_only_checkpoint(tmp_path):
-    """One step at temperature 0.6 with top-k sampling (refused with speculation, so outside the training run): the
-    trainer's log-probs under the engine's top-k agree with the engine's within 1e-3 on every token (0.85 off at
-    top_k=5 without the trainer-side filter, docs/results/sampling_agreement.md). Also (no extra start-up):
-    ``checkpointing.save_optimizer=false`` writes the weights without optimizer state."""
-    records = run_grpo(
-        tmp_path,
-        "grpo.max_num_steps=1",
-        "grpo.val_at_start=false",
+def test_top_k_sampling_weights_only_checkpoint_and_trackers(tmp_path, mlflow_server):  # noqa: F811 (fixture)
+    """Two steps at temperature 0.6 with top-k sampling (refused with speculation, so outside the training run), with
+    W&B (offline) and MLflow (a real ``mlflow server``) on. One start-up carries what were two runs of the tiny
+    recipe (the top-k / weights-only checkpoint run and the trackers run; neither setting changes what the other
+    checks):
+
+    - top-k: the trainer's log-probs under the engine's top-k agree with the engine's within 1e-3 on every token of
+      every step (0.85 off at top_k=5 without the trainer-side filter, docs/results/sampling_agreement.md), and each
+      step trains; ``checkpointing.save_optimizer=false`` writes the weights without optimizer state (every step);
+    - trackers (tracker_checks.py): every step of ``metrics.jsonl`` is in the W&B offline run file with equal
+      values, with the config and the curve image; every metric of every step is in the MLflow server's history
+      (``MlflowClient.get_metric_history``), with the params and the curve artifact."""
+    from mlflow.tracking import MlflowClient
+
+    from nemo_rl_spec.utils.trackers import mlflow_key
+
+    url, server_log = mlflow_server
+    logs = tmp_path / "logs"
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo.py"),
+        "--config",
+        str(TINY),
+        "grpo.max_num_steps=2",
         "data.validation.max_samples=2",
+        f"logger.log_dir={logs}",
+        f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+        "logger.progress_bar=false",
+        # top-k sampling, a run that trains, a weights-only checkpoint
         "policy.generation.temperature=0.6",
         "policy.generation.top_k=40",
         *TRAINS,
         "checkpointing.save_optimizer=false",
+        # both trackers
+        "logger.wandb_enabled=true",
+        "logger.wandb.project=trk",
+        "logger.wandb.name=tiny-2",
+        "logger.mlflow_enabled=true",
+        "logger.mlflow.experiment_name=trk",
+        "logger.mlflow.run_name=tiny-2",
+        f"logger.mlflow.tracking_uri={url}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "NEMO_RL_SPEC_VERBOSE")}
+    env.update(
+        WANDB_MODE="offline",
+        **{k: str(tmp_path / "wandb_home" / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")},
     )
-    assert_weights_only_checkpoint(tmp_path / "ckpt" / "step_1")
-    m = records[-1]
-    assert m["train/grad_norm"] > 1e-6
-    assert m["refit/logprob_mismatch"] < 1e-3
-    assert m["train/importance_ratio_max_abs_dev"] < 1e-3
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_until_answers(url, server_log)  # the server starts while Ray and the workers do
+        out, err = proc.communicate(timeout=800)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:] + err[-6000:]
+    records = {r["step"]: r for r in map(json.loads, (logs / "metrics.jsonl").read_text().splitlines())}
+    assert set(records) >= {1, 2}
+
+    # top-k and the weights-only checkpoint
+    for step in (1, 2):
+        assert_weights_only_checkpoint(tmp_path / "ckpt" / f"step_{step}")
+        m = records[step]
+        assert m["train/grad_norm"] > 1e-6
+        assert m["refit/logprob_mismatch"] < 1e-3
+        assert m["train/importance_ratio_max_abs_dev"] < 1e-3
+
+    # trackers: W&B offline
+    assert out.count("W&B: offline (WANDB_MODE is set)") == 1 and out.count("MLflow: run tiny-2 (") == 1, out
+    (run_file,) = (logs / "wandb").glob("offline-run-*/run-*.wandb")
+    history, config = wandb_history(read_wandb_records(run_file))
+    for step, record in records.items():
+        got = history[step]
+        for name, value in record.items():
+            if name != "step":
+                assert same(got[name], value), (step, name, got.get(name), value)
+    assert config["grpo"]["max_num_steps"] == 2 and config["logger"]["wandb"]["name"] == "tiny-2"
+    image = {k.partition("/")[2]: v for k, v in history[max(records)].items() if k.startswith("training_curves/")}
+    assert image["_type"] == "image-file" and (run_file.parent / "files" / image["path"]).is_file(), image
+
+    # trackers: the MLflow server
+    client = MlflowClient(tracking_uri=url)
+    (run,) = client.search_runs([client.get_experiment_by_name("trk").experiment_id])
+    assert run.info.run_name == "tiny-2" and run.info.status == "FINISHED"
+    names = {name for record in records.values() for name in record if name != "step"}
+    for name in names:
+        got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, mlflow_key(name))}
+        want = {step: r[name] for step, r in records.items() if name in r}
+        assert got.keys() == want.keys() and all(same(got[s], want[s]) for s in want), (name, got, want)
+    params = run.data.params
+    assert params["grpo.max_num_steps"] == "2" and params["logger.mlflow.tracking_uri"] == url
+    assert "training_curves.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
 
 
 def assert_weights_only_checkpoint(step_dir: Path) -> None:

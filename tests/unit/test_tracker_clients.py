@@ -1,6 +1,6 @@
 """The W&B / MLflow trackers without Ray (nemo_rl_spec/utils/trackers.py): the missing-client error naming the extra,
 W&B's automatic offline decision, MLflow's param flattening / truncation and key cleaning, the Logger's fan-out, and
-the default local MLflow store under the log dir. The real runs: tests/functional/test_trackers.py."""
+the default local MLflow store under the log dir. The real run: tests/functional/test_grpo_loop.py (top-k test)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""W&B and MLflow against the real clients: the tiny recipe runs 2 GRPO steps through the CLI
-(``examples/run_grpo.py``: Ray + vLLM + Megatron) with both trackers on, in ONE run:
+"""W&B and MLflow checks against the real clients, for the GRPO run that carries them (owned with test_grpo_loop.py:
+``test_top_k_sampling_weights_only_checkpoint_and_trackers``).
 
 - W&B offline (``WANDB_MODE=offline``; the automatic offline decision is unit-tested in
   tests/unit/test_tracker_clients.py): the run file ``<log_dir>/wandb/offline-run-*/run-*.wandb`` that ``wandb sync``
   uploads is read back record by record (its framing: a LevelDB-style log; its records: W&B's own protobuf
-  ``Record``), and every step of ``metrics.jsonl`` is there with equal values, with the config and the curve image;
-- MLflow against a real ``mlflow server`` the test starts on 127.0.0.1 (a free port, a sqlite store in tmp) and
-  stops: every metric of every step through ``MlflowClient.get_metric_history``, the params, the curve artifact.
+  ``Record``);
+- MLflow against a real ``mlflow server`` started on 127.0.0.1 (a free port, a sqlite store in tmp) and stopped at
+  teardown (:func:`mlflow_server`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-TINY = ROOT / "configs" / "grpo_math_tiny.yaml"
-
-pytestmark = pytest.mark.timeout(900)
 
 
 def free_port() -> int:
@@ -124,69 +119,3 @@ def wandb_history(records) -> tuple[dict[int, dict], dict]:
 
 def same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
-
-
-def test_wandb_offline_and_mlflow_server_hold_every_step(tmp_path, mlflow_server):
-    from mlflow.tracking import MlflowClient
-
-    from nemo_rl_spec.utils.trackers import mlflow_key
-
-    url, server_log = mlflow_server
-    logs = tmp_path / "logs"
-    cmd = [
-        sys.executable,
-        str(ROOT / "examples" / "run_grpo.py"),
-        "--config",
-        str(TINY),
-        "grpo.max_num_steps=2",
-        "data.validation.max_samples=2",
-        f"logger.log_dir={logs}",
-        "checkpointing.enabled=false",
-        "logger.progress_bar=false",
-        "logger.wandb_enabled=true",
-        "logger.wandb.project=trk",
-        "logger.wandb.name=tiny-2",
-        "logger.mlflow_enabled=true",
-        "logger.mlflow.experiment_name=trk",
-        "logger.mlflow.run_name=tiny-2",
-        f"logger.mlflow.tracking_uri={url}",
-    ]
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_LOGGING_LEVEL", "NEMO_RL_SPEC_VERBOSE")}
-    env.update(
-        WANDB_MODE="offline",
-        **{k: str(tmp_path / "wandb_home" / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")},
-    )
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        wait_until_answers(url, server_log)  # the server starts while Ray and the workers do
-        out, err = proc.communicate(timeout=800)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-3000:] + err[-6000:]
-    records = {r["step"]: r for r in map(json.loads, (logs / "metrics.jsonl").read_text().splitlines())}
-    assert set(records) >= {1, 2}
-    assert out.count("W&B: offline (WANDB_MODE is set)") == 1 and out.count("MLflow: run tiny-2 (") == 1, out
-
-    (run_file,) = (logs / "wandb").glob("offline-run-*/run-*.wandb")
-    history, config = wandb_history(read_wandb_records(run_file))
-    for step, record in records.items():
-        got = history[step]
-        for name, value in record.items():
-            if name != "step":
-                assert same(got[name], value), (step, name, got.get(name), value)
-    assert config["grpo"]["max_num_steps"] == 2 and config["logger"]["wandb"]["name"] == "tiny-2"
-    image = {k.partition("/")[2]: v for k, v in history[max(records)].items() if k.startswith("training_curves/")}
-    assert image["_type"] == "image-file" and (run_file.parent / "files" / image["path"]).is_file(), image
-
-    client = MlflowClient(tracking_uri=url)
-    (run,) = client.search_runs([client.get_experiment_by_name("trk").experiment_id])
-    assert run.info.run_name == "tiny-2" and run.info.status == "FINISHED"
-    names = {name for record in records.values() for name in record if name != "step"}
-    for name in names:
-        got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, mlflow_key(name))}
-        want = {step: r[name] for step, r in records.items() if name in r}
-        assert got.keys() == want.keys() and all(same(got[s], want[s]) for s in want), (name, got, want)
-    params = run.data.params
-    assert params["grpo.max_num_steps"] == "2" and params["logger.mlflow.tracking_uri"] == url
-    assert "training_curves.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
