@@ -229,14 +229,18 @@ def eagle3_refit_scenario(
     max_tokens: int,
     k: int,
     target_refit: dict[str, torch.Tensor] | None = None,
+    batch_prompts: Sequence[Sequence[int]] = (),
+    batch_max_tokens: int = 0,
 ) -> dict[str, Any]:
     """Engine with the EAGLE-3 head in ``head_dir``; greedy decode (proposals recorded), refit the drafter with
     ``new_weights``, greedy decode again. Optionally first refit the *target* with ``target_refit`` (HF names)
-    to check the drafter is untouched by it.
+    to check the drafter is untouched by it; with ``batch_prompts``, last a greedy decode of them in one
+    ``generate`` call (``batch_max_tokens`` each, ``ignore_eos``) with the refit drafter.
 
     Returns per phase ("before", "after"): outputs, recorded proposals (one [batch, k] tensor per engine step),
     counters; plus the refit result, the drafter's readable tensors after the refit, whether the target's
-    lm_head still equals the checkpoint's, and the acceptance alarm's verdict per phase.
+    lm_head still equals the checkpoint's, and the acceptance alarm's verdict per phase; with ``batch_prompts``,
+    "after_batch": its outputs, spec-decode counters and seconds.
     """
     from vllm import SamplingParams  # lazy: vllm is slow to import
 
@@ -275,6 +279,16 @@ def eagle3_refit_scenario(
     result["drafter_state"] = {k2: v for k2, v in drafter_state_dict(llm).items() if v.numel() > 0}
     phase("after")
     result["target_lm_head"] = llm.collective_rpc(lm_head_of_target)[0]
+    if batch_prompts:
+        before, t0 = read_spec_decode_counters(llm), time.perf_counter()
+        outputs = generate_tokens(
+            llm, batch_prompts, SamplingParams(temperature=0.0, max_tokens=batch_max_tokens, ignore_eos=True)
+        )
+        result["after_batch"] = {
+            "outputs": outputs,
+            "counters": read_spec_decode_counters(llm) - before,
+            "generate_s": time.perf_counter() - t0,
+        }
     shutdown(llm)
     return result
 

@@ -96,17 +96,6 @@ def _prefix(outputs: list[list[int]], n: int, length: int) -> list[list[int]]:
     return [o[:length] for o in outputs[:n]]
 
 
-def test_lossless_greedy_eagle3(target, prompts, plain, trained_head):
-    """The trained head on what it was trained on: it must accept (>= 1.5 tokens per target forward) before
-    equality with plain greedy decoding means anything."""
-    spec = {"method": "eagle3", "model": trained_head["path"], "num_speculative_tokens": K}
-    res = checks.run_isolated(checks.greedy_generate, target, prompts[:TRAINED_PROMPTS], TRAINED_TOKENS, spec)
-    _report("eagle3", res, plain)
-    require_acceptance(res["counters"], "eagle3 (trained head)")
-    assert all(len(o) == TRAINED_TOKENS for o in res["outputs"])
-    assert first_mismatch(_prefix(plain["outputs"], TRAINED_PROMPTS, TRAINED_TOKENS), res["outputs"]) is None
-
-
 def test_lossless_greedy_draft_model_and_refit(target, prompts, plain, tmp_path):
     """draft_model = a full-depth copy of the target, loaded perturbed by noise (drafts rejected: the reject path),
     then refit in place with the clean weights (drafts accepted: the accept path, acceptance >= 1.5 asserted
@@ -204,12 +193,17 @@ def _check_phase(phase: dict, sims, label: str) -> None:
 
 
 @pytest.mark.parametrize("vocab", ["reduced", "full"])
-def test_eagle3_refit_exact_proposals_metrics_and_alarm(target, prompts, trained_head, tmp_path, vocab):
+def test_eagle3_refit_exact_proposals_metrics_and_alarm(target, prompts, plain, trained_head, tmp_path, vocab):
     """Engine starts with a random head (the 'draft never refit' failure: acceptance ~1.0, the alarm fires),
     then the drafter is refit in place with new weights: vLLM's proposals equal the torch head's, before and
     after, outputs stay equal to transformers' greedy, the spec-decode counters equal the replayed rounds, and
     the target's output layer is untouched. 'full' vocabulary: the random head's lm_head equals the target's, so
-    vLLM shares it at load and the refit must give the drafter a private copy first."""
+    vLLM shares it at load and the refit must give the drafter a private copy first.
+
+    'reduced' also carries the lossless greedy EAGLE-3 check (it had an engine of its own; the head it loaded
+    from disk is the one refit in here, and loading from disk is checked above by the 'before' proposals): the
+    trained head on what it was trained on, TRAINED_PROMPTS decoded together for TRAINED_TOKENS, must accept
+    (>= 1.5 tokens per target forward) before equality with plain greedy decoding means anything."""
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -223,8 +217,18 @@ def test_eagle3_refit_exact_proposals_metrics_and_alarm(target, prompts, trained
     old.save_pretrained(tmp_path / "old")
     few, max_tokens = prompts[:6], 48
     t0 = time.perf_counter()
+    batch = (
+        {"batch_prompts": prompts[:TRAINED_PROMPTS], "batch_max_tokens": TRAINED_TOKENS} if vocab == "reduced" else {}
+    )
     res = checks.run_isolated(
-        checks.eagle3_refit_scenario, target, str(tmp_path / "old"), new.export_state_dict(), few, max_tokens, K
+        checks.eagle3_refit_scenario,
+        target,
+        str(tmp_path / "old"),
+        new.export_state_dict(),
+        few,
+        max_tokens,
+        K,
+        **batch,
     )
     print(
         f"\nrefit scenario ({vocab}): {time.perf_counter() - t0:.1f} s, drafter refit "
@@ -256,3 +260,9 @@ def test_eagle3_refit_exact_proposals_metrics_and_alarm(target, prompts, trained
         assert torch.equal(readable["draft_id_to_target_id"], exported["d2t"])
         assert res["before"]["alarm"] == 1.0  # random draft: acceptance ~1.0 right after a "refit"
         assert res["after"]["alarm"] == 0.0
+        # lossless greedy EAGLE-3 (the trained head, refit in): it accepts, and equals plain greedy decoding
+        batched = res["after_batch"]
+        _report("eagle3 (trained head, batch of TRAINED_PROMPTS)", batched, plain)
+        require_acceptance(batched["counters"], "eagle3 (trained head)")
+        assert all(len(o) == TRAINED_TOKENS for o in batched["outputs"])
+        assert first_mismatch(_prefix(plain["outputs"], TRAINED_PROMPTS, TRAINED_TOKENS), batched["outputs"]) is None
