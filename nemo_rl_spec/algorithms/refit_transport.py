@@ -5,7 +5,9 @@
 - ``nccl``: a collective. The trainer's rank 0 and every engine join one process group
   (:class:`~nemo_rl_spec.distributed.weight_broadcast.WeightBroadcastGroup`: NCCL when the workers have GPUs, gloo on
   CPU) once, at the first refit; each refit is a bucketed broadcast from rank 0 (``refit_bucket_size_mb`` per
-  bucket), the weight version travelling in the broadcast's header. Policy and drafter go the same way.
+  bucket), the weight version travelling in the broadcast's header. Policy and drafter go the same way. With engine
+  restarts on, rank 0 keeps what it last sent (a restarted engine is given it) and the group is rebuilt after a
+  restart; an engine that dies during a broadcast still ends the run.
 
 Either way the engines then load the weights with the same checks (every name present, versions recorded), and the
 refitter's version check and log-prob probe run unchanged after.
@@ -80,10 +82,32 @@ class CollectiveTransport:
         self.algorithm = "chain" if backend == "gloo" else "broadcast"
         self.joined = False
         self.policy_send: dict[str, float] = {}
+        recovery = generation.recovery
+        self.keep = recovery.enabled  # rank 0 keeps what it sent: a restarted engine is given it
+        self.version: int | None = None  # the policy version every engine holds after the last push
+        self.draft_pushed = False
+        self.restarts_seen = recovery.restarts
+        if self.keep:
+            recovery.set_source(self._kept_policy, self._kept_draft)
+
+    def _kept_policy(self):
+        if self.version is None:
+            return None
+        return self.policy.sent_refit_weights("policy").ref(), self.version
+
+    def _kept_draft(self):
+        return self.policy.sent_refit_weights("draft").ref() if self.draft_pushed else None
 
     def _join(self) -> None:
-        if self.joined:
+        """Join the group at the first push, and again after an engine restart (a new engine is not a member: every
+        member joins a new group). With restarts enabled, every engine is first asked for its versions, so an engine
+        that died since the last call is restarted here, not found dead in the middle of a broadcast."""
+        if self.keep:
+            self.generation.get_versions()
+        restarts = self.generation.recovery.restarts
+        if self.joined and restarts == self.restarts_seen:
             return
+        self.restarts_seen = restarts
         host, port = self.policy.refit_group_address()
         world_size = 1 + self.generation.num_engines
         args = (host, port, world_size, self.backend, self.timeout_s, self.algorithm)
@@ -100,17 +124,20 @@ class CollectiveTransport:
         """Broadcast the policy export as ``version``; every engine loads it."""
         self._join()
         _, self.policy_send = self._run(
-            self.policy.broadcast_hf_weights_async(version, self.engine_dtype, self.bucket_bytes),
+            self.policy.broadcast_hf_weights_async(version, self.engine_dtype, self.bucket_bytes, self.keep),
             self.generation.receive_weights_async(),
         )
+        self.version = int(version)
 
     def push_draft(self) -> list[dict[str, Any]]:
         """Broadcast the drafter export; each engine's load result (rank order)."""
         self._join()
-        return self._run(
-            self.policy.broadcast_draft_weights_async(self.engine_dtype, self.bucket_bytes),
+        out = self._run(
+            self.policy.broadcast_draft_weights_async(self.engine_dtype, self.bucket_bytes, self.keep),
             self.generation.receive_draft_weights_async(),
         )[0]
+        self.draft_pushed = True
+        return out
 
     def metrics(self) -> dict[str, float]:
         """The last policy broadcast: ``refit/broadcast_bytes`` (bucket bytes, alignment padding included) and

@@ -56,8 +56,7 @@ class AsyncGRPOConfig(_Strict):
     ``max_generation_failures``: generation-engine deaths the run survives (sync or async): the engine is restarted
     with the current weights and its unfinished requests re-issued
     (:mod:`nemo_rl_spec.models.generation.engine_recovery`); past it the run stops with the error. 0: the first
-    death ends the run. Needs ``policy.generation.refit_transport`` ray (a restarted engine loads the object-store
-    copy of the last refit).
+    death ends the run.
     """
 
     enabled: bool = False
@@ -1258,12 +1257,6 @@ class MasterConfig(_Strict):
                 "set loss_fn.use_importance_sampling_correction=true (or bind_pilot_to_commit=false)"
             )
         ag = self.grpo.async_grpo
-        if ag is not None and ag.max_generation_failures and self.policy.generation.refit_transport == "nccl":
-            raise ValueError(
-                f"grpo.async_grpo.max_generation_failures={ag.max_generation_failures} with "
-                "policy.generation.refit_transport=nccl: a restarted engine is given the last refit's object-store "
-                "copy, which the collective transport does not keep; use refit_transport ray or no restarts"
-            )
         if ag is not None and ag.enabled and not self.loss_fn.use_importance_sampling_correction:
             raise ValueError(
                 "grpo.async_grpo.enabled=true trains on rollouts up to grpo.async_grpo.max_trajectory_age_steps="

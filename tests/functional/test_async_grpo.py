@@ -1,7 +1,6 @@
 """Async GRPO end to end on the tiny recipe (real Ray + vLLM + Megatron): the age bound exactly at 1, truncated
 importance weights within the cap while the policy really moves, a crash mid-run (refit raising) that tears down
-every actor and leaves the last checkpoint usable, resume restoring the buffer and versions, Ctrl-C, and an engine
-killed mid-run (restarted, the run finishing its steps).
+every actor and leaves the last checkpoint usable, resume restoring the buffer and versions, and Ctrl-C.
 
 The tiny random model never solves a math problem (reward 0, zero advantages, no gradient), so these tests select
 the scripted reward from the recipe (``env.reward=char_fraction``, environments/char_fraction_env.py) that gives
@@ -11,12 +10,10 @@ every group a spread: the weights then change each step and one-step-old rollout
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -200,48 +197,3 @@ def test_ctrl_c_leaves_no_processes_and_a_usable_checkpoint(tmp_path):
     assert (latest / "training_info.json").is_file()
     state = torch.load(latest / "train_state.pt", weights_only=False)
     assert "async_grpo" in state and "allocator" in state
-
-
-def test_killed_engine_is_restarted_and_the_run_finishes(tmp_path):
-    """kill -9 of one of two engines while the producer generates batch 2 (async DP=2, split placement): the dead
-    engine is restarted with the current weights and its requests re-issued; all 4 steps train, the restart is
-    counted, every later metric is finite, no trained rollout is older than the age bound, and the new engine's probe
-    matches the trainer (it holds the pushed weights)."""
-    cfg = load_config(
-        ROOT / "configs" / "grpo_math_tiny_dp2_async.yaml",
-        [
-            f"logger.log_dir={tmp_path}/logs",
-            "checkpointing.enabled=false",
-            "logger.progress_bar=false",
-            "grpo.val_at_start=false",
-            "data.validation.max_samples=2",
-            "env.reward=char_fraction",
-            "grpo.max_num_steps=4",
-            "grpo.async_grpo.max_generation_failures=1",
-        ],
-    )
-    s = setup(cfg)
-    pid_of = lambda rank: ray.get(s.generation.workers.workers[rank].__ray_call__.remote(lambda w: os.getpid()))  # noqa: E731
-    victim = pid_of(1)
-    allocator_step, calls = s.allocator.step, []
-
-    def step_with_kill(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:  # batch 2: kill engine 1 a moment into its generation
-            threading.Timer(0.5, os.kill, (victim, signal.SIGKILL)).start()
-        return allocator_step(*args, **kwargs)
-
-    s.allocator.step = step_with_kill
-    try:
-        history = async_grpo_train(s)
-        restarted = pid_of(1)
-    finally:
-        teardown(s)
-    assert restarted != victim and not psutil.pid_exists(victim)
-    assert len(history) == 4
-    assert [m["generation/engine_restarts"] for m in history][0] == 0 and history[-1]["generation/engine_restarts"] == 1
-    first_after = next(i for i, m in enumerate(history) if m["generation/engine_restarts"] == 1)
-    for m in history[first_after:]:
-        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
-        assert m["refit/logprob_mismatch_engine_1"] < 1e-3
-    assert max(m["async/trajectory_age_max"] for m in history) <= 1

@@ -2,7 +2,7 @@
 
 - sync GRPO, colocated (``configs/grpo_math_tiny_dp2.yaml``: DP=2 policy, 2 engines, online EAGLE-3, Pilot-Commit) and
   async GRPO, split placement with the collective refit transport (``configs/grpo_math_tiny_dp2_async.yaml``,
-  ``refit_transport: nccl``: gloo on CPU), 3 steps each: finite metrics, every engine's
+  ``refit_transport: nccl``: gloo on CPU) and one engine SIGKILLed after step 1 (restarted), 3 steps each: finite metrics, every engine's
   probe below 1e-3, and the first step's rewards and loss equal to the 1 policy worker + 1 engine run of the same
   recipe and seeds (the independent computation: the single-worker path; one sync run serves both, see
   ``single_step``).
@@ -17,8 +17,10 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,9 +37,10 @@ COMMON = (
 )  # scripted reward: real advantages, so the policy loss and refits carry the checks
 
 
-def run_grpo(recipe: Path, tmp: Path, *overrides: str) -> tuple[list[dict], str]:
+def run_grpo(recipe: Path, tmp: Path, *overrides: str, kill_engine_after: int | None = None) -> tuple[list[dict], str]:
     """Run the real driver in a subprocess; returns the metrics records and its full console (``console.log``: the
-    placement lines are kept off a quiet terminal)."""
+    placement lines are kept off a quiet terminal). ``kill_engine_after``: once that step's metrics are logged,
+    SIGKILL one vLLM engine process (:func:`_kill_one_engine`)."""
     cmd = [
         sys.executable,
         str(ROOT / "examples" / "run_grpo.py"),
@@ -48,14 +51,37 @@ def run_grpo(recipe: Path, tmp: Path, *overrides: str) -> tuple[list[dict], str]
         *COMMON,
         *overrides,
     ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    if kill_engine_after is not None:
+        _kill_one_engine(proc, tmp / "logs" / "metrics.jsonl", kill_engine_after)
+    stdout, stderr = proc.communicate(timeout=1500)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
     return (
         [json.loads(x) for x in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()],
         (tmp / "logs" / "console.log").read_text(),
     )
+
+
+def _kill_one_engine(proc: subprocess.Popen, metrics: Path, step: int) -> None:
+    """Wait until ``metrics`` holds step ``step`` (while ``proc`` runs), then SIGKILL one vLLM engine actor process
+    (Ray names the process after the actor class) and check that it is gone."""
+    deadline = time.time() + 900
+    while not (metrics.is_file() and any(json.loads(x)["step"] >= step for x in metrics.read_text().splitlines())):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before the engine could be killed"
+        time.sleep(0.2)
+    engines = [
+        p for p in psutil.process_iter(["cmdline"]) if "VllmGenerationWorker" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert len(engines) == 2, [p.info["cmdline"] for p in engines]
+    engines[1].kill()
+    engines[1].wait(timeout=30)
 
 
 def _check_scaled_run(records: list[dict], console: str, engines: int) -> None:
@@ -103,13 +129,25 @@ def test_sync_dp2_two_engines_equals_one_plus_one(tmp_path, single_step):
 def test_async_split_dp2_two_engines_equals_one_plus_one(tmp_path, single_step):
     """Also the collective refit transport on CPU: the trainer's rank 0 broadcasts policy and draft to both engines
     over gloo in 1 MiB buckets (the 1 + 1 reference refits through the object store), so every probe below 1e-3 and
-    step 1 equal to the reference check its weights and versions."""
+    step 1 equal to the reference check its weights and versions.
+
+    And an engine killed mid-run (``grpo.async_grpo.max_generation_failures=1``): once step 1 is logged, one of the
+    two engines is SIGKILLed; it is restarted with what rank 0 last broadcast, the group is rebuilt, and the run
+    finishes its steps with every probe below 1e-3 (the restarted engine holds the pushed weights), finite metrics,
+    the restart counted and no trained rollout older than the age bound."""
     scaled, out = run_grpo(
-        DP2_ASYNC, tmp_path / "dp2", "policy.generation.refit_transport=nccl", "policy.refit.bucket_size_mb=1"
+        DP2_ASYNC,
+        tmp_path / "dp2",
+        "policy.generation.refit_transport=nccl",
+        "policy.refit.bucket_size_mb=1",
+        "grpo.async_grpo.max_generation_failures=1",
+        kill_engine_after=1,
     )
     _check_scaled_run(scaled, out, engines=2)
     assert "async/trajectory_age_max" in scaled[1]
     assert all(r["refit/broadcast_buckets"] > 1 for r in scaled), [r["refit/broadcast_buckets"] for r in scaled]
+    assert scaled[0]["generation/engine_restarts"] == 0 and scaled[-1]["generation/engine_restarts"] == 1
+    assert max(r["async/trajectory_age_max"] for r in scaled) <= 1
     _assert_first_step_equal(scaled[0], single_step)
 
 

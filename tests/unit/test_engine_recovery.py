@@ -1,6 +1,6 @@
 """EngineRecovery's restart budget and what it keeps (nemo_rl_spec.models.generation.engine_recovery), without Ray:
 a stand-in worker group counts restarts. The Ray path (kill -9 of an engine in async GRPO) is
-tests/functional/test_async_grpo.py::test_killed_engine_is_restarted_and_the_run_finishes."""
+tests/functional/test_scale_out_loop.py::test_async_split_dp2_two_engines_equals_one_plus_one."""
 
 from __future__ import annotations
 
@@ -41,13 +41,24 @@ def test_disabled_keeps_nothing_and_reports_nothing():
     assert workers.restarted == []
 
 
-def test_schema_refuses_restarts_with_the_collective_transport():
+def test_schema_accepts_restarts_with_either_transport_and_refuses_a_negative_budget():
     from nemo_rl_spec.utils.config import load_config
 
-    overrides = ["grpo.async_grpo.max_generation_failures=1"]
-    cfg = load_config("configs/grpo_math_tiny_dp2_async.yaml", overrides)
-    assert cfg.grpo.async_grpo.max_generation_failures == 1
-    with pytest.raises(ValueError, match="max_generation_failures=1 with policy.generation.refit_transport=nccl"):
-        load_config("configs/grpo_math_tiny_dp2_async.yaml", [*overrides, "policy.generation.refit_transport=nccl"])
+    recipe, overrides = "configs/grpo_math_tiny_dp2_async.yaml", ["grpo.async_grpo.max_generation_failures=1"]
+    assert load_config(recipe, overrides).grpo.async_grpo.max_generation_failures == 1
+    cfg = load_config(recipe, [*overrides, "policy.generation.refit_transport=nccl"])
+    assert cfg.policy.generation.refit_transport == "nccl"
     with pytest.raises(ValueError, match="max_generation_failures"):
-        load_config("configs/grpo_math_tiny_dp2_async.yaml", ["grpo.async_grpo.max_generation_failures=-1"])
+        load_config(recipe, ["grpo.async_grpo.max_generation_failures=-1"])
+
+
+def test_a_source_replaces_the_kept_copies():
+    """With a source (the collective transport: rank 0 keeps what it sent), a restarted engine is given what the
+    callbacks return, not the object-store copies."""
+    asked = []
+    workers = _Workers()
+    recovery = EngineRecovery(workers, max_failures=1)
+    recovery.keep_policy(object(), 3)
+    recovery.set_source(lambda: asked.append("policy"), lambda: asked.append("draft"))
+    recovery.restart(0, RuntimeError("died"))
+    assert asked == ["policy", "draft"] and workers.restarted == [0]

@@ -8,22 +8,24 @@ on it fails with Ray's ``RayActorError``. :class:`EngineRecovery` then
 2. replaces the actor by a new engine in the same placement-group bundle (``RayWorkerGroup.restart``: the engine
    starts from the run's checkpoint, weight version 0);
 3. loads into it the last policy weights every engine was given (and the drafter pushed last, when there is one),
-   from the object-store copies it kept, so the new engine holds the same weight version as its peers;
+   so the new engine holds the same weight version as its peers: from the object-store copies it kept
+   (``refit_transport: ray``), or from the trainer's rank 0, which keeps what it last broadcast (``nccl``: a
+   :meth:`EngineRecovery.set_source` callback; the collective group is rebuilt before the next refit);
 4. lets the controller re-issue the failed call on the new engine. A generate call's rows keep their seeds
    (``row_offset``), so the re-issued requests are sampled as the lost ones would have been, at the same version:
    no trajectory mixes versions.
 
-Keeping the last copies costs one object-store copy of the policy (and drafter) weights for the whole run; with
-``max_generation_failures: 0`` (the default) nothing is kept and a dead engine ends the run as before.
+Keeping the last copies costs one copy of the policy (and drafter) weights for the whole run (in the object store, or
+in the trainer's rank 0 with the collective transport); with ``max_generation_failures: 0`` (the default) nothing is
+kept and a dead engine ends the run as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import ray
-
-from nemo_rl_spec.speculative.draft_refit import DraftVersionMismatchError
 
 __all__ = ["EngineFailureError", "EngineRecovery"]
 
@@ -45,6 +47,7 @@ class EngineRecovery:
         self.restarts = 0
         self._policy: tuple[ray.ObjectRef, int] | None = None  # last weights every engine loaded, and their version
         self._draft: ray.ObjectRef | None = None  # last drafter export every engine loaded
+        self._source: tuple[Callable, Callable] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +64,15 @@ class EngineRecovery:
         if self.enabled:
             self._draft = ref
 
+    def set_source(
+        self,
+        policy: Callable[[], tuple[ray.ObjectRef, int] | None],
+        draft: Callable[[], ray.ObjectRef | None],
+    ) -> None:
+        """Take a restarted engine's weights from these callbacks instead of kept copies: ``policy()`` gives the
+        (ref, version) every engine holds, ``draft()`` the drafter export they hold (None: nothing pushed yet)."""
+        self._source = (policy, draft)
+
     def restart(self, rank: int, cause: BaseException) -> None:
         """Replace dead engine ``rank`` and give it the kept weights (module docstring).
 
@@ -75,13 +87,11 @@ class EngineRecovery:
         self.restarts += 1
         self.workers.restart(rank)
         worker = self.workers.workers[rank]
-        if self._policy is not None:
-            ray.get(worker.update_weights.remote(*self._policy))
-        if self._draft is not None:
-            try:
-                ray.get(worker.update_draft_weights.remote(self._draft))
-            except DraftVersionMismatchError:  # kept draft paired with an older policy: the retried push pairs it
-                pass
+        policy, draft = (self._source[0](), self._source[1]()) if self._source else (self._policy, self._draft)
+        if policy is not None:
+            ray.get(worker.update_weights.remote(*policy))
+        if draft is not None:  # as its peers hold it, even when paired with an earlier policy version
+            ray.get(worker.restore_draft_weights.remote(draft))
 
     def metrics(self) -> dict[str, Any]:
         """``generation/engine_restarts`` (restarts so far this run) when restarts are enabled, else nothing."""

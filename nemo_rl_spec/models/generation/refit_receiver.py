@@ -149,6 +149,24 @@ class RefitReceiverMixin:
         self.last_draft_refit_s = time.perf_counter() - start
         return out
 
+    def restore_draft_weights(self, draft: dict[str, Any]) -> dict[str, Any]:
+        """Load a drafter export as :meth:`update_draft_weights` does, but without the pairing check: for an engine
+        that replaces a dead one and must hold what its peers hold, including a draft paired with an earlier policy
+        version (``policy.draft.train_period`` > 1 leaves the engines so between draft pushes). Records the draft's
+        versions; returns as :meth:`update_draft_weights`.
+
+        Raises:
+            RuntimeError: the engine has no model-based drafter.
+        """
+        if not self.speculative:
+            raise RuntimeError("restore_draft_weights: the engine runs without speculative_config")
+        allow = self.draft_guard.allow_stale_draft
+        self.draft_guard.allow_stale_draft = True
+        try:
+            return self.update_draft_weights(draft)
+        finally:
+            self.draft_guard.allow_stale_draft = allow
+
     def init_refit_group(
         self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float, algorithm: str
     ) -> None:

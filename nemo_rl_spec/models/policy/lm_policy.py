@@ -318,16 +318,26 @@ class Policy:
             )
         )
 
-    def broadcast_hf_weights_async(self, version: int, dtype: str | None, bucket_bytes: int) -> PendingCalls:
+    def broadcast_hf_weights_async(
+        self, version: int, dtype: str | None, bucket_bytes: int, keep: bool = False
+    ) -> PendingCalls:
         """The calls of the policy broadcast (every rank gathers; rank 0 sends; its future holds the send stats
         ``{"bytes", "buckets"}``, rank 0's future first)."""
         return PendingCalls(
-            self.group.run_all_workers_single_data("broadcast_hf_weights", version, dtype, bucket_bytes)
+            self.group.run_all_workers_single_data("broadcast_hf_weights", version, dtype, bucket_bytes, keep)
         )
 
-    def broadcast_draft_weights_async(self, dtype: str | None, bucket_bytes: int) -> PendingCalls:
+    def broadcast_draft_weights_async(self, dtype: str | None, bucket_bytes: int, keep: bool = False) -> PendingCalls:
         """The calls of the drafter broadcast, like :meth:`broadcast_hf_weights_async`."""
-        return PendingCalls(self.group.run_all_workers_single_data("broadcast_draft_weights", dtype, bucket_bytes))
+        return PendingCalls(
+            self.group.run_all_workers_single_data("broadcast_draft_weights", dtype, bucket_bytes, keep)
+        )
+
+    def sent_refit_weights(self, kind: str) -> RemoteValue:
+        """Rank 0's last collective broadcast kept with ``keep`` (``kind``: ``policy`` | ``draft``), in the object
+        store: what a restarted engine is given (:meth:`VllmGenerationWorker.update_weights` /
+        ``update_draft_weights`` take it as it is)."""
+        return RemoteValue(self.group.run_all_workers_single_data("sent_refit_weights", kind, ranks=[0])[0])
 
     def export_megatron_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter under its Megatron name, full size (MTP block included); for checks."""

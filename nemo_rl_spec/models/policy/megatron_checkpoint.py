@@ -67,19 +67,40 @@ class WeightExportMixin:
         if self._is_rank_zero:
             self.refit_group = WeightBroadcastGroup(host, port, 0, world_size, backend, timeout_s, algorithm)
 
-    def broadcast_hf_weights(self, version: int, dtype: str | None, bucket_bytes: int) -> dict[str, float]:
+    def broadcast_hf_weights(
+        self, version: int, dtype: str | None, bucket_bytes: int, keep: bool = False
+    ) -> dict[str, float]:
         """:meth:`export_hf_weights` (a collective over the policy ranks), then rank 0 broadcasts the tensors with
         ``{"version": version}`` over the refit group in buckets of ``bucket_bytes``; returns rank 0's
-        ``{"bytes", "buckets"}`` (empty on the other ranks)."""
+        ``{"bytes", "buckets"}`` (empty on the other ranks). ``keep``: rank 0 holds on to the tensors it sent until
+        the next broadcast (:meth:`sent_refit_weights`: what a restarted engine is given)."""
         state = self.export_hf_weights(version, dtype)
-        return self.refit_group.send(state, {"version": int(version)}, bucket_bytes) if self._is_rank_zero else {}
+        if not self._is_rank_zero:
+            return {}
+        if keep:  # the draft kept stays: it is what the engines hold until the next draft push
+            self.sent_refit = {**getattr(self, "sent_refit", {}), "policy": state}
+        return self.refit_group.send(state, {"version": int(version)}, bucket_bytes)
 
-    def broadcast_draft_weights(self, dtype: str | None, bucket_bytes: int) -> dict[str, float]:
+    def sent_refit_weights(self, kind: str) -> dict:
+        """What rank 0 last broadcast with ``keep``: ``kind`` ``policy`` (the HF tensors) or ``draft`` (the drafter
+        export). Rank 0 only.
+
+        Raises:
+            RuntimeError: nothing of that kind was kept (no broadcast with ``keep`` yet).
+        """
+        kept = getattr(self, "sent_refit", {}).get(kind)
+        if kept is None:
+            raise RuntimeError(f"no {kind} weights kept: broadcast with keep=True first")
+        return kept
+
+    def broadcast_draft_weights(self, dtype: str | None, bucket_bytes: int, keep: bool = False) -> dict[str, float]:
         """:meth:`export_draft_weights`, broadcast over the refit group like :meth:`broadcast_hf_weights` (the
         versions travel in the header); returns rank 0's ``{"bytes", "buckets"}``."""
         draft = self.export_draft_weights(dtype)
         if not self._is_rank_zero:
             return {}
+        if keep:
+            self.sent_refit = {**getattr(self, "sent_refit", {}), "draft": draft}
         meta = {k: v for k, v in draft.items() if k != "weights"}
         return self.refit_group.send(draft["weights"], meta, bucket_bytes)
 
