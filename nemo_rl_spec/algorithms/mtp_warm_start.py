@@ -61,6 +61,8 @@ def cache_key_fields(cfg: MasterConfig, model_dir: str | Path) -> dict[str, Any]
         "format": CACHE_FORMAT,
         "model_sha256": model_files_sha256(model_dir),
         "mtp_num_layers": mcfg.mtp_num_layers,
+        # only when on, so the keys of caches written before the option existed stay valid
+        **({"mtp_use_repeated_layer": True} if mcfg.mtp_use_repeated_layer else {}),
         "seed": cfg.grpo.seed,
         "sampling": {
             "temperature": gen.temperature,

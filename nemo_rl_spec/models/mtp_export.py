@@ -49,7 +49,9 @@ def mtp_drafter_support_error(trunk_config: dict) -> str | None:
     return None
 
 
-def megatron_mtp_to_mimo(mcore_state: dict[str, torch.Tensor], spec) -> dict[str, torch.Tensor]:
+def megatron_mtp_to_mimo(
+    mcore_state: dict[str, torch.Tensor], spec, depths: int | None = None
+) -> dict[str, torch.Tensor]:
     """MiMo-named MTP tensors (``model.mtp_layers.<k>.*``) from a megatron-core state dict with ``mtp.layers.<k>.*``::
 
         token_layernorm  <- enorm            hidden_layernorm <- hnorm
@@ -61,8 +63,23 @@ def megatron_mtp_to_mimo(mcore_state: dict[str, torch.Tensor], spec) -> dict[str
     Args:
         mcore_state: ``megatron_param_state(model)`` of a GPTModel built with ``mtp_num_layers`` > 0.
         spec: its ``ModelSpec`` (nemo_rl_spec.models.hf_weight_mapping).
+        depths: the model's ``mtp_num_layers``. With megatron-core's ``mtp_use_repeated_layer`` the state holds the
+            one layer applied at every depth (``mtp.layers.0.*``); it is written once per depth
+            (``model.mtp_layers.0..depths-1``, equal tensors), because vLLM's MiMo drafter builds and loads one layer
+            per ``num_nextn_predict_layers``. None: one MiMo layer per megatron layer.
+
+    Raises:
+        ValueError: ``depths`` differs from the number of megatron layers and the state is not a repeated layer.
     """
     layers = sorted({int(n.split(".")[2]) for n in mcore_state if n.startswith("mtp.layers.")})
+    if depths is not None and layers and len(layers) != depths:
+        if layers != [0]:
+            raise ValueError(f"megatron_mtp_to_mimo: {len(layers)} MTP layers in the state, depths={depths}")
+        return {
+            n.replace(MIMO_MTP_PREFIX + "0.", f"{MIMO_MTP_PREFIX}{k}.", 1): t
+            for k in range(depths)
+            for n, t in megatron_mtp_to_mimo(mcore_state, spec).items()
+        }
     one_layer = dataclasses.replace(spec, num_layers=1)
     globals_ = {n: t for n, t in mcore_state.items() if not n.startswith(("decoder.layers.", "mtp."))}
     H = spec.hidden_size

@@ -509,6 +509,8 @@ class MegatronConfig(_Strict):
     optimizer: OptimizerConfig
     # MTP co-training (docs/guides/occ.md); off by default
     mtp_num_layers: int = Field(default=0, ge=0)
+    # NeMo-RL / megatron-core: build one MTP layer and apply it at each of the mtp_num_layers depths (shared weights)
+    mtp_use_repeated_layer: bool = False
     mtp_loss_mode: Literal["detach", "ce", "policy", "occ"] = "detach"
     # NeMo-RL's switch: True = detach (the MTP loss never reaches the trunk), False = ce; None: mtp_loss_mode decides
     mtp_detach_heads: Optional[bool] = None
@@ -592,6 +594,16 @@ class MegatronConfig(_Strict):
             raise ValueError(
                 "policy.megatron_cfg.mtp_occ_reference=true needs activation_checkpointing=false (the reference takes "
                 "gradients with torch.autograd.grad, which Megatron's checkpointed layers do not support)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _repeated_layer_needs_mtp(self) -> "MegatronConfig":
+        """A repeated MTP layer exists only with an MTP block; refused rather than silently inert."""
+        if self.mtp_use_repeated_layer and self.mtp_num_layers < 1:
+            raise ValueError(
+                "policy.megatron_cfg.mtp_use_repeated_layer=true needs mtp_num_layers >= 1 (it applies one MTP layer "
+                f"at each of the mtp_num_layers depths; got mtp_num_layers={self.mtp_num_layers})"
             )
         return self
 

@@ -106,6 +106,24 @@ def test_an_off_only_feature_turned_on_is_refused_by_name(override, feature):
     assert key.rsplit(".", 1)[0] in msg  # names the key (or its section)
 
 
+def test_nemo_rl_mtp_use_repeated_layer_is_a_schema_key():
+    """policy.megatron_cfg.mtp_use_repeated_layer is megatron-core's option under NeMo-RL's name: off in the fixture,
+    on with MTP layers it loads; on without any, refused naming the key. Turning policy.draft.num_layers above 1
+    stays refused, the message saying the trainer's head is the missing side."""
+    assert _load().policy.megatron_cfg.mtp_use_repeated_layer is False
+    off = (
+        "policy.draft.enabled=false",
+        "policy.generation.vllm_kwargs.speculative_config=null",
+        "policy.sequence_packing.enabled=false",
+    )
+    cfg = _load(*off, "policy.megatron_cfg.mtp_num_layers=2", "policy.megatron_cfg.mtp_use_repeated_layer=true")
+    assert cfg.policy.megatron_cfg.mtp_use_repeated_layer and cfg.policy.megatron_cfg.mtp_num_layers == 2
+    with pytest.raises(ConfigError, match="mtp_use_repeated_layer=true needs mtp_num_layers >= 1"):
+        _load("policy.megatron_cfg.mtp_use_repeated_layer=true")
+    with pytest.raises(ConfigError, match="trainer-side draft head"):
+        _load("policy.draft.num_layers=2")
+
+
 def test_nemo_rl_kl_in_reward_loads_with_the_estimator_that_reads_it():
     """loss_fn.use_kl_in_reward is a schema key: off in the fixture; on with NeMo-RL's reinforce_plus_plus estimator
     it loads; on with the fixture's grpo estimator (which NeMo-RL lets drop the KL entirely) it is refused by key."""

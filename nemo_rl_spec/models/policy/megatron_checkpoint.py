@@ -148,13 +148,13 @@ class WeightExportMixin:
 
     def mimo_mtp_weights(self) -> dict[str, torch.Tensor]:
         """CPU fp32 copies of the full MTP block under MiMo names (``model.mtp_layers.<k>.*``, q/k/v biases added as
-        zeros), the set vLLM's MiMo MTP drafter reloads (a collective under TP). Raises RuntimeError without MTP
-        layers."""
+        zeros), the set vLLM's MiMo MTP drafter reloads (a collective under TP): one MiMo layer per MTP depth (a
+        repeated MTP layer is written at each depth). Raises RuntimeError without MTP layers."""
         if not self.mtp_num_layers:
             raise RuntimeError("mimo_mtp_weights: policy.megatron_cfg.mtp_num_layers is 0")
         full = mm.full_param_state(self.module)
         state = {k: v.detach().to("cpu", torch.float32).clone() for k, v in full.items()}
-        return with_zero_qkv_bias(megatron_mtp_to_mimo(state, self.spec))
+        return with_zero_qkv_bias(megatron_mtp_to_mimo(state, self.spec, self.mtp_num_layers))
 
     def save_mimo_checkpoint(self, path: str) -> str:
         """Write the current policy (trunk + MTP layers) as a ``MiMoForCausalLM`` checkpoint with the tokenizer files

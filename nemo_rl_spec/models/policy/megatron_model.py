@@ -148,13 +148,16 @@ def transformer_config(
     activation_checkpointing: bool = False,
     recompute_granularity: str | None = None,
     recompute_modules: list[str] | None = None,
+    mtp_use_repeated_layer: bool = False,
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for ``spec``; dropout 0, all fusions off, CPU initialisation.
 
     ``mtp_num_layers`` > 0 adds megatron-core's multi-token-prediction block (``mtp_num_layers`` in the config,
     its loss scale left at megatron's default: the worker computes the MTP loss itself, see
-    :func:`gpt_trunk_forward`). ``activation_checkpointing`` recomputes activations in the backward, whole layers or
-    the ``recompute_modules`` of each layer (:func:`recompute_settings`).
+    :func:`gpt_trunk_forward`); ``mtp_use_repeated_layer`` is megatron-core's option of the same name (one MTP
+    layer built and applied at every depth, NeMo-RL's ``policy.megatron_cfg.mtp_use_repeated_layer``).
+    ``activation_checkpointing`` recomputes activations in the backward, whole layers or the ``recompute_modules``
+    of each layer (:func:`recompute_settings`).
     ``calculate_per_token_loss=True``: the worker's losses are already divided by global (all data-parallel ranks)
     token / sequence counts, so Megatron DDP must SUM gradients over DP (gradient_scaling_factor 1) instead of
     averaging them.
@@ -166,6 +169,7 @@ def transformer_config(
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         mtp_num_layers=mtp_num_layers or None,
+        mtp_use_repeated_layer=bool(mtp_use_repeated_layer and mtp_num_layers),
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -202,13 +206,16 @@ def build_gpt_model(
     activation_checkpointing: bool = False,
     recompute_granularity: str | None = None,
     recompute_modules: list[str] | None = None,
+    mtp_use_repeated_layer: bool = False,
 ) -> GPTModel:
     """A randomly initialised ``GPTModel`` with ``spec``'s architecture (distributed must be initialised).
 
     With ``mtp_num_layers`` > 0 the model carries megatron-core's ``MultiTokenPredictionBlock``
     (``model.mtp``), built by ``get_gpt_mtp_block_spec`` from the local layer spec: per MTP layer k an
     ``enorm``/``hnorm`` RMSNorm pair, ``eh_proj`` [H, 2H], one transformer layer like the decoder's last, and a
-    final RMSNorm; logits come from the shared output layer.
+    final RMSNorm; logits come from the shared output layer. With ``mtp_use_repeated_layer`` megatron-core builds
+    that layer once (``mtp.layers.0.*``) and applies it at each of the ``mtp_num_layers`` depths: the parameters of
+    one layer, the depths of ``mtp_num_layers``.
 
     With tensor parallelism every rank draws the full initial weights from the same CPU generator (seeded with
     ``seed`` on every rank) and keeps its slice, so the TP=T model equals the TP=1 one. The recompute arguments
@@ -221,7 +228,13 @@ def build_gpt_model(
     check_tp_size(spec, parallel_state.get_tensor_model_parallel_world_size())
     model_parallel_cuda_manual_seed(seed)
     config = transformer_config(
-        spec, dtype, mtp_num_layers, activation_checkpointing, recompute_granularity, recompute_modules
+        spec,
+        dtype,
+        mtp_num_layers,
+        activation_checkpointing,
+        recompute_granularity,
+        recompute_modules,
+        mtp_use_repeated_layer,
     )
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
     layer_spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention  # + THD packs
@@ -328,12 +341,16 @@ def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.
 
 
 def build_from_hf(
-    model_path: str, dtype: torch.dtype = torch.float32, seed: int = 0, mtp_num_layers: int = 0
+    model_path: str,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    mtp_num_layers: int = 0,
+    mtp_use_repeated_layer: bool = False,
 ) -> tuple[GPTModel, ModelSpec]:
     """Initialise distributed if needed, build the GPTModel for ``model_path`` and load its HF weights."""
     spec = model_spec_from_hf_config(load_hf_config(model_path))
     initialize_distributed()
-    model = build_gpt_model(spec, dtype, seed, mtp_num_layers)
+    model = build_gpt_model(spec, dtype, seed, mtp_num_layers, mtp_use_repeated_layer=mtp_use_repeated_layer)
     import_hf_weights(model, model_path, spec)
     return model, spec
 

@@ -143,6 +143,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
             mcfg.activation_checkpointing,
             mcfg.recompute_granularity,
             mcfg.recompute_modules,
+            mcfg.mtp_use_repeated_layer,
         )
         mm.import_hf_weights(module, model_path, self.spec)
         # NeMo-RL's reference policy: the initial weights (this rank's TP slice), kept on CPU and swapped in to score
