@@ -158,5 +158,6 @@ def make_refit_transport(
         return ObjectStoreTransport(policy, generation, engine_dtype)
     if transport == "nccl":
         backend = "nccl" if uses_gpus else "gloo"
-        return CollectiveTransport(policy, generation, engine_dtype, backend, int(bucket_mb * MiB))
+        # at least one byte: any positive policy.refit.bucket_size_mb runs (below a tensor's size, one per bucket)
+        return CollectiveTransport(policy, generation, engine_dtype, backend, max(1, int(bucket_mb * MiB)))
     raise ValueError(f"policy.generation.refit_transport must be ray or nccl, got {transport!r}")

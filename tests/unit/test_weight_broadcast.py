@@ -104,3 +104,16 @@ def test_refit_transport_keys_validate():
         load_config(base, ["policy.generation.refit_transport=cuda_ipc"])
     with pytest.raises(ValueError, match="bucket_size_mb"):
         load_config(base, ["policy.refit.bucket_size_mb=0"])
+
+
+def test_any_positive_bucket_size_gives_a_runnable_transport():
+    """policy.refit.bucket_size_mb validates for any value > 0; below one byte the transport still sends (one tensor
+    per bucket) instead of failing at the first refit."""
+    from nemo_rl_spec.algorithms.refit_transport import make_refit_transport
+
+    class _Generation:
+        class recovery:  # noqa: N801 - a stand-in for VllmGeneration.recovery
+            enabled, restarts = False, 0
+
+    transport = make_refit_transport("nccl", object(), _Generation(), "float32", uses_gpus=False, bucket_mb=1e-9)
+    assert transport.bucket_bytes == 1 and transport.backend == "gloo" and transport.algorithm == "chain"
