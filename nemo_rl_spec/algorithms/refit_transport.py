@@ -100,10 +100,10 @@ class CollectiveTransport:
 
     def _join(self) -> None:
         """Join the group at the first push, and again after an engine restart (a new engine is not a member: every
-        member joins a new group). With restarts enabled, every engine is first asked for its versions, so an engine
-        that died since the last call is restarted here, not found dead in the middle of a broadcast."""
-        if self.keep:
-            self.generation.get_versions()
+        member joins a new group). Every engine is first asked for its versions, so an engine
+        that died since the last call is restarted here (or, without restarts, stops the run naming
+        ``max_generation_failures``), not found dead in the middle of a broadcast."""
+        self.generation.get_versions()
         restarts = self.generation.recovery.restarts
         if self.joined and restarts == self.restarts_seen:
             return

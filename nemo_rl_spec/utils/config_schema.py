@@ -53,7 +53,8 @@ class AsyncGRPOConfig(_Strict):
 
     ``max_trajectory_age_steps``: inclusive bound on (trainer version - generating policy version) of a trained
     prompt group, in optimizer steps. ``in_flight_weight_updates``: refused at startup on this build.
-    ``max_generation_failures``: generation-engine deaths the run survives (sync or async): the engine is restarted
+    ``max_generation_failures``: generation-engine deaths a driver run survives (sync or async; a resumed run counts
+    again from 0): the engine is restarted
     with the current weights and its unfinished requests re-issued
     (:mod:`nemo_rl_spec.models.generation.engine_recovery`); past it the run stops with the error. 0: the first
     death ends the run.
@@ -62,7 +63,7 @@ class AsyncGRPOConfig(_Strict):
     enabled: bool = False
     max_trajectory_age_steps: PositiveInt = 1
     in_flight_weight_updates: bool = False
-    max_generation_failures: NonNegativeInt = 0
+    max_generation_failures: NonNegativeInt = Field(0, strict=True)  # strict: `true` is not a count
 
 
 #: the metrics validation reports (``validation/<name>``; ``pass_k`` only with grpo.val_num_generations > 1): the

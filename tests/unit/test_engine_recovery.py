@@ -48,8 +48,9 @@ def test_schema_accepts_restarts_with_either_transport_and_refuses_a_negative_bu
     assert load_config(recipe, overrides).grpo.async_grpo.max_generation_failures == 1
     cfg = load_config(recipe, [*overrides, "policy.generation.refit_transport=nccl"])
     assert cfg.policy.generation.refit_transport == "nccl"
-    with pytest.raises(ValueError, match="max_generation_failures"):
-        load_config(recipe, ["grpo.async_grpo.max_generation_failures=-1"])
+    for bad in ("-1", "true"):  # a negative budget, and a yes/no where a count is meant
+        with pytest.raises(ValueError, match="max_generation_failures"):
+            load_config(recipe, [f"grpo.async_grpo.max_generation_failures={bad}"])
 
 
 def test_a_source_replaces_the_kept_copies():

@@ -85,6 +85,11 @@ class EngineRecovery:
                 f"restart(s) are used up: {cause}"
             ) from cause
         self.restarts += 1
+        print(
+            f"[engine recovery] generation engine {rank} died ({type(cause).__name__}); restarting it "
+            f"({self.restarts} of grpo.async_grpo.max_generation_failures={self.max_failures})",
+            flush=True,
+        )
         self.workers.restart(rank)
         worker = self.workers.workers[rank]
         policy, draft = (self._source[0](), self._source[1]()) if self._source else (self._policy, self._draft)
