@@ -199,6 +199,7 @@ REFUSED_BEFORE_RAY: dict[str, str] = {
     "policy.draft.model_name": "no draft there (config.json missing)",
     "policy.draft.online": "needs policy.generation.vllm_kwargs.speculative_config.method=eagle3",
     "policy.megatron_cfg.mtp_warm_start": "mtp_warm_start.enabled=true needs mtp_num_layers >= 1",
+    "policy.megatron_cfg.mtp_use_repeated_layer": "mtp_use_repeated_layer=true needs mtp_num_layers >= 1",
     # the recompute refinements act only with activation_checkpointing=true, off in the tiny recipe
     "policy.megatron_cfg.recompute_granularity": "needs policy.megatron_cfg.activation_checkpointing=true",
     "policy.megatron_cfg.recompute_modules": "needs policy.megatron_cfg.activation_checkpointing=true",
