@@ -200,7 +200,7 @@ OFF_ONLY: dict[str, tuple[Any, str]] = {
     # trainer's Eagle3DraftHead (TTT unroll, export, refit) has one, so the trainer's side is what is missing
     "policy.draft.num_layers": (
         (None, 1),
-        "an EAGLE-3 draft of more than one layer (vLLM's eagle3 drafter runs one; this project's trainer-side draft "
+        "an EAGLE-3 draft of more than one layer (vLLM's eagle3 drafter runs several; this project's trainer-side draft "
         "head, Eagle3DraftHead, with its training-time-test loss, export and refit, has one decoder layer)",
     ),
     "reward_penalties": (_all_false, "NeMo-Gym reward penalties"),
