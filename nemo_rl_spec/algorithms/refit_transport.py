@@ -100,10 +100,7 @@ class CollectiveTransport:
 
     def _join(self) -> None:
         """Join the group at the first push, and again after an engine restart (a new engine is not a member: every
-        member joins a new group). Every engine is first asked for its versions, so an engine
-        that died since the last call is restarted here (or, without restarts, stops the run naming
-        ``max_generation_failures``), not found dead in the middle of a broadcast."""
-        self.generation.get_versions()
+        member joins a new group)."""
         restarts = self.generation.recovery.restarts
         if self.joined and restarts == self.restarts_seen:
             return
@@ -121,7 +118,11 @@ class CollectiveTransport:
         return received, sent[0]
 
     def push_policy(self, version: int) -> None:
-        """Broadcast the policy export as ``version``; every engine loads it."""
+        """Broadcast the policy export as ``version``; every engine loads it. Every engine is first asked for its
+        versions, so an engine that died since the last call is restarted here (or, without restarts, stops the run
+        naming ``max_generation_failures``), not found dead in the middle of a broadcast; the drafter push that
+        follows in the same refit needs no second check."""
+        self.generation.get_versions()
         self._join()
         _, self.policy_send = self._run(
             self.policy.broadcast_hf_weights_async(version, self.engine_dtype, self.bucket_bytes, self.keep),

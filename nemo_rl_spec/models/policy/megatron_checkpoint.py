@@ -6,6 +6,7 @@ or the MTP block under MiMo names), HF / MiMo / eagle3 checkpoints, and the work
 training step stays in the worker. They read the worker's state: ``module`` (the unwrapped GPTModel), ``spec``,
 ``layout``, ``dp_group``, ``model_path``, ``optimizer`` / ``scheduler`` / ``mtp_optimizer`` (None without MTP),
 ``draft`` (the online EAGLE-3 head or None), ``reference_state``, ``step``, ``weight_version``, ``mtp_num_layers``,
+``refit_group`` and ``sent_refit`` (the collective refit transport),
 ``cfg``; and call its ``advance_scheduler``.
 
 Exports cast once, on the sender, to the dtype asked (:func:`~nemo_rl_spec.utils.dtypes.cast_state`). Checkpoints
@@ -78,7 +79,7 @@ class WeightExportMixin:
         if not self._is_rank_zero:
             return {}
         if keep:  # the draft kept stays: it is what the engines hold until the next draft push
-            self.sent_refit = {**getattr(self, "sent_refit", {}), "policy": state}
+            self.sent_refit["policy"] = state
         return self.refit_group.send(state, {"version": int(version)}, bucket_bytes)
 
     def sent_refit_weights(self, kind: str) -> dict:
@@ -88,7 +89,7 @@ class WeightExportMixin:
         Raises:
             RuntimeError: nothing of that kind was kept (no broadcast with ``keep`` yet).
         """
-        kept = getattr(self, "sent_refit", {}).get(kind)
+        kept = self.sent_refit.get(kind)
         if kept is None:
             raise RuntimeError(f"no {kind} weights kept: broadcast with keep=True first")
         return kept
@@ -100,7 +101,7 @@ class WeightExportMixin:
         if not self._is_rank_zero:
             return {}
         if keep:
-            self.sent_refit = {**getattr(self, "sent_refit", {}), "draft": draft}
+            self.sent_refit["draft"] = draft
         meta = {k: v for k, v in draft.items() if k != "weights"}
         return self.refit_group.send(draft["weights"], meta, bucket_bytes)
 

@@ -178,6 +178,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         )
         self.draft = self._online_draft(seed)
         self.refit_group = None  # the collective refit transport's group (rank 0, after init_refit_group)
+        self.sent_refit: dict = {}  # rank 0: what it last broadcast with keep (a restarted engine is given it)
         self.step = 0
         self.weight_version = 0
 
