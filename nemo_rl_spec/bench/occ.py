@@ -6,8 +6,9 @@
 
 Each (mode, seed) is one full GRPO run (``examples/run_grpo.py`` in a fresh process) with
 ``policy.megatron_cfg.mtp_loss_mode=<mode>`` and ``grpo.seed=<seed>``, logged in ``<work-dir>/<mode>_seed<seed>/``.
-Mode syntax ``<loss mode>[@<coefficient>][+ref]``: ``@c`` sets ``mtp_loss_scaling_factor``, ``+ref`` turns on
-``mtp_occ_reference`` (OCC's lambda checked against the full-gradient rule: ``proxy_validation_<mode>``).
+Mode syntax ``<loss mode>[@<coefficient>][+ref][+ratio]``: ``@c`` sets ``mtp_loss_scaling_factor``, ``+ref`` turns
+on ``mtp_occ_reference`` (OCC's lambda checked against the full-gradient rule: ``proxy_validation_<mode>``),
+``+ratio`` sets ``mtp_occ_proxy=logprob_delta_ratio``.
 ``--steps 0 --overhead-repeats N`` only times ``train()`` per mode; ``--proxy-steps N`` checks the proxy on random
 batches. The JSON (per run, per mode with bootstrap intervals, paired against ``detach``, the overhead, the machine)
 is rewritten after every run; ``--reuse`` reads finished runs back. Also prints a table and writes ``<out>.png``.
@@ -53,6 +54,7 @@ MINIBATCH_SERIES = (
 )  # train/mtp/<name>/mb<i> (lm_policy.PER_MINIBATCH_METRICS)
 PROXY_SERIES = ("lambda", "c_ref", "v2_ref", "lambda_ref", "c_ref_decoder", "v2_ref_decoder")
 REFERENCE = "+ref"  # mode suffix: also compute the full-gradient reference (policy.megatron_cfg.mtp_occ_reference)
+FLAGS = ("ref", "ratio")  # "+ratio": mtp_occ_proxy=logprob_delta_ratio (the ratio of the token means)
 
 
 def parse_mode(mode: str) -> tuple[str, float | None, bool]:
@@ -63,8 +65,8 @@ def parse_mode(mode: str) -> tuple[str, float | None, bool]:
         ValueError: an unknown flag or a coefficient that is not a non-negative number.
     """
     head, *flags = mode.split("+")
-    if set(flags) - {"ref"}:
-        raise ValueError(f"mode {mode!r}: unknown flag(s) {sorted(set(flags) - {'ref'})}; known: ['ref']")
+    if set(flags) - set(FLAGS):
+        raise ValueError(f"mode {mode!r}: unknown flag(s) {sorted(set(flags) - set(FLAGS))}; known: {list(FLAGS)}")
     base, _, coef = head.partition("@")
     try:
         value = float(coef) if coef else None
@@ -82,6 +84,7 @@ def mode_overrides(mode: str) -> list[str]:
         [f"policy.megatron_cfg.mtp_loss_mode={base}"]
         + ([f"policy.megatron_cfg.mtp_loss_scaling_factor={coef}"] if coef is not None else [])
         + (["+policy.megatron_cfg.mtp_occ_reference=true"] if reference else [])
+        + (["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta_ratio"] if "+ratio" in mode else [])
     )
 
 

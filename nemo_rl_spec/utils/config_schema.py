@@ -520,9 +520,9 @@ class MegatronConfig(_Strict):
     mtp_occ_lambda_max: Optional[float] = Field(default=None, ge=0.0)  # optional clamp of |lambda_t|; None: none
     # the full-gradient reference c, v2 per optimizer step (two extra trunk backwards per micro-batch; validation)
     mtp_occ_reference: bool = False
-    # occ's proxy for c / v2: the paper's observed log-prob changes (RL-MTP; 0 on a step's first optimizer
-    # mini-batch), docs/guides/occ.md section 3
-    mtp_occ_proxy: Literal["logprob_delta"] = "logprob_delta"
+    # occ's proxy for c / v2 from observed log-prob changes (0 on a step's first optimizer mini-batch),
+    # docs/guides/occ.md section 3: the paper's mean of per-token ratios, or the ratio of the means (an ablation)
+    mtp_occ_proxy: Literal["logprob_delta", "logprob_delta_ratio"] = "logprob_delta"
     # CE warm start of the MTP layers on the policy's own samples before RL (cached); None: the seeded random init
     mtp_warm_start: Optional[MTPWarmStartConfig] = None
     scheduler: Optional[SchedulerConfig] = None  # NeMo-RL parity; None: constant lr

@@ -74,6 +74,7 @@ def test_bench_occ_mode_syntax():
         "policy.megatron_cfg.mtp_loss_scaling_factor=1.0",
         "+policy.megatron_cfg.mtp_occ_reference=true",
     ]
+    assert bench.mode_overrides("occ+ref+ratio")[-1] == "+policy.megatron_cfg.mtp_occ_proxy=logprob_delta_ratio"
     assert bench.parse_mode("occ@0.1") == ("occ", 0.1, False)
     for bad in ("occ+lpd", "policy@x", "policy@-1"):
         with pytest.raises(ValueError):

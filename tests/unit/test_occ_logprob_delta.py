@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from nemo_rl_spec.algorithms.occ import logprob_delta_lambda
+from nemo_rl_spec.algorithms.occ import MTPCoefficient, logprob_delta_lambda
 from nemo_rl_spec.utils.config import ConfigError, load_config
 
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs")
@@ -37,6 +37,26 @@ def test_hand_values_heads_and_clamp():
     assert logprob_delta_lambda(mtp, 2 * prev - curr, prev, valid, 2.0, 2, 1e-12, lambda_max=0.05) == -0.05
     # eps = 1: terms (-1 / 5, 0 / 2, 0.5 / 2) -> mean 0.05 / 3
     assert logprob_delta_lambda(mtp, curr, prev, valid, 1.0, 1, 1.0) == pytest.approx(0.05 / 3, rel=1e-9)
+
+
+def test_ratio_of_means_hand_values():
+    """Ratio of the means on the hand case: mean(d * d_mtp) = (-1 + 0 + 0.5) / 3 = -1/6, mean(d_mtp^2) = 6 / 3 = 2,
+    so m = -1/12: the opposite sign of the per-token mean (+1/12), decided there by the token with d_mtp = -1."""
+    mtp, curr, prev, valid = _hand_case()
+    assert logprob_delta_lambda(mtp, curr, prev, valid, 1.0, 1, 1e-12, ratio_of_means=True) == pytest.approx(
+        -1 / 12, rel=1e-9
+    )
+    # eps = 1 in the denominator of the means: -1/6 / (2 + 1); lambda_plus 2 over 2 heads leaves it unchanged
+    assert logprob_delta_lambda(mtp, curr, prev, valid, 2.0, 2, 1.0, ratio_of_means=True) == pytest.approx(
+        -1 / 18, rel=1e-9
+    )
+    assert logprob_delta_lambda(mtp, prev, prev, valid, 1.0, 1, 1e-8, ratio_of_means=True) == 0.0
+    coef = MTPCoefficient("occ", 1.0, eps=1e-12, proxy="logprob_delta_ratio")
+    assert coef.occ([(mtp, valid)], curr, prev) == [pytest.approx(-1 / 12, rel=1e-9)]
+    with pytest.raises(ValueError, match="mtp_occ_proxy"):
+        MTPCoefficient("occ", 1.0, proxy="hidden_grad")
+    cfg = load_config(RECIPE, ["+policy.megatron_cfg.mtp_occ_proxy=logprob_delta_ratio"])
+    assert cfg.policy.megatron_cfg.mtp_occ_proxy == "logprob_delta_ratio"
 
 
 def test_zero_cases():

@@ -72,7 +72,11 @@ class MTPCoTraining:
         self.clip_grad = opt.clip_grad
         self.num_layers = mcfg.mtp_num_layers
         self.coef = MTPCoefficient(
-            mcfg.mtp_loss_mode, mcfg.mtp_loss_scaling_factor, mcfg.mtp_occ_eps, mcfg.mtp_occ_lambda_max
+            mcfg.mtp_loss_mode,
+            mcfg.mtp_loss_scaling_factor,
+            mcfg.mtp_occ_eps,
+            mcfg.mtp_occ_lambda_max,
+            mcfg.mtp_occ_proxy,
         )
         self.reference = OCCReference(module, self.coef, tp_group, dp_group) if mcfg.mtp_occ_reference else None
         self.module, self.loss_fn, self.scale_loss = module, loss_fn, scale_loss

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 MODES = ("detach", "ce", "policy", "occ")
-PROXIES = ("logprob_delta",)  # ``policy.megatron_cfg.mtp_occ_proxy`` (docs/guides/occ.md section 3)
+# ``policy.megatron_cfg.mtp_occ_proxy`` (docs/guides/occ.md section 3): the reference's mean of per-token ratios, or
+# the ratio of the token means (a least-squares slope of d on d_mtp; an ablation, not in the paper)
+PROXIES = ("logprob_delta", "logprob_delta_ratio")
 
 
 def _clamp(lam: float, lambda_max: float | None) -> float:
@@ -53,6 +55,7 @@ def logprob_delta_lambda(
     num_heads: int,
     eps: float,
     lambda_max: float | None = None,
+    ratio_of_means: bool = False,
 ) -> float:
     """OCC's coefficient lambda_k for MTP head k from observed log-prob changes (the RL-MTP reference's proxy).
 
@@ -62,6 +65,13 @@ def logprob_delta_lambda(
 
         m_k      = sum_{valid} d * d_mtp / (d_mtp^2 + eps) / sum(valid)        (0 without valid tokens)
         lambda_k = clamp(lambda_plus * m_k / num_heads, -lambda_max, lambda_max)      (no clamp: lambda_max None)
+
+    With ``ratio_of_means`` (``mtp_occ_proxy: logprob_delta_ratio``) the means are taken before the division:
+
+        m_k      = (sum_{valid} d * d_mtp / sum(valid)) / (sum_{valid} d_mtp^2 / sum(valid) + eps)
+
+    which is the least-squares slope of d on d_mtp: tokens where the MTP head agrees with the old main head
+    (|d_mtp| small) no longer contribute the large ratios of either sign that decide the per-token mean.
 
     Per token, ``d * d_mtp`` estimates c (the main head moved toward what the MTP head predicts) and ``d_mtp^2`` v2.
     The reference averages over every slot of its [B, R] response block, padding included (whose terms are 0);
@@ -91,7 +101,11 @@ def logprob_delta_lambda(
         return 0.0
     old = prev_logprobs.to(torch.float64)
     d_mtp, d = mtp_logprobs.to(torch.float64) - old, logprobs.to(torch.float64) - old
-    mean = float((weight * d_mtp * d / (d_mtp * d_mtp + eps)).sum()) / count
+    if ratio_of_means:
+        cov, var = float((weight * d_mtp * d).sum()) / count, float((weight * d_mtp * d_mtp).sum()) / count
+        mean = cov / (var + eps)
+    else:
+        mean = float((weight * d_mtp * d / (d_mtp * d_mtp + eps)).sum()) / count
     return _clamp(lambda_plus * mean / num_heads, lambda_max)
 
 
@@ -104,17 +118,20 @@ class MTPCoefficient:
     whole head loss, so the MTP head and the trunk see the same lambda (as in the reference).
 
     Raises:
-        ValueError: an unknown mode.
+        ValueError: an unknown mode or proxy.
     """
 
     mode: str
     scaling_factor: float
     eps: float = 1e-8
     lambda_max: float | None = None
+    proxy: str = "logprob_delta"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mtp_loss_mode={self.mode!r}; expected one of {MODES}")
+        if self.proxy not in PROXIES:
+            raise ValueError(f"mtp_occ_proxy={self.proxy!r}; expected one of {PROXIES}")
 
     def fixed(self, num_heads: int) -> list[float]:
         """Per-head coefficients of the modes with a fixed coefficient (occ: see :meth:`occ`)."""
@@ -126,6 +143,9 @@ class MTPCoefficient:
         / ``prev_logprobs`` [B, S] (:func:`logprob_delta_lambda`; its ValueError for shapes that disagree)."""
         k = len(head_logprobs)
         return [
-            logprob_delta_lambda(lp, logprobs, prev_logprobs, valid, self.scaling_factor, k, self.eps, self.lambda_max)
+            logprob_delta_lambda(
+                lp, logprobs, prev_logprobs, valid, self.scaling_factor, k, self.eps, self.lambda_max,
+                ratio_of_means=self.proxy == "logprob_delta_ratio",
+            )
             for lp, valid in head_logprobs
         ]
