@@ -198,3 +198,21 @@ def test_bf16_autocast_changes_the_bits_not_the_loss():
     fp32 = tb.train_testbed(dataclasses.replace(one, bf16_autocast=False), progress=False)[2]
     assert len(bf16) == len(fp32) == 1
     assert bf16[0] != fp32[0] and bf16[0] == pytest.approx(fp32[0], rel=1e-2)
+
+
+def test_build_recipe_uses_bf16_autocast_only_on_native_bf16(monkeypatch):
+    """Without native bf16 the testbed build runs in fp32 (emulated bf16 is ~50x slower) and the cache marker says so,
+    so a cached build made one way is never reused for the other; with native bf16 the recipe is TESTBED itself."""
+    from nemo_rl_spec.models import hf_assets
+
+    monkeypatch.setattr(hf_assets, "native_bf16", lambda: (True, ["amx_bf16"]))
+    assert hf_assets.testbed_build_recipe() == tb.TESTBED
+    native = hf_assets._recipe("testbed-llama")
+    assert native["testbed"]["bf16_autocast"] is True
+    monkeypatch.setattr(hf_assets, "native_bf16", lambda: (False, []))
+    assert hf_assets.testbed_build_recipe() == dataclasses.replace(tb.TESTBED, bf16_autocast=False)
+    emulated = hf_assets._recipe("testbed-llama")
+    assert emulated["testbed"]["bf16_autocast"] is False
+    assert {k: v for k, v in emulated["testbed"].items() if k != "bf16_autocast"} == {
+        k: v for k, v in native["testbed"].items() if k != "bf16_autocast"
+    }
