@@ -141,11 +141,9 @@ class MTPCoefficient:
     def occ(self, head_logprobs: list[tuple[torch.Tensor, torch.Tensor]], logprobs, prev_logprobs) -> list[float]:
         """OCC's lambda_k of every head from ``(mtp_logprobs, valid)`` pairs [B, S] and the main head's ``logprobs``
         / ``prev_logprobs`` [B, S] (:func:`logprob_delta_lambda`; its ValueError for shapes that disagree)."""
-        k = len(head_logprobs)
+        k, ratio = len(head_logprobs), self.proxy == "logprob_delta_ratio"
+        lam_plus, eps, lam_max = self.scaling_factor, self.eps, self.lambda_max
         return [
-            logprob_delta_lambda(
-                lp, logprobs, prev_logprobs, valid, self.scaling_factor, k, self.eps, self.lambda_max,
-                ratio_of_means=self.proxy == "logprob_delta_ratio",
-            )
+            logprob_delta_lambda(lp, logprobs, prev_logprobs, valid, lam_plus, k, eps, lam_max, ratio_of_means=ratio)
             for lp, valid in head_logprobs
         ]
