@@ -151,3 +151,19 @@ def random_token_batch(lengths: list[int], seq: int, seed: int, response_start: 
         ids[b, n:] = 0
         token_mask[b, response_start:n] = 1.0
     return {"input_ids": ids, "input_lengths": torch.tensor(lengths), "token_mask": token_mask, "generator": gen}
+
+
+def randomize_eagle3_head(head, seed: int = 0, std: float = 0.3):
+    """Give an ``Eagle3DraftHead`` visible random weights (linears N(0, std^2), norm gains 1 +- 0.3), a random
+    embedding and, when its draft vocabulary is reduced, a random sorted draft vocabulary; returns the head."""
+    cfg = head.cfg
+    head.reset_parameters(seed=seed, std=std)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+    head.set_target_embeddings(torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen))
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        head.set_draft_vocab(torch.randperm(cfg.vocab_size, generator=gen)[: cfg.draft_vocab_size].sort().values)
+    return head

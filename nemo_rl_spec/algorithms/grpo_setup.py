@@ -43,7 +43,7 @@ from nemo_rl_spec.models.policy.lm_policy import Policy, prefetch_worker_class
 from nemo_rl_spec.speculative.adaptive_k import engine_schedule, never_drafts
 from nemo_rl_spec.speculative.calibration import resolve_step_costs
 from nemo_rl_spec.speculative.metrics import SpecDecodeCounters, SpeculationMonitor
-from nemo_rl_spec.speculative.online import draft_trains_at, write_fresh_draft_head
+from nemo_rl_spec.speculative.online import check_draft_num_layers, draft_trains_at, write_fresh_draft_head
 from nemo_rl_spec.utils.checkpoint import CheckpointManager
 from nemo_rl_spec.utils.config import ConfigError, to_yaml
 from nemo_rl_spec.utils.config_schema import DraftConfig, MasterConfig
@@ -336,7 +336,9 @@ def check_ray_address(cfg: MasterConfig, timeout_s: float = 5.0) -> None:
 
 def check_draft_dir(cfg: MasterConfig) -> None:
     """Raise ConfigError (before any worker starts) when the EAGLE-3 draft directory named by ``policy.draft.model_name``
-    or ``speculative_config.model`` has no ``config.json`` (e.g. ``make draft`` was not run)."""
+    or ``speculative_config.model`` has no ``config.json`` (e.g. ``make draft`` was not run), or when
+    ``policy.draft.num_layers`` is set and the head the run starts from (``model_name``; else, for a frozen draft,
+    ``speculative_config.model``) has another number of decoder layers (its ``num_hidden_layers``)."""
     spec = cfg.policy.generation.speculative_config
     draft = enabled_draft(cfg)
     for key, path in (
@@ -351,6 +353,17 @@ def check_draft_dir(cfg: MasterConfig) -> None:
                 f"{key}={path!r}: no draft there (config.json missing); create it with "
                 "examples/init_draft.py (make draft) or point the key at an EAGLE-3 head directory"
             )
+    if draft is None or draft.num_layers is None:
+        return
+    start = draft.model_name or (
+        spec.model if spec is not None and spec.method == "eagle3" and not draft.online else None
+    )
+    if start:
+        found = json.loads((Path(start) / "config.json").read_text()).get("num_hidden_layers", 1)
+        try:
+            check_draft_num_layers(draft.num_layers, found, start)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _engine_model_path(cfg: MasterConfig, policy, model_path: str) -> str:

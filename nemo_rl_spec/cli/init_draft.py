@@ -202,9 +202,10 @@ def _load(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
     }
 
 
-def _make_trainer(args, policy, vocab, aux, seed) -> DraftTrainer:
-    """A fresh head from the HF ``policy`` and its trainer (``--lr``, ``--ttt-steps``, ``--precision``)."""
-    head = Eagle3DraftHead.from_target(policy, aux_layer_ids=aux, draft_vocab=vocab, seed=seed)
+def _make_trainer(args, policy, vocab, aux, seed, num_layers: int = 1) -> DraftTrainer:
+    """A fresh head from the HF ``policy`` (``num_layers`` decoder layers: ``policy.draft.num_layers``) and its
+    trainer (``--lr``, ``--ttt-steps``, ``--precision``)."""
+    head = Eagle3DraftHead.from_target(policy, aux_layer_ids=aux, draft_vocab=vocab, seed=seed, num_layers=num_layers)
     autocast = torch.bfloat16 if args.precision == "bfloat16" else None
     return DraftTrainer(head, lr=args.lr, ttt_steps=args.ttt_steps, autocast_dtype=autocast)
 
@@ -257,7 +258,8 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
         )
     draft_cfg = run["cfg"].policy.draft
     aux = draft_cfg.aux_layer_ids if draft_cfg is not None and draft_cfg.aux_layer_ids else None
-    trainer = _make_trainer(args, policy, vocab, aux, seed)
+    num_layers = (draft_cfg.num_layers if draft_cfg is not None else None) or 1
+    trainer = _make_trainer(args, policy, vocab, aux, seed, num_layers)
     temperature = run["gen_cfg"]["temperature"]
     bar = tqdm(total=len(samples.sequences), desc="policy outputs", unit="seq")
     cache = build_policy_cache(
@@ -288,7 +290,9 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     )
     train_s = time.perf_counter() - t1
     trainer.save_checkpoint(out)
-    data_curve = _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval_rows, work, state)
+    data_curve = _data_curve(
+        args, policy, vocab, aux, seed, cache, samples, train_rows, eval_rows, work, state, num_layers
+    )
     history = state["history"]
 
     def window(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -317,6 +321,7 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
         "precision": args.precision,
         **vocab_info,
         "aux_layer_ids": list(trainer.head.cfg.aux_layer_ids),
+        "num_layers": trainer.head.cfg.num_layers,
         "response_tokens_mean": sum(resp_lens) / len(resp_lens),
         "response_tokens_max": max(resp_lens),
         "generate_s": generate_s,
@@ -333,7 +338,9 @@ def init_draft(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]
     return summary
 
 
-def _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval_rows, work, full_state):
+def _data_curve(
+    args, policy, vocab, aux, seed, cache, samples, train_rows, eval_rows, work, full_state, num_layers: int = 1
+):
     """Held-out acceptance of heads trained on the first N training sequences for ``--data-curve-steps`` steps;
     the full set's point is the main run's at that step. Each finished point is kept in
     ``work/data_curve.json`` (resume skips it)."""
@@ -344,7 +351,7 @@ def _data_curve(args, policy, vocab, aux, seed, cache, samples, train_rows, eval
         key = f"{n}@{steps}"
         if n >= len(train_rows) or key in done:
             continue
-        trainer = _make_trainer(args, policy, vocab, aux, seed)
+        trainer = _make_trainer(args, policy, vocab, aux, seed, num_layers)
         st = draft_init.train(
             trainer,
             cache,

@@ -101,9 +101,10 @@ def refit_drafter(llm, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str,
 
     Args:
         llm: the ``vllm.LLM`` (engine started with a model-based ``speculative_config``).
-        weights: the draft's tensors under checkpoint names (EAGLE-3: ``fc.weight``, ``midlayer.*``,
-            ``norm.weight``, ``lm_head.weight``, ``d2t``; draft_model: the draft LM's HF names). Send the full
-            set: fused vLLM layers (qkv_proj, gate_up_proj) are processed once all their parts arrived.
+        weights: the draft's tensors under checkpoint names (EAGLE-3: ``fc.weight``, ``midlayer.*``, ``layers.<i>.*``
+            for draft layers i >= 1, ``norm.weight``, ``lm_head.weight``, ``d2t``; draft_model: the draft LM's HF
+            names). Send the full set: fused vLLM layers (qkv_proj, gate_up_proj) are processed once all their parts
+            arrived.
 
     Returns:
         ``{"seconds": float, "unshared_lm_head": bool}`` of the (single) worker.
@@ -133,20 +134,24 @@ def drafter_state_dict(llm) -> dict[str, torch.Tensor]:
 
 def eagle3_vllm_names(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map EAGLE-3 checkpoint names to vLLM's internal drafter names (q/k/v -> qkv_proj stacked on dim 0,
-    gate/up -> gate_up_proj, ``midlayer.`` -> ``model.layers.0.``, non-lm_head under ``model.``), so a test can
-    compare :func:`drafter_state_dict` with the exported head. ``d2t`` becomes ``draft_id_to_target_id``."""
+    gate/up -> gate_up_proj, ``midlayer.`` -> ``model.layers.0.``, ``layers.<i>.`` -> ``model.layers.<i>.``, non-lm_head
+    under ``model.``), so a test can compare :func:`drafter_state_dict` with the exported head. ``d2t`` becomes
+    ``draft_id_to_target_id``."""
     out: dict[str, torch.Tensor] = {}
     s = dict(state)
-    pre = "midlayer.self_attn."
-    if pre + "q_proj.weight" in s:
-        out["model.layers.0.self_attn.qkv_proj.weight"] = torch.cat(
-            [s.pop(pre + p + "_proj.weight") for p in "qkv"], dim=0
-        )
-    mlp = "midlayer.mlp."
-    if mlp + "gate_proj.weight" in s:
-        out["model.layers.0.mlp.gate_up_proj.weight"] = torch.cat(
-            [s.pop(mlp + "gate_proj.weight"), s.pop(mlp + "up_proj.weight")], dim=0
-        )
+    layer_prefixes = {"midlayer."} | {".".join(k.split(".")[:2]) + "." for k in s if k.startswith("layers.")}
+    for layer in sorted(layer_prefixes):
+        vllm_layer = "model." + layer.replace("midlayer.", "layers.0.")
+        pre = layer + "self_attn."
+        if pre + "q_proj.weight" in s:
+            out[vllm_layer + "self_attn.qkv_proj.weight"] = torch.cat(
+                [s.pop(pre + p + "_proj.weight") for p in "qkv"], dim=0
+            )
+        mlp = layer + "mlp."
+        if mlp + "gate_proj.weight" in s:
+            out[vllm_layer + "mlp.gate_up_proj.weight"] = torch.cat(
+                [s.pop(mlp + "gate_proj.weight"), s.pop(mlp + "up_proj.weight")], dim=0
+            )
     for k, v in s.items():
         if k == "t2d":
             continue

@@ -13,6 +13,17 @@ via Training-Time Test"). Aux layer ids: :class:`Eagle3Config`; a chain's positi
     prenorm   = mlp(post_attention_layernorm(residual)) + residual
     logits    = lm_head(norm(prenorm))                             # [.., draft_vocab]
     h_next    = prenorm                                            # fed to the next draft step
+
+With ``num_layers`` = N > 1 (vLLM's ``num_hidden_layers``) the line computing ``prenorm`` is layer 0 (checkpoint
+prefix ``midlayer.``) and layers i = 1..N-1 (prefix ``layers.<i>.``) follow, each a plain Llama decoder layer on the
+hidden state alone (vLLM's fused ``input_layernorm(hidden, residual)`` adds the previous layer's MLP output to its
+residual, which is the previous layer's ``prenorm``)::
+
+    x         = input_layernorm(prenorm)                           # [.., H]; q/k/v project from H
+    residual  = self_attn(x, pos) + prenorm                        # each layer attends to its own keys/values
+    prenorm   = mlp(post_attention_layernorm(residual)) + residual
+
+and ``logits`` / ``h_next`` are taken from the last layer's ``prenorm``.
 """
 
 from __future__ import annotations
@@ -59,6 +70,8 @@ class Eagle3Config:
         i.e. HF ``output_hidden_states[k]`` for k < L (id 0 = embedding output) and the *un-normed* last-layer output
         for k = L (HF's ``hidden_states[L]`` is after the final norm; a forward hook on decoder layer k-1 gives id k).
     draft_vocab_size: rows of lm_head; < vocab_size uses the d2t/t2d reduced vocabulary.
+    num_layers: decoder layers of the draft (vLLM's ``num_hidden_layers``; ``policy.draft.num_layers``): layer 0
+        reads ``[embed ; hidden]``, layers 1.. are plain Llama layers on the hidden state.
     norm_before_residual: vLLM/speculators option (hidden_norm applied before the residual branch).
     """
 
@@ -71,6 +84,7 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...]
     target_num_hidden_layers: int
     draft_vocab_size: int | None = None
+    num_layers: int = 1
     target_hidden_size: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -91,6 +105,9 @@ class Eagle3Config:
             raise ValueError(f"aux_layer_ids {bad} outside [0, {self.target_num_hidden_layers}]")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError("draft_vocab_size must be <= vocab_size")
+        if isinstance(self.num_layers, bool) or int(self.num_layers) != self.num_layers or self.num_layers < 1:
+            raise ValueError(f"num_layers must be an integer >= 1, got {self.num_layers!r}")
+        self.num_layers = int(self.num_layers)
 
     @property
     def num_aux(self) -> int:
@@ -151,7 +168,7 @@ class Eagle3Config:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
+            "num_hidden_layers": self.num_layers,
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
@@ -218,19 +235,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention whose q/k/v read the 2H concatenation [embed ; hidden]."""
+    """Llama attention whose q/k/v read ``in_size`` features: the 2H concatenation [embed ; hidden] in layer 0 (the
+    default), the H-wide hidden state in layers 1.."""
 
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: Eagle3Config, in_size: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        in_size = 2 * cfg.hidden_size
+        in_size = 2 * cfg.hidden_size if in_size is None else in_size
         self.q_proj = nn.Linear(in_size, cfg.num_attention_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(in_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(in_size, cfg.num_key_value_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Shape: x [B, S, 2H] -> q [B, nh, S, hd], k, v [B, nh, S, hd] (kv heads repeated to nh)."""
+        """Shape: x [B, S, in_size] -> q [B, nh, S, hd], k, v [B, nh, S, hd] (kv heads repeated to nh)."""
         B, S, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).view(B, S, c.num_attention_heads, c.head_dim).transpose(1, 2)
@@ -259,8 +277,21 @@ class Eagle3MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Eagle3MidLayer(nn.Module):
-    """The single decoder layer (checkpoint prefix ``midlayer.``)."""
+class _Eagle3Layer(nn.Module):
+    """What every draft decoder layer shares: attention output + residual, then the MLP with its residual."""
+
+    post_attention_layernorm: RMSNorm
+    mlp: Eagle3MLP
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Shape: attn_out, residual [B, S, H] -> the layer's pre-norm output [B, S, H] (the next layer's input;
+        the last layer's is the hidden state carried to the next draft step)."""
+        residual = attn_out + residual
+        return self.mlp(self.post_attention_layernorm(residual)) + residual
+
+
+class Eagle3MidLayer(_Eagle3Layer):
+    """Decoder layer 0 (checkpoint prefix ``midlayer.``, vLLM's ``layers.0``): attention reads [embed ; hidden]."""
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -281,10 +312,25 @@ class Eagle3MidLayer(nn.Module):
             hidden = self.hidden_norm(hidden)
         return torch.cat([self.input_layernorm(embeds), hidden], dim=-1), residual
 
-    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Returns the pre-norm output (the hidden state carried to the next draft step)."""
-        residual = attn_out + residual
-        return self.mlp(self.post_attention_layernorm(residual)) + residual
+
+class Eagle3DecoderLayer(_Eagle3Layer):
+    """Decoder layer i >= 1 (checkpoint prefix ``layers.<i>.``): a plain Llama layer on the hidden state, as vLLM's
+    eagle3 drafter runs it (no embedding input, no ``hidden_norm``; q/k/v read H features). vLLM carries the pair
+    (MLP output, residual) between layers and adds them in the next ``input_layernorm``; their sum is the previous
+    layer's pre-norm output, which is what this layer takes. vLLM builds a ``hidden_norm`` in these layers too but never
+    reads it; it is not exported (vLLM's in-place drafter refit then logs "RMSNorm: Failed to load weights" once)."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg, in_size=cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Eagle3MLP(cfg)
+
+    def pre_attention_hidden(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shape: hidden [B, S, H] (the previous layer's pre-norm output) -> (attention input [B, S, H], residual
+        [B, S, H])."""
+        return self.input_layernorm(hidden), hidden
 
 
 @dataclass
@@ -299,10 +345,11 @@ class _DraftKeyValues:
     diag_k: list[torch.Tensor] = field(default_factory=list)
     diag_v: list[torch.Tensor] = field(default_factory=list)
 
-    def attend(self, q: torch.Tensor) -> torch.Tensor:
-        """Softmax attention in fp32. Shape: q [B, nh, W, hd] -> ctx [B, nh, W, hd] (float32)."""
+    def attend(self, q: torch.Tensor, causal: torch.Tensor | None = None) -> torch.Tensor:
+        """Softmax attention in fp32; ``causal`` [W', end] replaces the chains' mask (step 0 of a layer below the
+        last, whose queries are every index < end). Shape: q [B, nh, W, hd] -> ctx [B, nh, W, hd] (float32)."""
         scores = torch.matmul(q.float(), self.keys0.float().transpose(-1, -2)) * self.scale  # [B, nh, W, end]
-        scores = scores.masked_fill(~self.causal, float("-inf"))
+        scores = scores.masked_fill(~(self.causal if causal is None else causal), float("-inf"))
         diag = [(q.float() * dk.float()).sum(-1, keepdim=True) * self.scale for dk in self.diag_k]  # [B, nh, W, 1]
         probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
         n_keys = scores.shape[-1]
@@ -314,7 +361,8 @@ class _DraftKeyValues:
 
 class Eagle3DraftHead(nn.Module):
     """EAGLE-3 draft head. Parameter names match the speculators/vLLM checkpoint layout:
-    ``fc``, ``midlayer.*``, ``norm``, ``lm_head`` (+ buffers ``d2t``, ``t2d`` for a reduced vocabulary).
+    ``fc``, ``midlayer.*`` (decoder layer 0), ``layers.<i>.*`` (decoder layers i = 1..num_layers-1, none for one
+    layer), ``norm``, ``lm_head`` (+ buffers ``d2t``, ``t2d`` for a reduced vocabulary).
 
     ``embed_tokens`` is a frozen copy of the target's input embedding (vLLM shares the target's embedding with
     the draft when the checkpoint omits it, which :meth:`save_pretrained` does by default); keep it in sync
@@ -328,6 +376,8 @@ class Eagle3DraftHead(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3MidLayer(cfg)
+        # keys "1".."N-1": checkpoint names layers.<i>.* as vLLM's loader expects (layer 0 is midlayer)
+        self.layers = nn.ModuleDict({str(i): Eagle3DecoderLayer(cfg) for i in range(1, cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
@@ -406,6 +456,11 @@ class Eagle3DraftHead(nn.Module):
         """Target id of each draft row. Shape: [draft_vocab_size]."""
         return self.d2t + torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)
 
+    @property
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers in order: ``midlayer`` (layer 0), then ``layers["1"]`` .. ``layers[str(N-1)]``."""
+        return [self.midlayer, *(self.layers[str(i)] for i in range(1, self.cfg.num_layers))]
+
     # ------------------------------------------------------------------ forward
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """Shape: [B, S, n_aux * H_t] -> [B, S, H]."""
@@ -423,7 +478,8 @@ class Eagle3DraftHead(nn.Module):
 
         Step j of chain t reads token ``input_ids[t+1+j]`` (teacher forcing; index past the end reads token 0 and
         must be masked by the caller) and the previous step's pre-norm output (step 0: ``fc(aux[t])``), sits at
-        position ``position_ids[t] + j`` and attends to step-0 keys of indices <= t plus its own steps 1..j.
+        position ``position_ids[t] + j`` and attends to step-0 keys of indices <= t plus its own steps 1..j (each
+        decoder layer to its own keys/values: one TTT cache per layer, as vLLM keeps one KV cache per draft layer).
         With ``free_running`` steps j >= 1 read the draft's own greedy token of step j-1 instead (what vLLM
         does at temperature 0), so ``argmax`` of the returned logits are vLLM's proposals for every chain start.
 
@@ -450,8 +506,9 @@ class Eagle3DraftHead(nn.Module):
     ) -> list[torch.Tensor]:
         """Teacher-forced :meth:`unroll` for the chain starts t in ``window = (start, end)`` only, before the output
         layer: the pre-norm output of every draft step (``unroll``'s logits are ``lm_head(norm(.))`` of it). Step 0's
-        keys/values are computed at every index < end (the chains attend to them); the rest of the layer runs on the
-        window only. A loss that scores only some positions needs only the chains that reach them
+        keys/values are computed at every index < end (the chains attend to them; with several decoder layers, every
+        layer below the last runs step 0 at every index < end, since the next layer's keys read its output); the rest
+        runs on the window only. A loss that scores only some positions needs only the chains that reach them
         (:func:`~nemo_rl_spec.speculative.ttt_scored.chain_window`).
 
         Shape: aux_hidden [B, S, n_aux * H_t], input_ids [B, S] -> num_steps tensors [B, end - start, H];
@@ -466,32 +523,45 @@ class Eagle3DraftHead(nn.Module):
         B, S, _ = aux_hidden.shape
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
-        causal = torch.ones(end, end, dtype=torch.bool, device=aux_hidden.device).tril()[start:]
-        kv = _DraftKeyValues(causal, 1.0 / math.sqrt(self.cfg.head_dim))
+        full_causal = torch.ones(end, end, dtype=torch.bool, device=aux_hidden.device).tril()
+        scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        kvs = [_DraftKeyValues(full_causal[start:], scale) for _ in range(self.cfg.num_layers)]
         hidden = self.combine(aux_hidden[:, :end])
         for j in range(num_steps):
             tokens = F.pad(input_ids[:, 1 + j :], (0, 1 + j), value=0)[:, :S]
             if tokens_of_step is not None:
                 tokens = tokens_of_step(j, tokens)
             first = 0 if j == 0 else start
-            hidden = self._draft_step(j, tokens[:, first:end], hidden, position_ids[:, first:end] + j, kv, start)
+            hidden = self._draft_step(
+                j, tokens[:, first:end], hidden, position_ids[:, first:end] + j, kvs, start, full_causal
+            )
             yield hidden
 
-    def _draft_step(self, j, tokens, hidden, positions, kv, start) -> torch.Tensor:
-        """One draft step (module docstring). Step 0 reads indices [0, end) (its keys/values are what every later
-        query attends to) and keeps [start, end); later steps read and return [start, end).
-        Shape: tokens, positions [B, L], hidden [B, L, H] -> [B, end - start, H]."""
-        x, residual = self.midlayer.pre_attention(self.embed_tokens(tokens), hidden)
+    def _draft_step(self, j, tokens, hidden, positions, kvs, start, full_causal) -> torch.Tensor:
+        """One draft step (module docstring) through every decoder layer, layer i keeping its keys/values in
+        ``kvs[i]``. Step 0 reads indices [0, end) (its keys/values are what every later query attends to; layers
+        below the last run on all of them, causally) and the last layer keeps [start, end); later steps read and
+        return [start, end). Shape: tokens, positions [B, L], hidden [B, L, H] -> [B, end - start, H]."""
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
-        q, k, v = self.midlayer.self_attn.qkv(x, cos, sin)
-        if j == 0:
-            kv.keys0, kv.values0 = k, v
-            q, residual = q[:, :, start:], residual[:, start:]
-        else:
-            kv.diag_k.append(k)
-            kv.diag_v.append(v)
-        attn_out = self.midlayer.self_attn.out(kv.attend(q).to(x.dtype))
-        return self.midlayer.post_attention(attn_out, residual)
+        layers = self.decoder_layers
+        for i, layer in enumerate(layers):
+            if i == 0:
+                x, residual = layer.pre_attention(self.embed_tokens(tokens), hidden)
+            else:
+                x, residual = layer.pre_attention_hidden(hidden)
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+            kv, causal = kvs[i], None
+            if j == 0:
+                kv.keys0, kv.values0 = k, v
+                if i == len(layers) - 1:
+                    q, residual = q[:, :, start:], residual[:, start:]
+                else:
+                    causal = full_causal
+            else:
+                kv.diag_k.append(k)
+                kv.diag_v.append(v)
+            hidden = layer.post_attention(layer.self_attn.out(kv.attend(q, causal).to(x.dtype)), residual)
+        return hidden
 
     @torch.no_grad()
     def propose_greedy(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, num_steps: int) -> torch.Tensor:
@@ -575,8 +645,9 @@ class Eagle3DraftHead(nn.Module):
 
     # ------------------------------------------------------------------ export
     def export_state_dict(self, include_embeddings: bool = False) -> dict[str, torch.Tensor]:
-        """Checkpoint-named tensors vLLM's Eagle3LlamaForCausalLM loads (``fc.weight``, ``midlayer.*``,
-        ``norm.weight``, ``lm_head.weight``, and ``d2t``/``t2d`` for a reduced vocabulary). Without
+        """Checkpoint-named tensors vLLM's Eagle3LlamaForCausalLM loads (``fc.weight``, ``midlayer.*``, ``layers.<i>.*``
+        for decoder layers i >= 1, ``norm.weight``, ``lm_head.weight``, and ``d2t``/``t2d`` for a reduced vocabulary).
+        Without
         ``embed_tokens.weight`` vLLM shares the target's embedding (the default)."""
         out = {}
         for name, t in self.state_dict().items():

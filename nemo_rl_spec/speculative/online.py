@@ -54,14 +54,16 @@ def draft_trains_at(step: int, train_period: int) -> bool:
 def build_draft_head(
     draft_cfg: DraftConfig, hf_config, embedding: torch.Tensor, output_weight: torch.Tensor, seed: int = 0
 ) -> Eagle3DraftHead:
-    """The head to train: loaded from ``draft_cfg.model_name`` or new (``lm_head`` = the policy's output layer).
+    """The head to train: loaded from ``draft_cfg.model_name`` or new (``lm_head`` = the policy's output layer;
+    ``policy.draft.num_layers`` decoder layers, 1 when None).
 
     Args:
         hf_config: the policy's HF config; embedding, output_weight: the policy's full [V, H] input embedding and
             output weight.
     Raises:
         FileNotFoundError: ``policy.draft.model_name`` is not a draft directory.
-        ValueError: the checkpoint's aux layer ids differ from ``policy.draft.aux_layer_ids``.
+        ValueError: the checkpoint's aux layer ids differ from ``policy.draft.aux_layer_ids``, or its decoder layer
+            count from ``policy.draft.num_layers``.
     """
     name, aux = draft_cfg.model_name, draft_cfg.aux_layer_ids
     if name:
@@ -72,13 +74,25 @@ def build_draft_head(
             raise ValueError(
                 f"policy.draft.aux_layer_ids={aux} but {name} was trained with {list(head.cfg.aux_layer_ids)}"
             )
+        check_draft_num_layers(draft_cfg.num_layers, head.cfg.num_layers, name)
         return head
-    head = Eagle3DraftHead(Eagle3Config.from_target(hf_config, aux))
+    head = Eagle3DraftHead(Eagle3Config.from_target(hf_config, aux, num_layers=draft_cfg.num_layers or 1))
     head.reset_parameters(seed=seed)
     head.set_target_embeddings(embedding)
     with torch.no_grad():
         head.lm_head.weight.copy_(output_weight.detach())
     return head
+
+
+def check_draft_num_layers(num_layers: int | None, found: int, name: str) -> None:
+    """Raise ValueError when ``policy.draft.num_layers`` is set and differs from the ``found`` decoder layers of the
+    EAGLE-3 head at ``name`` (a draft's depth is fixed by its checkpoint; None accepts any)."""
+    if num_layers is not None and int(num_layers) != int(found):
+        raise ValueError(
+            f"policy.draft.num_layers={num_layers} but the EAGLE-3 head {name} has {found} decoder layer(s) "
+            f"(num_hidden_layers={found} in its config.json); set policy.draft.num_layers={found} or null, or point "
+            "policy.draft.model_name at a head of that depth"
+        )
 
 
 def target_embedding_and_output(model_path: str) -> tuple[torch.Tensor, torch.Tensor]:

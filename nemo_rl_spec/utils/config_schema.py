@@ -768,6 +768,12 @@ class DraftConfig(_Strict):
         "from examples/init_draft.py); None: a fresh head initialised from the policy",
     )
     aux_layer_ids: Optional[list[int]] = None
+    num_layers: Optional[int] = Field(
+        default=None,
+        description="decoder layers of the EAGLE-3 head (vLLM's num_hidden_layers): layer 0 reads [embedding ; "
+        "hidden], layers 1.. are plain Llama layers on the hidden state. None: the count of policy.draft.model_name's "
+        "head, 1 for a fresh head; set with model_name, it must equal the head's count",
+    )
     online: bool = Field(
         default=False,
         description="train the head online on the policy's detached hidden states "
@@ -810,6 +816,16 @@ class DraftConfig(_Strict):
         ge=1.0,
         description="warn when vllm/spec_acceptance_length right after a refit falls below it (draft no longer refit)",
     )
+
+    @field_validator("num_layers")
+    @classmethod
+    def _num_layers_at_least_one(cls, value: Optional[int]) -> Optional[int]:
+        if value is not None and value < 1:
+            raise ValueError(
+                "an EAGLE-3 draft has at least one decoder layer (null: the count of policy.draft.model_name's head, "
+                "1 for a fresh head)"
+            )
+        return value
 
 
 class RefitConfig(_Strict):

@@ -196,13 +196,6 @@ OFF_ONLY: dict[str, tuple[Any, str]] = {
     "policy.megatron_cfg.peft": (_section_off, "LoRA / PEFT"),
     "policy.hf_config_overrides": ((None, {}), "HF config overrides"),
     "policy.generation.vllm_cfg.logprobs_mode": (("processed_logprobs",), "raw log-probs from the engine"),
-    # vLLM 0.32's eagle3 drafter runs more layers (measured on CPU: two draft attention layers, proposals made); the
-    # trainer's Eagle3DraftHead (TTT unroll, export, refit) has one, so the trainer's side is what is missing
-    "policy.draft.num_layers": (
-        (None, 1),
-        "an EAGLE-3 draft of more than one layer (vLLM's eagle3 drafter runs several; this project's trainer-side draft "
-        "head, Eagle3DraftHead, with its training-time-test loss, export and refit, has one decoder layer)",
-    ),
     "reward_penalties": (_all_false, "NeMo-Gym reward penalties"),
     "on_policy_distillation": (_section_off, "on-policy distillation"),
 }

@@ -93,7 +93,6 @@ def test_the_recipe_validates_with_no_unknown_key_and_nemo_rl_meanings():
         ("grpo.malformed_thinking_advantage=-5.0", "thinking-tag penalties"),
         ("policy.generation.vllm_cfg.logprobs_mode=raw_logprobs", "raw log-probs"),
         ("policy.megatron_cfg.peft.enabled=true", "LoRA"),
-        ("policy.draft.num_layers=2", "more than one layer"),
         ("reward_penalties.penalize_empty_final_answer=true", "NeMo-Gym"),
     ],
 )
@@ -108,8 +107,7 @@ def test_an_off_only_feature_turned_on_is_refused_by_name(override, feature):
 
 def test_nemo_rl_mtp_use_repeated_layer_is_a_schema_key():
     """policy.megatron_cfg.mtp_use_repeated_layer is megatron-core's option under NeMo-RL's name: off in the fixture,
-    on with MTP layers it loads; on without any, refused naming the key. Turning policy.draft.num_layers above 1
-    stays refused, the message saying the trainer's head is the missing side."""
+    on with MTP layers it loads; on without any, refused naming the key."""
     assert _load().policy.megatron_cfg.mtp_use_repeated_layer is False
     off = (
         "policy.draft.enabled=false",
@@ -120,8 +118,17 @@ def test_nemo_rl_mtp_use_repeated_layer_is_a_schema_key():
     assert cfg.policy.megatron_cfg.mtp_use_repeated_layer and cfg.policy.megatron_cfg.mtp_num_layers == 2
     with pytest.raises(ConfigError, match="mtp_use_repeated_layer=true needs mtp_num_layers >= 1"):
         _load("policy.megatron_cfg.mtp_use_repeated_layer=true")
-    with pytest.raises(ConfigError, match="trainer-side draft head"):
-        _load("policy.draft.num_layers=2")
+
+
+def test_nemo_rl_draft_num_layers_is_a_schema_key():
+    """policy.draft.num_layers (NeMo-RL's key): null in the fixture (a fresh head has one layer), 2 loads into the
+    schema instead of being refused, below 1 is refused naming the key."""
+    assert _load().policy.draft.num_layers is None
+    assert _load("policy.draft.num_layers=2").policy.draft.num_layers == 2
+    with pytest.raises(
+        ConfigError, match=r"policy\.draft\.num_layers: an EAGLE-3 draft has at least one decoder layer"
+    ):
+        _load("policy.draft.num_layers=0")
 
 
 def test_nemo_rl_kl_in_reward_loads_with_the_estimator_that_reads_it():

@@ -4,8 +4,14 @@ random heads (reduced and full vocabulary), a mask with holes, rows without scor
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fixtures_models
 
 from nemo_rl_spec.speculative.draft_trainer import DraftTrainer
 from nemo_rl_spec.speculative.eagle3 import Eagle3Config, Eagle3DraftHead
@@ -31,7 +37,7 @@ MASK = torch.tensor(
 )
 
 
-def make_head(draft_vocab_size: int | None, seed: int = 0) -> Eagle3DraftHead:
+def make_head(draft_vocab_size: int | None, seed: int = 0, num_layers: int = 1) -> Eagle3DraftHead:
     """A random head with visible weights (std 0.3, norms off 1) and a random embedding."""
     cfg = Eagle3Config(
         vocab_size=V,
@@ -43,18 +49,9 @@ def make_head(draft_vocab_size: int | None, seed: int = 0) -> Eagle3DraftHead:
         aux_layer_ids=(0, 1, 2),
         target_num_hidden_layers=2,
         draft_vocab_size=draft_vocab_size,
+        num_layers=num_layers,
     )
-    head = Eagle3DraftHead(cfg)
-    head.reset_parameters(seed=seed, std=0.3)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-    head.set_target_embeddings(torch.randn(V, H, generator=gen))
-    if draft_vocab_size is not None:
-        head.set_draft_vocab(torch.randperm(V, generator=gen)[:draft_vocab_size].sort().values)
-    return head
+    return fixtures_models.randomize_eagle3_head(Eagle3DraftHead(cfg), seed)
 
 
 def make_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,7 +160,16 @@ def assert_same(new: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], abs_
 @pytest.mark.parametrize("draft_vocab_size", [24, None], ids=["reduced_vocab", "full_vocab"])
 @pytest.mark.parametrize("soft", [True, False], ids=["soft", "hard"])
 def test_scored_loss_and_gradients_equal_the_full_position_formula(draft_vocab_size, soft):
-    head = make_head(draft_vocab_size)
+    check_scored_equals_full(make_head(draft_vocab_size), soft)
+
+
+def test_two_layer_head_scored_loss_and_gradients_equal_the_full_position_formula():
+    """``policy.draft.num_layers`` = 2 (each layer with its own TTT cache; the window's chains need layer 0 at every
+    index below the window's end): the same comparison and bound."""
+    check_scored_equals_full(make_head(24, num_layers=2), soft=True)
+
+
+def check_scored_equals_full(head: Eagle3DraftHead, soft: bool) -> None:
     aux, ids, logits = make_batch()
     weights = [1.0, 0.7, 0.3]
     ref, ref_metrics = reference_loss(head, aux, ids, MASK, logits, weights, soft)
