@@ -190,8 +190,16 @@ class Eagle3Config:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
-            TRAINER_META_KEY: {**asdict(self), "aux_layer_ids": list(self.aux_layer_ids)},
+            TRAINER_META_KEY: self._trainer_meta(),
         }
+
+    def _trainer_meta(self) -> dict:
+        """This config as ``config.json``'s trainer block. ``num_layers`` is written only when > 1, so a one-layer
+        head's file is the one written before the key existed (older readers load it; a missing key reads as 1)."""
+        meta = {**asdict(self), "aux_layer_ids": list(self.aux_layer_ids)}
+        if self.num_layers == 1:
+            del meta["num_layers"]
+        return meta
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> Eagle3Config:

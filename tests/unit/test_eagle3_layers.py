@@ -332,13 +332,13 @@ def test_two_layer_export_names_shapes_and_bit_exact_round_trip(tmp_path):
     assert not any(k.startswith(("midlayer", "layers")) for k in vnames)
 
 
-def test_one_layer_file_without_num_layers_loads_as_one_layer(tmp_path):
-    """A head saved before num_layers existed (no such field in its config block) loads with one layer."""
+def test_one_layer_file_is_written_as_before_and_loads_as_one_layer(tmp_path):
+    """A one-layer head's config.json has no num_layers in its trainer block (the file written before the key
+    existed, which older code loads), and such a file loads with one layer."""
     head = make_head(1)
     path = head.save_pretrained(tmp_path / "old")
     cfg = json.loads((path / "config.json").read_text())
-    del cfg["nemo_rl_spec_eagle3"]["num_layers"]
-    (path / "config.json").write_text(json.dumps(cfg))
+    assert "num_layers" not in cfg["nemo_rl_spec_eagle3"] and cfg["num_hidden_layers"] == 1
     loaded = Eagle3DraftHead.from_pretrained(path, target_embeddings=head.embed_tokens.weight)
     assert loaded.cfg.num_layers == 1 and len(loaded.layers) == 0
 
