@@ -75,8 +75,27 @@ class PlacementPlan:
         """Number of vLLM engines."""
         return len(self.engine_nodes)
 
+    def groups(self, axis: str) -> list[list[int]]:
+        """Megatron process groups along ``axis`` ("tp", "dp" or "pp") from the per-rank coordinates: the ranks that
+        share the other two coordinates, ascending, groups ordered by first rank (as megatron-core's
+        ``RankGenerator.get_ranks`` lists them). Shape: ``world / size`` groups of ``size`` ranks (``size`` = that
+        axis' parallel size).
+
+        Raises:
+            ValueError: unknown ``axis``.
+        """
+        coords = {"tp": self.tp_rank_of, "dp": self.dp_rank_of, "pp": self.pp_rank_of}
+        if axis not in coords:
+            raise ValueError(f"axis must be 'tp', 'dp' or 'pp', got {axis!r}")
+        a, b = (v for k, v in coords.items() if k != axis)
+        by_key: dict[tuple[int, int], list[int]] = {}
+        for r in range(self.policy_world_size):
+            by_key.setdefault((a[r], b[r]), []).append(r)
+        return sorted(by_key.values())
+
     def table(self) -> str:
-        """A readable plan: the bundles, then one line per node listing its workers with their shares."""
+        """A readable plan: the bundles, the Megatron parallel layout (:meth:`_layout_lines`), then one line per node
+        listing its workers with their shares."""
         unit = "GPU" if self.use_gpus else "CPU slot"
         head = [
             f"placement: {'colocated' if self.colocated else 'split'}, {self.num_nodes} node(s) x "
@@ -85,6 +104,7 @@ class PlacementPlan:
             f"PP={self.pp_size}; each {self.policy_num_cpus:g} CPU, {self.policy_num_gpus:g} GPU",
             f"generation: {self.num_engines} vLLM engine(s), TP={self.vllm_tp}; each {self.generation_num_cpus:g} CPU, "
             f"{self.generation_num_gpus:g} GPU",
+            *self._layout_lines(),
         ]
         label = "gpu" if self.use_gpus else "slot"
         for node in range(self.num_nodes):
@@ -113,6 +133,19 @@ class PlacementPlan:
         slots = [self.policy_slots[index]] if role == "policy" else self.engine_slots[index]
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots)), "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
+    def _layout_lines(self) -> list[str]:
+        """One line per pipeline stage (its ranks and nodes) when PP > 1, then the rank groups of each Megatron axis
+        of size > 1 (:meth:`groups`); none for DP = TP = PP = 1."""
+        out = []
+        for stage in range(self.pp_size if self.pp_size > 1 else 0):
+            ranks = [r for r, p in enumerate(self.pp_rank_of) if p == stage]
+            nodes = sorted({self.policy_nodes[r] for r in ranks})
+            out.append(f"  pp stage {stage}: policy ranks {_span(ranks)} on node(s) {_span(nodes)}")
+        for axis, size in (("tp", self.tp_size), ("dp", self.dp_size), ("pp", self.pp_size)):
+            if size > 1:
+                out.append(f"  {axis} groups: " + " ".join(f"[{_span(g)}]" for g in self.groups(axis)))
+        return out
+
     def _slot_workers(self, node: int, slot: int) -> list[str]:
         """Descriptions of the Megatron rank and the engine that hold ``slot`` of ``node``."""
         out = [
@@ -125,6 +158,17 @@ class PlacementPlan:
                 part = f", tp rank {slots.index(slot)} of {self.vllm_tp}" if self.vllm_tp > 1 else ""
                 out.append(f"engine {e}{part}")
         return out
+
+
+def _span(values: list[int]) -> str:
+    """Ascending integers, compactly: ``"4"``, ``"0-3"`` (consecutive), ``"0,8,..,56"`` (more than four, evenly
+    spaced), else ``"0,4,9"``."""
+    steps = {b - a for a, b in zip(values, values[1:])}
+    if len(values) > 1 and steps == {1}:
+        return f"{values[0]}-{values[-1]}"
+    if len(values) > 4 and len(steps) == 1:
+        return f"{values[0]},{values[1]},..,{values[-1]}"
+    return ",".join(map(str, values))
 
 
 def megatron_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
