@@ -244,6 +244,10 @@ def _async_in_flight(cfg: MasterConfig) -> bool:
     return ag is not None and ag.enabled and ag.in_flight_weight_updates
 
 
+def _pipeline(cfg: MasterConfig) -> bool:
+    return cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1
+
+
 def _vllm_tp_with_speculation(cfg: MasterConfig) -> bool:
     gen = cfg.policy.generation
     return gen.vllm_cfg.tensor_parallel_size > 1 and gen.speculative_config is not None
@@ -251,7 +255,7 @@ def _vllm_tp_with_speculation(cfg: MasterConfig) -> bool:
 
 # Supported, no longer refused: Megatron TP > 1, the distributed optimizer, activation checkpointing, split
 # placement (policy.generation.colocated.enabled=false), cluster.num_nodes > 1, vLLM TP > 1 (on CPU: without
-# speculation).
+# speculation), Megatron PP > 1 (without MTP, the online draft and sequence packing).
 # Lift an entry by deleting it (and its test in tests/unit/test_config.py); refuse a new feature by adding one.
 RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
     "in_flight_weight_updates": RuntimeRefusal(
@@ -261,12 +265,31 @@ RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
         platforms=("cpu", "gpu"),
         used=_async_in_flight,
     ),
-    "pipeline_parallel": RuntimeRefusal(
-        key="policy.megatron_cfg.pipeline_model_parallel_size > 1",
-        reason="the Megatron worker does not run megatron-core's pipeline schedules (a forward-backward over "
-        "pipeline stages, stage-owned refit export); PP parity with PP=1 is not shown",
+    "pipeline_parallel_mtp": RuntimeRefusal(
+        key="policy.megatron_cfg.pipeline_model_parallel_size > 1 with policy.megatron_cfg.mtp_num_layers > 0",
+        reason="the MTP/OCC co-training pass runs the trunk, the MTP block on detached trunk tensors and OCC's "
+        "backward calls in one process; under PP the MTP block sits on the last stage and would need those passes "
+        "inside megatron's pipeline schedule",
         platforms=("cpu", "gpu"),
-        used=lambda cfg: cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1,
+        used=lambda cfg: _pipeline(cfg) and cfg.policy.megatron_cfg.mtp_num_layers > 0,
+    ),
+    "pipeline_parallel_online_draft": RuntimeRefusal(
+        key="policy.megatron_cfg.pipeline_model_parallel_size > 1 with policy.draft.online=true",
+        reason="the online EAGLE-3 head captures auxiliary hidden states of layers spread over several pipeline "
+        "stages and trains on the last stage's logits; collecting them across stages is not built",
+        platforms=("cpu", "gpu"),
+        used=lambda cfg: (
+            _pipeline(cfg) and cfg.policy.draft is not None and cfg.policy.draft.enabled and cfg.policy.draft.online
+        ),
+    ),
+    "pipeline_parallel_sequence_packing": RuntimeRefusal(
+        key="policy.megatron_cfg.pipeline_model_parallel_size > 1 with policy.sequence_packing.enabled=true",
+        reason="THD packs carry PackedSeqParams that the pipeline schedule's forward step does not pass between "
+        "stages; use policy.dynamic_batching with PP",
+        platforms=("cpu", "gpu"),
+        used=lambda cfg: (
+            _pipeline(cfg) and cfg.policy.sequence_packing is not None and cfg.policy.sequence_packing.enabled
+        ),
     ),
     "seeded_sampling_position_gpu": RuntimeRefusal(
         key="policy.generation.seeded_sampling=position",

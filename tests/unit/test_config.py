@@ -190,11 +190,21 @@ def test_every_shipped_recipe_runs_on_this_build(path):
 @pytest.mark.parametrize(
     "recipe, overrides, key",
     [
-        (TINY, ["policy.megatron_cfg.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size > 1"),
+        (SPEC, ["policy.megatron_cfg.pipeline_model_parallel_size=2"], "> 1 with policy.draft.online=true"),
+        (
+            CONFIGS / "grpo_math_tiny_mtp.yaml",
+            ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
+            "pipeline_model_parallel_size > 1 with policy.megatron_cfg.mtp_num_layers > 0",
+        ),
         (
             CONFIGS / "grpo_gpu_base.yaml",
-            ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
-            "pipeline_model_parallel_size > 1",
+            [
+                "policy.megatron_cfg.pipeline_model_parallel_size=2",
+                "policy.sequence_packing.enabled=true",
+                "policy.sequence_packing.train_mb_tokens=8704",
+                "policy.sequence_packing.logprob_mb_tokens=8704",
+            ],
+            "pipeline_model_parallel_size > 1 with policy.sequence_packing.enabled=true",
         ),
         (SPEC, ["policy.generation.vllm_cfg.tensor_parallel_size=2"], "tensor_parallel_size > 1 with policy"),
         (
@@ -272,7 +282,7 @@ def test_dry_run_prints_the_plan_of_every_recipe_without_ray(path, capsys, monke
         ),
         (
             ["policy.megatron_cfg.pipeline_model_parallel_size=2"],
-            "policy.megatron_cfg.pipeline_model_parallel_size > 1",
+            "policy.megatron_cfg.tensor_model_parallel_size=1 x pipeline_model_parallel_size=2 = 2 does not divide",
         ),
     ],
 )

@@ -11,7 +11,7 @@ import pytest
 
 from nemo_rl_spec.distributed.placement import PlacementPlan, plan_placement
 from nemo_rl_spec.models.policy.parallel import ParallelLayout
-from nemo_rl_spec.utils.config import RUNTIME_REFUSALS, load_config
+from nemo_rl_spec.utils.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = CONFIGS / "grpo_math_tiny.yaml"
@@ -135,11 +135,6 @@ def test_unit_size_axes_print_no_groups_and_bad_axis_raises():
         p.groups("cp")
 
 
-@pytest.mark.xfail(
-    "pipeline_parallel" in RUNTIME_REFUSALS,
-    reason="this build still refuses policy.megatron_cfg.pipeline_model_parallel_size > 1 before the plan is printed",
-    strict=False,
-)
 def test_dry_run_prints_the_70b_pipeline_plan(capsys, monkeypatch):
     import ray
 

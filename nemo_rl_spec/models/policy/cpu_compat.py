@@ -13,6 +13,8 @@ Call it BEFORE the first ``import megatron.core``; calling it again re-patches m
 5. distributed optimizer (:func:`cuda_tensor_type_names`, a context, not global): ``DistributedOptimizer.__init__``
    sorts parameters by ``param.type()`` against CUDA type names; inside the context a CPU tensor answers the CUDA
    name of its dtype. The worker wraps only the optimizer's construction in it.
+6. tied embeddings under pipeline parallelism: the last stage's copy is all-reduced with the first stage's after a
+   ``.cuda()`` (:func:`_patch_tied_embedding_setup`); on CPU it stays on CPU.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ _MEGATRON_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.optimizer",
     "megatron.core.distributed",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.schedules",
 )
 
 
@@ -241,6 +245,27 @@ def cuda_tensor_type_names():
         torch.Tensor.type = original
 
 
+def _patch_tied_embedding_setup() -> None:
+    """Patch 6: ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied embedding copy to ``.cuda()``
+    before the first/last-stage all-reduce (pipeline parallelism); on CPU it stays put (``Tensor.cuda`` is the
+    identity for the duration of that call only)."""
+    module = importlib.import_module("megatron.core.models.common.language_module.language_module")
+    setup = module.LanguageModule.setup_embeddings_and_output_layer
+    if getattr(setup, "_nemo_rl_spec_cpu", False):
+        return
+
+    def setup_on_cpu(self, *args, **kwargs):
+        original = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            return setup(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = original
+
+    setup_on_cpu._nemo_rl_spec_cpu = True
+    module.LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
+
+
 def apply_cpu_compat() -> bool:
     """Apply all CPU patches (module docstring). Idempotent; returns False (nothing done) on CUDA."""
     if torch.cuda.is_available():
@@ -250,5 +275,6 @@ def apply_cpu_compat() -> bool:
         importlib.import_module(name)
     _patch_rng_tracker()
     _patch_grad_clip()
+    _patch_tied_embedding_setup()
     _patch_megatron_torch_globals()
     return True

@@ -15,6 +15,7 @@ hold the fp32 masters, so a resume is exact (docs/design/precision.md).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -27,9 +28,11 @@ from nemo_rl_spec.distributed.weight_broadcast import WeightBroadcastGroup, node
 from nemo_rl_spec.models.mtp_export import megatron_mtp_to_mimo, with_zero_qkv_bias, write_mimo_checkpoint
 from nemo_rl_spec.models.policy import megatron_model as mm
 from nemo_rl_spec.models.policy.optimizer_state import load_named_adam_state, named_adam_state
+from nemo_rl_spec.models.policy.pipeline import gather_stages, stage_layer_offset, stage_state, to_global_names
 from nemo_rl_spec.utils.dtypes import cast_state
 
 CHECKPOINT_FILE = "megatron_policy_tp{tp_rank}.pt"  # one file per TP rank, written by DP rank 0
+STAGE_CHECKPOINT_FILE = "megatron_policy_tp{tp_rank}_pp{pp_rank}.pt"  # with PP: one per TP rank and stage
 
 
 class WeightExportMixin:
@@ -109,6 +112,7 @@ class WeightExportMixin:
         """Every parameter (MTP block included) under its Megatron name, full size (TP slices gathered: a
         collective), CPU fp32 copies on rank 0, an empty dict on the other ranks. For checks and debugging."""
         state = {k: v.to("cpu", torch.float32).clone() for k, v in mm.full_param_state(self.module).items()}
+        state = gather_stages(self._to_global(state))  # under PP: every stage's layers, global names
         return state if self._is_rank_zero else {}
 
     def draft_version(self) -> int | None:
@@ -184,7 +188,47 @@ class WeightExportMixin:
         return path
 
     def _checkpoint_file(self, path: str) -> str:
-        return os.path.join(path, CHECKPOINT_FILE.format(tp_rank=self.layout.tp_rank))
+        tp, pp = self.layout.tp_rank, self.layout.pp_rank
+        name = CHECKPOINT_FILE if self.layout.pp_size == 1 else STAGE_CHECKPOINT_FILE
+        return os.path.join(path, name.format(tp_rank=tp, pp_rank=pp))
+
+    def _to_global(self, state: dict | None) -> dict | None:
+        """This stage's entries under global names (:func:`~.pipeline.to_global_names`); None passes."""
+        if state is None:
+            return None
+        return to_global_names(state, stage_layer_offset(self.module), self.spec.tie_word_embeddings)
+
+    def _to_stage(self, state: dict | None, names) -> dict | None:
+        """The entries of a global-named ``state`` this stage holds, under its local names; None passes."""
+        if state is None:
+            return None
+        return stage_state(state, names, stage_layer_offset(self.module), self.spec.tie_word_embeddings)
+
+    def _read_stage_files(self, path: str) -> dict:
+        """This TP rank's checkpoint, whatever PP size wrote it: its one file, or the files of every stage with the
+        ``model`` / ``adam`` / ``reference`` entries merged (global names); the rest from the first stage's file.
+
+        Raises:
+            FileNotFoundError: no file for this TP rank (the checkpoint has another TP layout).
+        """
+        tp = self.layout.tp_rank
+        files = [os.path.join(path, CHECKPOINT_FILE.format(tp_rank=tp))]
+        if not os.path.exists(files[0]):
+            files = sorted(
+                glob.glob(os.path.join(path, STAGE_CHECKPOINT_FILE.format(tp_rank=tp, pp_rank="*"))),
+                key=lambda f: int(f.rsplit("_pp", 1)[1].split(".")[0]),
+            )
+        if not files:
+            raise FileNotFoundError(
+                f"{os.path.join(path, CHECKPOINT_FILE.format(tp_rank=tp))} missing: the checkpoint in {path} was not "
+                f"written with policy.megatron_cfg.tensor_model_parallel_size={self.layout.tp_size}"
+            )
+        states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+        merged = dict(states[0])
+        for key in ("model", "adam", "reference"):
+            parts = [s.get(key) for s in states]
+            merged[key] = None if parts[0] is None else {k: v for part in parts for k, v in part.items()}
+        return merged
 
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """Write this TP rank's model slice, the Adam state by parameter name (DP-unsharded:
@@ -200,17 +244,18 @@ class WeightExportMixin:
         mtp_optimizer = self.mtp_optimizer.state_dict() if self.mtp_optimizer is not None and save_optimizer else None
         if self.layout.dp_rank != 0:
             return
-        state = {
-            "model": {k: v.detach().clone() for k, v in mm.megatron_param_state(self.module).items()},
-            "adam": adam,
+        state = {  # model, Adam state and reference under global layer names: they load at any PP size
+            "model": self._to_global({k: v.detach().clone() for k, v in mm.megatron_param_state(self.module).items()}),
+            "adam": self._to_global(adam),
             "optimizer_saved": save_optimizer,
             "mtp_optimizer": mtp_optimizer,
             "step": self.step,
             "scheduler": self.scheduler.state_dict(),
             "weight_version": self.weight_version,
             "draft": None if self.draft is None else self.draft.state_dict(),
-            "reference": self.reference_state,
+            "reference": self._to_global(self.reference_state),
             "tp_size": self.layout.tp_size,
+            "pp_size": self.layout.pp_size,
             "rng": {
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),
@@ -236,20 +281,16 @@ class WeightExportMixin:
             FileNotFoundError: no file for this TP rank (the checkpoint has another TP layout).
             ValueError: the checkpoint was written with another ``policy.megatron_cfg.tensor_model_parallel_size``.
         """
-        file = self._checkpoint_file(path)
-        if not os.path.exists(file):
-            raise FileNotFoundError(
-                f"{file} missing: the checkpoint in {path} was not written with "
-                f"policy.megatron_cfg.tensor_model_parallel_size={self.layout.tp_size}"
-            )
-        state = torch.load(file, map_location="cpu", weights_only=False)
+        state = self._read_stage_files(path)
         if state["tp_size"] != self.layout.tp_size:
             raise ValueError(
                 f"checkpoint {path} has TP={state['tp_size']}; resume with "
                 f"policy.megatron_cfg.tensor_model_parallel_size={state['tp_size']}"
             )
-        mm.load_megatron_state(self.module, state["model"])
-        load_named_adam_state(self.optimizer, self.module, state["adam"])
+        names = mm.megatron_param_state(self.module)
+        mm.load_megatron_state(self.module, self._to_stage(state["model"], names))
+        trained = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        load_named_adam_state(self.optimizer, self.module, self._to_stage(state["adam"], trained))
         if self.mtp_optimizer is not None and state.get("mtp_optimizer") is not None:
             self.mtp_optimizer.load_state_dict(state["mtp_optimizer"])
         self.step, self.weight_version = state["step"], state["weight_version"]
@@ -257,7 +298,7 @@ class WeightExportMixin:
         if self.draft is not None and state.get("draft") is not None:
             self.draft.load_state_dict(state["draft"])
         if self.reference_state is not None and state.get("reference") is not None:
-            self.reference_state = state["reference"]
+            self.reference_state = self._to_stage(state["reference"], self.reference_state)
         rng = state["rng"]
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])

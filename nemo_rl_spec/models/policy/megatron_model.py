@@ -39,6 +39,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noq
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from nemo_rl_spec.models.policy.packed_attention import PackedDotProductAttention  # noqa: E402
+from nemo_rl_spec.models.policy.pipeline import gather_stages, pp_size, stage_layer_offset, stage_state, to_global_names  # noqa: E402
 
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -168,6 +169,11 @@ def transformer_config(
         calculate_per_token_loss=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        # PP: activations travel between stages in the parameters' dtype, each preceded by its shape (micro-batches
+        # keep their own padded lengths: pipeline.py)
+        pipeline_dtype=dtype,
+        variable_seq_lengths=parallel_state.get_pipeline_model_parallel_world_size() > 1,
+        moe_token_dispatcher_type="alltoall",  # dense models: unused, but megatron refuses "allgather" with the above
         mtp_num_layers=mtp_num_layers or None,
         mtp_use_repeated_layer=bool(mtp_use_repeated_layer and mtp_num_layers),
         num_layers=spec.num_layers,
@@ -249,6 +255,8 @@ def build_gpt_model(
         rotary_base=spec.rope_theta,
         rotary_percent=1.0,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     apply_cpu_compat()  # patch megatron modules that the model build imported lazily
     return model.to(dtype)
@@ -284,11 +292,10 @@ def import_hf_weights(model: torch.nn.Module, model_dir: str, spec: ModelSpec) -
     """
     full = hf_to_megatron(load_hf_safetensors(model_dir), spec)
     full.update(mtp_init_from_trunk(megatron_param_state(model), full, spec.num_layers))
+    local = megatron_param_state(model)
+    full = stage_state(full, local, stage_layer_offset(model), spec.tie_word_embeddings)
     rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
-    state = {
-        name: tp_shard(name, full[name], rank, size) if name in full else local
-        for name, local in megatron_param_state(model).items()
-    }
+    state = {name: tp_shard(name, full[name], rank, size) if name in full else t for name, t in local.items()}
     load_megatron_state(model, state)
 
 
@@ -334,8 +341,13 @@ def full_param_state(model: torch.nn.Module, names=None) -> dict[str, torch.Tens
 def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, torch.Tensor]:
     """HF-named CPU copies of the full trunk weights in the parameters' dtype (fp32 or bf16: no
     fp32 round trip), gathered over TP (a collective), always including ``lm_head.weight`` (MTP weights are not part
-    of the HF Llama/Qwen3 layout and are left out). CPU because the refit transport is Ray's object store."""
+    of the HF Llama/Qwen3 layout and are left out). CPU because the refit transport is Ray's object store. With
+    pipeline parallelism the stages' layers are gathered too (:func:`~.pipeline.gather_stages`, every rank gets
+    the whole model)."""
     trunk = full_param_state(model, lambda name: not name.startswith(MTP_PREFIX))
+    if pp_size() > 1:  # every stage's layers under global names, put together on every stage
+        local = to_global_names(trunk, stage_layer_offset(model), spec.tie_word_embeddings)
+        trunk = gather_stages({k: v.to("cpu") for k, v in local.items()})
     hf_state = megatron_to_hf(trunk, spec)
     return {name: t.to("cpu").clone(memory_format=torch.contiguous_format) for name, t in hf_state.items()}
 

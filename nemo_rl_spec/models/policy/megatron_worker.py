@@ -4,8 +4,9 @@ the worker's methods from :mod:`~.megatron_checkpoint`.
 
 A plain class; :class:`~nemo_rl_spec.models.policy.lm_policy.Policy` runs N of them as a
 :class:`~nemo_rl_spec.distributed.worker_group.RayWorkerGroup` (one ``torch.distributed`` world, gloo on CPU), ranks
-in megatron's order (TP fastest, :class:`~.parallel.ParallelLayout`); pipeline parallelism is refused
-(:func:`_check_supported_layout`). ``train`` makes exactly one optimizer step over the rows it is given (the
+in megatron's order (TP fastest, :class:`~.parallel.ParallelLayout`); with pipeline parallelism the steps and
+log-probs run through megatron-core's pipeline schedules (:mod:`~.pipeline`; MTP, the online draft and THD packs are
+refused there: :func:`_check_supported_layout`). ``train`` makes exactly one optimizer step over the rows it is given (the
 controller calls it once per mini-batch of ``policy.train_global_batch_size`` rows) with Megatron's DDP and optimizer
 (:mod:`~.megatron_optim`). Every micro-batch's loss is divided by GLOBAL counts summed over the DP group, so the
 ranks' gradients add up to the global-batch gradient whatever the DP size or micro-batch plan (:mod:`~.dynamic_batching`).
@@ -44,6 +45,7 @@ from nemo_rl_spec.models.policy.parallel import (
     combine_metrics,
     reduce_metrics,
 )
+from nemo_rl_spec.models.policy.pipeline import broadcast_from_last_stage, run_schedule
 from nemo_rl_spec.models.policy.sampling_filter import SamplingFilter
 from nemo_rl_spec.models.policy.sequence_packing import (
     PackedMicroBatch,
@@ -55,7 +57,7 @@ from nemo_rl_spec.models.policy.sequence_packing import (
 )
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, token_logprobs
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
-from nemo_rl_spec.utils.config_schema import MegatronConfig, PolicyConfig
+from nemo_rl_spec.utils.config_schema import PolicyConfig
 from nemo_rl_spec.utils.precision import choose_precision
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -67,18 +69,22 @@ def _draft_loss_mask(data: TrainDatumSpec) -> torch.Tensor:
     return (data["token_mask"] * data["sample_mask"].unsqueeze(1)).bool()
 
 
-def _check_supported_layout(mcfg: MegatronConfig) -> None:
-    """Raise ValueError for pipeline parallelism: the worker runs its own forward (trunk, main head, MTP block on
-    detached copies of trunk tensors, OCC's three backward calls, the online draft's capture hooks) in one process,
-    while PP needs megatron's pipeline schedules (``get_forward_backward_func``) with p2p transfers between stages; the
-    MTP block and the tied embedding would live on other stages than the trunk output they read, and on CPU the
-    schedules also allocate on "cuda" and call ``torch.cuda.synchronize``."""
-    if mcfg.pipeline_model_parallel_size != 1:
+def _check_supported_layout(cfg: PolicyConfig) -> None:
+    """Raise ValueError for the parts that do not run under pipeline parallelism (the recipe check refuses them
+    first: ``RUNTIME_REFUSALS`` in nemo_rl_spec/utils/config.py): the MTP/OCC co-training pass and the online
+    EAGLE-3 head run their own forward passes beside the trunk's, and THD packs are not passed between stages."""
+    if cfg.megatron_cfg.pipeline_model_parallel_size == 1:
+        return
+    parts = {
+        "policy.megatron_cfg.mtp_num_layers > 0": cfg.megatron_cfg.mtp_num_layers > 0,
+        "policy.draft.online=true": cfg.draft is not None and cfg.draft.enabled and cfg.draft.online,
+        "policy.sequence_packing.enabled=true": cfg.sequence_packing is not None and cfg.sequence_packing.enabled,
+    }
+    refused = [key for key, used in parts.items() if used]
+    if refused:
         raise ValueError(
-            f"policy.megatron_cfg.pipeline_model_parallel_size={mcfg.pipeline_model_parallel_size}: pipeline "
-            "parallelism is not supported by this worker (its forward runs the trunk, the MTP block on detached trunk "
-            "tensors, OCC's backward calls and the draft capture hooks in one process; PP would need megatron's "
-            "pipeline schedules with p2p stages). Use tensor_model_parallel_size and data parallelism instead"
+            f"policy.megatron_cfg.pipeline_model_parallel_size={cfg.megatron_cfg.pipeline_model_parallel_size} "
+            f"cannot run with {', '.join(refused)} (see docs/design/megatron_worker.md, pipeline parallelism)"
         )
 
 
@@ -109,7 +115,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         init_reference_model: keep a frozen copy of the initial weights (on CPU) for
             :meth:`get_reference_policy_logprobs` (the KL term, ``loss_fn.reference_policy_kl_penalty > 0``).
     Raises:
-        ValueError: unsupported precision, pipeline parallelism, a TP size the model cannot be split by, or a
+        ValueError: unsupported precision, pipeline parallelism with MTP / the online draft / sequence packing, a TP size the model cannot be split by, or a
             TP x PP that does not divide the number of workers (each names its config key).
     """
 
@@ -127,7 +133,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         self.sampling_filter = SamplingFilter.from_generation(cfg.generation)
         self._seed_everything(seed)
         self.spec = mm.model_spec_from_hf_config(mm.load_hf_config(model_path))
-        _check_supported_layout(mcfg)
+        _check_supported_layout(cfg)
         mm.initialize_distributed(mcfg.tensor_model_parallel_size, mcfg.pipeline_model_parallel_size)
         self.layout = ParallelLayout.from_parallel_state()
         self.device = (
@@ -159,6 +165,7 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         self.optimizer = megatron_optimizer(self.model, mcfg.optimizer, self.dtype)
         apply_cpu_compat()  # patch megatron modules imported lazily by DDP / optimizer construction
         self.scheduler = lr_scheduler(self.optimizer, mcfg)
+        module.config.grad_scale_func = self.optimizer.scale_loss  # the pipeline schedule's backward scales by it
         # the MTP/OCC co-training pass (mtp_cotraining.py), a plug-in the training step calls; None without MTP
         self.mtp = (
             MTPCoTraining(
@@ -306,10 +313,26 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
     def _logprobs(self, data: TrainDatumSpec, temperature: float, sampling_filter) -> torch.Tensor:
         self.model.eval()
         out = torch.zeros(data["input_ids"].shape, dtype=torch.float32)
+        if self.layout.pp_size > 1:
+            return self._pipeline_logprobs(data, temperature, sampling_filter, out)
         for plan_mb, mb in self._micro_batches(data, "logprob"):
             lp, _ = self._token_logprobs(mb, plan_mb, temperature, sampling_filter)
             out[plan_mb.rows, : lp.shape[1]] = lp.cpu()
         return out
+
+    def _pipeline_logprobs(self, data: TrainDatumSpec, temperature: float, sampling_filter, out) -> torch.Tensor:
+        """:meth:`_logprobs` through megatron-core's forward-only pipeline schedule (:mod:`~.pipeline`): the last
+        stage takes the log-probs, every stage returns them."""
+
+        def stage_loss(logits, plan_mb, mb):
+            lp = token_logprobs(
+                logits, mb["input_ids"], mb["input_lengths"], temperature, self.tp_group, sampling_filter
+            )
+            return logits.new_zeros(()), {"rows": plan_mb.rows, "logprobs": lp.cpu()}
+
+        for entry in run_schedule(self.model, list(self._micro_batches(data, "logprob")), stage_loss, True):
+            out[entry["rows"], : entry["logprobs"].shape[1]] = entry["logprobs"]
+        return broadcast_from_last_stage(out)
 
     @contextlib.contextmanager
     def _reference_weights(self):
@@ -371,15 +394,13 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         draft = self.draft if train_draft else None
         if draft is not None:
             draft.begin(self._full_embedding(), _draft_loss_mask(data))
-        losses, per_mb_metrics, mtp_stats = [], [], []
-        for plan_mb, mb in self._micro_batches(data, "train"):
-            if self.mtp_num_layers:
-                loss, metrics, stats = self.mtp.micro_batch(mb, global_toks, global_seqs, global_mtp)
-                mtp_stats.append(stats)
-            else:
-                loss, metrics = self._rl_micro_batch(mb, plan_mb, global_toks, global_seqs, draft)
-            losses.append(float(loss.detach()))
-            per_mb_metrics.append(metrics)
+        if self.layout.pp_size > 1:
+            losses, per_mb_metrics = self._pipeline_micro_batches(data, global_toks, global_seqs)
+            mtp_stats = []
+        else:
+            losses, per_mb_metrics, mtp_stats = self._micro_batch_loop(
+                data, global_toks, global_seqs, global_mtp, draft
+            )
         finalize_model_grads([self.model])  # DP all-reduce (DDP), then TP sums of q/k-norm grads (per-head shards)
         update_ok, grad_norm, _ = self.optimizer.step()
         mtp_metrics = self.mtp.step(mtp_stats) if self.mtp_num_layers else {}
@@ -406,6 +427,41 @@ class MegatronPolicyWorker(WeightExportMixin, PolicyInterface):
         self.scheduler.step(increment=steps)
         if self.mtp is not None:
             self.mtp.set_lr(self._current_lr())
+
+    def _micro_batch_loop(self, data: TrainDatumSpec, global_toks, global_seqs, global_mtp, draft):
+        """Forward and backward of every micro-batch in turn (no pipeline): (losses, metrics, MTP stats) per
+        micro-batch."""
+        losses, per_mb_metrics, mtp_stats = [], [], []
+        for plan_mb, mb in self._micro_batches(data, "train"):
+            if self.mtp_num_layers:
+                loss, metrics, stats = self.mtp.micro_batch(mb, global_toks, global_seqs, global_mtp)
+                mtp_stats.append(stats)
+            else:
+                loss, metrics = self._rl_micro_batch(mb, plan_mb, global_toks, global_seqs, draft)
+            losses.append(float(loss.detach()))
+            per_mb_metrics.append(metrics)
+        return losses, per_mb_metrics, mtp_stats
+
+    def _pipeline_micro_batches(self, data: TrainDatumSpec, global_toks, global_seqs) -> tuple[list, list]:
+        """Forward and backward of the RL loss over every micro-batch through megatron-core's 1F1B pipeline
+        schedule (:mod:`~.pipeline`); (losses, metrics) per micro-batch, computed on the last stage and handed to
+        every stage. Gradients are left for ``finalize_model_grads``."""
+
+        def stage_loss(logits, plan_mb, mb):
+            lp = token_logprobs(
+                logits,
+                mb["input_ids"],
+                mb["input_lengths"],
+                self.train_temperature,
+                self.tp_group,
+                self.sampling_filter,
+            )
+            loss, metrics = self.loss_fn(lp, mb, global_toks, global_seqs)
+            return loss, {"loss": float(loss.detach()), "metrics": metrics}
+
+        outs = run_schedule(self.model, list(self._micro_batches(data, "train")), stage_loss, False)
+        outs = broadcast_from_last_stage(outs)
+        return [o["loss"] for o in outs], [o["metrics"] for o in outs]
 
     def _rl_micro_batch(
         self, mb: TrainDatumSpec, plan_mb: MicroBatch, global_toks, global_seqs, draft: OnlineDraft | None = None
