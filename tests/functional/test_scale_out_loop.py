@@ -6,6 +6,7 @@
   probe below 1e-3, and the first step's rewards and loss equal to the 1 policy worker + 1 engine run of the same
   recipe and seeds (the independent computation: the single-worker path; one sync run serves both, see
   ``single_step``).
+- PP=2 policy (two stages) with 2 engines, sync, 2 steps: step 1 equal to the 1 + 1 run; one checkpoint file per stage.
 - TP=2 policy with 2 engines (in process, through ``setup``): one GRPO step, every engine's probe below 1e-3 and its
   (policy, draft) versions equal to the step; then a refit that skips engine 1 on purpose is detected by name.
 """
@@ -189,3 +190,32 @@ def test_tp2_refit_reaches_every_engine_and_a_skipped_engine_is_named(tmp_path):
         assert [v["policy_version"] for v in s.generation.get_versions()] == [2, 2]
     finally:
         teardown(s)
+
+
+NO_DRAFT = ("policy.draft.enabled=false", "policy.generation.vllm_kwargs.speculative_config=null")
+
+
+def test_sync_pp2_two_engines_equals_one_plus_one(tmp_path):
+    """Pipeline parallelism end to end: the DP2 recipe with a PP=2 policy (two Megatron stages, DP=1) and 2 colocated
+    engines, without speculation (the online draft is refused under PP), 2 steps; the refit exports both stages'
+    layers (every engine's probe below 1e-3), and step 1 equals the 1 policy worker + 1 engine run of the same recipe:
+    the same sampled tokens and rewards, loss and grad norm within fp32 rounding (the scripted reward gives real
+    advantages). The checkpoint holds one file per stage."""
+    common = ("grpo.max_num_steps=2", "checkpointing.enabled=true", *NO_DRAFT)
+    single, _ = run_grpo(DP2, tmp_path / "single", *common, "cluster.workers_per_node=1")
+    scaled, console = run_grpo(DP2, tmp_path / "pp2", *common, "policy.megatron_cfg.pipeline_model_parallel_size=2")
+    assert [r["step"] for r in scaled] == [1, 2]
+    for m in scaled:
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+        assert m["refit/weight_version"] == m["step"]
+        assert max(m[f"refit/logprob_mismatch_engine_{e}"] for e in range(2)) < 1e-3, m
+        assert m["train/grad_norm"] > 1e-6 and m["rollout_alloc/mean_group_reward_var"] > 0, m
+    for key in ("train/reward", "train/mean_response_length"):
+        assert scaled[0][key] == single[0][key], key
+    for key in ("train/loss", "train/grad_norm"):
+        assert scaled[0][key] == pytest.approx(single[0][key], rel=1e-5, abs=1e-7), key
+    assert console.count("[placement] policy rank") == 2 and console.count("[placement] generation engine") == 2
+    assert sorted(os.listdir(tmp_path / "pp2" / "ckpt" / "step_2" / "policy"))[:2] == [
+        "megatron_policy_tp0_pp0.pt",
+        "megatron_policy_tp0_pp1.pt",
+    ]
