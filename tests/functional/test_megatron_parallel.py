@@ -431,8 +431,8 @@ def test_activation_checkpointing_equals_no_checkpointing(model_dir, mode, recom
 
 def test_refusals_name_their_keys(model_dir, cluster):
     cfg = fm.base_recipe_section("policy")
-    cfg["megatron_cfg"]["pipeline_model_parallel_size"] = 2
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=2: pipeline parallelism is not supported"):
+    cfg["megatron_cfg"].update(pipeline_model_parallel_size=2, mtp_num_layers=1)
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size=2 cannot run with policy.megatron_cfg.mtp_num"):
         _reference(model_dir, PolicyConfig.model_validate(cfg))
     with pytest.raises(ValueError, match="3 policy workers is not a multiple of policy.megatron_cfg"):
         _policy(cluster, model_dir, 3, _cfg(tp=2))
