@@ -26,7 +26,13 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel, ValidationError
 
-from nemo_rl_spec.utils.config_schema import MasterConfig
+from nemo_rl_spec.utils.config_schema import (
+    PP_MTP,
+    PP_ONLINE_DRAFT,
+    PP_PACKING,
+    MasterConfig,
+    pipeline_incompatible_keys,
+)
 from nemo_rl_spec.utils.feature_configs import VLLM_SPECULATIVE_KEYS, SpeculativeConfig
 from nemo_rl_spec.utils.nemo_rl_compat import SWITCH, adapt_nemo_rl_recipe, drop_null_defaults, known_nemo_rl_keys
 from nemo_rl_spec.utils.trackers import missing_clients
@@ -244,8 +250,9 @@ def _async_in_flight(cfg: MasterConfig) -> bool:
     return ag is not None and ag.enabled and ag.in_flight_weight_updates
 
 
-def _pipeline(cfg: MasterConfig) -> bool:
-    return cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1
+def _pipeline_with(cfg: MasterConfig, key: str) -> bool:
+    """PP > 1 and ``key`` (one of :func:`pipeline_incompatible_keys`) set."""
+    return cfg.policy.megatron_cfg.pipeline_model_parallel_size > 1 and key in pipeline_incompatible_keys(cfg.policy)
 
 
 def _vllm_tp_with_speculation(cfg: MasterConfig) -> bool:
@@ -271,25 +278,21 @@ RUNTIME_REFUSALS: dict[str, RuntimeRefusal] = {
         "backward calls in one process; under PP the MTP block sits on the last stage and would need those passes "
         "inside megatron's pipeline schedule",
         platforms=("cpu", "gpu"),
-        used=lambda cfg: _pipeline(cfg) and cfg.policy.megatron_cfg.mtp_num_layers > 0,
+        used=lambda cfg: _pipeline_with(cfg, PP_MTP),
     ),
     "pipeline_parallel_online_draft": RuntimeRefusal(
         key="policy.megatron_cfg.pipeline_model_parallel_size > 1 with policy.draft.online=true",
         reason="the online EAGLE-3 head captures auxiliary hidden states of layers spread over several pipeline "
         "stages and trains on the last stage's logits; collecting them across stages is not built",
         platforms=("cpu", "gpu"),
-        used=lambda cfg: (
-            _pipeline(cfg) and cfg.policy.draft is not None and cfg.policy.draft.enabled and cfg.policy.draft.online
-        ),
+        used=lambda cfg: _pipeline_with(cfg, PP_ONLINE_DRAFT),
     ),
     "pipeline_parallel_sequence_packing": RuntimeRefusal(
         key="policy.megatron_cfg.pipeline_model_parallel_size > 1 with policy.sequence_packing.enabled=true",
         reason="THD packs carry PackedSeqParams that the pipeline schedule's forward step does not pass between "
         "stages; use policy.dynamic_batching with PP",
         platforms=("cpu", "gpu"),
-        used=lambda cfg: (
-            _pipeline(cfg) and cfg.policy.sequence_packing is not None and cfg.policy.sequence_packing.enabled
-        ),
+        used=lambda cfg: _pipeline_with(cfg, PP_PACKING),
     ),
     "seeded_sampling_position_gpu": RuntimeRefusal(
         key="policy.generation.seeded_sampling=position",

@@ -1015,6 +1015,25 @@ class PolicyConfig(_Strict):
         return self
 
 
+PP_MTP, PP_ONLINE_DRAFT, PP_PACKING = (
+    "policy.megatron_cfg.mtp_num_layers > 0",
+    "policy.draft.online=true",
+    "policy.sequence_packing.enabled=true",
+)
+
+
+def pipeline_incompatible_keys(policy: PolicyConfig) -> list[str]:
+    """The keys ``policy`` sets that do not run with ``megatron_cfg.pipeline_model_parallel_size > 1`` (whatever
+    its PP size): MTP layers, the online EAGLE-3 head, THD sequence packing (:data:`PP_MTP`, :data:`PP_ONLINE_DRAFT`,
+    :data:`PP_PACKING`). The recipe check (``RUNTIME_REFUSALS``) and the Megatron worker both refuse them under PP."""
+    used = {
+        PP_MTP: policy.megatron_cfg.mtp_num_layers > 0,
+        PP_ONLINE_DRAFT: policy.draft is not None and policy.draft.enabled and policy.draft.online,
+        PP_PACKING: policy.sequence_packing is not None and policy.sequence_packing.enabled,
+    }
+    return [key for key, on in used.items() if on]
+
+
 class TrainDataConfig(_Strict):
     source: Literal["reasoning_gym", "dapo_math_17k"]
     path: Optional[str]

@@ -57,7 +57,7 @@ from nemo_rl_spec.models.policy.sequence_packing import (
 )
 from nemo_rl_spec.models.policy.vocab_parallel import gather_vocab, token_logprobs
 from nemo_rl_spec.speculative.online import OnlineDraft, build_draft_head
-from nemo_rl_spec.utils.config_schema import PolicyConfig
+from nemo_rl_spec.utils.config_schema import PolicyConfig, pipeline_incompatible_keys
 from nemo_rl_spec.utils.precision import choose_precision
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -73,15 +73,8 @@ def _check_supported_layout(cfg: PolicyConfig) -> None:
     """Raise ValueError for the parts that do not run under pipeline parallelism (the recipe check refuses them
     first: ``RUNTIME_REFUSALS`` in nemo_rl_spec/utils/config.py): the MTP/OCC co-training pass and the online
     EAGLE-3 head run their own forward passes beside the trunk's, and THD packs are not passed between stages."""
-    if cfg.megatron_cfg.pipeline_model_parallel_size == 1:
-        return
-    parts = {
-        "policy.megatron_cfg.mtp_num_layers > 0": cfg.megatron_cfg.mtp_num_layers > 0,
-        "policy.draft.online=true": cfg.draft is not None and cfg.draft.enabled and cfg.draft.online,
-        "policy.sequence_packing.enabled=true": cfg.sequence_packing is not None and cfg.sequence_packing.enabled,
-    }
-    refused = [key for key, used in parts.items() if used]
-    if refused:
+    refused = pipeline_incompatible_keys(cfg)
+    if cfg.megatron_cfg.pipeline_model_parallel_size > 1 and refused:
         raise ValueError(
             f"policy.megatron_cfg.pipeline_model_parallel_size={cfg.megatron_cfg.pipeline_model_parallel_size} "
             f"cannot run with {', '.join(refused)} (see docs/design/megatron_worker.md, pipeline parallelism)"
